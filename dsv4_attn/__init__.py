@@ -1,0 +1,35 @@
+"""dsv4_attn: DeepSeek-V4 sparse MLA attention (SWA + compressed scopes + sink) on every vendor.
+
+Public face: :class:`SparseMLA` (plan once per step, forward per layer, explain), the data
+model (:class:`ModelSpec`, :class:`StepBatch`, :class:`LayerKind`, :class:`KVFormat`), the
+platform :func:`probe`, and the :func:`backend` override context manager.
+"""
+
+from .api import SparseMLA, backend_names
+from .common.backend import Backend, BackendUnavailableError, LayerInputs, Phase, backend, register_backend
+from .common.batch import StepBatch
+from .common.layout import Fp8Dialect, KVFormat
+from .common.plan import StepPlan
+from .common.platform import Platform, probe
+from .common.spec import LayerKind, ModelSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "Fp8Dialect",
+    "KVFormat",
+    "LayerInputs",
+    "LayerKind",
+    "ModelSpec",
+    "Phase",
+    "Platform",
+    "SparseMLA",
+    "StepBatch",
+    "StepPlan",
+    "backend",
+    "backend_names",
+    "probe",
+    "register_backend",
+]

@@ -1,0 +1,270 @@
+"""SparseMLA: plan once per step, run every layer on the best backend the probe found.
+
+    mla = SparseMLA(ModelSpec(num_heads=64, c4a_topk=512), "fp8_ds_mla", device="cuda")
+    plan = mla.plan(batch)                               # once per engine step
+    out = mla.forward(plan, LayerKind.C4A, q, swa_cache, comp_cache, c4a_topk=topk, sink=sink)
+    print(mla.explain())                                 # which backend runs what, and why
+
+Backend choice: ``backend=`` argument > ``with dsv4_attn.backend(name):`` > the
+``DSV4_ATTN_BACKEND`` environment variable > the platform's priority list. A forced backend
+that cannot serve a layer kind raises with its reasons; nothing falls back silently. Decode
+and prefill tokens may run on different backends (e.g. AITER decode, Triton prefill); the
+front end then splits the token range.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .common import backend as backend_mod
+from .common.backend import Backend, LayerInputs, Phase
+from .common.batch import StepBatch
+from .common.layout import Fp8Dialect, KVFormat, check_cache
+from .common.plan import PlanBuffers, StepPlan, build_plan
+from .common.platform import Platform, platform_for_device
+from .common.spec import HEAD_DIM, MAX_HEADS, LayerKind, ModelSpec
+
+
+class SparseMLA:
+    """DSv4 two-scope sparse attention with sinks for one model (per TP rank).
+
+    spec        ModelSpec (heads on this rank, C4A top-k, max_model_len, window, scale)
+    fmt         KVFormat (or "fp8_ds_mla" / "bfloat16" / "fp8_e4m3") of the SWA and compressed caches
+    backend     "auto" or a registered backend name (see ``dsv4_attn.backend_names()``)
+    device      where plan buffers live (default: the first batch's device)
+    max_tokens  most tokens in one step (plan buffers are sized for it)
+    swa_dialect / comp_dialect   FP8 dialect of each cache ("ocp", or "fnuz" for gfx942's SWA cache)
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        fmt: KVFormat | str,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        max_tokens: int = 8192,
+        max_reqs: int = 1024,
+        swa_dialect: Fp8Dialect | str = Fp8Dialect.OCP,
+        comp_dialect: Fp8Dialect | str = Fp8Dialect.OCP,
+    ) -> None:
+        if not isinstance(spec, ModelSpec):
+            raise ValueError(f"spec: got {type(spec).__name__}; allowed: a ModelSpec")
+        for name, value in (("max_tokens", max_tokens), ("max_reqs", max_reqs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: got {value!r}; allowed: a positive int")
+        if not isinstance(backend, str):
+            raise ValueError(f"backend: got {backend!r}; allowed: 'auto' or one of {backend_mod.backend_names()}")
+        if backend != "auto" and backend not in backend_mod.backend_names():
+            raise ValueError(f"backend: got {backend!r}; allowed: 'auto' or one of {backend_mod.backend_names()}")
+        self.spec = spec
+        self.fmt = KVFormat.parse(fmt)
+        self.swa_dialect = Fp8Dialect.parse(swa_dialect)
+        self.comp_dialect = Fp8Dialect.parse(comp_dialect)
+        self.max_tokens = max_tokens
+        self.max_reqs = max_reqs
+        self._explicit = backend
+        self._device = torch.device(device) if device is not None else None
+        self._buffers: PlanBuffers | None = None
+        self._generation = 0
+        self._selected: dict[tuple, str] = {}
+        # Refuse at construction (engine start) when the requested backend cannot run anything.
+        for kind in LayerKind:
+            for phase in Phase:
+                self.backend_for(kind, phase)
+
+    # ---- backend choice -------------------------------------------------------------------
+    @property
+    def platform(self) -> Platform:
+        return platform_for_device(self._device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def backend_for(self, kind: LayerKind | str | int, phase: Phase | str) -> str:
+        """Name of the backend that runs ``kind`` / ``phase`` now (raises with reasons if none)."""
+        kind, phase = LayerKind.parse(kind), Phase(phase)
+        requested, source = backend_mod.requested_backend(self._explicit)
+        key = (requested, kind, phase)
+        if key not in self._selected:
+            self._selected[key] = backend_mod.select(self.platform, self.spec, self.fmt, kind, phase,
+                                                     requested, source)
+        return self._selected[key]
+
+    def explain(self) -> str:
+        """Table: per backend, kind and phase: chosen / ok / refused, with the reasons."""
+        plat = self.platform
+        requested, source = backend_mod.requested_backend(self._explicit)
+        lines = [
+            f"dsv4_attn on {plat.vendor}/{plat.arch} ({plat.device_name}), format {self.fmt.value}, "
+            f"{self.spec.num_heads} heads, requested backend: {requested} ({source})",
+            f"{'backend':<18} {'kind':<6} {'phase':<8} {'status':<8} reasons",
+        ]
+        for name in backend_mod.backend_names():
+            cells = []
+            for kind in LayerKind:
+                for phase in Phase:
+                    reasons = backend_mod.reasons_for(name, plat, self.spec, self.fmt, kind, phase)
+                    try:
+                        chosen = self.backend_for(kind, phase) == name
+                    except backend_mod.BackendUnavailableError:
+                        chosen = False
+                    status = "chosen" if chosen else ("ok" if not reasons else "refused")
+                    cells.append((kind.name, phase.value, status, "; ".join(reasons)))
+            if len({c[2:] for c in cells}) == 1:  # same verdict everywhere: one line
+                cells = [("all", "all") + cells[0][2:]]
+            lines.extend(f"{name:<18} {k:<6} {p:<8} {st:<8} {why}" for k, p, st, why in cells)
+        return "\n".join(lines)
+
+    # ---- per step ---------------------------------------------------------------------------
+    def plan(self, batch: StepBatch, validate: bool = False) -> StepPlan:
+        """Build the step's shared metadata into the preallocated buffers (no host sync).
+
+        ``validate=True`` also runs the value checks that read device tensors (StepBatch.validate).
+        The returned plan is valid until the next ``plan()`` call.
+        """
+        if not isinstance(batch, StepBatch):
+            raise ValueError(f"batch: got {type(batch).__name__}; allowed: a StepBatch")
+        if batch.num_reqs > self.max_reqs:
+            raise ValueError(f"batch: got {batch.num_reqs} requests; allowed: <= max_reqs ({self.max_reqs})")
+        if validate:
+            batch.validate()
+        if self._buffers is None:
+            self._device = self._device or batch.device
+            self._buffers = PlanBuffers.allocate(self.spec, self.max_tokens, self._device)
+        self._generation += 1
+        return build_plan(self.spec, batch, self._buffers, self, self._generation)
+
+    def forward(
+        self,
+        plan: StepPlan,
+        kind: LayerKind | str | int,
+        q: torch.Tensor,
+        swa_cache: torch.Tensor,
+        comp_cache: torch.Tensor | None = None,
+        c4a_topk: torch.Tensor | None = None,
+        sink: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        kv_scale: float = 1.0,
+        validate: bool = False,
+    ) -> torch.Tensor:
+        """One layer's attention.
+
+        q          bf16 [T, H, 512], T = plan.num_tokens, num_heads <= H <= 128 (extra heads are
+                   padding: give them sink -inf; their output rows are written but meaningless)
+        swa_cache  this layer's SWA cache; comp_cache this layer's compressed cache (C4A/C128A)
+        c4a_topk   int32 [T, K] local top-k of the indexer (C4A layers only)
+        sink       float32 [H] (None = no sink)
+        out        bf16 [T, H, 512] contiguous, written in place (allocated when None)
+        validate   also check slot ranges against the caches (reads device tensors: a sync)
+        Returns out.
+        """
+        kind = LayerKind.parse(kind)
+        layer = LayerInputs(kind, q, swa_cache, comp_cache, c4a_topk, sink, self.fmt, self.spec.scale,
+                            kv_scale, self.swa_dialect, self.comp_dialect)
+        self._check(plan, layer, out, validate)
+        if out is None:
+            out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        T, nd = plan.num_tokens, plan.num_decode_tokens
+        phases = [(p, a, b) for p, a, b in ((Phase.DECODE, 0, nd), (Phase.PREFILL, nd, T)) if b > a]
+        names = {p: self.backend_for(kind, p) for p, _, _ in phases}
+        backends = {p: backend_mod.get_backend(n) for p, n in names.items()}
+        if len(set(names.values())) == 1 and not backends[phases[0][0]].splits_phases:
+            backends[phases[0][0]].forward(plan, layer, out)
+            return out
+        for phase, a, b in phases:
+            backends[phase].forward(plan.phase_plan(phase), layer.token_slice(a, b), out[a:b])
+        return out
+
+    # ---- validation ---------------------------------------------------------------------------
+    def _check(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None, validate: bool) -> None:
+        if not isinstance(plan, StepPlan) or plan.owner is not self:
+            raise ValueError("plan: got a plan not built by this SparseMLA; allowed: the result of this object's plan()")
+        if plan.generation != self._generation:
+            raise ValueError(
+                f"plan: got the plan of step {plan.generation}, but plan() has since been called for step "
+                f"{self._generation} and its buffers were overwritten; allowed: the latest plan"
+            )
+        T, q = plan.num_tokens, layer.q
+        if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[0] != T \
+                or q.shape[2] != HEAD_DIM or not (self.spec.num_heads <= q.shape[1] <= MAX_HEADS):
+            got = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(
+                f"q: got {got}; allowed: torch.bfloat16 [T={T}, H, {HEAD_DIM}] with "
+                f"{self.spec.num_heads} <= H <= {MAX_HEADS} (T = plan.num_tokens)"
+            )
+        if q.stride(2) != 1:
+            raise ValueError(f"q: got strides {tuple(q.stride())}; allowed: last dim contiguous")
+        if q.device != plan.device:
+            raise ValueError(f"q: got device {q.device}; allowed: {plan.device} (the plan's device)")
+        H = q.shape[1]
+        swa_geo = check_cache(layer.swa_cache, self.fmt, "swa_cache", self.swa_dialect)
+        self._check_device("swa_cache", layer.swa_cache, q.device)
+        comp_geo = None
+        if layer.kind.has_comp_scope:
+            if layer.comp_cache is None:
+                raise ValueError(f"comp_cache: got None; allowed: the ratio-{layer.kind.ratio} cache for "
+                                 f"{layer.kind.name} layers")
+            comp_geo = check_cache(layer.comp_cache, self.fmt, "comp_cache", self.comp_dialect)
+            self._check_device("comp_cache", layer.comp_cache, q.device)
+            want_bs = plan.batch.comp_block_size(layer.kind)
+            if comp_geo.block_size != want_bs:
+                raise ValueError(
+                    f"comp_cache: got block size {comp_geo.block_size}; allowed: batch.block_size // "
+                    f"{layer.kind.ratio} = {want_bs}"
+                )
+        elif layer.comp_cache is not None:
+            raise ValueError("comp_cache: got a tensor for an SWA layer; allowed: None")
+        if swa_geo.block_size != plan.batch.swa_block_size:
+            raise ValueError(f"swa_cache: got block size {swa_geo.block_size}; allowed: "
+                             f"batch.swa_block_size = {plan.batch.swa_block_size}")
+        if layer.kind is LayerKind.C4A:
+            if layer.c4a_topk is None:
+                raise ValueError("c4a_topk: got None; allowed: int32 [T, K] local top-k for C4A layers")
+            from .common.indices import check_local_topk
+
+            check_local_topk(layer.c4a_topk, T, q.device)
+        elif layer.c4a_topk is not None:
+            raise ValueError(f"c4a_topk: got a tensor for a {layer.kind.name} layer; allowed: None")
+        if layer.sink is not None:
+            s = layer.sink
+            if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.shape != (H,) \
+                    or s.device != q.device:
+                got = f"{s.dtype} {tuple(s.shape)} on {s.device}" if isinstance(s, torch.Tensor) else type(s).__name__
+                raise ValueError(f"sink: got {got}; allowed: torch.float32 [{H}] on {q.device}")
+        if not (isinstance(layer.kv_scale, (int, float)) and not isinstance(layer.kv_scale, bool)
+                and math.isfinite(layer.kv_scale) and layer.kv_scale > 0):
+            raise ValueError(f"kv_scale: got {layer.kv_scale!r}; allowed: a finite float > 0")
+        if self.fmt is not KVFormat.FP8_TENSOR and layer.kv_scale != 1.0:
+            raise ValueError(f"kv_scale: got {layer.kv_scale}; allowed: 1.0 for format {self.fmt.value}")
+        if out is not None:
+            if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.shape != q.shape \
+                    or not out.is_contiguous() or out.device != q.device:
+                got = (f"{out.dtype} {tuple(out.shape)} contiguous={out.is_contiguous()} on {out.device}"
+                       if isinstance(out, torch.Tensor) else type(out).__name__)
+                raise ValueError(f"out: got {got}; allowed: contiguous torch.bfloat16 {tuple(q.shape)} on {q.device}")
+        if validate:
+            self._check_slots(plan, layer, swa_geo.num_slots, None if comp_geo is None else comp_geo.num_slots)
+
+    @staticmethod
+    def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+        if t.device != device:
+            raise ValueError(f"{name}: got device {t.device}; allowed: {device} (q's device)")
+
+    @staticmethod
+    def _check_slots(plan: StepPlan, layer: LayerInputs, swa_slots: int, comp_slots: int | None) -> None:
+        checks = [("swa_cache", plan.swa_rows, swa_slots)]
+        if comp_slots is not None:
+            rows, _ = plan.comp_scope(layer.kind, layer.c4a_topk)
+            checks.append(("comp_cache", rows, comp_slots))
+        for name, rows, num_slots in checks:
+            if rows.numel() and int(rows.max()) >= num_slots:
+                raise ValueError(
+                    f"{name}: too small for this step: a row holds slot {int(rows.max())}; allowed: slots < "
+                    f"num_blocks * block_size = {num_slots} (block table and cache disagree)"
+                )
+
+
+def backend_names() -> list[str]:
+    return backend_mod.backend_names()
+
+
+__all__ = ["SparseMLA", "Backend", "LayerInputs", "Phase", "backend_names"]

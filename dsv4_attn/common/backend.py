@@ -1,0 +1,256 @@
+"""Backend protocol, registry and selection with reasons (xformers ``dispatch.py`` style).
+
+A backend is a thin adapter: it declares what it cannot serve (``unsupported_reasons``; an
+empty list means supported), optionally prepares per-step metadata (cached in the plan per
+layer kind), and runs ``forward(plan, layer, out)``. The registry maps names to import paths,
+so vendor modules are imported only when that backend is asked about; an import failure is a
+reason, not a crash. Selection walks a per-platform priority list; when nothing fits it
+raises one error listing every backend with all its reasons.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+import importlib
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .layout import Fp8Dialect, KVFormat
+from .platform import Platform
+from .spec import LayerKind, ModelSpec
+
+if TYPE_CHECKING:
+    from .plan import StepPlan
+
+
+class Phase(str, enum.Enum):
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+
+@dataclass
+class LayerInputs:
+    """One layer's inputs to ``Backend.forward``.
+
+    kind          layer kind (SWA / C4A / C128A)
+    q             bf16 [T, H, 512], RMS-normed and roped; H = heads as the caller holds them
+                  (padded heads allowed: their sink must be -inf and their output is ignored)
+    swa_cache     this layer's SWA cache (format ``fmt``)
+    comp_cache    this layer's compressed cache (ratio = kind.ratio) or None for SWA layers
+    c4a_topk      int32 [T, K] LOCAL compressed positions from the indexer (C4A only)
+    sink          float32 [H] sink logits (natural-log units), or None for no sink
+    fmt           cache format of both caches
+    softmax_scale scale applied to q·k
+    kv_scale      per-tensor scale of FP8_TENSOR caches (1.0 otherwise)
+    swa_dialect / comp_dialect   fp8 dialect of each cache (FNUZ SWA on gfx942)
+    """
+
+    kind: LayerKind
+    q: torch.Tensor
+    swa_cache: torch.Tensor
+    comp_cache: torch.Tensor | None
+    c4a_topk: torch.Tensor | None
+    sink: torch.Tensor | None
+    fmt: KVFormat
+    softmax_scale: float
+    kv_scale: float = 1.0
+    swa_dialect: Fp8Dialect = Fp8Dialect.OCP
+    comp_dialect: Fp8Dialect = Fp8Dialect.OCP
+
+    def token_slice(self, start: int, stop: int) -> "LayerInputs":
+        """The same layer restricted to tokens [start, stop)."""
+        topk = None if self.c4a_topk is None else self.c4a_topk[start:stop]
+        return LayerInputs(self.kind, self.q[start:stop], self.swa_cache, self.comp_cache, topk, self.sink,
+                           self.fmt, self.softmax_scale, self.kv_scale, self.swa_dialect, self.comp_dialect)
+
+
+class Backend:
+    """Base class of all backends.
+
+    name                   registry name
+    splits_phases          True: the front end calls forward separately for the decode and
+                           prefill token ranges (the plan passed is then a phase sub-plan)
+    phases                 the phases it implements at all (AITER: decode only). Forcing a
+                           backend forces it for these; other phases are auto-selected, and
+                           ``SparseMLA.explain()`` shows it.
+    """
+
+    name: str = "?"
+    splits_phases: bool = False
+    phases: tuple[Phase, ...] = (Phase.DECODE, Phase.PREFILL)
+
+    def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
+                            phase: Phase) -> list[str]:
+        """Every reason this backend cannot serve the combination; [] = supported."""
+        raise NotImplementedError
+
+    def prepare(self, plan: "StepPlan", kind: LayerKind) -> Any:
+        """Per-step, per-kind metadata shared by all layers of that kind (None = nothing)."""
+        return None
+
+    def forward(self, plan: "StepPlan", layer: LayerInputs, out: torch.Tensor) -> None:
+        """Write attention for all ``plan.num_tokens`` tokens into ``out`` [T, H, 512] bf16."""
+        raise NotImplementedError
+
+    def prepared(self, plan: "StepPlan", kind: LayerKind) -> Any:
+        """``prepare(plan, kind)`` once per plan, cached in the plan."""
+        return plan.cached((self.name, "prepare", LayerKind.parse(kind)), lambda: self.prepare(plan, kind))
+
+
+class BackendUnavailableError(RuntimeError):
+    """No backend (or not the forced one) can serve a layer kind / phase; lists every reason."""
+
+
+# name -> "module:Class" (or a Backend instance registered at run time, e.g. by tests)
+_REGISTRY: dict[str, str | Backend] = {
+    "torch": "dsv4_attn.portable.torch_backend:TorchBackend",
+    "triton": "dsv4_attn.portable.triton_backend:TritonBackend",
+    "flashmla": "dsv4_attn.cuda.flashmla:FlashMLABackend",
+    "flashinfer-trtllm": "dsv4_attn.cuda.flashinfer:FlashInferTRTLLMBackend",
+    "aiter": "dsv4_attn.rocm.aiter:AiterBackend",
+}
+
+# Auto-selection order per vendor. The torch backend is the CPU default; on GPUs it is slow
+# (~30x FlashMLA) and is never picked silently: force it with backend="torch".
+PRIORITY: dict[str, list[str]] = {
+    "cuda": ["flashmla", "flashinfer-trtllm", "triton"],
+    "rocm": ["aiter", "triton"],
+    "cpu": ["torch"],
+}
+
+_instances: dict[str, Backend] = {}
+_import_errors: dict[str, str] = {}
+
+
+def register_backend(name: str, backend: str | Backend, priority: dict[str, int] | None = None) -> None:
+    """Register ``backend`` (an instance or a "module:Class" path) under ``name``.
+
+    ``priority`` optionally inserts it into vendor priority lists, e.g. ``{"cpu": 0}``.
+    """
+    _REGISTRY[name] = backend
+    _instances.pop(name, None)
+    _import_errors.pop(name, None)
+    for vendor, index in (priority or {}).items():
+        order = PRIORITY.setdefault(vendor, [])
+        if name in order:
+            order.remove(name)
+        order.insert(index, name)
+
+
+def unregister_backend(name: str) -> None:
+    _REGISTRY.pop(name, None)
+    _instances.pop(name, None)
+    _import_errors.pop(name, None)
+    for order in PRIORITY.values():
+        if name in order:
+            order.remove(name)
+
+
+def backend_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_backend(name: str) -> Backend | None:
+    """The backend instance, or None when its module cannot be imported (see import_error)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"backend: got {name!r}; allowed: {sorted(_REGISTRY)} or 'auto'")
+    if name in _instances:
+        return _instances[name]
+    if name in _import_errors:
+        return None
+    target = _REGISTRY[name]
+    if isinstance(target, Backend):
+        _instances[name] = target
+        return target
+    module_name, _, cls_name = target.partition(":")
+    try:
+        backend = getattr(importlib.import_module(module_name), cls_name)()
+    except Exception as exc:  # a broken or missing module is a refusal reason
+        _import_errors[name] = f"cannot import {target}: {type(exc).__name__}: {exc}"
+        return None
+    _instances[name] = backend
+    return backend
+
+
+def reasons_for(name: str, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
+                phase: Phase) -> list[str]:
+    backend = get_backend(name)
+    if backend is None:
+        return [_import_errors[name]]
+    try:
+        return list(backend.unsupported_reasons(platform, spec, fmt, kind, phase))
+    except Exception as exc:
+        return [f"unsupported_reasons raised {type(exc).__name__}: {exc}"]
+
+
+# ---- forcing a backend: argument > `with backend(...)` > DSV4_ATTN_BACKEND > auto --------------
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsv4_attn_backend", default=None)
+ENV_BACKEND = "DSV4_ATTN_BACKEND"
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """``with dsv4_attn.backend("triton"): ...`` forces a backend for SparseMLA objects created
+    with backend="auto"; a forced backend that cannot run raises (never a silent fallback)."""
+    if name != "auto" and name not in _REGISTRY:
+        raise ValueError(f"backend: got {name!r}; allowed: {sorted(_REGISTRY)} or 'auto'")
+    token = _forced.set(name)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def requested_backend(explicit: str = "auto") -> tuple[str, str]:
+    """(name or 'auto', where it came from)."""
+    if explicit != "auto":
+        return explicit, "argument"
+    ctx = _forced.get()
+    if ctx is not None and ctx != "auto":
+        return ctx, "dsv4_attn.backend() context"
+    env = os.environ.get(ENV_BACKEND, "").strip()
+    if env and env != "auto":
+        return env, f"{ENV_BACKEND} environment variable"
+    return "auto", "auto"
+
+
+def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
+           requested: str = "auto", source: str = "auto") -> str:
+    """Name of the backend to run ``kind`` / ``phase``; raises BackendUnavailableError with every
+    backend's reasons when the requested one (or, for auto, every candidate) refuses."""
+    if requested != "auto":
+        if requested not in _REGISTRY:
+            raise ValueError(f"backend: got {requested!r} (from {source}); allowed: {sorted(_REGISTRY)} or 'auto'")
+        forced = get_backend(requested)
+        if forced is not None and phase not in forced.phases:
+            return select(platform, spec, fmt, kind, phase)
+        reasons = reasons_for(requested, platform, spec, fmt, kind, phase)
+        if reasons:
+            raise BackendUnavailableError(
+                f"backend {requested!r} (forced by {source}) cannot run {kind.name} {phase.value} "
+                f"on {platform.vendor}/{platform.arch} with {fmt.value}:\n"
+                + "\n".join(f"  - {r}" for r in reasons)
+            )
+        return requested
+    candidates = PRIORITY.get(platform.vendor, [])
+    report = []
+    for name in candidates:
+        reasons = reasons_for(name, platform, spec, fmt, kind, phase)
+        if not reasons:
+            return name
+        report.append((name, reasons))
+    others = [n for n in _REGISTRY if n not in candidates]
+    lines = [f"No backend found for {kind.name} {phase.value} on {platform.vendor}/{platform.arch} "
+             f"({platform.device_name}) with {fmt.value}, {spec.num_heads} heads:"]
+    for name, reasons in report:
+        lines.append(f"`{name}` is not supported because:")
+        lines.extend(f"    {r}" for r in reasons)
+    if others:
+        lines.append(f"Not in the auto priority list for {platform.vendor} (force with backend=...): "
+                     + ", ".join(others))
+    raise BackendUnavailableError("\n".join(lines))

@@ -1,0 +1,255 @@
+"""StepBatch: what the engine hands over once per step (spec/dsv4-semantics.md §5-6).
+
+Tokens are laid out request by request (decodes first, as vLLM reorders them); token t of
+request r sits at ``pos = seq_lens[r] - query_len[r] + (t - query_start_loc[r])``. Tokens at
+index >= ``query_start_loc[-1]`` (up to ``num_tokens``) are padding, e.g. a CUDA-graph batch
+padded to its capture size: they are invalid and get empty rows everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .spec import LayerKind
+
+
+def _check_int_tensor(name: str, t, dim: int, device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: got {type(t).__name__}; allowed: a torch.int32 tensor")
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name}: got dtype {t.dtype}; allowed: torch.int32")
+    if t.dim() != dim:
+        raise ValueError(f"{name}: got shape {tuple(t.shape)}; allowed: a {dim}-d tensor")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: got device {t.device}; allowed: {device} (the batch's device)")
+
+
+@dataclass
+class StepBatch:
+    """One engine step.
+
+    query_start_loc   int32 [R+1]  token offsets of the R requests (query_start_loc[0] == 0)
+    seq_lens          int32 [R]    sequence length of each request INCLUDING this step's tokens
+    num_decode_tokens int          tokens [0, num_decode_tokens) are decode tokens
+    swa_block_table   int32 [R, nb]   SWA-cache block ids per request
+    swa_block_size    int          tokens per SWA-cache block (64 in vLLM)
+    comp_block_tables {4: int32 [R, nb4], 128: int32 [R, nb128]} compressed-cache block tables
+                      (only the ratios the model has; missing ratio -> that layer kind unusable)
+    block_size        int          UNCOMPRESSED tokens per compressed-cache block (256 in vLLM);
+                      the compressed cache of ratio r holds block_size // r entries per block
+    max_model_len     int          longest sequence the engine serves
+    num_tokens        int | None   T including padding tokens; default query_start_loc[-1]
+                      (reading it from a GPU tensor syncs: engines pass it)
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    num_decode_tokens: int
+    swa_block_table: torch.Tensor
+    swa_block_size: int
+    comp_block_tables: dict[int, torch.Tensor] = field(default_factory=dict)
+    block_size: int = 256
+    max_model_len: int = 65536
+    num_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_shapes()
+        if self.num_tokens is None:
+            self.num_tokens = int(self.query_start_loc[-1])
+        self._derived: dict[str, torch.Tensor] | None = None
+
+    # ---- validation -------------------------------------------------------------------
+    def _check_shapes(self) -> None:
+        """Host-only checks (no device sync): dtypes, ranks, devices, scalar ranges."""
+        _check_int_tensor("query_start_loc", self.query_start_loc, 1)
+        dev = self.query_start_loc.device
+        num_reqs = self.query_start_loc.shape[0] - 1
+        if num_reqs < 0:
+            raise ValueError("query_start_loc: got an empty tensor; allowed: shape [R+1] with R >= 0")
+        _check_int_tensor("seq_lens", self.seq_lens, 1, dev)
+        if self.seq_lens.shape[0] != num_reqs:
+            raise ValueError(
+                f"seq_lens: got shape {tuple(self.seq_lens.shape)}; allowed: [{num_reqs}] (one per request)"
+            )
+        _check_int_tensor("swa_block_table", self.swa_block_table, 2, dev)
+        if self.swa_block_table.shape[0] < num_reqs:
+            raise ValueError(
+                f"swa_block_table: got {self.swa_block_table.shape[0]} rows; allowed: >= {num_reqs} (R)"
+            )
+        for name, value in (("swa_block_size", self.swa_block_size), ("block_size", self.block_size),
+                            ("max_model_len", self.max_model_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: got {value!r}; allowed: a positive int")
+        if not isinstance(self.comp_block_tables, dict):
+            raise ValueError(f"comp_block_tables: got {type(self.comp_block_tables).__name__}; allowed: a dict")
+        for ratio, table in self.comp_block_tables.items():
+            if ratio not in (LayerKind.C4A.ratio, LayerKind.C128A.ratio):
+                raise ValueError(f"comp_block_tables: got key {ratio!r}; allowed: 4 and 128")
+            _check_int_tensor(f"comp_block_tables[{ratio}]", table, 2, dev)
+            if table.shape[0] < num_reqs:
+                raise ValueError(
+                    f"comp_block_tables[{ratio}]: got {table.shape[0]} rows; allowed: >= {num_reqs} (R)"
+                )
+            if self.block_size % ratio:
+                raise ValueError(
+                    f"block_size: got {self.block_size}; allowed: a multiple of {ratio} "
+                    f"(the ratio-{ratio} cache holds block_size // {ratio} entries per block)"
+                )
+        nd = self.num_decode_tokens
+        if isinstance(nd, bool) or not isinstance(nd, int) or nd < 0:
+            raise ValueError(f"num_decode_tokens: got {nd!r}; allowed: an int >= 0")
+        if self.num_tokens is not None:
+            nt = self.num_tokens
+            if isinstance(nt, bool) or not isinstance(nt, int) or nt < 0:
+                raise ValueError(f"num_tokens: got {nt!r}; allowed: an int >= 0")
+            if nd > nt:
+                raise ValueError(f"num_decode_tokens: got {nd}; allowed: <= num_tokens ({nt})")
+
+    def validate(self) -> "StepBatch":
+        """Value checks that read device tensors (a sync on GPU): call outside the hot path."""
+        qsl = self.query_start_loc.long().cpu()
+        seq = self.seq_lens.long().cpu()
+        if qsl[0] != 0:
+            raise ValueError(f"query_start_loc: got first value {int(qsl[0])}; allowed: 0")
+        qlen = qsl[1:] - qsl[:-1]
+        if (qlen < 0).any():
+            r = int((qlen < 0).nonzero()[0])
+            raise ValueError(f"query_start_loc: got decreasing offsets at request {r}; allowed: non-decreasing")
+        if int(qsl[-1]) > self.num_tokens:
+            raise ValueError(
+                f"num_tokens: got {self.num_tokens}; allowed: >= query_start_loc[-1] = {int(qsl[-1])}"
+            )
+        if self.num_decode_tokens > int(qsl[-1]):
+            raise ValueError(
+                f"num_decode_tokens: got {self.num_decode_tokens}; allowed: <= {int(qsl[-1])} real tokens"
+            )
+        if (seq < qlen).any():
+            r = int((seq < qlen).nonzero()[0])
+            raise ValueError(
+                f"seq_lens: got seq_lens[{r}] = {int(seq[r])} < its query length {int(qlen[r])}; "
+                "allowed: seq_lens include this step's tokens"
+            )
+        if seq.numel() and int(seq.max()) > self.max_model_len:
+            raise ValueError(f"seq_lens: got max {int(seq.max())}; allowed: <= max_model_len ({self.max_model_len})")
+        self._check_table("swa_block_table", self.swa_block_table, seq, self.swa_block_size)
+        for ratio, table in self.comp_block_tables.items():
+            entries = torch.div(seq, ratio, rounding_mode="floor")
+            self._check_table(f"comp_block_tables[{ratio}]", table, entries, self.block_size // ratio)
+        return self
+
+    @staticmethod
+    def _check_table(name: str, table: torch.Tensor, lengths: torch.Tensor, block_size: int) -> None:
+        need = (lengths + block_size - 1) // block_size
+        if need.numel() and int(need.max()) > table.shape[1]:
+            r = int(need.argmax())
+            raise ValueError(
+                f"{name}: got {table.shape[1]} columns; allowed: >= {int(need[r])} "
+                f"(request {r} needs cdiv({int(lengths[r])}, {block_size}) blocks)"
+            )
+        used = torch.arange(table.shape[1])[None, :] < need[:, None]
+        rows = table[: lengths.shape[0]].cpu()
+        if bool((rows.long().lt(0) & used).any()):
+            raise ValueError(f"{name}: got a negative block id in a used column; allowed: block ids >= 0")
+        if rows.numel() and (int(rows.max()) + 1) * block_size > 2**31:
+            raise ValueError(
+                f"{name}: got block id {int(rows.max())}; allowed: block ids whose slots "
+                f"(block * {block_size} + offset) fit int32, the kernels' index type"
+            )
+
+    # ---- derived per-token tensors ------------------------------------------------------
+    @property
+    def num_reqs(self) -> int:
+        return self.query_start_loc.shape[0] - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.query_start_loc.device
+
+    def comp_block_size(self, kind: LayerKind) -> int:
+        return self.block_size // LayerKind.parse(kind).ratio
+
+    def comp_block_table(self, kind: LayerKind) -> torch.Tensor:
+        kind = LayerKind.parse(kind)
+        if kind.ratio not in self.comp_block_tables:
+            raise ValueError(
+                f"comp_block_tables: has no ratio-{kind.ratio} table; allowed: provide "
+                f"comp_block_tables[{kind.ratio}] to run {kind.name} layers"
+            )
+        return self.comp_block_tables[kind.ratio]
+
+    def _derive(self) -> dict[str, torch.Tensor]:
+        if self._derived is None:
+            t = torch.arange(self.num_tokens, device=self.device, dtype=torch.int64)
+            qsl = self.query_start_loc.long()
+            req = torch.searchsorted(qsl, t, right=True) - 1
+            valid = t < qsl[-1]
+            req = req.clamp(0, max(self.num_reqs - 1, 0))
+            if self.num_reqs == 0:
+                pos = torch.zeros_like(t)
+            else:
+                prefix = self.seq_lens.long() - (qsl[1:] - qsl[:-1])
+                pos = prefix[req] + (t - qsl[req])
+            self._derived = {
+                "positions": torch.where(valid, pos, torch.zeros_like(pos)),
+                "token_to_req": torch.where(valid, req, torch.full_like(req, -1)).to(torch.int32),
+                "token_valid": valid,
+            }
+        return self._derived
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 [T]: position of each token in its sequence (0 for padding tokens)."""
+        return self._derive()["positions"]
+
+    @property
+    def token_to_req(self) -> torch.Tensor:
+        """int32 [T]: request index of each token (-1 for padding tokens)."""
+        return self._derive()["token_to_req"]
+
+    @property
+    def token_valid(self) -> torch.Tensor:
+        """bool [T]: False for padding tokens."""
+        return self._derive()["token_valid"]
+
+    @classmethod
+    def from_lists(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        swa_block_table: torch.Tensor,
+        swa_block_size: int,
+        comp_block_tables: dict[int, torch.Tensor] | None = None,
+        block_size: int = 256,
+        max_model_len: int = 65536,
+        num_decode_tokens: int | None = None,
+        num_tokens: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> "StepBatch":
+        """Convenience constructor from host lists. ``num_decode_tokens`` defaults to the tokens
+        of the leading requests whose query length is 1."""
+        if len(query_lens) != len(seq_lens):
+            raise ValueError(
+                f"seq_lens: got {len(seq_lens)} entries; allowed: {len(query_lens)} (one per query_lens entry)"
+            )
+        dev = torch.device(device) if device is not None else swa_block_table.device
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        if num_decode_tokens is None:
+            num_decode_tokens = 0
+            for q in query_lens:
+                if q != 1:
+                    break
+                num_decode_tokens += 1
+        return cls(
+            query_start_loc=qsl.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            num_decode_tokens=num_decode_tokens,
+            swa_block_table=swa_block_table.to(dev),
+            swa_block_size=swa_block_size,
+            comp_block_tables={k: v.to(dev) for k, v in (comp_block_tables or {}).items()},
+            block_size=block_size,
+            max_model_len=max_model_len,
+            num_tokens=num_tokens,
+        )

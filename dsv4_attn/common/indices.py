@@ -1,0 +1,184 @@
+"""Per-step sparse index builders (spec/dsv4-semantics.md §5-7), vectorized torch.
+
+Every builder returns ``(rows, lens)``: ``rows`` int32 ``[T, width]`` of GLOBAL cache slots
+(``block_table[req, p // bs] * bs + p % bs``) whose first ``lens[t]`` columns are the keys of
+token t and whose every other column is -1; ``lens`` int32 ``[T]``. Padding tokens (see
+StepBatch) get ``lens == 0`` and all -1 rows. Slots are computed in int64 and stored as int32
+(the vendor kernels' index type); a slot >= 2**31 is a ValueError at validation time.
+
+``out=(rows, lens)`` writes into caller buffers (plan buffers sized for the max batch) so a
+step can be captured in a CUDA graph and replayed with new contents.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .batch import StepBatch
+from .spec import LayerKind, cdiv, round_up
+
+IndexPair = tuple[torch.Tensor, torch.Tensor]
+
+
+def _lookup_slots(table: torch.Tensor, req: torch.Tensor, logical: torch.Tensor, block_size: int,
+                  valid: torch.Tensor) -> torch.Tensor:
+    """Global slots (int64) of logical positions ``logical`` [T, W] of requests ``req`` [T]."""
+    col = torch.div(logical, block_size, rounding_mode="floor").clamp(0, table.shape[1] - 1)
+    safe_req = req.clamp(min=0).long()[:, None].expand_as(col)
+    block = table[safe_req, col].long()
+    slots = block * block_size + logical.remainder(block_size)
+    return torch.where(valid, slots, torch.full_like(slots, -1))
+
+
+def _emit(rows64: torch.Tensor, lens: torch.Tensor, out: IndexPair | None) -> IndexPair:
+    rows, lens = rows64.to(torch.int32), lens.to(torch.int32)
+    if out is None:
+        return rows, lens
+    out_rows, out_lens = out
+    if out_rows.shape != rows.shape or out_lens.shape != lens.shape:
+        raise ValueError(
+            f"out: got shapes {tuple(out_rows.shape)}, {tuple(out_lens.shape)}; "
+            f"allowed: {tuple(rows.shape)}, {tuple(lens.shape)}"
+        )
+    out_rows.copy_(rows)
+    out_lens.copy_(lens)
+    return out_rows, out_lens
+
+
+class Tokens(NamedTuple):
+    """Per-token facts the row builders need (a StepBatch's, or a slice of them).
+
+    positions int64 [T], token_to_req int32 [T] (-1 padding), valid bool [T] (False padding)
+    """
+
+    positions: torch.Tensor
+    token_to_req: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def of(cls, batch: StepBatch) -> "Tokens":
+        return cls(batch.positions, batch.token_to_req, batch.token_valid)
+
+
+def swa_rows(batch: StepBatch, window: int = 128, out: IndexPair | None = None) -> IndexPair:
+    """Sliding-window rows: slots of positions ``max(0, pos-W+1) .. pos`` ascending.
+
+    Returns rows int32 ``[T, window]``, lens int32 ``[T]`` = ``min(pos+1, window)``.
+    """
+    return swa_rows_for(Tokens.of(batch), batch.swa_block_table, batch.swa_block_size, window, out)
+
+
+def swa_rows_for(tokens: Tokens, table: torch.Tensor, block_size: int, window: int = 128,
+                 out: IndexPair | None = None) -> IndexPair:
+    """:func:`swa_rows` from per-token facts and the SWA block table."""
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"window: got {window!r}; allowed: a positive int")
+    pos, valid_tok = tokens.positions, tokens.valid
+    start = (pos - (window - 1)).clamp(min=0)
+    logical = start[:, None] + torch.arange(window, device=pos.device)[None, :]
+    valid = (logical <= pos[:, None]) & valid_tok[:, None]
+    rows = _lookup_slots(table, tokens.token_to_req, logical, block_size, valid)
+    lens = torch.where(valid_tok, torch.clamp(pos + 1, max=window), torch.zeros_like(pos))
+    return _emit(rows, lens, out)
+
+
+def check_local_topk(local_topk, num_tokens: int, device: torch.device) -> None:
+    if not isinstance(local_topk, torch.Tensor) or local_topk.dtype not in (torch.int32, torch.int64) \
+            or local_topk.dim() != 2 or local_topk.shape[0] < num_tokens:
+        got = (f"{local_topk.dtype} {tuple(local_topk.shape)}" if isinstance(local_topk, torch.Tensor)
+               else type(local_topk).__name__)
+        raise ValueError(f"c4a_topk: got {got}; allowed: int32 [T >= {num_tokens}, K] local compressed positions")
+    if local_topk.device != device:
+        raise ValueError(f"c4a_topk: got device {local_topk.device}; allowed: {device}")
+
+
+def c4a_rows(batch: StepBatch, local_topk: torch.Tensor, out: IndexPair | None = None) -> IndexPair:
+    """C4A rows from the indexer's LOCAL top-k ``[T, K]`` (compressed positions, -1 unused).
+
+    The valid prefix is bounded by ``min((pos+1)//4, K)``; entries past it, negative entries and
+    entries ``>= (pos+1)//4`` (not yet visible: stale lanes) become -1. Returns rows int32
+    ``[T, K]``, lens int32 ``[T]`` = ``min((pos+1)//4, K)`` (0 for padding tokens).
+    """
+    check_local_topk(local_topk, batch.num_tokens, batch.device)
+    return comp_rows_for(Tokens.of(batch), LayerKind.C4A, batch.comp_block_table(LayerKind.C4A),
+                         batch.comp_block_size(LayerKind.C4A), local_topk[: batch.num_tokens], out)
+
+
+def c128a_rows(batch: StepBatch, width: int | None = None, out: IndexPair | None = None) -> IndexPair:
+    """C128A rows: every compressed entry ``c < (pos+1)//128``, ascending.
+
+    ``width`` is fixed per model (default ``round_up(cdiv(max_model_len, 128), 128)``), never
+    derived from the batch, so graph-captured strides stay valid (anchors C7). Returns rows
+    int32 ``[T, width]``, lens int32 ``[T]`` = ``min((pos+1)//128, width)``.
+    """
+    if width is None:
+        width = round_up(cdiv(batch.max_model_len, 128), 128)
+    return comp_rows_for(Tokens.of(batch), LayerKind.C128A, batch.comp_block_table(LayerKind.C128A),
+                         batch.comp_block_size(LayerKind.C128A), width, out)
+
+
+def comp_rows_for(tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
+                  local: torch.Tensor | int, out: IndexPair | None = None) -> IndexPair:
+    """Compressed-scope rows from per-token facts. ``local`` is the C4A local top-k [T, K] or,
+    for C128A, the row width (all entries 0..width-1)."""
+    pos, valid_tok = tokens.positions, tokens.valid
+    if isinstance(local, int):
+        if isinstance(local, bool) or local <= 0:
+            raise ValueError(f"width: got {local!r}; allowed: a positive int")
+        local = torch.arange(local, device=pos.device, dtype=torch.int64)[None, :].expand(pos.shape[0], local)
+    local = local.long()
+    visible = torch.div(pos + 1, kind.ratio, rounding_mode="floor")
+    lens = torch.where(valid_tok, visible.clamp(max=local.shape[1]), torch.zeros_like(pos))
+    col = torch.arange(local.shape[1], device=pos.device)[None, :]
+    valid = (col < lens[:, None]) & (local >= 0) & (local < visible[:, None])
+    rows = _lookup_slots(table, tokens.token_to_req, local, comp_block_size, valid)
+    return _emit(rows, lens, out)
+
+
+def merged_rows(swa_rows: torch.Tensor, swa_lens: torch.Tensor, comp_rows: torch.Tensor | None,
+                comp_lens: torch.Tensor | None) -> IndexPair:
+    """FlashInfer TRTLLM-gen DSv4 layout (spec §7.3): ONE row per token.
+
+    Columns ``[0, W)`` are the SWA rows as given, columns ``[W, W + round_up(K, 4))`` the
+    compressed rows (padded with -1 to a multiple of 4 for 16-byte aligned int32 rows).
+    lens = ``W + comp_lens`` (the kernel always counts the SWA region as W and skips -1).
+    SWA-only layers (``comp_rows is None``) give rows ``[T, W]`` and lens ``W``.
+    Returns rows int32 ``[T, W + round_up(K, 4)]`` contiguous, lens int32 ``[T]``.
+    """
+    T, W = swa_rows.shape
+    if comp_rows is None:
+        return swa_rows.contiguous(), torch.full_like(swa_lens, W)
+    K = comp_rows.shape[1]
+    rows = torch.full((T, W + round_up(K, 4)), -1, dtype=torch.int32, device=swa_rows.device)
+    rows[:, :W] = swa_rows
+    rows[:, W : W + K] = comp_rows
+    return rows, (comp_lens + W).to(torch.int32)
+
+
+def ragged(rows: torch.Tensor, lens: torch.Tensor, capacity: int | None = None) -> IndexPair:
+    """CSR form for kernels that take ``kv_indptr / kv_indices``.
+
+    Keeps the first ``lens[t]`` columns of each row minus -1 entries, in order. Returns
+    ``indptr`` int32 ``[T+1]`` and ``indices`` int32 ``[nnz]``; with ``capacity`` the indices
+    tensor is ``[capacity]`` with -1 after the last entry (fixed shape: no host sync).
+    """
+    T, K = rows.shape
+    col = torch.arange(K, device=rows.device)[None, :]
+    keep = (col < lens[:, None].long()) & (rows >= 0)
+    counts = keep.sum(dim=1)
+    indptr = torch.zeros(T + 1, dtype=torch.int64, device=rows.device)
+    indptr[1:] = counts.cumsum(0)
+    rank = keep.long().cumsum(dim=1) - 1
+    dest = torch.where(keep, indptr[:-1, None] + rank, torch.full_like(rank, -1))
+    if capacity is None:
+        size = int(indptr[-1])
+    else:
+        size = capacity
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < T * K:
+            raise ValueError(f"capacity: got {capacity!r}; allowed: an int >= T * K = {T * K}")
+    indices = torch.full((size + 1,), -1, dtype=torch.int32, device=rows.device)
+    indices.scatter_(0, torch.where(keep, dest, torch.full_like(dest, size)).reshape(-1),
+                     rows.reshape(-1).to(torch.int32))
+    return indptr.to(torch.int32), indices[:size]

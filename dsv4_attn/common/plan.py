@@ -1,0 +1,161 @@
+"""StepPlan: the per-step metadata, built ONCE per engine step and shared by every layer.
+
+``SparseMLA.plan(batch)`` writes the per-token facts, the SWA rows and (when the model has
+C128A layers) the C128A rows into buffers preallocated for the maximum batch, and returns a
+StepPlan whose tensors are views of those buffers. Consequences:
+
+* a decode step can be captured in a CUDA/HIP graph and replayed after ``plan()`` rewrote the
+  buffers with the next step's contents (same num_tokens);
+* a plan is valid until the next ``plan()`` call of the same SparseMLA: using an older plan
+  raises (its buffers now hold another step).
+
+Backends cache per-step metadata in the plan with ``plan.cached(key, builder)`` (FlashMLA's
+tile-scheduler metadata, AITER work buffers, FlashInfer merged rows), keyed per layer kind.
+Phase sub-plans (``plan.phase_plan(Phase.DECODE)``) view a token range of the same buffers
+for backends that split decode and prefill launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .batch import StepBatch
+from .indices import IndexPair, Tokens, check_local_topk, comp_rows_for, swa_rows_for
+from .spec import LayerKind, ModelSpec
+
+
+@dataclass
+class PlanBuffers:
+    """Index buffers for up to ``max_tokens`` tokens (allocated once per SparseMLA)."""
+
+    positions: torch.Tensor  # int64 [max_tokens]
+    token_to_req: torch.Tensor  # int32 [max_tokens]
+    token_valid: torch.Tensor  # bool [max_tokens]
+    swa_rows: torch.Tensor  # int32 [max_tokens, W]
+    swa_lens: torch.Tensor  # int32 [max_tokens]
+    c128a_rows: torch.Tensor  # int32 [max_tokens, c128a_width]
+    c128a_lens: torch.Tensor  # int32 [max_tokens]
+
+    @classmethod
+    def allocate(cls, spec: ModelSpec, max_tokens: int, device: torch.device) -> "PlanBuffers":
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            positions=torch.zeros(max_tokens, dtype=torch.int64, device=device),
+            token_to_req=torch.zeros(max_tokens, **i32),
+            token_valid=torch.zeros(max_tokens, dtype=torch.bool, device=device),
+            swa_rows=torch.full((max_tokens, spec.window), -1, **i32),
+            swa_lens=torch.zeros(max_tokens, **i32),
+            c128a_rows=torch.full((max_tokens, spec.c128a_width), -1, **i32),
+            c128a_lens=torch.zeros(max_tokens, **i32),
+        )
+
+    @property
+    def max_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+@dataclass
+class StepPlan:
+    """One step's shared metadata (views of PlanBuffers). Token range [token_start, token_start + T)
+    of the step's batch; ``num_decode_tokens`` counts the decode tokens inside that range.
+
+    positions int64 [T]; token_to_req int32 [T] (-1 padding); token_valid bool [T];
+    swa_rows int32 [T, W] / swa_lens int32 [T];
+    c128a_rows int32 [T, c128a_width] / c128a_lens int32 [T], or None without C128A table.
+    """
+
+    spec: ModelSpec
+    batch: StepBatch
+    owner: Any
+    generation: int
+    token_start: int
+    num_tokens: int
+    num_decode_tokens: int
+    positions: torch.Tensor
+    token_to_req: torch.Tensor
+    token_valid: torch.Tensor
+    swa_rows: torch.Tensor
+    swa_lens: torch.Tensor
+    c128a_rows: torch.Tensor | None
+    c128a_lens: torch.Tensor | None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
+
+    @property
+    def tokens(self) -> Tokens:
+        return Tokens(self.positions, self.token_to_req, self.token_valid)
+
+    def cached(self, key, builder: Callable[[], Any]) -> Any:
+        """``builder()`` once per plan and key (per-step metadata shared by all layers)."""
+        if key not in self._cache:
+            self._cache[key] = builder()
+        return self._cache[key]
+
+    def comp_scope(self, kind: LayerKind, c4a_topk: torch.Tensor | None = None) -> IndexPair | tuple[None, None]:
+        """(rows, lens) of the compressed scope of ``kind``: global slots, -1 unused.
+        SWA -> (None, None); C128A -> the plan's rows; C4A -> translated from ``c4a_topk``
+        (local positions ``[T, K]``) through the ratio-4 block table (one small launch)."""
+        kind = LayerKind.parse(kind)
+        if kind is LayerKind.SWA:
+            return None, None
+        if kind is LayerKind.C128A:
+            if self.c128a_rows is None:
+                raise ValueError("comp_block_tables: the batch has no ratio-128 table; allowed: "
+                                 "provide comp_block_tables[128] to run C128A layers")
+            return self.c128a_rows, self.c128a_lens
+        check_local_topk(c4a_topk, self.num_tokens, self.device)
+        return comp_rows_for(self.tokens, kind, self.batch.comp_block_table(kind),
+                             self.batch.comp_block_size(kind), c4a_topk[: self.num_tokens])
+
+    def phase_plan(self, phase) -> "StepPlan":
+        """Sub-plan of the decode tokens [0, num_decode_tokens) or the rest (prefill + padding)."""
+        from .backend import Phase  # local: backend imports plan for typing only
+
+        phase = Phase(phase)
+        start, stop = (0, self.num_decode_tokens) if phase is Phase.DECODE else (self.num_decode_tokens,
+                                                                                 self.num_tokens)
+        return self.cached(("phase", phase), lambda: self._slice(start, stop, phase is Phase.DECODE))
+
+    def _slice(self, start: int, stop: int, decode: bool) -> "StepPlan":
+        def cut(t):
+            return None if t is None else t[start:stop]
+
+        return StepPlan(self.spec, self.batch, self.owner, self.generation, self.token_start + start,
+                        stop - start, (stop - start) if decode else 0, cut(self.positions),
+                        cut(self.token_to_req), cut(self.token_valid), cut(self.swa_rows), cut(self.swa_lens),
+                        cut(self.c128a_rows), cut(self.c128a_lens))
+
+
+def build_plan(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers, owner: Any, generation: int) -> StepPlan:
+    """Fill ``buffers`` for ``batch`` (no host sync given batch.num_tokens) and view them."""
+    T = batch.num_tokens
+    if T > buffers.max_tokens:
+        raise ValueError(f"batch.num_tokens: got {T}; allowed: <= max_tokens ({buffers.max_tokens}) of this "
+                         "SparseMLA (raise max_tokens)")
+    if batch.max_model_len > spec.max_model_len:
+        raise ValueError(f"batch.max_model_len: got {batch.max_model_len}; allowed: <= spec.max_model_len "
+                         f"({spec.max_model_len}), which fixes the C128A row width")
+    if batch.device != buffers.positions.device:
+        raise ValueError(f"batch: got device {batch.device}; allowed: {buffers.positions.device} "
+                         "(the SparseMLA's device)")
+    positions, token_to_req, token_valid = (buffers.positions[:T], buffers.token_to_req[:T],
+                                            buffers.token_valid[:T])
+    positions.copy_(batch.positions)
+    token_to_req.copy_(batch.token_to_req)
+    token_valid.copy_(batch.token_valid)
+    tokens = Tokens(positions, token_to_req, token_valid)
+    swa = swa_rows_for(tokens, batch.swa_block_table, batch.swa_block_size, spec.window,
+                       out=(buffers.swa_rows[:T], buffers.swa_lens[:T]))
+    c128a: IndexPair | tuple[None, None] = (None, None)
+    if LayerKind.C128A.ratio in batch.comp_block_tables:
+        kind = LayerKind.C128A
+        c128a = comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
+                              spec.c128a_width, out=(buffers.c128a_rows[:T], buffers.c128a_lens[:T]))
+    return StepPlan(spec, batch, owner, generation, 0, T, batch.num_decode_tokens, positions, token_to_req,
+                    token_valid, swa[0], swa[1], c128a[0], c128a[1])

@@ -1,0 +1,87 @@
+"""The golden model of DSv4 sparse attention: plain torch, written for clarity.
+
+For token t and head h, with key set S = {first swa_lens[t] entries of swa_rows[t]} ∪
+{first comp_lens[t] entries of comp_rows[t]}, -1 entries skipped (spec §8):
+
+    s_j = scale * (q[t, h] · k_j)            over all 512 dims, v_j = k_j
+    out[t, h] = Σ_j exp(s_j) v_j / (Σ_j exp(s_j) + exp(sink[h]))
+    lse[t, h] = log Σ_j exp(s_j)              natural log, WITHOUT the sink
+
+A token with no valid key outputs 0 and lse -inf. No deduplication between the scopes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .layout import Fp8Dialect, KVFormat, check_cache, gather_rows
+
+_TOKEN_CHUNK = 64  # bounds the float64 [chunk, keys, 512] gather
+
+
+def _scope_keys(cache, fmt, rows, lens, kv_scale, dialect, name):
+    """Dequantized keys [T, K, 512] float32 and a validity mask [T, K] of one scope."""
+    geo = check_cache(cache, fmt, name, dialect)
+    col = torch.arange(rows.shape[1], device=rows.device)[None, :]
+    valid = (col < lens[:, None].long()) & (rows >= 0)
+    slots = torch.where(valid, rows.long(), torch.full_like(rows, -1, dtype=torch.long))
+    return gather_rows(cache, fmt, geo, slots, kv_scale, dialect), valid
+
+
+def sparse_mla(
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa_rows: torch.Tensor,
+    swa_lens: torch.Tensor,
+    comp_cache: torch.Tensor | None,
+    comp_rows: torch.Tensor | None,
+    comp_lens: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    scale: float,
+    fmt: KVFormat | str,
+    dtype: torch.dtype = torch.float64,
+    kv_scale: float | None = None,
+    swa_dialect: Fp8Dialect | str = Fp8Dialect.OCP,
+    comp_dialect: Fp8Dialect | str = Fp8Dialect.OCP,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-scope sparse attention with sink.
+
+    q           [T, H, 512] (any float dtype; computed in ``dtype``)
+    swa_cache   cache tensor of format ``fmt`` (see layout.py); swa_rows int [T, W] global slots,
+                swa_lens int [T]
+    comp_cache  cache of the compressed scope or None (SWA-only layer); comp_rows int [T, K],
+                comp_lens int [T]
+    sink        [H] float (None = no sink, i.e. -inf)
+    kv_scale    per-tensor scale of FP8_TENSOR caches (None -> 1.0)
+    Returns (out [T, H, 512] ``dtype``, lse [T, H] ``dtype``).
+    """
+    fmt = KVFormat.parse(fmt)
+    swa_dialect, comp_dialect = Fp8Dialect.parse(swa_dialect), Fp8Dialect.parse(comp_dialect)
+    scale_kv = 1.0 if kv_scale is None else float(kv_scale)
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, q.shape[-1], dtype=dtype, device=q.device)
+    lse = torch.full((T, H), -math.inf, dtype=dtype, device=q.device)
+    sink_d = None if sink is None else sink.to(dtype)
+    for t0 in range(0, T, _TOKEN_CHUNK):
+        t1 = min(T, t0 + _TOKEN_CHUNK)
+        keys, valid = _scope_keys(swa_cache, fmt, swa_rows[t0:t1], swa_lens[t0:t1], scale_kv, swa_dialect,
+                                  "swa_cache")
+        if comp_cache is not None:
+            ck, cv = _scope_keys(comp_cache, fmt, comp_rows[t0:t1], comp_lens[t0:t1], scale_kv, comp_dialect,
+                                 "comp_cache")
+            keys, valid = torch.cat([keys, ck], dim=1), torch.cat([valid, cv], dim=1)
+        keys = keys.to(dtype)
+        scores = scale * torch.einsum("thd,tkd->thk", q[t0:t1].to(dtype), keys)
+        scores = scores.masked_fill(~valid[:, None, :], -math.inf)
+        chunk_lse = torch.logsumexp(scores, dim=-1)  # -inf for empty rows
+        has_keys = torch.isfinite(chunk_lse)
+        safe_lse = torch.where(has_keys, chunk_lse, torch.zeros_like(chunk_lse))
+        probs = torch.exp(scores - safe_lse[..., None])  # normalized over the keys
+        o = torch.einsum("thk,tkd->thd", probs, keys)
+        if sink_d is not None:
+            o = o * torch.sigmoid(chunk_lse - sink_d)[..., None]
+        out[t0:t1] = torch.where(has_keys[..., None], o, torch.zeros_like(o))
+        lse[t0:t1] = chunk_lse
+    return out, lse

@@ -1,0 +1,1 @@
+"""Backends that run anywhere: torch (any device) and triton (any GPU)."""

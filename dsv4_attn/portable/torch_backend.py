@@ -1,0 +1,82 @@
+"""Backend `torch`: vectorized PyTorch, any device (CPU, CUDA, ROCm). The CPU default.
+
+Per chunk of tokens it gathers ONLY the selected rows of both scopes (never a whole cache),
+dequantizes them to float32, and runs one float32 softmax over SWA ∪ compressed keys with the
+sink in the denominator. Peak extra memory per chunk of C tokens with K = W + K_comp keys
+and H heads is about ``C * K * (512 + 3 * H) * 4`` bytes (gathered keys, then scores,
+probabilities and a temporary); C is chosen so that this stays under ``chunk_bytes``
+(default 256 MiB), with at least one token per chunk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..common.backend import Backend, LayerInputs, Phase
+from ..common.layout import Fp8Dialect, KVFormat, check_cache, gather_rows
+from ..common.platform import Platform
+from ..common.plan import StepPlan
+from ..common.spec import LayerKind, ModelSpec
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def __init__(self, chunk_bytes: int = 256 << 20) -> None:
+        self.chunk_bytes = chunk_bytes
+
+    def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
+                            phase: Phase) -> list[str]:
+        return []  # every format, kind, head count and device
+
+    def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
+        T, H = plan.num_tokens, layer.q.shape[1]
+        if T == 0:
+            return
+        comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.c4a_topk)
+        scopes = [(layer.swa_cache, plan.swa_rows, plan.swa_lens, layer.swa_dialect, "swa_cache")]
+        if comp_rows is not None:
+            scopes.append((layer.comp_cache, comp_rows, comp_lens, layer.comp_dialect, "comp_cache"))
+        geos = [check_cache(c, layer.fmt, name, d) for c, _, _, d, name in scopes]
+        keys_per_token = sum(rows.shape[1] for _, rows, _, _, _ in scopes)
+        chunk = max(1, self.chunk_bytes // max(1, keys_per_token * (512 + 3 * H) * 4))
+        sink = None if layer.sink is None else layer.sink.float()
+        for t0 in range(0, T, chunk):
+            t1 = min(T, t0 + chunk)
+            keys, valid = [], []
+            for (cache, rows, lens, dialect, _), geo in zip(scopes, geos):
+                k, v = _scope(cache, layer.fmt, geo, rows[t0:t1], lens[t0:t1], layer.kv_scale, dialect)
+                keys.append(k)
+                valid.append(v)
+            out[t0:t1] = _attend(layer.q[t0:t1], torch.cat(keys, 1), torch.cat(valid, 1), sink,
+                                 layer.softmax_scale).to(out.dtype)
+
+
+def _scope(cache, fmt: KVFormat, geo, rows: torch.Tensor, lens: torch.Tensor, kv_scale: float,
+           dialect: Fp8Dialect) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys float32 [C, K, 512] and validity bool [C, K] of one scope (first lens, -1 skipped)."""
+    col = torch.arange(rows.shape[1], device=rows.device)[None, :]
+    valid = (col < lens[:, None]) & (rows >= 0)
+    slots = torch.where(valid, rows, torch.full_like(rows, -1))
+    return gather_rows(cache, fmt, geo, slots, kv_scale, dialect), valid
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """q [C, H, 512], keys [C, K, 512] f32, valid [C, K] -> out float32 [C, H, 512]."""
+    scores = torch.bmm(q.float(), keys.transpose(1, 2)).mul_(scale)
+    scores.masked_fill_(~valid[:, None, :], -math.inf)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink[None, :, None])
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    probs = torch.exp(scores - row_max)
+    denom = probs.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink[None, :, None] - row_max)
+    out = torch.bmm(probs, keys)
+    # Rows with no key, or an infinite sink that swamps them, have denom 0 or inf: output 0.
+    safe = (denom > 0) & torch.isfinite(denom)
+    return torch.where(safe, out / torch.where(safe, denom, torch.ones_like(denom)), torch.zeros_like(out))

@@ -1,0 +1,1 @@
+"""AMD vendor backend: AITER (gfx942/gfx950)."""
