@@ -182,6 +182,8 @@ def reasons_for(name: str, platform: Platform, spec: ModelSpec, fmt: KVFormat, k
     backend = get_backend(name)
     if backend is None:
         return [_import_errors[name]]
+    if phase not in backend.phases:
+        return [f"implements {'/'.join(p.value for p in backend.phases)} only (not {phase.value})"]
     try:
         return list(backend.unsupported_reasons(platform, spec, fmt, kind, phase))
     except Exception as exc:

@@ -1,0 +1,198 @@
+"""SparseMLA round trips on CPU (torch backend) against the float64 reference, plan reuse rules,
+and input validation of the public API."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dsv4_attn as dsv4
+from dsv4_attn.common import layout, reference
+from dsv4_attn.common.spec import LayerKind
+
+
+def _filled_cache(fmt, num_blocks, block_size, gen, dialect="ocp"):
+    cache = layout.new_cache(fmt, num_blocks, block_size, dialect=dialect)
+    n = num_blocks * block_size
+    kv = (torch.randn(n, 512, generator=gen) * 2).bfloat16()
+    layout.insert(cache, fmt, torch.arange(n, dtype=torch.int32), kv, dialect=dialect)
+    return cache
+
+
+def _case(gen, query_lens, seq_lens, heads=16, fmt="fp8_ds_mla", topk=64, max_model_len=40960,
+          swa_bs=64, block_size=256):
+    """A batch with permuted block tables, both compressed caches and random C4A top-k whose
+    lanes past the valid prefix hold garbage."""
+    R = len(query_lens)
+    spec = dsv4.ModelSpec(num_heads=heads, c4a_topk=topk, max_model_len=max_model_len)
+    swa_blocks = -(-max(seq_lens) // swa_bs)
+    c4_bs, c128_bs = block_size // 4, block_size // 128
+    c4_blocks = -(-(max(seq_lens) // 4) // c4_bs) + 1
+    c128_blocks = -(-(max(seq_lens) // 128) // c128_bs) + 1
+    tables = {
+        "swa": torch.randperm(R * swa_blocks, generator=gen).int().view(R, swa_blocks),
+        4: torch.randperm(R * c4_blocks, generator=gen).int().view(R, c4_blocks),
+        128: torch.randperm(R * c128_blocks, generator=gen).int().view(R, c128_blocks),
+    }
+    batch = dsv4.StepBatch.from_lists(query_lens, seq_lens, tables["swa"], swa_bs,
+                                      {4: tables[4], 128: tables[128]}, block_size, max_model_len)
+    T = batch.num_tokens
+    pos = batch.positions
+    n4 = (pos + 1) // 4
+    topk_local = torch.randint(-5, 10**6, (T, topk), generator=gen).int()  # garbage everywhere
+    for t in range(T):  # a valid prefix of distinct visible entries
+        k = min(int(n4[t]), topk)
+        topk_local[t, :k] = torch.randperm(int(n4[t]), generator=gen)[:k].int()
+    caches = {
+        "swa": _filled_cache(fmt, R * swa_blocks, swa_bs, gen),
+        LayerKind.C4A: _filled_cache(fmt, R * c4_blocks, c4_bs, gen),
+        LayerKind.C128A: _filled_cache(fmt, R * c128_blocks, c128_bs, gen),
+    }
+    q = torch.randn(T, heads, 512, generator=gen).bfloat16()
+    sink = torch.randn(heads, generator=gen)
+    return spec, batch, caches, topk_local, q, sink
+
+
+def _check_against_reference(mla, plan, kind, q, caches, topk, sink, fmt="fp8_ds_mla"):
+    comp = caches.get(kind)
+    out = torch.full_like(q, float("nan"))
+    mla.forward(plan, kind, q, caches["swa"], comp, c4a_topk=topk if kind is LayerKind.C4A else None,
+                sink=sink, out=out, validate=True)
+    assert not out.isnan().any(), "output not fully written"
+    rows, lens = plan.comp_scope(kind, topk if kind is LayerKind.C4A else None)
+    ref, _ = reference.sparse_mla(q, caches["swa"], plan.swa_rows, plan.swa_lens, comp, rows, lens, sink,
+                                  mla.spec.scale, fmt)
+    err = out.double() - ref
+    rel = (err.norm() / ref.norm()).item()
+    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.flatten(), dim=0).item()
+    assert rel < 1e-2 and cos > 0.9999 and err.abs().max().item() < 5e-2, (rel, cos)
+    return out
+
+
+@pytest.mark.parametrize("kind", list(LayerKind))
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bfloat16", "fp8_e4m3"])
+def test_forward_matches_reference_every_kind(kind, fmt):
+    gen = torch.Generator().manual_seed(int(kind) * 7 + len(fmt))
+    # decode, MTP pair, a prefill chunk crossing the window, a long request (C128A rows wide)
+    spec, batch, caches, topk, q, sink = _case(gen, [1, 2, 9, 1], [300, 131, 140, 33000], fmt=fmt)
+    mla = dsv4.SparseMLA(spec, fmt, backend="torch")
+    plan = mla.plan(batch, validate=True)
+    _check_against_reference(mla, plan, kind, q, caches, topk, sink, fmt)
+
+
+def test_short_sequences_padding_tokens_and_infinite_sinks():
+    gen = torch.Generator().manual_seed(3)
+    # pos < W, pos + 1 < 4 (no compressed entry yet) and 3 padding tokens after the real ones
+    spec, batch, caches, topk, q, sink = _case(gen, [1, 3, 1], [1, 3, 7])
+    padded = dsv4.StepBatch(batch.query_start_loc, batch.seq_lens, batch.num_decode_tokens,
+                            batch.swa_block_table, batch.swa_block_size, batch.comp_block_tables,
+                            batch.block_size, batch.max_model_len, num_tokens=batch.num_tokens + 3)
+    q = torch.cat([q, torch.randn(3, q.shape[1], 512, generator=gen).bfloat16()])
+    topk = torch.cat([topk, topk[:3]])
+    sink[0], sink[1] = math.inf, -math.inf
+    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
+    plan = mla.plan(padded)
+    assert plan.swa_lens[-3:].tolist() == [0, 0, 0]
+    for kind in LayerKind:
+        out = _check_against_reference(mla, plan, kind, q, caches, topk, sink)
+        assert out[:, 0].abs().max() == 0  # +inf sink swamps every key
+        assert out[-3:].abs().max() == 0  # padding tokens have no keys
+
+
+def test_padded_heads_and_phase_split_keep_results():
+    gen = torch.Generator().manual_seed(5)
+    spec, batch, caches, topk, q, sink = _case(gen, [1, 1, 6], [90, 600, 700], heads=12)
+    q = torch.cat([q, torch.zeros(q.shape[0], 4, 512, dtype=q.dtype)], dim=1)  # pad 12 -> 16 heads
+    sink = torch.cat([sink, torch.full((4,), -math.inf)])
+    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
+    plan = mla.plan(batch)
+    whole = _check_against_reference(mla, plan, LayerKind.C4A, q, caches, topk, sink)
+    # the same layer run phase by phase (what a decode-only backend causes) gives the same bits
+    split = torch.full_like(q, float("nan"))
+    backend = dsv4.common.backend.get_backend("torch")
+    nd = plan.num_decode_tokens
+    for phase, a, b in ((dsv4.Phase.DECODE, 0, nd), (dsv4.Phase.PREFILL, nd, plan.num_tokens)):
+        layer = dsv4.LayerInputs(LayerKind.C4A, q, caches["swa"], caches[LayerKind.C4A], topk, sink,
+                                 dsv4.KVFormat.MODEL1_FP8, spec.scale).token_slice(a, b)
+        backend.forward(plan.phase_plan(phase), layer, split[a:b])
+    assert torch.equal(split, whole)
+
+
+def test_stale_plan_and_foreign_plan_are_refused():
+    gen = torch.Generator().manual_seed(7)
+    spec, batch, caches, topk, q, sink = _case(gen, [1, 1], [50, 60])
+    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
+    old = mla.plan(batch)
+    mla.plan(batch)
+    with pytest.raises(ValueError, match="plan: got the plan of step 1"):
+        mla.forward(old, "swa", q, caches["swa"])
+    other = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
+    with pytest.raises(ValueError, match="not built by this SparseMLA"):
+        other.forward(mla.plan(batch), "swa", q, caches["swa"])
+
+
+def test_plan_reuses_preallocated_buffers():
+    gen = torch.Generator().manual_seed(8)
+    spec, batch, caches, topk, q, sink = _case(gen, [1, 1], [50, 60])
+    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch", max_tokens=16)
+    p1 = mla.plan(batch)
+    ptrs = (p1.swa_rows.data_ptr(), p1.c128a_rows.data_ptr(), p1.positions.data_ptr())
+    spec2, batch2, *_ = _case(gen, [1, 1], [900, 2000])
+    p2 = mla.plan(batch2)
+    assert (p2.swa_rows.data_ptr(), p2.c128a_rows.data_ptr(), p2.positions.data_ptr()) == ptrs
+    assert p2.c128a_rows.shape[1] == spec.c128a_width  # fixed by the model, not the batch
+    with pytest.raises(ValueError, match="max_tokens"):
+        mla.plan(_case(gen, [20], [40])[1])
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: a.update(q=a["q"].float()), r"q: got torch.float32"),
+        (lambda a: a.update(q=a["q"][:, :8]), r"q: got .*allowed: torch.bfloat16 \[T=2, H, 512\] with 16 <= H"),
+        (lambda a: a.update(q=torch.zeros(2, 130, 512, dtype=torch.bfloat16)), r"H <= 128"),
+        (lambda a: a.update(sink=a["sink"].double()), r"sink: got torch.float64"),
+        (lambda a: a.update(comp_cache=None), r"comp_cache: got None"),
+        (lambda a: a.update(c4a_topk=None), r"c4a_topk: got None"),
+        (lambda a: a.update(c4a_topk=a["c4a_topk"].float()), r"c4a_topk: got torch.float32"),
+        (lambda a: a.update(swa_cache=a["swa_cache"].view(torch.int8).view(torch.uint8)[:, :, :512]),
+         r"swa_cache: got shape"),
+        (lambda a: a.update(out=torch.empty(2, 16, 512)), r"out: got torch.float32"),
+        (lambda a: a.update(kv_scale=2.0), r"kv_scale: got 2.0; allowed: 1.0"),
+    ],
+)
+def test_forward_rejects_bad_input_with_named_argument(mutate, match):
+    gen = torch.Generator().manual_seed(9)
+    spec, batch, caches, topk, q, sink = _case(gen, [1, 1], [50, 60])
+    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
+    plan = mla.plan(batch)
+    args = dict(q=q, swa_cache=caches["swa"], comp_cache=caches[LayerKind.C4A], c4a_topk=topk, sink=sink)
+    mutate(args)
+    with pytest.raises(ValueError, match=match):
+        mla.forward(plan, LayerKind.C4A, **args)
+
+
+def test_validate_catches_cache_too_small_for_block_table():
+    gen = torch.Generator().manual_seed(10)
+    spec, batch, caches, topk, q, sink = _case(gen, [1, 1], [50, 60])
+    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
+    plan = mla.plan(batch)
+    small = caches["swa"][:1]
+    with pytest.raises(ValueError, match="swa_cache: too small for this step"):
+        mla.forward(plan, "swa", q, small, validate=True)
+
+
+def test_constructor_and_plan_reject_bad_arguments():
+    spec = dsv4.ModelSpec(num_heads=8)
+    with pytest.raises(ValueError, match="fmt: got 'fp16'"):
+        dsv4.SparseMLA(spec, "fp16")
+    with pytest.raises(ValueError, match="backend: got 'cutlass'"):
+        dsv4.SparseMLA(spec, "bf16", backend="cutlass")
+    with pytest.raises(ValueError, match="max_tokens: got 0"):
+        dsv4.SparseMLA(spec, "bf16", max_tokens=0)
+    with pytest.raises(ValueError, match="num_heads: got 129"):
+        dsv4.ModelSpec(num_heads=129)
+    with pytest.raises(ValueError, match="batch: got dict"):
+        dsv4.SparseMLA(spec, "bf16").plan({})
