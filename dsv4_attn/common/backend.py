@@ -69,6 +69,24 @@ class LayerInputs:
                            self.fmt, self.softmax_scale, self.kv_scale, self.swa_dialect, self.comp_dialect)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend declares it serves; rendered into the README support matrix.
+
+    platforms   e.g. "NVIDIA SM90, SM100"
+    formats     KV formats it reads
+    heads       query heads per rank it accepts, e.g. "1-128" or "64, 128 (others padded)"
+    validated   where its results come from: "H100 (hardware)", "emulated", "contract tests"...
+    notes       anything a user must know (one line)
+    """
+
+    platforms: str
+    formats: tuple[KVFormat, ...]
+    heads: str
+    validated: str
+    notes: str = ""
+
+
 class Backend:
     """Base class of all backends.
 
@@ -78,11 +96,13 @@ class Backend:
     phases                 the phases it implements at all (AITER: decode only). Forcing a
                            backend forces it for these; other phases are auto-selected, and
                            ``SparseMLA.explain()`` shows it.
+    capabilities           declared support, rendered into the README support matrix
     """
 
     name: str = "?"
     splits_phases: bool = False
     phases: tuple[Phase, ...] = (Phase.DECODE, Phase.PREFILL)
+    capabilities: Capabilities | None = None
 
     def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
                             phase: Phase) -> list[str]:
@@ -256,3 +276,22 @@ def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, 
         lines.append(f"Not in the auto priority list for {platform.vendor} (force with backend=...): "
                      + ", ".join(others))
     raise BackendUnavailableError("\n".join(lines))
+
+
+def support_matrix() -> str:
+    """Markdown support matrix rendered from every registered backend's declared capabilities."""
+    fmt_names = {KVFormat.MODEL1_FP8: "MODEL1 fp8", KVFormat.BF16: "bf16", KVFormat.FP8_TENSOR: "fp8 per-tensor"}
+    lines = ["| backend | platforms | KV formats | heads | phases | validated | notes |",
+             "|---|---|---|---|---|---|---|"]
+    for name in _REGISTRY:
+        backend = get_backend(name)
+        caps = getattr(backend, "capabilities", None)
+        if backend is None or caps is None:
+            why = _import_errors.get(name, "declares no capabilities")
+            lines.append(f"| `{name}` | ? | ? | ? | ? | ? | {why} |")
+            continue
+        formats = ", ".join(fmt_names[f] for f in caps.formats)
+        phases = ", ".join(p.value for p in backend.phases)
+        lines.append(f"| `{name}` | {caps.platforms} | {formats} | {caps.heads} | {phases} | {caps.validated} "
+                     f"| {caps.notes} |")
+    return "\n".join(lines)

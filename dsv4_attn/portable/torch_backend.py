@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..common.backend import Backend, LayerInputs, Phase
+from ..common.backend import Backend, Capabilities, LayerInputs, Phase
 from ..common.layout import Fp8Dialect, KVFormat, check_cache, gather_rows
 from ..common.platform import Platform
 from ..common.plan import StepPlan
@@ -23,6 +23,13 @@ from ..common.spec import LayerKind, ModelSpec
 
 class TorchBackend(Backend):
     name = "torch"
+    capabilities = Capabilities(
+        platforms="any torch device (CPU default; CUDA/ROCm when forced)",
+        formats=tuple(KVFormat),
+        heads="1-128",
+        validated="CPU (CI) vs float64 reference",
+        notes="slow on GPUs (~30x FlashMLA): never auto-selected there",
+    )
 
     def __init__(self, chunk_bytes: int = 256 << 20) -> None:
         self.chunk_bytes = chunk_bytes
