@@ -1,0 +1,620 @@
+"""`dsv4-attn bench`: decode and prefill benchmarks with the roofline and FlashMLA side by side.
+
+For every case it times our backend (default ``triton``) and, in the same run, FlashMLA when it
+can be loaded, and prints µs, TFLOP/s, GB/s, the roofline floor (from the copy bandwidth and
+the bf16 matrix rate measured at the start of the run), time / floor, FlashMLA's µs and our
+speed-up over it. Timing: CUDA-graph replay (or eager launches with ``--no-graph``), one event
+pair per run, the L2 flushed before every run, median of ``--reps`` runs.
+
+Bytes of a case = every valid KV row once (584 B MODEL1, 1024 B BF16, 512 B FP8) + q + out;
+FLOPs = 4 · H · valid keys · 512 per token (Q·Kᵀ and P·V).
+
+FlashMLA is timed through ``SparseMLA(..., backend="flashmla")`` when that backend is usable
+(so its adapter is timed too); otherwise through the raw op ``torch.ops._flashmla_C`` from
+``$DSV4_ATTN_FLASHMLA_LIB`` or ``.flashmla/_flashmla_C.abi3.so`` (noted in the output: raw
+prefill then times the kernel on a ready bf16 workspace, without the gather).
+
+    dsv4-attn bench --mode decode --batches 2 64 128 256 --json out.json --png out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .common.batch import StepBatch
+from .common.layout import KVFormat, model1_page_bytes
+from .common.spec import LayerKind, ModelSpec
+
+# ---- production configurations ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    name: str
+    heads: int
+    kind: LayerKind
+    comp_width: int  # C4A top-k or C128A row width
+    seq_len: int = 16384  # C4A: every request; C128A: lengths drawn up to max_model_len
+    max_model_len: int = 131072
+
+
+DECODE_CONFIGS = {
+    "h64-c4a512": DecodeConfig("h64-c4a512", 64, LayerKind.C4A, 512),
+    "h128-c4a1024": DecodeConfig("h128-c4a1024", 128, LayerKind.C4A, 1024),
+    "h64-c128a": DecodeConfig("h64-c128a", 64, LayerKind.C128A, 1024),
+    "h128-c128a": DecodeConfig("h128-c128a", 128, LayerKind.C128A, 1024),
+}
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    name: str
+    heads: int
+    s_q: int
+    s_kv: int
+    topk: int  # total keys per token: 128 SWA + (topk - 128) C4A
+
+
+PREFILL_CONFIGS = {
+    f"h{h}-q{sq // 1024}k-kv{skv // 1024}k-top{tk}": PrefillConfig(f"h{h}-q{sq // 1024}k-kv{skv // 1024}k-top{tk}", h,
+                                                                   sq, skv, tk)
+    for h in (64, 128)
+    for sq, skv, tk in ((4096, 8192, 640), (4096, 32768, 1152), (8192, 65536, 1152), (4096, 32768, 2048))
+}
+
+SWA_BLOCK = 64
+COMP_BLOCK = 256  # uncompressed tokens per compressed-cache block (vLLM)
+
+
+# ---- device ceilings --------------------------------------------------------------------------
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    """Copy bandwidth (bytes read + written per second) and the bf16 matrix rate, measured."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    copy_s = _median_time(lambda: b.copy_(a), reps=20, flush=None)
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    mm_s = _median_time(lambda: torch.mm(x, y), reps=20, flush=None)
+    del x, y
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": 2 * n / copy_s, "bf16_flops_per_s": 2 * m**3 / mm_s}
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+
+class L2Flush:
+    def __init__(self, device: torch.device, nbytes: int = 256 << 20) -> None:
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def __call__(self) -> None:
+        self.buf.zero_()
+
+
+def _median_time(fn, reps: int, flush, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` over ``reps`` event-timed runs (``flush()`` before each)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        if flush is not None:
+            flush()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e-3
+
+
+def time_callable(fn, reps: int, flush, graph: bool) -> tuple[float, str]:
+    """(median seconds, 'graph' | 'eager')."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    if graph:
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            torch.cuda.synchronize()
+            return _median_time(g.replay, reps, flush, warmup=2), "graph"
+        except Exception as exc:  # capture unsupported by this callable: time eager launches
+            print(f"  (graph capture failed: {type(exc).__name__}: {str(exc)[:120]}; timing eager launches)",
+                  file=sys.stderr)
+            torch.cuda.synchronize()
+    return _median_time(fn, reps, flush), "eager"
+
+
+# ---- random caches ----------------------------------------------------------------------------
+
+
+def fill_random(cache: torch.Tensor, fmt: KVFormat, gen: torch.Generator | None = None) -> None:
+    """Fill a cache with random, finite, production-like contents (no NaN codes), in place."""
+    nb, bs, row = cache.shape
+    if fmt is KVFormat.MODEL1_FP8:
+        s0 = cache.stride(0)
+        base = cache.storage_offset()
+        data = cache.as_strided((nb, bs, 576), (s0, 576, 1), base)
+        scales = cache.as_strided((nb, bs, 8), (s0, 8, 1), base + bs * 576)
+        for i0 in range(0, nb, 4096):  # chunked: bounded temporaries
+            i1 = min(nb, i0 + 4096)
+            mag = torch.randint(0, 0x7F, (i1 - i0, bs, 448), dtype=torch.uint8, device=cache.device)
+            sign = torch.randint(0, 2, (i1 - i0, bs, 448), dtype=torch.uint8, device=cache.device) << 7
+            data[i0:i1, :, :448] = mag | sign
+            rope = (torch.randn(i1 - i0, bs, 64, device=cache.device) * 2).to(torch.bfloat16)
+            data[i0:i1, :, 448:] = rope.view(torch.uint8)
+            exps = torch.randint(118, 124, (i1 - i0, bs, 8), dtype=torch.uint8, device=cache.device)
+            exps[..., 7] = 0
+            scales[i0:i1] = exps
+    elif fmt is KVFormat.BF16:
+        for i0 in range(0, nb, 4096):
+            cache[i0:i0 + 4096] = torch.randn_like(cache[i0:i0 + 4096], dtype=torch.float32).to(cache.dtype)
+    else:
+        for i0 in range(0, nb, 4096):
+            x = torch.randn(cache[i0:i0 + 4096].shape, device=cache.device) * 64
+            cache[i0:i0 + 4096] = x.clamp(-448, 448).to(cache.dtype)
+
+
+def row_bytes(fmt: KVFormat) -> int:
+    return {KVFormat.MODEL1_FP8: 584, KVFormat.BF16: 1024, KVFormat.FP8_TENSOR: 512}[fmt]
+
+
+@dataclass
+class Case:
+    """Everything one benchmark case needs (on the GPU)."""
+
+    label: str
+    kind: LayerKind
+    spec: ModelSpec
+    batch: StepBatch
+    q: torch.Tensor
+    swa_cache: torch.Tensor
+    comp_cache: torch.Tensor | None
+    c4a_topk: torch.Tensor | None
+    sink: torch.Tensor
+    fmt: KVFormat
+    num_reqs: int
+    s_q: int
+    phase: str
+    extra: dict = field(default_factory=dict)
+
+
+def _new_cache(fmt: KVFormat, nb: int, bs: int, device) -> torch.Tensor:
+    from .common.layout import new_cache
+
+    cache = new_cache(fmt, nb, bs, device)
+    fill_random(cache, fmt)
+    return cache
+
+
+def _q_and_sink(T: int, H: int, device, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.randn(T, H, 512, device=device)
+    q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True))  # RMS-normed, as the model's q
+    return q.to(torch.bfloat16), torch.randn(H, device=device)
+
+
+def make_decode_case(cfg: DecodeConfig, b: int, s_q: int, device, fmt: KVFormat = KVFormat.MODEL1_FP8,
+                     seed: int = 0) -> Case:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    torch.manual_seed(seed)
+    R, T, W = b, b * s_q, 128
+    if cfg.kind is LayerKind.C4A:
+        seq = [cfg.seq_len] * R
+    else:  # C128A: lengths spread over the whole model length (the extra scope has variable lengths)
+        seq = torch.randint(s_q + 128, cfg.max_model_len + 1, (R,), generator=gen).tolist()
+    max_seq = max(seq)
+    # SWA: each request owns the (distinct, shuffled) blocks of its last W + s_q positions
+    swa_cols = -(-max_seq // SWA_BLOCK)
+    swa_table = torch.zeros(R, swa_cols, dtype=torch.int32)
+    tail_blocks = -(-(W + s_q) // SWA_BLOCK) + 1
+    perm = torch.randperm(R * tail_blocks, generator=gen).to(torch.int32).view(R, tail_blocks)
+    for r, s in enumerate(seq):
+        last = (s - 1) // SWA_BLOCK
+        first = max(0, last - tail_blocks + 1)
+        swa_table[r, first:last + 1] = perm[r, : last - first + 1]
+    swa_cache = _new_cache(fmt, R * tail_blocks, SWA_BLOCK, device)
+    ratio = cfg.kind.ratio
+    bs_c = COMP_BLOCK // ratio
+    comp_cols = -(-(max_seq // ratio) // bs_c)
+    comp_table = torch.randperm(R * comp_cols, generator=gen).to(torch.int32).view(R, comp_cols)
+    comp_cache = _new_cache(fmt, R * comp_cols, bs_c, device)
+    batch = StepBatch.from_lists([s_q] * R, seq, swa_table, SWA_BLOCK, {ratio: comp_table}, block_size=COMP_BLOCK,
+                                 max_model_len=cfg.max_model_len, num_decode_tokens=T, device=device)
+    topk = None
+    if cfg.kind is LayerKind.C4A:
+        pos = batch.positions.cpu()
+        visible = (pos + 1) // 4
+        topk = torch.full((T, cfg.comp_width), -1, dtype=torch.int32)
+        for t in range(T):
+            n = int(visible[t])
+            k = min(n, cfg.comp_width)
+            topk[t, :k] = torch.randperm(n, generator=gen)[:k].to(torch.int32)
+        topk = topk.to(device)
+    q, sink = _q_and_sink(T, cfg.heads, device, gen)
+    spec = ModelSpec(num_heads=cfg.heads, c4a_topk=cfg.comp_width if cfg.kind is LayerKind.C4A else 512,
+                     max_model_len=cfg.max_model_len)
+    return Case(f"{cfg.name} b={b} s_q={s_q}", cfg.kind, spec, batch, q, swa_cache, comp_cache, topk, sink, fmt,
+                R, s_q, "decode", {"config": cfg.name, "batch": b})
+
+
+def make_prefill_case(cfg: PrefillConfig, device, fmt: KVFormat = KVFormat.MODEL1_FP8, seed: int = 0) -> Case:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    torch.manual_seed(seed)
+    T, s_kv, K = cfg.s_q, cfg.s_kv, cfg.topk - 128
+    swa_cols = s_kv // SWA_BLOCK
+    swa_table = torch.randperm(swa_cols, generator=gen).to(torch.int32).view(1, swa_cols)
+    swa_cache = _new_cache(fmt, swa_cols, SWA_BLOCK, device)
+    bs_c = COMP_BLOCK // 4
+    comp_cols = -(-(s_kv // 4) // bs_c)
+    comp_table = torch.randperm(comp_cols, generator=gen).to(torch.int32).view(1, comp_cols)
+    comp_cache = _new_cache(fmt, comp_cols, bs_c, device)
+    batch = StepBatch.from_lists([T], [s_kv], swa_table, SWA_BLOCK, {4: comp_table}, block_size=COMP_BLOCK,
+                                 max_model_len=max(s_kv, 65536), num_decode_tokens=0, device=device)
+    visible = (batch.positions + 1) // 4
+    scores = torch.rand(T, s_kv // 4, device=device)
+    scores.masked_fill_(torch.arange(s_kv // 4, device=device)[None, :] >= visible[:, None], -1.0)
+    topk = scores.topk(K, dim=1).indices.to(torch.int32)
+    topk = torch.where(torch.arange(K, device=device)[None, :] < visible[:, None].clamp(max=K), topk,
+                       torch.full_like(topk, -1))
+    del scores
+    q, sink = _q_and_sink(T, cfg.heads, device, gen)
+    spec = ModelSpec(num_heads=cfg.heads, c4a_topk=K, max_model_len=max(s_kv, 65536))
+    return Case(cfg.name, LayerKind.C4A, spec, batch, q, swa_cache, comp_cache, topk, sink, fmt, 1, T, "prefill",
+                {"config": cfg.name, "s_q": T, "s_kv": s_kv, "topk": cfg.topk})
+
+
+# ---- runners ----------------------------------------------------------------------------------
+
+
+def api_runner(case: Case, backend: str):
+    """A callable running one layer through the public API, and its SparseMLA + plan."""
+    from .api import SparseMLA
+
+    mla = SparseMLA(case.spec, case.fmt, backend=backend, device=case.q.device,
+                    max_tokens=max(case.q.shape[0], 1), max_reqs=max(case.num_reqs, 1))
+    plan = mla.plan(case.batch)
+    out = torch.empty_like(case.q)
+
+    def run():
+        mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, c4a_topk=case.c4a_topk,
+                    sink=case.sink, out=out)
+
+    return run, out, plan
+
+
+def case_work(case: Case, plan) -> tuple[float, float, int]:
+    """(flops, bytes, valid keys) of a case, from the plan's row lengths."""
+    keys = int(plan.swa_lens.sum())
+    if case.kind is LayerKind.C128A:
+        keys += int(plan.c128a_lens.sum())
+    elif case.kind is LayerKind.C4A:
+        rows, lens = plan.comp_scope(LayerKind.C4A, case.c4a_topk)
+        keys += int(((rows >= 0) & (torch.arange(rows.shape[1], device=rows.device)[None, :] < lens[:, None])).sum())
+    T, H, D = case.q.shape
+    flops = 4.0 * H * D * keys
+    nbytes = keys * row_bytes(case.fmt) + 2 * T * H * D * 2
+    return flops, nbytes, keys
+
+
+def _flashmla_lib() -> str | None:
+    for path in (os.environ.get("DSV4_ATTN_FLASHMLA_LIB"), ".flashmla/_flashmla_C.abi3.so"):
+        if path and os.path.isfile(path):
+            return path
+    return None
+
+
+_RAW_LOADED: dict = {}
+
+
+def raw_flashmla_ops():
+    """torch.ops._flashmla_C, loading the library once (None when unavailable)."""
+    if "ops" not in _RAW_LOADED:
+        lib = _flashmla_lib()
+        ops = None
+        if lib is not None:
+            try:
+                torch.ops.load_library(lib)
+                ops = torch.ops._flashmla_C
+            except Exception as exc:
+                print(f"  (FlashMLA library {lib} failed to load: {exc})", file=sys.stderr)
+        _RAW_LOADED["ops"] = ops
+    return _RAW_LOADED["ops"]
+
+
+def flashmla_runner(case: Case, plan):
+    """(callable, out, how) for FlashMLA on this case, or (None, None, reason)."""
+    try:
+        from .common import backend as backend_mod
+        from .common.platform import probe
+
+        reasons = backend_mod.reasons_for("flashmla", probe(), case.spec, case.fmt, case.kind,
+                                          backend_mod.Phase(case.phase))
+    except Exception as exc:
+        reasons = [f"{type(exc).__name__}: {exc}"]
+    if not reasons:
+        try:
+            run, out, _ = api_runner(case, "flashmla")
+            return run, out, "api"
+        except Exception as exc:
+            reasons = [f"{type(exc).__name__}: {exc}"]
+    ops = raw_flashmla_ops()
+    if ops is None or case.fmt is not KVFormat.MODEL1_FP8:
+        return None, None, "; ".join(reasons) or "FlashMLA library not found"
+    T, H, D = case.q.shape
+    if H not in (64, 128):
+        return None, None, f"FlashMLA needs 64 or 128 heads, got {H}"
+    scale = case.spec.scale
+    comp_rows, comp_lens = plan.comp_scope(case.kind, case.c4a_topk)
+    if case.phase == "decode":
+        swa_kv = case.swa_cache.unsqueeze(2)
+        comp_kv = case.comp_cache.unsqueeze(2)
+        q4 = case.q.view(T, 1, H, D)
+        idx = plan.swa_rows.view(T, 1, -1)
+        eidx = comp_rows.view(T, 1, -1)
+        out = torch.empty_like(case.q)
+
+        def run():
+            ops.sparse_decode_fwd(q4, swa_kv, idx, plan.swa_lens, case.sink, None, None, comp_kv, eidx, comp_lens,
+                                  512, scale, out.view(T, 1, H, D))
+
+        return run, out, "raw op"
+    # prefill: kernel only, on a ready bf16 workspace holding the token's keys (dequantized rows)
+    from .common.layout import gather
+
+    rows = torch.cat([comp_rows, plan.swa_rows], dim=1)
+    lens_c = comp_lens
+    valid_c = torch.arange(comp_rows.shape[1], device=rows.device)[None, :] < lens_c[:, None]
+    uniq_swa = torch.unique(plan.swa_rows[plan.swa_rows >= 0])
+    uniq_comp = torch.unique(comp_rows[(comp_rows >= 0) & valid_c])
+    kv = torch.cat([gather(case.comp_cache, case.fmt, uniq_comp), gather(case.swa_cache, case.fmt, uniq_swa)])
+    kv = kv.to(torch.bfloat16).view(-1, 1, D)
+    comp_map = torch.full((int(comp_rows.max()) + 1,), -1, dtype=torch.int64, device=rows.device)
+    comp_map[uniq_comp] = torch.arange(uniq_comp.numel(), device=rows.device)
+    swa_map = torch.full((int(plan.swa_rows.max()) + 1,), -1, dtype=torch.int64, device=rows.device)
+    swa_map[uniq_swa] = torch.arange(uniq_swa.numel(), device=rows.device) + uniq_comp.numel()
+    ci = torch.where((comp_rows >= 0) & valid_c, comp_map[comp_rows.clamp(min=0).long()], -1)
+    si = torch.where(plan.swa_rows >= 0, swa_map[plan.swa_rows.clamp(min=0).long()], -1)
+    width = -(-(ci.shape[1] + si.shape[1]) // 128) * 128
+    idx = torch.full((T, width), -1, dtype=torch.int32, device=rows.device)
+    # compressed first, then SWA (vLLM's combine order), valid entries packed to the left
+    packed = torch.cat([ci, si], dim=1)
+    order = torch.argsort((packed < 0).to(torch.int8), dim=1, stable=True)
+    packed = torch.gather(packed, 1, order)
+    idx[:, : packed.shape[1]] = packed.to(torch.int32)
+    topk_len = (packed >= 0).sum(1).to(torch.int32)
+    out = torch.empty_like(case.q)
+
+    def run():
+        ops.sparse_prefill_fwd(case.q, kv, idx.view(T, 1, width), scale, 512, case.sink, topk_len, out)
+
+    return run, out, "raw op (kernel only, bf16 workspace ready)"
+
+
+# ---- the benchmark ----------------------------------------------------------------------------
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+    a, b = a.double().flatten(), b.double().flatten()
+    rel = float((a - b).norm() / b.norm().clamp_min(1e-30))
+    cos = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+    return {"max_abs": float((a - b).abs().max()), "rel_l2": rel, "cosine": cos}
+
+
+def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> dict:
+    rows = {}
+    ref_out = None
+    plan0 = None
+    for name in backends:
+        run, out, plan = api_runner(case, name)
+        plan0 = plan0 or plan
+        sec, how = time_callable(run, args.reps, flush, not args.no_graph)
+        run()
+        torch.cuda.synchronize()
+        rows[name] = {"us": sec * 1e6, "timing": how}
+        if ref_out is None:
+            ref_out = out.clone()
+        else:
+            rows[name]["vs_first"] = _compare(out, ref_out)
+    flops, nbytes, keys = case_work(case, plan0)
+    floor = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["bf16_flops_per_s"])
+    result = {"case": case.label, "phase": case.phase, **case.extra, "s_q_per_req": case.s_q,
+              "heads": case.q.shape[1], "tokens": case.q.shape[0], "valid_keys": keys, "flops": flops,
+              "bytes": nbytes, "floor_us": floor * 1e6, "backends": rows}
+    if not args.no_flashmla:
+        run, out, how = flashmla_runner(case, plan0)
+        if run is None:
+            result["flashmla"] = {"unavailable": how}
+        else:
+            try:
+                sec, timing = time_callable(run, args.reps, flush, not args.no_graph)
+                run()
+                torch.cuda.synchronize()
+                result["flashmla"] = {"us": sec * 1e6, "via": how, "timing": timing,
+                                      "vs_ours": _compare(ref_out, out)}
+            except Exception as exc:
+                result["flashmla"] = {"unavailable": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    for name, r in rows.items():
+        s = r["us"] * 1e-6
+        r["tflops"] = flops / s / 1e12
+        r["gbps"] = nbytes / s / 1e9
+        r["x_floor"] = s / floor
+        fm = result.get("flashmla", {}).get("us")
+        if fm:
+            r["speedup_vs_flashmla"] = fm / r["us"]
+    return result
+
+
+def _fmt_row(res: dict, name: str) -> str:
+    r = res["backends"][name]
+    fm = res.get("flashmla", {})
+    fm_us = f"{fm['us']:9.1f}" if "us" in fm else f"{'n/a':>9}"
+    sp = f"{r['speedup_vs_flashmla']:6.2f}x" if "speedup_vs_flashmla" in r else f"{'':>7}"
+    return (f"{res['case']:<34} {name:<10} {r['us']:9.1f} {r['tflops']:7.1f} {r['gbps']:7.0f} "
+            f"{res['floor_us']:8.1f} {r['x_floor']:6.2f} {fm_us} {sp}")
+
+
+HEADER = (f"{'case':<34} {'backend':<10} {'us':>9} {'TFLOP/s':>7} {'GB/s':>7} {'floor_us':>8} {'x_flr':>6} "
+          f"{'flashmla':>9} {'speedup':>7}")
+
+
+def plot(results: list[dict], path: str, backend: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        if r["phase"] == "decode":
+            groups.setdefault((r["config"], r["s_q_per_req"]), []).append(r)
+    if not groups:
+        return
+    n = len(groups)
+    cols = min(n, 4)
+    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(4.5 * cols, 3.6 * ((n + cols - 1) // cols)),
+                             squeeze=False)
+    for ax, ((cfg, sq), rs) in zip(axes.flat, sorted(groups.items())):
+        rs = sorted(rs, key=lambda r: r["batch"])
+        bs = [r["batch"] for r in rs]
+        ax.plot(bs, [r["backends"][backend]["us"] for r in rs], "o-", label=f"{backend} (ours)")
+        fm = [(r["batch"], r["flashmla"]["us"]) for r in rs if "us" in r.get("flashmla", {})]
+        if fm:
+            ax.plot([b for b, _ in fm], [u for _, u in fm], "s-", label="FlashMLA")
+        ax.plot(bs, [r["floor_us"] for r in rs], "k--", label="roofline floor")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (requests)")
+        ax.set_ylabel("µs per layer")
+        ax.set_title(f"{cfg}, {sq} q/req")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def register_variant(spec_str: str) -> str:
+    """Register a TritonBackend with a KernelConfig under 't:<label>'; returns the name."""
+    from .common.backend import register_backend
+    from .portable.kernels.ops import KernelConfig
+    from .portable.triton_backend import TritonBackend
+
+    label, _, body = spec_str.partition("=")
+    kw = {}
+    for item in filter(None, body.split(",")):
+        key, _, value = item.partition("=")
+        kw[key] = value if key == "dot_dtype" else int(value)
+    name = f"t:{label}"
+    register_backend(name, TritonBackend(KernelConfig(**kw)))
+    return name
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dsv4-attn bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=["decode", "prefill", "all"], default="decode")
+    p.add_argument("--configs", nargs="*", default=None,
+                   help=f"decode: {sorted(DECODE_CONFIGS)}; prefill: {sorted(PREFILL_CONFIGS)} (default all)")
+    p.add_argument("--batches", type=int, nargs="*", default=[2, 64, 128, 256])
+    p.add_argument("--mtp", type=int, nargs="*", default=[1, 2], help="query tokens per request (decode)")
+    p.add_argument("--backend", nargs="*", default=["triton"], help="our backend(s) to time (default triton)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="development: also time a triton kernel config, e.g. "
+                        "'bn64=block_n=64,num_warps=8,num_stages=2,dot_dtype=bf16' (repeatable)")
+    p.add_argument("--format", default="fp8_ds_mla", help="cache format (fp8_ds_mla, bfloat16, fp8_e4m3)")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replays")
+    p.add_argument("--no-flashmla", action="store_true")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--png", default=None, help="plot time vs batch (ours, FlashMLA, floor) here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("dsv4-attn bench: needs a CUDA/ROCm GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    fmt = KVFormat.parse(args.format)
+    for spec_str in args.variant:
+        args.backend.append(register_variant(spec_str))
+    props = torch.cuda.get_device_properties(device)
+    t0 = time.time()
+    ceilings = measure_ceilings(device)
+    flush = L2Flush(device)
+    meta = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "triton": _version("triton"), "ceilings": ceilings, "format": fmt.value,
+            "flashmla_lib": _flashmla_lib(), "reps": args.reps, "graph": not args.no_graph}
+    print(f"device {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+          f"triton {meta['triton']}; copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"bf16 mm {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s; timing: "
+          f"{'graph replay' if not args.no_graph else 'eager'}, L2 flushed, median of {args.reps}")
+    results = []
+    print(HEADER)
+    cases = []
+    if args.mode in ("decode", "all"):
+        names = [c for c in (args.configs or DECODE_CONFIGS) if c in DECODE_CONFIGS]
+        for name in names:
+            for sq in args.mtp:
+                for b in args.batches:
+                    cases.append(("decode", name, b, sq))
+    if args.mode in ("prefill", "all"):
+        names = [c for c in (args.configs or PREFILL_CONFIGS) if c in PREFILL_CONFIGS]
+        cases.extend(("prefill", name, 0, 0) for name in names)
+    for phase, name, b, sq in cases:
+        try:
+            case = (make_decode_case(DECODE_CONFIGS[name], b, sq, device, fmt) if phase == "decode"
+                    else make_prefill_case(PREFILL_CONFIGS[name], device, fmt))
+            res = run_case(case, args.backend, args, ceilings, flush)
+        except Exception as exc:
+            print(f"{phase} {name} b={b} s_q={sq}: FAILED {type(exc).__name__}: {exc}", file=sys.stderr)
+            results.append({"case": f"{name} b={b} s_q={sq}", "phase": phase, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        results.append(res)
+        for name_b in args.backend:
+            print(_fmt_row(res, name_b), flush=True)
+        if "unavailable" in res.get("flashmla", {}):
+            print(f"  flashmla: {res['flashmla']['unavailable'][:160]}")
+        del case
+        torch.cuda.empty_cache()
+    meta["seconds"] = time.time() - t0
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
+    if args.png:
+        try:
+            plot([r for r in results if "error" not in r], args.png, args.backend[0])
+        except Exception as exc:
+            print(f"plot failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return 1 if any("error" in r for r in results) else 0
+
+
+def _version(name: str) -> str | None:
+    try:
+        import importlib.metadata
+
+        return importlib.metadata.version(name)
+    except Exception:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Triton kernels of the `triton` backend (imported only when Triton is installed)."""

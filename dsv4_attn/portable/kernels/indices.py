@@ -1,0 +1,111 @@
+"""GPU front end: a step's per-token facts, SWA rows and C128A rows in ONE small launch.
+
+Same results as ``dsv4_attn.common.indices`` (``swa_rows_for`` / ``comp_rows_for`` on
+``StepBatch.positions`` etc.), computed per token from ``query_start_loc`` and ``seq_lens``
+without any host synchronisation (no ``searchsorted`` / ``.item()``), into caller buffers, so
+``plan()`` is graph-capturable and costs one launch:
+
+  token t, request r = #{i >= 1 : query_start_loc[i] <= t}   (valid iff t < query_start_loc[R])
+  pos = seq_lens[r] - (qsl[r+1] - qsl[r]) + (t - qsl[r])
+  SWA row:   slots of positions max(0, pos-W+1) .. pos, then -1;  len = min(pos+1, W)
+  C128A row: slots of compressed entries 0 .. n-1, then -1;    n = min((pos+1)//128, width)
+  slot(p) = table[r, p // bs] * bs + p % bs  (int64 arithmetic, stored int32)
+Padding tokens (t >= qsl[R]): position 0, request -1, invalid, rows all -1, lens 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _step_rows_kernel(
+    QSL, SEQ, num_reqs,
+    POS, TOK2REQ, VALID,
+    SWA_TABLE, stride_swa_t, swa_bs, swa_cols,
+    SWA_ROWS, stride_swa_r, SWA_LENS,
+    C_TABLE, stride_c_t, c_bs, c_cols,
+    C_ROWS, stride_c_r, C_LENS, c_width,
+    WINDOW: tl.constexpr, W_P2: tl.constexpr, HAS_C128: tl.constexpr, C_RATIO: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    t = tl.program_id(0)
+    # request of token t: count query_start_loc[1..R] <= t (vectorized, no searchsorted)
+    count = 0
+    for r0 in range(0, num_reqs, BLOCK_R):
+        r = r0 + 1 + tl.arange(0, BLOCK_R)
+        starts = tl.load(QSL + r, mask=r <= num_reqs, other=2147483647)
+        count += tl.sum((starts <= t).to(tl.int32), 0)
+    total = tl.load(QSL + num_reqs)
+    valid = t < total
+    req = tl.minimum(count, tl.maximum(num_reqs - 1, 0))
+    has_req = num_reqs > 0
+    q0 = tl.load(QSL + req)
+    q1 = tl.load(QSL + req + 1, mask=has_req, other=0)
+    seq = tl.load(SEQ + req, mask=has_req, other=0)
+    pos = (seq - (q1 - q0) + (t - q0)).to(tl.int64)
+    pos = tl.where(valid, pos, 0)
+    tl.store(POS + t, pos)
+    tl.store(TOK2REQ + t, tl.where(valid, req, -1).to(tl.int32))
+    tl.store(VALID + t, valid.to(tl.int1))
+    req64 = req.to(tl.int64)
+
+    # SWA row
+    j = tl.arange(0, W_P2)
+    start = tl.maximum(pos - (WINDOW - 1), 0)
+    logical = start + j
+    ok = (j < WINDOW) & (logical <= pos) & valid
+    col = logical // swa_bs
+    col = tl.minimum(col, swa_cols - 1)
+    blk = tl.load(SWA_TABLE + req64 * stride_swa_t + col, mask=ok, other=0).to(tl.int64)
+    slot = blk * swa_bs + (logical - col * swa_bs)
+    tl.store(SWA_ROWS + t.to(tl.int64) * stride_swa_r + j, tl.where(ok, slot, -1).to(tl.int32), mask=j < WINDOW)
+    tl.store(SWA_LENS + t, tl.where(valid, tl.minimum(pos + 1, WINDOW), 0).to(tl.int32))
+
+    if HAS_C128:
+        n = tl.where(valid, tl.minimum((pos + 1) // C_RATIO, c_width), 0)
+        for c0 in range(0, c_width, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            okc = c < n
+            ccol = tl.minimum(c // c_bs, c_cols - 1)
+            cblk = tl.load(C_TABLE + req64 * stride_c_t + ccol, mask=okc, other=0).to(tl.int64)
+            cslot = cblk * c_bs + (c - ccol * c_bs)
+            tl.store(C_ROWS + t.to(tl.int64) * stride_c_r + c, tl.where(okc, cslot, -1).to(tl.int32),
+                     mask=c < c_width)
+        tl.store(C_LENS + t, n.to(tl.int32))
+
+
+def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int,
+                    swa_table: torch.Tensor, swa_block_size: int, window: int,
+                    positions: torch.Tensor, token_to_req: torch.Tensor, token_valid: torch.Tensor,
+                    swa_rows: torch.Tensor, swa_lens: torch.Tensor,
+                    c128_table: torch.Tensor | None = None, c128_block_size: int = 2,
+                    c128_rows: torch.Tensor | None = None, c128_lens: torch.Tensor | None = None) -> None:
+    """Fill the step buffers (first ``num_tokens`` rows of each) in one launch.
+
+    positions int64 [>=T], token_to_req int32 [>=T], token_valid bool [>=T], swa_rows int32
+    [>=T, window] (last dim contiguous), swa_lens int32 [>=T]; optionally the C128A rows int32
+    [>=T, width] and lens from the ratio-128 block table. Inputs are not validated here.
+    """
+    T = num_tokens
+    if T == 0:
+        return
+    R = query_start_loc.shape[0] - 1
+    has_c = c128_table is not None
+    ct = c128_table if has_c else swa_table
+    cr = c128_rows if has_c else swa_rows
+    cl = c128_lens if has_c else swa_lens
+    width = cr.shape[1] if has_c else 0
+    _step_rows_kernel[(T,)](
+        query_start_loc, seq_lens, R,
+        positions, token_to_req, token_valid,
+        swa_table, swa_table.stride(0), swa_block_size, swa_table.shape[1],
+        swa_rows, swa_rows.stride(0), swa_lens,
+        ct, ct.stride(0), c128_block_size if has_c else 1, ct.shape[1],
+        cr, cr.stride(0), cl, width,
+        WINDOW=window, W_P2=triton.next_power_of_2(window), HAS_C128=has_c, C_RATIO=128,
+        BLOCK_R=min(1024, triton.next_power_of_2(max(R, 1))), BLOCK_C=min(1024, triton.next_power_of_2(max(width, 1))),
+        num_warps=4,
+    )

@@ -1,0 +1,189 @@
+"""Python launchers of the Triton kernels (no validation here: the backend validates first)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import attention as K
+
+LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns scalar tensors (1-element 1-d numpy arrays) into ints with
+    ``int(array)``, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted");
+    loops with tensor bounds then fail. Convert through ``.reshape(-1)[0]`` instead."""
+    try:
+        from triton.runtime import interpreter as interp
+    except Exception:  # pragma: no cover - other Triton versions
+        return
+    orig = getattr(interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_dsv4_patched", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._dsv4_patched = True
+    interp._patch_lang_tensor = patched
+
+
+if interpreting():
+    _patch_interpreter_index()
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape and launch knobs. ``split`` 0 = choose from the grid size."""
+
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 1
+    split: int = 0
+    dot_dtype: str = "auto"  # auto | fp16 | bf16 | fp32
+
+    def dt(self):
+        name = self.dot_dtype
+        if name == "auto":
+            name = "fp32" if interpreting() else "fp16"
+        return {"fp16": K.tl.float16, "bf16": K.tl.bfloat16, "fp32": K.tl.float32}[name]
+
+
+DEFAULT_CONFIG = KernelConfig()
+_FMT_CODE = {"fp8_ds_mla": K.FMT_MODEL1, "bfloat16": K.FMT_BF16, "fp8_e4m3": K.FMT_FP8}
+
+
+def _cache_views(cache: torch.Tensor, fmt_code: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(byte view, 16-bit view, block stride in the kernel's element unit, block size)."""
+    nb, bs, row = cache.shape
+    stride0 = cache.stride(0) if nb > 1 else max(cache.stride(0), bs * row)
+    if fmt_code == K.FMT_BF16:
+        return cache, cache, stride0, bs
+    u8 = cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
+    if fmt_code == K.FMT_MODEL1:
+        # same bytes seen as bf16 for the RoPE part (byte offsets used there are even)
+        b16 = u8.view(torch.bfloat16)
+        return u8, b16, stride0, bs
+    return u8, u8, stride0, bs
+
+
+def choose_split(num_programs: int, max_tiles: int, device: torch.device, requested: int = 0) -> int:
+    if requested > 0:
+        return max(1, min(requested, max_tiles))
+    sms = num_sms(device)
+    if num_programs >= sms or max_tiles <= 1:
+        return 1
+    return max(1, min(max_tiles, sms // num_programs))
+
+
+def sparse_mla_fwd(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    fmt: str,
+    swa_cache: torch.Tensor,
+    swa_rows: torch.Tensor,
+    swa_lens: torch.Tensor,
+    comp_cache: torch.Tensor | None = None,
+    comp_rows: torch.Tensor | None = None,
+    comp_lens: torch.Tensor | None = None,
+    c4a: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    sink: torch.Tensor | None = None,
+    scale: float = 512**-0.5,
+    kv_scale: float = 1.0,
+    swa_fnuz: bool = False,
+    comp_fnuz: bool = False,
+    lse: torch.Tensor | None = None,
+    config: KernelConfig = DEFAULT_CONFIG,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Two-scope sparse attention into ``out`` [T, H, 512] (bf16, written in place).
+
+    swa_rows int32 [T, W] global slots (+ swa_lens [T]). Compressed scope (optional):
+    ``comp_rows`` int32 [T, K] global slots + ``comp_lens`` [T], or, for C4A, ``comp_rows`` =
+    LOCAL top-k [T, K] with ``c4a = (block_table int32 [R, nb], token_to_req int32 [T],
+    positions int64 [T])`` (translated in the kernel; lens = min((pos+1)//4, K)).
+    ``lse`` optional float32 [T, H] (natural log, sink excluded, -inf for empty rows).
+    """
+    T, H, _ = q.shape
+    if T == 0:
+        return out
+    fmt_code = _FMT_CODE[fmt]
+    a_u8, a_16, a_s0, a_bs = _cache_views(swa_cache, fmt_code)
+    if comp_cache is not None:
+        b_u8, b_16, b_s0, b_bs = _cache_views(comp_cache, fmt_code)
+        comp_mode = K.COMP_C4A_LOCAL if c4a is not None else K.COMP_GLOBAL
+        b_width = comp_rows.shape[1]
+    else:
+        b_u8, b_16, b_s0, b_bs = a_u8, a_16, a_s0, a_bs
+        comp_mode = K.COMP_NONE
+        b_width = 0
+        comp_rows, comp_lens = swa_rows, swa_lens
+    if comp_lens is None:
+        comp_lens = swa_lens
+    if c4a is not None:
+        bt, tok2req, pos = c4a
+    else:
+        bt, tok2req, pos = swa_rows, swa_lens, swa_lens
+    block_h = 64 if H >= 64 else max(16, triton.next_power_of_2(H))
+    n_hb = triton.cdiv(H, block_h)
+    bn = config.block_n
+    max_tiles = triton.cdiv(swa_rows.shape[1], bn) + (triton.cdiv(b_width, bn) if comp_mode else 0)
+    split = choose_split(T * n_hb, max_tiles, q.device, config.split)
+    if split > 1:
+        need = T * split * H * (512 + 2)
+        if workspace is None or workspace.numel() < need:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        po = workspace[: T * split * H * 512]
+        pml = workspace[T * split * H * 512: need]
+    else:
+        po = pml = out  # unused
+    write_lse = lse is not None
+    lse_t = lse if write_lse else out
+    sink_t = sink if sink is not None else out
+    stride_lt = lse.stride(0) if write_lse else 0
+    grid = (T * n_hb * split,)
+    K.sparse_mla_fwd_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        out, out.stride(0), out.stride(1),
+        lse_t, stride_lt, sink_t,
+        a_u8, a_16, a_s0, a_bs, swa_rows, swa_rows.stride(0), swa_lens,
+        b_u8, b_16, b_s0, b_bs, comp_rows, comp_rows.stride(0), comp_lens,
+        bt, bt.stride(0), tok2req, pos, b_width,
+        po, pml,
+        H, scale * LOG2E, float(kv_scale),
+        FMT=fmt_code, A_FNUZ=bool(swa_fnuz), B_FNUZ=bool(comp_fnuz),
+        COMP=comp_mode, C4A_RATIO=4,
+        HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
+        SPLIT=split, BLOCK_H=block_h, BLOCK_N=bn, DT=config.dt(),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split > 1:
+        bh_c = min(16, block_h)
+        bd = 128
+        K.combine_kernel[(T, triton.cdiv(H, bh_c), 512 // bd)](
+            po, pml, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H,
+            SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), HAS_SINK=sink is not None,
+            WRITE_LSE=write_lse, BLOCK_H=bh_c, BLOCK_D=bd, num_warps=4,
+        )
+    return out

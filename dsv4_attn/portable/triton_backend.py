@@ -1,0 +1,113 @@
+"""Backend `triton`: portable Triton kernels (NVIDIA through Triton's CUDA backend, AMD through ROCm).
+
+One launch per layer (two when a small batch splits the key range): every token attends its SWA
+rows and its compressed rows with one online softmax and the sink, reading the caches in place
+(MODEL1_FP8 dequantized in registers, BF16, FP8_TENSOR), C4A local top-k translated to global
+slots inside the kernel. See ``dsv4_attn/portable/kernels/attention.py``.
+
+Refusals (``unsupported_reasons``): Triton not importable; no GPU (on CPU the kernels only run
+under ``TRITON_INTERPRET=1``, which tests use); NVIDIA GPUs older than sm_89 for the fp8 formats
+(Triton's e4m3 conversions need sm_89+) or older than sm_80 at all.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from ..common.backend import Backend, Capabilities, LayerInputs, Phase
+from ..common.layout import Fp8Dialect, KVFormat, check_cache
+from ..common.platform import Platform
+from ..common.plan import StepPlan
+from ..common.spec import LayerKind, ModelSpec
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    capabilities = Capabilities(
+        platforms="NVIDIA sm_80+ (fp8 formats sm_89+), AMD ROCm (through Triton)",
+        formats=(KVFormat.MODEL1_FP8, KVFormat.BF16, KVFormat.FP8_TENSOR),
+        heads="1-128 (blocks of 64; fewer heads padded inside the kernel)",
+        validated="H100 (hardware); CPU via TRITON_INTERPRET=1 (logic only)",
+        notes="one launch per layer (+1 small combine when few tokens split the key range)",
+    )
+
+    def __init__(self, config=None) -> None:
+        self._config = config  # kernels.ops.KernelConfig or None (defaults)
+
+    def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
+                            phase: Phase) -> list[str]:
+        reasons = []
+        if importlib.util.find_spec("triton") is None:
+            return ["Triton is not installed (pip install triton; on ROCm the pytorch-triton-rocm build)"]
+        try:
+            import triton  # noqa: F401
+        except Exception as exc:  # a broken install is a reason, not a crash
+            return [f"Triton failed to import: {type(exc).__name__}: {exc}"]
+        fmt = KVFormat.parse(fmt)
+        if platform.vendor == "cpu":
+            if not _interpreting():
+                reasons.append("needs a GPU (NVIDIA sm_80+ or AMD ROCm); on CPU the Triton kernels run only "
+                               "under TRITON_INTERPRET=1 (slow, for tests): use backend 'torch'")
+        elif platform.vendor == "cuda":
+            cap = platform.capability
+            if cap is None:
+                reasons.append(f"unknown NVIDIA arch {platform.arch!r}")
+            elif cap < (8, 0):
+                reasons.append(f"needs NVIDIA sm_80 or newer, got {platform.arch}")
+            elif fmt.uses_fp8 and cap < (8, 9):
+                reasons.append(f"format {fmt.value} needs fp8 (e4m3) conversions: NVIDIA sm_89 or newer, "
+                               f"got {platform.arch}")
+        elif platform.vendor != "rocm":
+            reasons.append(f"unsupported platform {platform.vendor}/{platform.arch}")
+        return reasons
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
+        from .kernels import ops
+
+        T = plan.num_tokens
+        if T == 0:
+            return
+        fmt = KVFormat.parse(layer.fmt)
+        swa_geo = check_cache(layer.swa_cache, fmt, "swa_cache", layer.swa_dialect)
+        self._check_model1_stride("swa_cache", layer.swa_cache, fmt, swa_geo.block_stride)
+        comp_rows = comp_lens = c4a = None
+        comp_cache = None
+        if layer.kind is LayerKind.C128A:
+            comp_cache = layer.comp_cache
+            comp_rows, comp_lens = plan.comp_scope(LayerKind.C128A)
+        elif layer.kind is LayerKind.C4A:
+            comp_cache = layer.comp_cache
+            topk = layer.c4a_topk[:T]
+            comp_rows = topk
+            c4a = (plan.batch.comp_block_table(LayerKind.C4A), plan.token_to_req, plan.positions)
+        if comp_cache is not None:
+            geo = check_cache(comp_cache, fmt, "comp_cache", layer.comp_dialect)
+            self._check_model1_stride("comp_cache", comp_cache, fmt, geo.block_stride)
+            if comp_rows.stride(-1) != 1:
+                raise ValueError(f"c4a_topk: got strides {tuple(comp_rows.stride())}; allowed: last dim contiguous")
+        kwargs = {}
+        if self._config is not None:
+            kwargs["config"] = self._config
+        ops.sparse_mla_fwd(
+            layer.q, out, fmt.value, layer.swa_cache, plan.swa_rows, plan.swa_lens,
+            comp_cache=comp_cache, comp_rows=comp_rows, comp_lens=comp_lens, c4a=c4a,
+            sink=layer.sink, scale=layer.softmax_scale, kv_scale=layer.kv_scale,
+            swa_fnuz=layer.swa_dialect is Fp8Dialect.FNUZ, comp_fnuz=layer.comp_dialect is Fp8Dialect.FNUZ,
+            **kwargs,
+        )
+
+    @staticmethod
+    def _check_model1_stride(name: str, cache: torch.Tensor, fmt: KVFormat, stride0: int) -> None:
+        # the kernel reads the bf16 RoPE values through a 2-byte view of the cache
+        if fmt is KVFormat.MODEL1_FP8 and (stride0 % 2 or cache.storage_offset() % 2):
+            raise ValueError(f"{name}: got block stride {stride0} bytes and storage offset "
+                             f"{cache.storage_offset()}; allowed: both even for the triton backend "
+                             "(vLLM pages are multiples of 576 bytes)")

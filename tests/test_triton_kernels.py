@@ -1,0 +1,270 @@
+"""Backend `triton` against the float64 reference (DESIGN.md §5 edge cases, small shapes).
+
+On a machine without a GPU the kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``
+is set before the kernels are imported; the interpreter is process-wide, so these CPU tests are
+skipped on GPU machines, where the same cases run compiled and are marked ``gpu``). Every test
+draws fresh random inputs, poisons the output with NaN, checks every element was written and
+reports max abs error, relative L2 and cosine against ``common.reference.sparse_mla``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+
+import dsv4_attn as dsv4  # noqa: E402
+from dsv4_attn.common import backend as backend_mod  # noqa: E402
+from dsv4_attn.common import layout, reference  # noqa: E402
+from dsv4_attn.common.spec import LayerKind  # noqa: E402
+
+from conftest import compare  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def _backend(name: str, **cfg) -> str:
+    """Register a TritonBackend with a small-tile KernelConfig (more tiles per row on tiny shapes)."""
+    from dsv4_attn.portable.kernels.ops import KernelConfig
+    from dsv4_attn.portable.triton_backend import TritonBackend
+
+    backend_mod.register_backend(name, TritonBackend(KernelConfig(**cfg)))
+    return name
+
+
+def _filled_cache(fmt, num_blocks, block_size, gen, dialect="ocp", block_stride=None, scale=None):
+    cache = layout.new_cache(fmt, num_blocks, block_size, dialect=dialect, block_stride=block_stride)
+    n = num_blocks * block_size
+    kv = (torch.randn(n, 512, generator=gen) * 2).bfloat16()
+    layout.insert(cache, fmt, torch.arange(n, dtype=torch.int32), kv, dialect=dialect, scale=scale)
+    return cache.to(DEVICE) if DEVICE != "cpu" else cache
+
+
+def make_case(gen, query_lens, seq_lens, heads=16, fmt="fp8_ds_mla", topk=32, max_model_len=33280,
+              swa_bs=64, block_size=256, num_tokens=None, swa_dialect="ocp", kv_scale=None):
+    """A step with shuffled block tables, both compressed caches and C4A top-k rows whose lanes
+    past the valid prefix hold garbage (stale, negative or huge local positions)."""
+    R = len(query_lens)
+    spec = dsv4.ModelSpec(num_heads=heads, c4a_topk=topk, max_model_len=max_model_len)
+    swa_blocks = -(-max(seq_lens) // swa_bs)
+    c4_bs, c128_bs = block_size // 4, block_size // 128
+    c4_blocks = -(-(max(seq_lens) // 4) // c4_bs) + 1
+    c128_blocks = -(-(max(seq_lens) // 128) // c128_bs) + 1
+    tables = {
+        "swa": torch.randperm(R * swa_blocks, generator=gen).int().view(R, swa_blocks),
+        4: torch.randperm(R * c4_blocks, generator=gen).int().view(R, c4_blocks),
+        128: torch.randperm(R * c128_blocks, generator=gen).int().view(R, c128_blocks),
+    }
+    batch = dsv4.StepBatch.from_lists(query_lens, seq_lens, tables["swa"], swa_bs, {4: tables[4], 128: tables[128]},
+                                      block_size, max_model_len, num_tokens=num_tokens, device=DEVICE)
+    T = batch.num_tokens
+    pos = batch.positions.cpu()
+    n4 = (pos + 1) // 4
+    topk_local = torch.randint(-5, 10**6, (T, topk), generator=gen).int()
+    for t in range(T):
+        k = min(int(n4[t]), topk)
+        topk_local[t, :k] = torch.randperm(int(n4[t]), generator=gen)[:k].int()
+    scale = None if kv_scale is None else kv_scale
+    caches = {
+        "swa": _filled_cache(fmt, R * swa_blocks, swa_bs, gen, dialect=swa_dialect, scale=scale),
+        LayerKind.C4A: _filled_cache(fmt, R * c4_blocks, c4_bs, gen, scale=scale),
+        LayerKind.C128A: _filled_cache(fmt, R * c128_blocks, c128_bs, gen, scale=scale),
+    }
+    q = torch.randn(T, heads, 512, generator=gen).bfloat16().to(DEVICE)
+    sink = torch.randn(heads, generator=gen).to(DEVICE)
+    return spec, batch, caches, topk_local.to(DEVICE), q, sink
+
+
+def run_and_check(mla, plan, kind, q, caches, topk, sink, fmt="fp8_ds_mla", kv_scale=1.0, swa_dialect="ocp",
+                  tol=1e-2):
+    comp = caches.get(kind)
+    out = torch.full_like(q, float("nan"))
+    mla.forward(plan, kind, q, caches["swa"], comp, c4a_topk=topk if kind is LayerKind.C4A else None,
+                sink=sink, out=out, kv_scale=kv_scale, validate=True)
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} output elements not written"
+    rows, lens = plan.comp_scope(kind, topk if kind is LayerKind.C4A else None)
+    ref, _ = reference.sparse_mla(q, caches["swa"], plan.swa_rows, plan.swa_lens, comp, rows, lens, sink,
+                                  mla.spec.scale, fmt, kv_scale=kv_scale if fmt == "fp8_e4m3" else None,
+                                  swa_dialect=swa_dialect)
+    err = compare(out, ref)
+    print(f"{kind.name} {fmt}: max_abs {err['max_abs']:.2e} rel_l2 {err['rel_l2']:.2e} cos {err['cosine']:.6f}")
+    if ref.abs().max() > 0:
+        assert err["rel_l2"] < tol and err["cosine"] > 0.9999, err
+    assert err["max_abs"] < 5e-2, err
+    return out, ref
+
+
+def _devices():
+    return [pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only "
+                                                                        "machines (the GPU run compiles)")),
+            pytest.param("cuda", marks=[gpu, needs_gpu])]
+
+
+# ---- every kind x format, mixed decode / MTP / prefill / short sequences ------------------------
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("kind", list(LayerKind))
+def test_kinds_and_formats(device, kind, fmt, gen):
+    name = _backend("triton-t16", block_n=16)
+    # decode (long), MTP pair, a prefill chunk crossing the window start, a very short request
+    # (pos < W, no compressed key yet for its first tokens), one long C128A request
+    kv_scale = 0.5 if fmt == "fp8_e4m3" else 1.0
+    spec, batch, caches, topk, q, sink = make_case(gen, [1, 2, 6, 3, 1], [300, 131, 70, 3, 33000], fmt=fmt,
+                                                   kv_scale=kv_scale if fmt == "fp8_e4m3" else None)
+    mla = dsv4.SparseMLA(spec, fmt, backend=name)
+    plan = mla.plan(batch)
+    run_and_check(mla, plan, kind, q, caches, topk, sink, fmt, kv_scale=kv_scale)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_sinks_padded_heads_and_split(device, gen):
+    """±inf sinks, 20 real heads padded to 24 (sink -inf on the padding), and the split-KV path
+    (partials + combine) against the unsplit kernel."""
+    spec, batch, caches, topk, q, _ = make_case(gen, [1, 1, 2], [200, 90, 41], heads=20)
+    H = 24
+    q = torch.cat([q, torch.zeros(q.shape[0], 4, 512, dtype=q.dtype, device=q.device)], dim=1)
+    sink = torch.randn(H, generator=gen).to(DEVICE)
+    sink[1], sink[2], sink[20:] = math.inf, -math.inf, -math.inf
+    for split in (1, 3):
+        name = _backend(f"triton-s{split}", block_n=16, split=split)
+        mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend=name)
+        plan = mla.plan(batch)
+        out, ref = run_and_check(mla, plan, LayerKind.C4A, q, caches, topk, sink)
+        assert out[:, 1].abs().max() == 0  # +inf sink zeroes its head
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_empty_rows_padding_tokens_and_fnuz(device, gen):
+    """Padding tokens (graph-padded batch: rows all -1, lens 0) write 0; an FNUZ SWA cache."""
+    name = _backend("triton-t16", block_n=16)
+    spec, batch, caches, topk, q, sink = make_case(gen, [1, 1], [5, 64], num_tokens=5, swa_dialect="fnuz")
+    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend=name, swa_dialect="fnuz")
+    plan = mla.plan(batch)
+    out, _ = run_and_check(mla, plan, LayerKind.C128A, q, caches, topk, sink, swa_dialect="fnuz")
+    assert out[2:].abs().max() == 0
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("swa_bs,block_size", [(1, 256), (2, 512), (256, 256)])
+def test_block_sizes(device, swa_bs, block_size, gen):
+    """SWA block sizes 1/2/256 and compressed blocks of 64/128 (C4A) and 2/4 (C128A) entries."""
+    name = _backend("triton-t32", block_n=32)
+    spec, batch, caches, topk, q, sink = make_case(gen, [1, 3], [700, 260], swa_bs=swa_bs, block_size=block_size)
+    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend=name)
+    plan = mla.plan(batch)
+    for kind in (LayerKind.C4A, LayerKind.C128A):
+        run_and_check(mla, plan, kind, q, caches, topk, sink)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_kernel_lse_and_all_invalid_rows(device, gen):
+    """The raw kernel entry: natural-log lse without the sink, rows whose indices are all -1,
+    interleaved -1 entries, a cache with a padded block stride, and the split path."""
+    from dsv4_attn.portable.kernels.ops import KernelConfig, sparse_mla_fwd
+
+    T, H, W, K = 4, 16, 24, 40
+    fmt = "fp8_ds_mla"
+    swa = _filled_cache(fmt, 6, 16, gen, block_stride=layout.model1_page_bytes(16) + 576)
+    comp = _filled_cache(fmt, 5, 16, gen)
+    rows = torch.randint(0, 96, (T, W), generator=gen).int()
+    rows[:, 5] = -1
+    rows[2] = -1  # all invalid
+    lens = torch.tensor([24, 7, 24, 0], dtype=torch.int32)
+    crows = torch.randint(0, 80, (T, K), generator=gen).int()
+    crows[0, ::3] = -1
+    clens = torch.tensor([40, 0, 0, 13], dtype=torch.int32)
+    q = torch.randn(T, H, 512, generator=gen).bfloat16()
+    sink = torch.randn(H, generator=gen)
+    args = [x.to(DEVICE) for x in (rows, lens, crows, clens, q, sink)]
+    rows, lens, crows, clens, q, sink = args
+    ref, ref_lse = reference.sparse_mla(q, swa, rows, lens, comp, crows, clens, sink, 512**-0.5, fmt)
+    for split in (1, 4):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((T, H), float("nan"), device=DEVICE)
+        sparse_mla_fwd(q, out, fmt, swa, rows, lens, comp, crows, clens, sink=sink, lse=lse,
+                       config=KernelConfig(block_n=16, split=split))
+        assert not out.isnan().any() and not lse.isnan().any()
+        err = compare(out, ref)
+        assert err["rel_l2"] < 1e-2 and err["cosine"] > 0.9999, err
+        assert out[2].abs().max() == 0 and torch.isinf(lse[2]).all() and (lse[2] < 0).all()
+        fin = torch.isfinite(ref_lse)
+        assert (lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-3
+        assert torch.equal(torch.isfinite(lse).cpu(), fin.cpu())
+
+
+# ---- GPU front end (plan rows in one launch) --------------------------------------------------
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_gpu_index_builder_matches_common(device, gen):
+    from dsv4_attn.common import indices
+    from dsv4_attn.portable.kernels.indices import build_step_rows
+
+    spec, batch, *_ = make_case(gen, [1, 2, 5, 1, 3], [300, 131, 70, 3, 33000], num_tokens=14, swa_bs=2)
+    T, W, width = batch.num_tokens, 128, spec.c128a_width
+    tok = indices.Tokens.of(batch)
+    want_swa = indices.swa_rows_for(tok, batch.swa_block_table, batch.swa_block_size, W)
+    want_c = indices.comp_rows_for(tok, LayerKind.C128A, batch.comp_block_tables[128], batch.comp_block_size(128),
+                                   width)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    bufs = dict(positions=torch.full((T,), -7, dtype=torch.int64, device=DEVICE),
+                token_to_req=torch.full((T,), -7, **i32), token_valid=torch.zeros(T, dtype=torch.bool, device=DEVICE),
+                swa_rows=torch.full((T, W), -7, **i32), swa_lens=torch.full((T,), -7, **i32),
+                c128_rows=torch.full((T, width), -7, **i32), c128_lens=torch.full((T,), -7, **i32))
+    build_step_rows(batch.query_start_loc, batch.seq_lens, T, batch.swa_block_table, batch.swa_block_size, W,
+                    bufs["positions"], bufs["token_to_req"], bufs["token_valid"], bufs["swa_rows"], bufs["swa_lens"],
+                    batch.comp_block_tables[128], batch.comp_block_size(128), bufs["c128_rows"], bufs["c128_lens"])
+    assert torch.equal(bufs["positions"], batch.positions)
+    assert torch.equal(bufs["token_to_req"], batch.token_to_req)
+    assert torch.equal(bufs["token_valid"], batch.token_valid)
+    assert torch.equal(bufs["swa_rows"], want_swa[0]) and torch.equal(bufs["swa_lens"], want_swa[1])
+    assert torch.equal(bufs["c128_rows"], want_c[0]) and torch.equal(bufs["c128_lens"], want_c[1])
+
+
+# ---- refusals -----------------------------------------------------------------------------------
+
+
+def test_refusal_reasons(monkeypatch):
+    from dsv4_attn.common.layout import KVFormat
+    from dsv4_attn.common.platform import Platform
+    from dsv4_attn.portable import triton_backend as tb
+
+    b = tb.TritonBackend()
+    spec = dsv4.ModelSpec(num_heads=64)
+    args = (spec, KVFormat.MODEL1_FP8, LayerKind.C4A, backend_mod.Phase.DECODE)
+    ampere = Platform("cuda", "sm80", "A100", torch.__version__)
+    assert any("sm_89" in r for r in b.unsupported_reasons(ampere, *args))
+    assert b.unsupported_reasons(ampere, spec, KVFormat.BF16, LayerKind.C4A, backend_mod.Phase.DECODE) == []
+    volta = Platform("cuda", "sm70", "V100", torch.__version__)
+    assert any("sm_80" in r for r in b.unsupported_reasons(volta, *args))
+    assert b.unsupported_reasons(Platform("cuda", "sm90", "H100", torch.__version__), *args) == []
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert any("needs a GPU" in r for r in b.unsupported_reasons(Platform("cpu", "cpu", "cpu", "x"), *args))
+    monkeypatch.setattr(tb.importlib.util, "find_spec", lambda name: None)
+    assert any("Triton is not installed" in r for r in b.unsupported_reasons(ampere, *args))
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_odd_block_stride_is_refused_before_launch(device, gen):
+    name = _backend("triton-t16", block_n=16)
+    spec, batch, caches, topk, q, sink = make_case(gen, [1], [40])
+    bad = layout.new_cache("fp8_ds_mla", 2, 64, device=DEVICE, block_stride=layout.model1_page_bytes(64) + 1)
+    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend=name)
+    plan = mla.plan(batch)
+    with pytest.raises(ValueError, match="swa_cache"):
+        mla.forward(plan, LayerKind.SWA, q, bad, sink=sink)
