@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from dataclasses import dataclass
 
 HEAD_DIM = 512
@@ -50,9 +51,9 @@ class LayerKind(enum.IntEnum):
                 return cls[value.upper()]
             except KeyError:
                 pass
-        else:
-            try:
-                return cls(int(value))
+        elif not isinstance(value, bool):
+            try:  # operator.index: ints (numpy ints too) but never 4.5 -> 4
+                return cls(operator.index(value))
             except (ValueError, TypeError):
                 pass
         raise ValueError(

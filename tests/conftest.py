@@ -1,0 +1,66 @@
+"""Shared test helpers for the whole suite (small and generic on purpose).
+
+- ``compare(out, ref)``: the three error numbers every numeric test reports.
+- ``gen``: a seeded torch.Generator per test (seed derived from the test's name, so a test's
+  inputs are reproducible and independent of which other tests ran).
+- ``e4m3_value(byte, dialect)``: an fp8 e4m3 byte's value decoded from the bit fields by hand
+  (independent of torch's float8 dtypes, for byte-level and dequantization checks).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """max abs error, relative L2 error ``|out-ref| / |ref|`` and cosine similarity, in float64.
+
+    Both tensors must be finite; an all-zero ``ref`` gives rel_l2 = |out| and cosine 1 iff out is 0.
+    """
+    a, b = out.detach().double().flatten().cpu(), ref.detach().double().flatten().cpu()
+    if a.shape != b.shape:
+        raise ValueError(f"compare: shapes differ: {tuple(out.shape)} vs {tuple(ref.shape)}")
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise ValueError("compare: non-finite values (check NaN poisoning / masking first)")
+    diff = a - b
+    ref_norm, out_norm = b.norm().item(), a.norm().item()
+    rel = diff.norm().item() / ref_norm if ref_norm > 0 else diff.norm().item()
+    if ref_norm > 0 and out_norm > 0:
+        cosine = (a @ b).item() / (ref_norm * out_norm)
+    else:
+        cosine = 1.0 if ref_norm == out_norm == 0 else 0.0
+    return {"max_abs": diff.abs().max().item() if diff.numel() else 0.0, "rel_l2": rel, "cosine": cosine}
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A torch.Generator seeded from the test's node id (stable across runs and orderings)."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def e4m3_value(byte: int, dialect: str = "ocp") -> float:
+    """Value of one e4m3 byte from its bit fields (sign 1, exponent 4, mantissa 3).
+
+    OCP e4m3fn: bias 7, 0x7F/0xFF are NaN, no infinities. FNUZ e4m3fnuz: bias 8, 0x80 is the
+    only NaN, no negative zero, no infinities.
+    """
+    sign, exp, man = byte >> 7, (byte >> 3) & 0xF, byte & 0x7
+    if dialect == "ocp":
+        bias = 7
+        if byte & 0x7F == 0x7F:
+            return math.nan
+    else:
+        bias = 8
+        if byte == 0x80:
+            return math.nan
+    mag = (man / 8) * 2.0 ** (1 - bias) if exp == 0 else (1 + man / 8) * 2.0 ** (exp - bias)
+    return -mag if sign else mag
+
+
+def e4m3_table(dialect: str = "ocp") -> torch.Tensor:
+    """float64 [256]: ``e4m3_value`` of every byte (index a uint8 tensor with ``.long()``)."""
+    return torch.tensor([e4m3_value(b, dialect) for b in range(256)], dtype=torch.float64)
