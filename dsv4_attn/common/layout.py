@@ -230,6 +230,12 @@ def _check_scale(fmt: KVFormat, scale) -> float:
     return float(scale)
 
 
+def _check_rows(name: str, t, dtype: torch.dtype, width: int) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 2 or t.shape[1] != width:
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: got {got}; allowed: {dtype} [N, {width}]")
+
+
 def quantize_model1(kv: torch.Tensor, dialect: Fp8Dialect = Fp8Dialect.OCP) -> torch.Tensor:
     """bf16 ``[N, 512]`` -> uint8 ``[N, 584]``: the 576 data bytes then the 8 scale bytes.
 
@@ -237,6 +243,7 @@ def quantize_model1(kv: torch.Tensor, dialect: Fp8Dialect = Fp8Dialect.OCP) -> t
     q = fp8(clamp(x / 2^e, ±max)); stored exponent byte = clamp(e + 127, 0, 255). RoPE dims are
     the bf16 bytes unchanged.
     """
+    _check_rows("kv", kv, torch.bfloat16, HEAD_DIM)
     n = kv.shape[0]
     x = kv[:, :NOPE_DIM].float().reshape(n, NUM_QUANT_TILES, QUANT_TILE)
     amax = x.abs().amax(dim=-1).clamp_min(1e-4)
@@ -251,6 +258,7 @@ def quantize_model1(kv: torch.Tensor, dialect: Fp8Dialect = Fp8Dialect.OCP) -> t
 
 def dequantize_model1(rows: torch.Tensor, dialect: Fp8Dialect = Fp8Dialect.OCP) -> torch.Tensor:
     """uint8 ``[N, 584]`` (576 data bytes + 8 scale bytes) -> float32 ``[N, 512]``."""
+    _check_rows("rows", rows, torch.uint8, MODEL1_TOKEN_BYTES)
     n = rows.shape[0]
     nope = rows[:, :NOPE_DIM].contiguous().view(dialect.torch_dtype).float()
     rope = rows[:, NOPE_DIM:MODEL1_DATA_BYTES].contiguous().view(torch.bfloat16).float()
@@ -276,9 +284,7 @@ def insert(
     dialect = Fp8Dialect.parse(dialect)
     geo = check_cache(cache, fmt, "cache", dialect)
     kv_scale = _check_scale(fmt, scale)
-    if not isinstance(kv, torch.Tensor) or kv.dtype != torch.bfloat16 or kv.dim() != 2 or kv.shape[1] != HEAD_DIM:
-        got = f"{kv.dtype} {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv).__name__
-        raise ValueError(f"kv: got {got}; allowed: torch.bfloat16 [N, {HEAD_DIM}]")
+    _check_rows("kv", kv, torch.bfloat16, HEAD_DIM)
     if kv.device != cache.device:
         raise ValueError(f"kv: got device {kv.device}; allowed: the cache's device {cache.device}")
     _check_slots(slots, "slots", cache.device, geo.num_slots)
