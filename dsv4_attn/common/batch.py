@@ -149,12 +149,13 @@ class StepBatch:
                 f"(request {r} needs cdiv({int(lengths[r])}, {block_size}) blocks)"
             )
         used = torch.arange(table.shape[1])[None, :] < need[:, None]
-        rows = table[: lengths.shape[0]].cpu()
-        if bool((rows.long().lt(0) & used).any()):
+        rows = table[: lengths.shape[0]].cpu().long()
+        if bool((rows.lt(0) & used).any()):
             raise ValueError(f"{name}: got a negative block id in a used column; allowed: block ids >= 0")
-        if rows.numel() and (int(rows.max()) + 1) * block_size > 2**31:
+        used_ids = rows[used]  # unused columns may hold anything: no kernel reads them
+        if used_ids.numel() and (int(used_ids.max()) + 1) * block_size > 2**31:
             raise ValueError(
-                f"{name}: got block id {int(rows.max())}; allowed: block ids whose slots "
+                f"{name}: got block id {int(used_ids.max())}; allowed: block ids whose slots "
                 f"(block * {block_size} + offset) fit int32, the kernels' index type"
             )
 
