@@ -20,6 +20,7 @@ from .batch import StepBatch
 from .spec import LayerKind, cdiv, round_up
 
 IndexPair = tuple[torch.Tensor, torch.Tensor]
+_LEN_DTYPES = (torch.int32, torch.int64)
 
 
 def _lookup_slots(table: torch.Tensor, req: torch.Tensor, logical: torch.Tensor, block_size: int,
@@ -32,15 +33,29 @@ def _lookup_slots(table: torch.Tensor, req: torch.Tensor, logical: torch.Tensor,
     return torch.where(valid, slots, torch.full_like(slots, -1))
 
 
+def _check_ints(name: str, t, shape: tuple, device: torch.device | None = None,
+                dtypes: tuple = (torch.int32,)) -> None:
+    """``t`` must be a tensor of one of ``dtypes`` with ``shape`` (None: any extent) on ``device``."""
+    ok = isinstance(t, torch.Tensor) and t.dtype in dtypes and t.dim() == len(shape) and all(
+        want is None or got == want for got, want in zip(t.shape, shape))
+    if not ok:
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        dims = ", ".join("*" if d is None else str(d) for d in shape)
+        raise ValueError(f"{name}: got {got}; allowed: {' or '.join(map(str, dtypes))} [{dims}]")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: got device {t.device}; allowed: {device}")
+
+
 def _emit(rows64: torch.Tensor, lens: torch.Tensor, out: IndexPair | None) -> IndexPair:
     rows, lens = rows64.to(torch.int32), lens.to(torch.int32)
     if out is None:
         return rows, lens
     out_rows, out_lens = out
-    if out_rows.shape != rows.shape or out_lens.shape != lens.shape:
+    if out_rows.shape != rows.shape or out_lens.shape != lens.shape or out_rows.dtype != torch.int32 \
+            or out_lens.dtype != torch.int32 or out_rows.device != rows.device or out_lens.device != rows.device:
         raise ValueError(
-            f"out: got shapes {tuple(out_rows.shape)}, {tuple(out_lens.shape)}; "
-            f"allowed: {tuple(rows.shape)}, {tuple(lens.shape)}"
+            f"out: got {out_rows.dtype} {tuple(out_rows.shape)}, {out_lens.dtype} {tuple(out_lens.shape)}; "
+            f"allowed: int32 {tuple(rows.shape)}, int32 {tuple(lens.shape)} on {rows.device}"
         )
     out_rows.copy_(rows)
     out_lens.copy_(lens)
@@ -147,9 +162,16 @@ def merged_rows(swa_rows: torch.Tensor, swa_lens: torch.Tensor, comp_rows: torch
     SWA-only layers (``comp_rows is None``) give rows ``[T, W]`` and lens ``W``.
     Returns rows int32 ``[T, W + round_up(K, 4)]`` contiguous, lens int32 ``[T]``.
     """
+    _check_ints("swa_rows", swa_rows, (None, None))
     T, W = swa_rows.shape
+    dev = swa_rows.device
+    _check_ints("swa_lens", swa_lens, (T,), dev, _LEN_DTYPES)
     if comp_rows is None:
-        return swa_rows.contiguous(), torch.full_like(swa_lens, W)
+        if comp_lens is not None:
+            raise ValueError("comp_lens: got a tensor without comp_rows; allowed: None for SWA-only layers")
+        return swa_rows.contiguous(), torch.full_like(swa_lens, W, dtype=torch.int32)
+    _check_ints("comp_rows", comp_rows, (T, None), dev)
+    _check_ints("comp_lens", comp_lens, (T,), dev, _LEN_DTYPES)
     K = comp_rows.shape[1]
     rows = torch.full((T, W + round_up(K, 4)), -1, dtype=torch.int32, device=swa_rows.device)
     rows[:, :W] = swa_rows
@@ -164,7 +186,9 @@ def ragged(rows: torch.Tensor, lens: torch.Tensor, capacity: int | None = None) 
     ``indptr`` int32 ``[T+1]`` and ``indices`` int32 ``[nnz]``; with ``capacity`` the indices
     tensor is ``[capacity]`` with -1 after the last entry (fixed shape: no host sync).
     """
+    _check_ints("rows", rows, (None, None))
     T, K = rows.shape
+    _check_ints("lens", lens, (T,), rows.device, _LEN_DTYPES)
     col = torch.arange(K, device=rows.device)[None, :]
     keep = (col < lens[:, None].long()) & (rows >= 0)
     counts = keep.sum(dim=1)
