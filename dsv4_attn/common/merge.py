@@ -38,6 +38,10 @@ def _empty_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
 
 
 def _check_pair(name: str, out: torch.Tensor, lse: torch.Tensor) -> None:
+    if not isinstance(out, torch.Tensor) or not isinstance(lse, torch.Tensor):
+        raise ValueError(f"{name}: got {type(out).__name__}, {type(lse).__name__}; allowed: torch.Tensors")
+    if out.device != lse.device:
+        raise ValueError(f"{name}: got devices {out.device}, {lse.device}; allowed: one device")
     if out.shape[:-1] != lse.shape:
         raise ValueError(
             f"{name}: got out shape {tuple(out.shape)} and lse shape {tuple(lse.shape)}; "
@@ -55,8 +59,9 @@ def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     """
     _check_pair("out_a/lse_a", out_a, lse_a)
     _check_pair("out_b/lse_b", out_b, lse_b)
-    if out_a.shape != out_b.shape:
-        raise ValueError(f"out_b: got shape {tuple(out_b.shape)}; allowed: {tuple(out_a.shape)} (as out_a)")
+    if out_a.shape != out_b.shape or out_a.device != out_b.device:
+        raise ValueError(f"out_b: got shape {tuple(out_b.shape)} on {out_b.device}; allowed: "
+                         f"{tuple(out_a.shape)} on {out_a.device} (as out_a)")
     la, lb = _empty_to_neg_inf(lse_a.float()), _empty_to_neg_inf(lse_b.float())
     lse = torch.logaddexp(la, lb)
     # Both empty: lse = -inf; weights computed against a 0 reference stay finite (0).
@@ -65,6 +70,15 @@ def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     a = torch.where(wa[..., None] > 0, out_a.float() * wa[..., None], torch.zeros_like(out_a, dtype=torch.float32))
     b = torch.where(wb[..., None] > 0, out_b.float() * wb[..., None], torch.zeros_like(out_b, dtype=torch.float32))
     return a + b, lse
+
+
+def _check_sink(sink, lse: torch.Tensor) -> None:
+    """sink: a floating tensor [H] on lse's device, H = lse.shape[-1]."""
+    ok = isinstance(sink, torch.Tensor) and sink.is_floating_point() and sink.shape == lse.shape[-1:]
+    if not ok or sink.device != lse.device:
+        got = f"{sink.dtype} {tuple(sink.shape)} on {sink.device}" if isinstance(sink, torch.Tensor) \
+            else type(sink).__name__
+        raise ValueError(f"sink: got {got}; allowed: a float tensor [{lse.shape[-1]}] (one per head) on {lse.device}")
 
 
 def apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
@@ -79,8 +93,7 @@ def apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None) 
     if sink is None:
         factor = torch.ones_like(lse)
     else:
-        if sink.dim() != 1 or sink.shape[0] != lse.shape[-1]:
-            raise ValueError(f"sink: got shape {tuple(sink.shape)}; allowed: [{lse.shape[-1]}] (one per head)")
+        _check_sink(sink, lse)
         factor = torch.sigmoid(lse - sink.float())
     factor = torch.where(empty, torch.zeros_like(factor), factor)
     return torch.where(factor[..., None] > 0, out.float() * factor[..., None], torch.zeros_like(out, dtype=torch.float32))
@@ -91,6 +104,7 @@ def remove_sink_from_lse(lse_with_sink: torch.Tensor, sink: torch.Tensor | None)
     Return ``log(Σexp(s))`` (-inf for rows whose keys carried no mass)."""
     if sink is None:
         return lse_with_sink.float()
+    _check_sink(sink, lse_with_sink)
     lse = lse_with_sink.float()
     diff = sink.float() - lse
     return torch.where(diff < 0, lse + torch.log1p(-torch.exp(diff)), torch.full_like(lse, -math.inf))
