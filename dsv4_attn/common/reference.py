@@ -16,9 +16,35 @@ import math
 
 import torch
 
-from .layout import Fp8Dialect, KVFormat, check_cache, gather_rows
+from .indices import _check_ints
+from .layout import Fp8Dialect, KVFormat, _check_slots, check_cache, gather_rows
+from .spec import HEAD_DIM
 
 _TOKEN_CHUNK = 64  # bounds the float64 [chunk, keys, 512] gather
+_INTS = (torch.int32, torch.int64)
+
+
+def _check_inputs(q, scopes, sink, scale) -> None:
+    """Shapes, dtypes, devices and slot ranges (entries inside lens) of every argument."""
+    if not isinstance(q, torch.Tensor) or not q.is_floating_point() or q.dim() != 3 or q.shape[2] != HEAD_DIM:
+        got = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"q: got {got}; allowed: a float tensor [T, H, {HEAD_DIM}]")
+    T, H, dev = q.shape[0], q.shape[1], q.device
+    for prefix, cache, rows, lens, fmt, dialect in scopes:
+        geo = check_cache(cache, fmt, f"{prefix}_cache", dialect)
+        if cache.device != dev:
+            raise ValueError(f"{prefix}_cache: got device {cache.device}; allowed: {dev} (q's device)")
+        _check_ints(f"{prefix}_rows", rows, (T, None), dev, _INTS)
+        _check_ints(f"{prefix}_lens", lens, (T,), dev, _INTS)
+        col = torch.arange(rows.shape[1], device=dev)[None, :]
+        _check_slots(torch.where(col < lens[:, None], rows, -1), f"{prefix}_rows", dev, geo.num_slots)
+    if sink is not None and not (isinstance(sink, torch.Tensor) and sink.is_floating_point()
+                                 and sink.shape == (H,) and sink.device == dev):
+        got = f"{sink.dtype} {tuple(sink.shape)} on {sink.device}" if isinstance(sink, torch.Tensor) \
+            else type(sink).__name__
+        raise ValueError(f"sink: got {got}; allowed: None or a float tensor [{H}] on {dev}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        raise ValueError(f"scale: got {scale!r}; allowed: a finite float > 0")
 
 
 def _scope_keys(cache, fmt, rows, lens, kv_scale, dialect, name):
@@ -59,6 +85,10 @@ def sparse_mla(
     """
     fmt = KVFormat.parse(fmt)
     swa_dialect, comp_dialect = Fp8Dialect.parse(swa_dialect), Fp8Dialect.parse(comp_dialect)
+    scopes = [("swa", swa_cache, swa_rows, swa_lens, fmt, swa_dialect)]
+    if comp_cache is not None:
+        scopes.append(("comp", comp_cache, comp_rows, comp_lens, fmt, comp_dialect))
+    _check_inputs(q, scopes, sink, scale)
     scale_kv = 1.0 if kv_scale is None else float(kv_scale)
     T, H, _ = q.shape
     out = torch.zeros(T, H, q.shape[-1], dtype=dtype, device=q.device)
