@@ -343,8 +343,13 @@ def raw_flashmla_ops():
     return _RAW_LOADED["ops"]
 
 
-def flashmla_runner(case: Case, plan):
-    """(callable, out, how) for FlashMLA on this case, or (None, None, reason)."""
+def flashmla_runners(case: Case, plan) -> dict:
+    """{'api': (callable, out, how) or (None, None, reason), 'raw': ...} for FlashMLA."""
+    return {"api": flashmla_api_runner(case), "raw": flashmla_raw_runner(case, plan)}
+
+
+def flashmla_api_runner(case: Case):
+    """FlashMLA through ``SparseMLA(backend="flashmla")`` (adapter included), or (None, None, why)."""
     try:
         from .common import backend as backend_mod
         from .common.platform import probe
@@ -359,9 +364,15 @@ def flashmla_runner(case: Case, plan):
             return run, out, "api"
         except Exception as exc:
             reasons = [f"{type(exc).__name__}: {exc}"]
+    return None, None, "; ".join(reasons)
+
+
+def flashmla_raw_runner(case: Case, plan):
+    """The raw FlashMLA op on the plan's rows (vLLM's call), or (None, None, why)."""
     ops = raw_flashmla_ops()
     if ops is None or case.fmt is not KVFormat.MODEL1_FP8:
-        return None, None, "; ".join(reasons) or "FlashMLA library not found"
+        return None, None, "FlashMLA library not found (DSV4_ATTN_FLASHMLA_LIB)" if ops is None else \
+            f"raw FlashMLA reads MODEL1 caches only, not {case.fmt.value}"
     T, H, D = case.q.shape
     if H not in (64, 128):
         return None, None, f"FlashMLA needs 64 or 128 heads, got {H}"
@@ -374,12 +385,16 @@ def flashmla_runner(case: Case, plan):
         idx = plan.swa_rows.view(T, 1, -1)
         eidx = comp_rows.view(T, 1, -1)
         out = torch.empty_like(case.q)
+        # plan FlashMLA's tile scheduler once, then reuse it (as vLLM does for later layers of a kind)
+        res = ops.sparse_decode_fwd(q4, swa_kv, idx, plan.swa_lens, case.sink, None, None, comp_kv, eidx, comp_lens,
+                                    512, scale, out.view(T, 1, H, D))
+        sched, splits = res[2], res[3]
 
         def run():
-            ops.sparse_decode_fwd(q4, swa_kv, idx, plan.swa_lens, case.sink, None, None, comp_kv, eidx, comp_lens,
+            ops.sparse_decode_fwd(q4, swa_kv, idx, plan.swa_lens, case.sink, sched, splits, comp_kv, eidx, comp_lens,
                                   512, scale, out.view(T, 1, H, D))
 
-        return run, out, "raw op"
+        return run, out, "raw op (scheduler planned once, reused)"
     # prefill: kernel only, on a ready bf16 workspace holding the token's keys (dequantized rows)
     from .common.layout import gather
 
@@ -443,40 +458,44 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
               "heads": case.q.shape[1], "tokens": case.q.shape[0], "valid_keys": keys, "flops": flops,
               "bytes": nbytes, "floor_us": floor * 1e6, "backends": rows}
     if not args.no_flashmla:
-        run, out, how = flashmla_runner(case, plan0)
-        if run is None:
-            result["flashmla"] = {"unavailable": how}
-        else:
+        for key, (run, out, how) in flashmla_runners(case, plan0).items():
+            label = "flashmla" if key == "api" else "flashmla_raw"
+            if run is None:
+                result[label] = {"unavailable": how}
+                continue
             try:
                 sec, timing = time_callable(run, args.reps, flush, not args.no_graph)
                 run()
                 torch.cuda.synchronize()
-                result["flashmla"] = {"us": sec * 1e6, "via": how, "timing": timing,
-                                      "vs_ours": _compare(ref_out, out)}
+                result[label] = {"us": sec * 1e6, "via": how, "timing": timing, "vs_ours": _compare(ref_out, out)}
             except Exception as exc:
-                result["flashmla"] = {"unavailable": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                result[label] = {"unavailable": f"{type(exc).__name__}: {str(exc)[:200]}"}
     for name, r in rows.items():
         s = r["us"] * 1e-6
         r["tflops"] = flops / s / 1e12
         r["gbps"] = nbytes / s / 1e9
         r["x_floor"] = s / floor
-        fm = result.get("flashmla", {}).get("us")
-        if fm:
-            r["speedup_vs_flashmla"] = fm / r["us"]
+        for label in ("flashmla", "flashmla_raw"):
+            fm = result.get(label, {}).get("us")
+            if fm:
+                r[f"speedup_vs_{label}"] = fm / r["us"]
     return result
 
 
 def _fmt_row(res: dict, name: str) -> str:
     r = res["backends"][name]
-    fm = res.get("flashmla", {})
-    fm_us = f"{fm['us']:9.1f}" if "us" in fm else f"{'n/a':>9}"
-    sp = f"{r['speedup_vs_flashmla']:6.2f}x" if "speedup_vs_flashmla" in r else f"{'':>7}"
-    return (f"{res['case']:<34} {name:<10} {r['us']:9.1f} {r['tflops']:7.1f} {r['gbps']:7.0f} "
-            f"{res['floor_us']:8.1f} {r['x_floor']:6.2f} {fm_us} {sp}")
+    cells = []
+    for label in ("flashmla", "flashmla_raw"):
+        fm = res.get(label, {})
+        cells.append(f"{fm['us']:9.1f}" if "us" in fm else f"{'n/a':>9}")
+        key = f"speedup_vs_{label}"
+        cells.append(f"{r[key]:6.2f}x" if key in r else f"{'':>7}")
+    return (f"{res['case']:<30} {name:<9} {r['us']:8.1f} {r['tflops']:7.1f} {r['gbps']:6.0f} "
+            f"{res['floor_us']:7.1f} {r['x_floor']:6.2f} " + " ".join(cells))
 
 
-HEADER = (f"{'case':<34} {'backend':<10} {'us':>9} {'TFLOP/s':>7} {'GB/s':>7} {'floor_us':>8} {'x_flr':>6} "
-          f"{'flashmla':>9} {'speedup':>7}")
+HEADER = (f"{'case':<30} {'backend':<9} {'us':>8} {'TFLOP/s':>7} {'GB/s':>6} {'floor':>7} {'x_flr':>6} "
+          f"{'fmla_api':>9} {'speedup':>7} {'fmla_raw':>9} {'speedup':>7}")
 
 
 def plot(results: list[dict], path: str, backend: str) -> None:
@@ -499,9 +518,10 @@ def plot(results: list[dict], path: str, backend: str) -> None:
         rs = sorted(rs, key=lambda r: r["batch"])
         bs = [r["batch"] for r in rs]
         ax.plot(bs, [r["backends"][backend]["us"] for r in rs], "o-", label=f"{backend} (ours)")
-        fm = [(r["batch"], r["flashmla"]["us"]) for r in rs if "us" in r.get("flashmla", {})]
-        if fm:
-            ax.plot([b for b, _ in fm], [u for _, u in fm], "s-", label="FlashMLA")
+        for label, style, text in (("flashmla", "s-", "FlashMLA (API)"), ("flashmla_raw", "^:", "FlashMLA (raw op)")):
+            fm = [(r["batch"], r[label]["us"]) for r in rs if "us" in r.get(label, {})]
+            if fm:
+                ax.plot([b for b, _ in fm], [u for _, u in fm], style, label=text)
         ax.plot(bs, [r["floor_us"] for r in rs], "k--", label="roofline floor")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch (requests)")
@@ -525,7 +545,7 @@ def register_variant(spec_str: str) -> str:
     kw = {}
     for item in filter(None, body.split(",")):
         key, _, value = item.partition("=")
-        kw[key] = value if key == "dot_dtype" else int(value)
+        kw[key] = value if key in ("dot_dtype", "impl") else int(value)
     name = f"t:{label}"
     register_backend(name, TritonBackend(KernelConfig(**kw)))
     return name
@@ -591,8 +611,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(res)
         for name_b in args.backend:
             print(_fmt_row(res, name_b), flush=True)
-        if "unavailable" in res.get("flashmla", {}):
-            print(f"  flashmla: {res['flashmla']['unavailable'][:160]}")
+        for label in ("flashmla", "flashmla_raw"):
+            if "unavailable" in res.get(label, {}):
+                print(f"  {label}: {res[label]['unavailable'][:160]}")
         del case
         torch.cuda.empty_cache()
     meta["seconds"] = time.time() - t0

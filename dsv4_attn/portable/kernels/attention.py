@@ -42,111 +42,145 @@ COMP_C4A_LOCAL = 2  # compressed rows are C4A local positions: translate in the 
 
 
 @triton.jit
-def _tile_slots_global(rows_ptr, row_len, j0, BLOCK_N: tl.constexpr):
-    """Slots [BLOCK_N] and validity of columns j0.. of a global-slot row."""
-    j = j0 + tl.arange(0, BLOCK_N)
-    inb = j < row_len
-    slots = tl.load(rows_ptr + j, mask=inb, other=-1)
-    valid = inb & (slots >= 0)
-    return tl.where(valid, slots, 0), valid
+def _tile_slots(g, lo_b, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs,
+                COMP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Slots [BLOCK_N] (0 where invalid), validity, and scope flag of global tile ``g``.
+
+    Tiles [0, lo_b) are SWA tiles of scope A, tiles [lo_b, ...) compressed tiles of scope B;
+    ``g >= hi`` gives an all-invalid tile (the prefetch past the last tile)."""
+    live = g < hi
+    is_a = g < lo_b
+    j = tl.arange(0, BLOCK_N)
+    ja = g * BLOCK_N + j
+    ina = (ja < len_a) & is_a & live
+    sa = tl.load(a_rows + ja, mask=ina, other=-1)
+    valid = ina & (sa >= 0)
+    slots = sa
+    if COMP != 0:
+        jb = (g - lo_b) * BLOCK_N + j
+        inb = (jb < len_b) & (not is_a) & live
+        if COMP == 1:
+            sb = tl.load(b_rows + jb, mask=inb, other=-1)
+            vb = inb & (sb >= 0)
+        else:
+            local = tl.load(b_rows + jb, mask=inb, other=-1)
+            vb = inb & (local >= 0) & (local < visible)
+            local = tl.where(vb, local, 0)
+            col = local // b_bs
+            blk = tl.load(bt_row + col, mask=vb, other=0)
+            sb = blk * b_bs + (local - col * b_bs)
+        valid = tl.where(is_a, valid, vb)
+        slots = tl.where(is_a, sa, sb)
+    return tl.where(valid, slots, 0), valid, is_a
 
 
 @triton.jit
-def _tile_slots_c4a(topk_ptr, row_len, visible, bt_ptr, bs, j0, BLOCK_N: tl.constexpr):
-    """C4A: local compressed positions -> global slots through the block table row."""
-    j = j0 + tl.arange(0, BLOCK_N)
-    inb = j < row_len
-    local = tl.load(topk_ptr + j, mask=inb, other=-1)
-    valid = inb & (local >= 0) & (local < visible)
-    local = tl.where(valid, local, 0)
-    blk_col = local // bs
-    blk = tl.load(bt_ptr + blk_col, mask=valid, other=0)
-    slots = blk * bs + (local - blk_col * bs)
-    return tl.where(valid, slots, 0), valid
+def _load_kv_raw(cache_u8, cache_16, stride0, bs, slots, valid, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Issue every load of a tile of BLOCK_N rows (raw bytes; dequantized later, chunk by chunk).
 
-
-@triton.jit
-def _load_kv_tile(cache_u8, cache_16, stride0, bs, slots, valid, kv_scale,
-                  FMT: tl.constexpr, FNUZ: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Load and dequantize BLOCK_N rows. Returns (k256, k128, k64, krope) in DT:
-    dims [0,256), [256,384), [384,448), [448,512). Invalid rows are 0."""
-    d256 = tl.arange(0, 256)
-    d128 = tl.arange(0, 128)
-    d64 = tl.arange(0, 64)
+    Returns (a, b, c, r, e4, e2, e1): dims [0,256) as [N,4,64], [256,384) as [N,2,64], [384,448)
+    and [448,512) as [N,64] in the cache's storage type, and MODEL1's exponent bytes (tiles 0-3,
+    4-5, 6). Invalid rows read as 0."""
     blk = slots // bs
     off = slots - blk * bs
-    m = valid[:, None]
+    t4 = tl.arange(0, 4)
+    t2 = tl.arange(0, 2)
+    c64 = tl.arange(0, 64)
+    m3 = valid[:, None, None]
+    m2 = valid[:, None]
     if FMT == 0:
         # MODEL1: data row at blk*stride0 + off*576; scale row at blk*stride0 + bs*576 + off*8
         base = blk.to(tl.int64) * stride0
         row = base + off.to(tl.int64) * 576
-        srow = base + bs.to(tl.int64) * 576 + off.to(tl.int64) * 8
-        a8 = tl.load(cache_u8 + row[:, None] + d256[None, :], mask=m, other=0)
-        b8 = tl.load(cache_u8 + row[:, None] + 256 + d128[None, :], mask=m, other=0)
-        c8 = tl.load(cache_u8 + row[:, None] + 384 + d64[None, :], mask=m, other=0)
-        kr = tl.load(cache_16 + (row[:, None] + 448) // 2 + d64[None, :], mask=m, other=0.0)
-        e4 = tl.load(cache_u8 + srow[:, None] + tl.arange(0, 4)[None, :], mask=m, other=127)
-        e2 = tl.load(cache_u8 + srow[:, None] + 4 + tl.arange(0, 2)[None, :], mask=m, other=127)
-        e1 = tl.load(cache_u8 + srow + 6, mask=valid, other=127)
-        # 2^(byte-127) as the float32 whose exponent field is the byte (FNUZ: values are half)
-        s4 = (e4.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        s2 = (e2.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        s1 = (e1.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        if FNUZ:
-            s4 = s4 * 0.5
-            s2 = s2 * 0.5
-            s1 = s1 * 0.5
-        fa = a8.to(tl.float8e4nv, bitcast=True).to(DT)
-        fb = b8.to(tl.float8e4nv, bitcast=True).to(DT)
-        fc = c8.to(tl.float8e4nv, bitcast=True).to(DT)
-        ka = tl.reshape(tl.reshape(fa, (BLOCK_N, 4, 64)) * s4.to(DT)[:, :, None], (BLOCK_N, 256))
-        kb = tl.reshape(tl.reshape(fb, (BLOCK_N, 2, 64)) * s2.to(DT)[:, :, None], (BLOCK_N, 128))
-        kc = fc * s1.to(DT)[:, None]
-        kr = kr.to(DT)
+        srow = base + bs * 576 + off.to(tl.int64) * 8
+        a = tl.load(cache_u8 + row[:, None, None] + (t4 * 64)[None, :, None] + c64[None, None, :], mask=m3, other=0)
+        b = tl.load(cache_u8 + row[:, None, None] + 256 + (t2 * 64)[None, :, None] + c64[None, None, :], mask=m3,
+                    other=0)
+        c = tl.load(cache_u8 + row[:, None] + 384 + c64[None, :], mask=m2, other=0)
+        r = tl.load(cache_16 + (row[:, None] + 448) // 2 + c64[None, :], mask=m2, other=0.0)
+        e4 = tl.load(cache_u8 + srow[:, None] + t4[None, :], mask=m2, other=0)
+        e2 = tl.load(cache_u8 + srow[:, None] + 4 + t2[None, :], mask=m2, other=0)
+        e1 = tl.load(cache_u8 + srow + 6, mask=valid, other=0)
     else:
         row = blk.to(tl.int64) * stride0 + off.to(tl.int64) * 512
         if FMT == 1:
-            ka = tl.load(cache_16 + row[:, None] + d256[None, :], mask=m, other=0.0).to(DT)
-            kb = tl.load(cache_16 + row[:, None] + 256 + d128[None, :], mask=m, other=0.0).to(DT)
-            kc = tl.load(cache_16 + row[:, None] + 384 + d64[None, :], mask=m, other=0.0).to(DT)
-            kr = tl.load(cache_16 + row[:, None] + 448 + d64[None, :], mask=m, other=0.0).to(DT)
+            ptr = cache_16
         else:
-            a8 = tl.load(cache_u8 + row[:, None] + d256[None, :], mask=m, other=0)
-            b8 = tl.load(cache_u8 + row[:, None] + 256 + d128[None, :], mask=m, other=0)
-            c8 = tl.load(cache_u8 + row[:, None] + 384 + d64[None, :], mask=m, other=0)
-            r8 = tl.load(cache_u8 + row[:, None] + 448 + d64[None, :], mask=m, other=0)
-            sc = kv_scale
-            if FNUZ:
-                sc = sc * 0.5
-            ka = (a8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(DT)
-            kb = (b8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(DT)
-            kc = (c8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(DT)
-            kr = (r8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(DT)
-    return ka, kb, kc, kr
+            ptr = cache_u8
+        a = tl.load(ptr + row[:, None, None] + (t4 * 64)[None, :, None] + c64[None, None, :], mask=m3, other=0)
+        b = tl.load(ptr + row[:, None, None] + 256 + (t2 * 64)[None, :, None] + c64[None, None, :], mask=m3, other=0)
+        c = tl.load(ptr + row[:, None] + 384 + c64[None, :], mask=m2, other=0)
+        r = tl.load(ptr + row[:, None] + 448 + c64[None, :], mask=m2, other=0)
+        e4 = 0
+        e2 = 0
+        e1 = 0
+    return a, b, c, r, e4, e2, e1
 
 
 @triton.jit
-def _attend_tile(qa, qb, qc, qr, ka, kb, kc, kr, valid, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale,
-                 DT: tl.constexpr, TRANSPOSED: tl.constexpr):
-    if TRANSPOSED:
-        # sT = K·Qᵀ [BLOCK_N, BLOCK_H]: keys on the M side
-        st = tl.dot(ka, tl.trans(qa))
-        st = tl.dot(kb, tl.trans(qb), st)
-        st = tl.dot(kc, tl.trans(qc), st)
-        st = tl.dot(kr, tl.trans(qr), st)
-        s = tl.trans(st)
+def _exp_scale(e, exp_off, DT: tl.constexpr):
+    """2^(byte-127) (halved for FNUZ bytes) as DT: the float32 whose exponent field is the byte."""
+    return (tl.maximum(e.to(tl.int32) - exp_off, 0) << 23).to(tl.float32, bitcast=True).to(DT)
+
+
+@triton.jit
+def _dequant(x, e, kv_scale, exp_off, FMT: tl.constexpr, DT: tl.constexpr, TILED: tl.constexpr):
+    """One chunk to DT. MODEL1: e4m3 * 2^(byte-127) per 64-wide tile (x [N,k,64] with e [N,k], or
+    x [N,64] with e [N]); BF16: as is; FP8_TENSOR: e4m3 * kv_scale."""
+    if FMT == 0:
+        f = x.to(tl.float8e4nv, bitcast=True).to(DT)
+        if TILED:
+            y = f * _exp_scale(e, exp_off, DT)[:, :, None]
+        else:
+            y = f * _exp_scale(e, exp_off, DT)[:, None]
+    elif FMT == 1:
+        y = x.to(DT)
     else:
-        # s = Q·Kᵀ [BLOCK_H, BLOCK_N]: the shared-memory K tile is the B operand of both dots
-        s = tl.dot(qa, tl.trans(ka))
-        s = tl.dot(qb, tl.trans(kb), s)
-        s = tl.dot(qc, tl.trans(kc), s)
-        s = tl.dot(qr, tl.trans(kr), s)
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        sc = kv_scale * tl.where(exp_off > 0, 0.5, 1.0)
+        y = (x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(DT)
+    return y
+
+
+@triton.jit
+def _attend_tile(qa, qb, qc, qr, raw, valid, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, exp_off,
+                 scr_p, scr_a, FMT: tl.constexpr, DT: tl.constexpr, P_SCRATCH: tl.constexpr):
+    a, b, c, r, e4, e2, e1 = raw
+    BLOCK_N: tl.constexpr = a.shape[0]
+    BLOCK_H: tl.constexpr = qa.shape[0]
+    # Each chunk is dequantized right before its score dot (only one chunk's registers live).
+    # s = Q·Kᵀ [BLOCK_H, BLOCK_N]; the shared-memory K chunks are the B operands of both dots.
+    # The four chunk dots are summed, not chained through the accumulator: a dot feeding a dot
+    # makes Triton give it all warps along M, i.e. every warpgroup would compute the whole score
+    # tile (the multiplies by the scale also stop Triton folding the sum back into a chain).
+    if FMT == 0:
+        kr = r.to(DT)
+    else:
+        kr = _dequant(r, e1, kv_scale, exp_off, FMT, DT, False)
+    s = tl.dot(qr, tl.trans(kr)) * qk_scale
+    ka = tl.reshape(_dequant(a, e4, kv_scale, exp_off, FMT, DT, True), (BLOCK_N, 256))
+    s += tl.dot(qa, tl.trans(ka)) * qk_scale
+    kb = tl.reshape(_dequant(b, e2, kv_scale, exp_off, FMT, DT, True), (BLOCK_N, 128))
+    s += tl.dot(qb, tl.trans(kb)) * qk_scale
+    kc = _dequant(c, e1, kv_scale, exp_off, FMT, DT, False)
+    s += tl.dot(qc, tl.trans(kc)) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    pd = p.to(DT)
+    if P_SCRATCH:
+        # P and alpha take a round trip through this program's scratch (L1/L2): Triton then sees
+        # no dot chained on the score dots and lays Q·Kᵀ out over both warpgroups (each computes
+        # half the keys) instead of computing it twice, once per warpgroup.
+        ptr_p = scr_p + tl.arange(0, BLOCK_H)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        ptr_a = scr_a + tl.arange(0, BLOCK_H)
+        tl.store(ptr_p, p.to(DT))
+        tl.store(ptr_a, alpha)
+        tl.debug_barrier()
+        pd = tl.load(ptr_p)
+        alpha = tl.load(ptr_a)
+    else:
+        pd = p.to(DT)
     acc_a = tl.dot(pd, ka, acc_a * alpha[:, None])
     acc_b = tl.dot(pd, kb, acc_b * alpha[:, None])
     acc_c = tl.dot(pd, kc, acc_c * alpha[:, None])
@@ -174,19 +208,20 @@ def sparse_mla_fwd_kernel(
     BT, stride_bt, TOK2REQ, POS, b_width,
     # split partials: PO fp32 [T, SPLIT, H, 512], PML fp32 [T, SPLIT, H, 2]
     PO, PML,
-    num_heads, qk_scale, kv_scale,
-    FMT: tl.constexpr, A_FNUZ: tl.constexpr, B_FNUZ: tl.constexpr,
-    COMP: tl.constexpr, C4A_RATIO: tl.constexpr,
+    # per-program scratch for P (DT [grid, 2, BLOCK_H, BLOCK_N]) and alpha (fp32 [grid, 2, BLOCK_H])
+    SCR_P, SCR_A,
+    num_heads, qk_scale, kv_scale, split, a_exp_off, b_exp_off,
+    FMT: tl.constexpr, COMP: tl.constexpr, C4A_RATIO: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
-    TRANSPOSED: tl.constexpr = False,
+    IS_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+    P_SCRATCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_hb = tl.cdiv(num_heads, BLOCK_H)
     # split index fastest, then head block: programs sharing a token's rows run together (L2 reuse)
-    sp = pid % SPLIT
-    hb = (pid // SPLIT) % n_hb
-    t = pid // (SPLIT * n_hb)
+    sp = pid % split
+    hb = (pid // split) % n_hb
+    t = pid // (split * n_hb)
     t64 = t.to(tl.int64)
 
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -207,7 +242,7 @@ def sparse_mla_fwd_kernel(
     acc_c = tl.zeros([BLOCK_H, 64], tl.float32)
     acc_r = tl.zeros([BLOCK_H, 64], tl.float32)
 
-    # ---- key ranges of this token ------------------------------------------------------
+    # ---- key ranges of this token: tiles [0, tiles_a) SWA, then [tiles_a, +tiles_b) compressed
     len_a = tl.load(A_LENS + t)
     len_b = 0
     visible = 0
@@ -221,42 +256,44 @@ def sparse_mla_fwd_kernel(
         len_b = tl.where(req >= 0, tl.minimum(visible, b_width), 0)
         req = tl.maximum(req, 0)
     tiles_a = tl.cdiv(len_a, BLOCK_N)
-    tiles_b = tl.cdiv(len_b, BLOCK_N)
-    if SPLIT == 1:
-        a_lo = 0
-        a_hi = tiles_a
-        b_lo = 0
-        b_hi = tiles_b
-    else:
-        per = tl.cdiv(tiles_a + tiles_b, SPLIT)
+    tiles = tiles_a + tl.cdiv(len_b, BLOCK_N)
+    if IS_SPLIT:
+        per = tl.cdiv(tiles, split)
         lo = sp * per
-        hi = tl.minimum(lo + per, tiles_a + tiles_b)
-        a_lo = tl.minimum(lo, tiles_a)
-        a_hi = tl.minimum(hi, tiles_a)
-        b_lo = tl.maximum(lo, tiles_a) - tiles_a
-        b_hi = tl.maximum(hi, tiles_a) - tiles_a
-
+        hi = tl.minimum(lo + per, tiles)
+    else:
+        lo = 0
+        hi = tiles
     a_rows = A_ROWS + t64 * stride_ar
-    for i in range(a_lo, a_hi):
-        slots, valid = _tile_slots_global(a_rows, len_a, i * BLOCK_N, BLOCK_N)
-        ka, kb, kc, kr = _load_kv_tile(A_U8, A_16, a_stride0, a_bs, slots, valid, kv_scale,
-                                       FMT, A_FNUZ, DT, BLOCK_N)
-        m_i, l_i, acc_a, acc_b, acc_c, acc_r = _attend_tile(qa, qb, qc, qr, ka, kb, kc, kr, valid, m_i, l_i,
-                                                            acc_a, acc_b, acc_c, acc_r, qk_scale, DT, TRANSPOSED)
-    if COMP != 0:
-        b_rows = B_ROWS + t64 * stride_br
-        bt_row = BT + req.to(tl.int64) * stride_bt
-        for i in range(b_lo, b_hi):
-            if COMP == 1:
-                slots, valid = _tile_slots_global(b_rows, len_b, i * BLOCK_N, BLOCK_N)
-            else:
-                slots, valid = _tile_slots_c4a(b_rows, len_b, visible, bt_row, b_bs, i * BLOCK_N, BLOCK_N)
-            ka, kb, kc, kr = _load_kv_tile(B_U8, B_16, b_stride0, b_bs, slots, valid, kv_scale,
-                                           FMT, B_FNUZ, DT, BLOCK_N)
-            m_i, l_i, acc_a, acc_b, acc_c, acc_r = _attend_tile(qa, qb, qc, qr, ka, kb, kc, kr, valid, m_i,
-                                                                l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, DT, TRANSPOSED)
+    b_rows = B_ROWS + t64 * stride_br
+    bt_row = BT + req.to(tl.int64) * stride_bt
+    scr_p = SCR_P + pid.to(tl.int64) * (2 * BLOCK_H * BLOCK_N)
+    scr_a = SCR_A + pid.to(tl.int64) * (2 * BLOCK_H)
 
-    if SPLIT == 1:
+    # slots of the first tile; each iteration prefetches the next tile's slots (index loads and
+    # the C4A block-table lookup leave the critical path)
+    slots, valid, is_a = _tile_slots(lo, tiles_a, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs,
+                                     COMP, BLOCK_N)
+    for g in range(lo, hi):
+        slots_n, valid_n, is_a_n = _tile_slots(g + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, visible, bt_row,
+                                               b_bs, COMP, BLOCK_N)
+        if COMP == 0:
+            raw = _load_kv_raw(A_U8, A_16, a_stride0, a_bs, slots, valid, FMT, BLOCK_N)
+            exp_off = a_exp_off
+        else:
+            raw = _load_kv_raw(tl.where(is_a, A_U8, B_U8), tl.where(is_a, A_16, B_16),
+                               tl.where(is_a, a_stride0, b_stride0), tl.where(is_a, a_bs, b_bs), slots, valid,
+                               FMT, BLOCK_N)
+            exp_off = tl.where(is_a, a_exp_off, b_exp_off)
+        par = g % 2
+        m_i, l_i, acc_a, acc_b, acc_c, acc_r = _attend_tile(
+            qa, qb, qc, qr, raw, valid, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, exp_off,
+            scr_p + par * (BLOCK_H * BLOCK_N), scr_a + par * BLOCK_H, FMT, DT, P_SCRATCH)
+        slots = slots_n
+        valid = valid_n
+        is_a = is_a_n
+
+    if not IS_SPLIT:
         denom = l_i
         if HAS_SINK:
             sink2 = tl.load(SINK + h, mask=hmask, other=float("-inf")) * 1.4426950408889634
@@ -272,7 +309,7 @@ def sparse_mla_fwd_kernel(
             lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
             tl.store(LSE + t64 * stride_lt + h, lse, mask=hmask)
     else:
-        part = (t64 * SPLIT + sp) * num_heads + h.to(tl.int64)
+        part = (t64 * split + sp) * num_heads + h.to(tl.int64)
         po_row = PO + part * 512
         _store_rows(po_row, 0, acc_a, hmask, 256)
         _store_rows(po_row, 256, acc_b, hmask, 128)

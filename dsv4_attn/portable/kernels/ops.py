@@ -62,15 +62,18 @@ class KernelConfig:
     num_stages: int = 1
     split: int = 0
     dot_dtype: str = "auto"  # auto | fp16 | bf16 | fp32
+    p_scratch: int = 1  # 1: P/alpha round-trip through a per-program scratch (see attention.py)
+    impl: str = "auto"  # auto | gluon (Hopper kernel, MODEL1 only) | triton (portable kernel)
 
     def dt(self):
         name = self.dot_dtype
         if name == "auto":
-            name = "fp32" if interpreting() else "fp16"
+            name = "fp32" if interpreting() else "bf16"
         return {"fp16": K.tl.float16, "bf16": K.tl.bfloat16, "fp32": K.tl.float32}[name]
 
 
 DEFAULT_CONFIG = KernelConfig()
+_TORCH_DT = {K.tl.float16: torch.float16, K.tl.bfloat16: torch.bfloat16, K.tl.float32: torch.float32}
 _FMT_CODE = {"fp8_ds_mla": K.FMT_MODEL1, "bfloat16": K.FMT_BF16, "fp8_e4m3": K.FMT_FP8}
 
 
@@ -86,6 +89,28 @@ def _cache_views(cache: torch.Tensor, fmt_code: int) -> tuple[torch.Tensor, torc
         b16 = u8.view(torch.bfloat16)
         return u8, b16, stride0, bs
     return u8, u8, stride0, bs
+
+
+@functools.lru_cache(maxsize=8)
+def _gluon_ok(index: int) -> bool:
+    """Hopper GPU and an importable Gluon (Triton >= 3.5)."""
+    if torch.version.hip or torch.cuda.get_device_capability(index) != (9, 0):
+        return False
+    try:
+        from . import hopper  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def use_gluon(device: torch.device, fmt_code: int, config: KernelConfig) -> bool:
+    if config.impl == "triton" or interpreting() or device.type != "cuda" or fmt_code != K.FMT_MODEL1:
+        return False
+    ok = _gluon_ok(device.index if device.index is not None else torch.cuda.current_device())
+    if config.impl == "gluon" and not ok:
+        raise ValueError("config.impl: got 'gluon'; allowed only on an sm_90 GPU with Triton's Gluon and the "
+                         "fp8_ds_mla format")
+    return ok
 
 
 def choose_split(num_programs: int, max_tiles: int, device: torch.device, requested: int = 0) -> int:
@@ -145,9 +170,10 @@ def sparse_mla_fwd(
         bt, tok2req, pos = c4a
     else:
         bt, tok2req, pos = swa_rows, swa_lens, swa_lens
-    block_h = 64 if H >= 64 else max(16, triton.next_power_of_2(H))
+    gluon = use_gluon(q.device, fmt_code, config)
+    block_h = 64 if (H >= 64 or gluon) else max(16, triton.next_power_of_2(H))
     n_hb = triton.cdiv(H, block_h)
-    bn = config.block_n
+    bn = 64 if gluon else config.block_n
     max_tiles = triton.cdiv(swa_rows.shape[1], bn) + (triton.cdiv(b_width, bn) if comp_mode else 0)
     split = choose_split(T * n_hb, max_tiles, q.device, config.split)
     if split > 1:
@@ -158,26 +184,30 @@ def sparse_mla_fwd(
         pml = workspace[T * split * H * 512: need]
     else:
         po = pml = out  # unused
+    grid = (T * n_hb * split,)
     write_lse = lse is not None
     lse_t = lse if write_lse else out
     sink_t = sink if sink is not None else out
     stride_lt = lse.stride(0) if write_lse else 0
-    grid = (T * n_hb * split,)
-    K.sparse_mla_fwd_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        out, out.stride(0), out.stride(1),
-        lse_t, stride_lt, sink_t,
-        a_u8, a_16, a_s0, a_bs, swa_rows, swa_rows.stride(0), swa_lens,
-        b_u8, b_16, b_s0, b_bs, comp_rows, comp_rows.stride(0), comp_lens,
-        bt, bt.stride(0), tok2req, pos, b_width,
-        po, pml,
-        H, scale * LOG2E, float(kv_scale),
-        FMT=fmt_code, A_FNUZ=bool(swa_fnuz), B_FNUZ=bool(comp_fnuz),
-        COMP=comp_mode, C4A_RATIO=4,
-        HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
-        SPLIT=split, BLOCK_H=block_h, BLOCK_N=bn, DT=config.dt(),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    if gluon:
+        from . import hopper
+
+        hopper.sparse_mla_fwd_hopper[grid](
+            q, q.stride(0), q.stride(1),
+            out, out.stride(0), out.stride(1),
+            lse_t, stride_lt, sink_t,
+            a_u8, a_s0, a_bs, swa_rows, swa_rows.stride(0), swa_lens,
+            b_u8, b_s0, b_bs, comp_rows, comp_rows.stride(0), comp_lens,
+            bt, bt.stride(0), tok2req, pos, b_width,
+            po, pml,
+            H, scale * LOG2E, split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
+            COMP=comp_mode, C4A_RATIO=4, HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
+            IS_SPLIT=split > 1, num_warps=hopper.NUM_WARPS,
+        )
+    else:
+        _launch_portable(q, out, lse_t, stride_lt, sink_t, a_u8, a_16, a_s0, a_bs, swa_rows, swa_lens, b_u8, b_16,
+                         b_s0, b_bs, comp_rows, comp_lens, bt, tok2req, pos, b_width, po, pml, H, scale, kv_scale,
+                         split, swa_fnuz, comp_fnuz, fmt_code, comp_mode, sink, write_lse, block_h, bn, grid, config)
     if split > 1:
         bh_c = min(16, block_h)
         bd = 128
@@ -187,3 +217,29 @@ def sparse_mla_fwd(
             WRITE_LSE=write_lse, BLOCK_H=bh_c, BLOCK_D=bd, num_warps=4,
         )
     return out
+
+
+def _launch_portable(q, out, lse_t, stride_lt, sink_t, a_u8, a_16, a_s0, a_bs, swa_rows, swa_lens, b_u8, b_16, b_s0,
+                     b_bs, comp_rows, comp_lens, bt, tok2req, pos, b_width, po, pml, H, scale, kv_scale, split,
+                     swa_fnuz, comp_fnuz, fmt_code, comp_mode, sink, write_lse, block_h, bn, grid, config):
+    dt = config.dt()
+    p_scratch = bool(config.p_scratch)
+    if p_scratch:
+        scr_p = torch.empty(grid[0] * 2 * block_h * bn, dtype=_TORCH_DT[dt], device=q.device)
+        scr_a = torch.empty(grid[0] * 2 * block_h, dtype=torch.float32, device=q.device)
+    else:
+        scr_p = scr_a = out
+    K.sparse_mla_fwd_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        out, out.stride(0), out.stride(1),
+        lse_t, stride_lt, sink_t,
+        a_u8, a_16, a_s0, a_bs, swa_rows, swa_rows.stride(0), swa_lens,
+        b_u8, b_16, b_s0, b_bs, comp_rows, comp_rows.stride(0), comp_lens,
+        bt, bt.stride(0), tok2req, pos, b_width,
+        po, pml, scr_p, scr_a,
+        H, scale * LOG2E, float(kv_scale), split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
+        FMT=fmt_code, COMP=comp_mode, C4A_RATIO=4,
+        HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
+        IS_SPLIT=split > 1, BLOCK_H=block_h, BLOCK_N=bn, DT=dt, P_SCRATCH=p_scratch,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

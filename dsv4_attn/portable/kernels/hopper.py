@@ -1,0 +1,273 @@
+"""Hopper (sm_90) fast path of the `triton` backend, written in Gluon (Triton's explicit-layout dialect).
+
+Same math and the same argument contract as ``attention.sparse_mla_fwd_kernel`` (MODEL1_FP8
+caches only), but with explicit shared memory, layouts and asynchronous copies, which the
+portable kernel cannot express:
+
+* the raw 584-byte rows of the NEXT key tile are gathered with ``cp.async`` into a two-stage
+  shared-memory ring while the current tile is computed (no registers held for the prefetch);
+* the current tile is dequantized from shared memory (e4m3 -> fp16 x 2^(byte-127) per 64-wide
+  tile, bf16 RoPE -> fp16) straight into ONE [BLOCK_N, 512] fp16 K tile in shared memory, which
+  is the B operand of both matrix products (Q·Kᵀ through a transposed view, P·V as is);
+* both warpgroups split the key tile for Q·Kᵀ (no duplicated score computation) and the
+  512 output dims for P·V; P goes through shared memory, never through global scratch;
+* P·V of tile g runs asynchronously while tile g+1's copies are issued.
+
+fp16 operands: e4m3 values and their power-of-two scales are exact in fp16 for every scale byte
+the cache writers produce (>= 2^-22); q is RMS-normed (|q| <= sqrt(512)); bf16 RoPE values
+round to fp16's 11-bit mantissa (finer than bf16's 8). Accumulation is fp32 throughout.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
+
+BLOCK_H = gl.constexpr(64)
+BLOCK_N = gl.constexpr(64)
+NUM_WARPS = 8
+NOPE_CHUNKS = gl.constexpr(7)  # 448 e4m3 bytes = 7 tiles of 64
+
+
+@gluon.jit
+def _slots(g, lo_b, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs,
+           COMP: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
+    """(slots, valid, is_a) of global tile ``g`` in ``layout`` ([BN] vectors): tiles [0, lo_b) are
+    SWA tiles (scope A), later tiles compressed ones (scope B); tiles >= hi are all invalid."""
+    live = g < hi
+    is_a = g < lo_b
+    j = gl.arange(0, BN, layout=layout)
+    ja = g * BN + j
+    ina = (ja < len_a) & is_a & live
+    sa = gl.load(a_rows + ja, mask=ina, other=-1)
+    valid = ina & (sa >= 0)
+    slots = sa
+    if COMP != 0:
+        jb = (g - lo_b) * BN + j
+        inb = (jb < len_b) & (g >= lo_b) & live
+        if COMP == 1:
+            sb = gl.load(b_rows + jb, mask=inb, other=-1)
+            vb = inb & (sb >= 0)
+        else:
+            local = gl.load(b_rows + jb, mask=inb, other=-1)
+            vb = inb & (local >= 0) & (local < visible)
+            local = gl.where(vb, local, 0)
+            col = local // b_bs
+            blk = gl.load(bt_row + col, mask=vb, other=0)
+            sb = blk * b_bs + (local - col * b_bs)
+        valid = gl.where(is_a, valid, vb)
+        slots = gl.where(is_a, sa, sb)
+    return gl.where(valid, slots, 0), valid, is_a
+
+
+@gluon.jit
+def _valid_cols(g, lo_b, hi, a_rows, len_a, b_rows, len_b, visible, COMP: gl.constexpr, BN: gl.constexpr,
+                layout: gl.constexpr):
+    """Validity of tile ``g``'s keys, computed directly in the score tile's column layout."""
+    live = g < hi
+    is_a = g < lo_b
+    j = gl.arange(0, BN, layout=layout)
+    ja = g * BN + j
+    ina = (ja < len_a) & is_a & live
+    sa = gl.load(a_rows + ja, mask=ina, other=-1)
+    valid = ina & (sa >= 0)
+    if COMP != 0:
+        jb = (g - lo_b) * BN + j
+        inb = (jb < len_b) & (g >= lo_b) & live
+        sb = gl.load(b_rows + jb, mask=inb, other=-1)
+        if COMP == 1:
+            vb = inb & (sb >= 0)
+        else:
+            vb = inb & (sb >= 0) & (sb < visible)
+        valid = gl.where(is_a, valid, vb)
+    return valid
+
+
+@gluon.jit
+def _issue_tile_copy(raw, rope, sc, stage, slots, valid, is_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs,
+                     BN: gl.constexpr, Lc: gl.constexpr, Lr: gl.constexpr):
+    """cp.async the tile's rows (7 x 64 e4m3 bytes, 64 bf16 RoPE values, 8 scale bytes) into ``stage``."""
+    base_ptr = gl.where(is_a, A_U8, B_U8)
+    stride0 = gl.where(is_a, a_stride0, b_stride0)
+    bs = gl.where(is_a, a_bs, b_bs)
+    blk = slots // bs
+    off = slots - blk * bs
+    blk_base = blk.to(gl.int64) * stride0
+    row = blk_base + off.to(gl.int64) * 576  # [BN] in SliceLayout(1, Lc)
+    srow = blk_base + bs * 576 + off.to(gl.int64) * 8
+    c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, Lc))
+    m = gl.expand_dims(valid, 1)
+    ptr = base_ptr + gl.expand_dims(row, 1) + gl.expand_dims(c64, 0)
+    for c in gl.static_range(NOPE_CHUNKS):
+        async_copy.async_copy_global_to_shared(raw.index(stage * NOPE_CHUNKS + c), ptr + c * 64, mask=m)
+    row_r = gl.convert_layout(row, gl.SliceLayout(1, Lr))
+    valid_r = gl.convert_layout(valid, gl.SliceLayout(1, Lr))
+    c_r = gl.arange(0, 64, layout=gl.SliceLayout(0, Lr))
+    rptr = (base_ptr + gl.expand_dims(row_r + 448, 1)).to(gl.pointer_type(gl.bfloat16), bitcast=True) \
+        + gl.expand_dims(c_r, 0)
+    async_copy.async_copy_global_to_shared(rope.index(stage), rptr, mask=gl.expand_dims(valid_r, 1))
+    srow_r = gl.convert_layout(srow, gl.SliceLayout(1, Lr))
+    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, Lr))
+    async_copy.async_copy_global_to_shared(sc.index(stage), base_ptr + gl.expand_dims(srow_r, 1)
+                                           + gl.expand_dims(c8, 0), mask=gl.expand_dims(valid_r, 1))
+
+
+@gluon.jit
+def sparse_mla_fwd_hopper(
+    Q, stride_qt, stride_qh,
+    O, stride_ot, stride_oh,
+    LSE, stride_lt,
+    SINK,
+    A_U8, a_stride0, a_bs, A_ROWS, stride_ar, A_LENS,
+    B_U8, b_stride0, b_bs, B_ROWS, stride_br, B_LENS,
+    BT, stride_bt, TOK2REQ, POS, b_width,
+    PO, PML,
+    num_heads, qk_scale, split, a_exp_off, b_exp_off,
+    COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
+    IS_SPLIT: gl.constexpr,
+):
+    BH: gl.constexpr = BLOCK_H
+    BN: gl.constexpr = BLOCK_N
+    # ---- layouts ------------------------------------------------------------------------------
+    Lc: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])  # [BN, 64] bytes: 16 per thread
+    Lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])  # [BN, 64] bf16 / [BN, 8] bytes
+    Lq: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # [BH, 512] q rows
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BN // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, 256, 16])
+    Lrow: gl.constexpr = gl.SliceLayout(1, Lc)
+    Lsc: gl.constexpr = gl.SliceLayout(0, s_layout)
+    Lsr: gl.constexpr = gl.SliceLayout(1, s_layout)
+    Lor: gl.constexpr = gl.SliceLayout(1, o_layout)
+    Loc: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    # ---- shared memory ------------------------------------------------------------------------
+    q_smem = gl.allocate_shared_memory(gl.float16, [BH, 512], gl.NVMMASharedLayout.get_default_for([BH, 512], gl.float16))
+    k_smem = gl.allocate_shared_memory(gl.float16, [BN, 512], gl.NVMMASharedLayout.get_default_for([BN, 512], gl.float16))
+    p_smem = gl.allocate_shared_memory(gl.float16, [BH, BN], gl.NVMMASharedLayout.get_default_for([BH, BN], gl.float16))
+    raw = gl.allocate_shared_memory(gl.uint8, [2 * NOPE_CHUNKS, BN, 64],
+                                    gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=4, order=[1, 0]))
+    rope = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64],
+                                     gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+    sc = gl.allocate_shared_memory(gl.uint8, [2, BN, 8], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+                                                                                 order=[1, 0]))
+
+    pid = gl.program_id(0)
+    n_hb = gl.cdiv(num_heads, BH)
+    sp = pid % split
+    hb = (pid // split) % n_hb
+    t = pid // (split * n_hb)
+    t64 = t.to(gl.int64)
+
+    # ---- key ranges ---------------------------------------------------------------------------
+    len_a = gl.load(A_LENS + t)
+    len_b = 0
+    visible = 0
+    req = 0
+    if COMP == 1:
+        len_b = gl.load(B_LENS + t)
+    if COMP == 2:
+        req = gl.load(TOK2REQ + t)
+        pos = gl.load(POS + t)
+        visible = ((pos + 1) // C4A_RATIO).to(gl.int32)
+        len_b = gl.where(req >= 0, gl.minimum(visible, b_width), 0)
+        req = gl.maximum(req, 0)
+    tiles_a = gl.cdiv(len_a, BN)
+    tiles = tiles_a + gl.cdiv(len_b, BN)
+    if IS_SPLIT:
+        per = gl.cdiv(tiles, split)
+        lo = sp * per
+        hi = gl.minimum(lo + per, tiles)
+    else:
+        lo = 0
+        hi = tiles
+    a_rows = A_ROWS + t64 * stride_ar
+    b_rows = B_ROWS + t64 * stride_br
+    bt_row = BT + req.to(gl.int64) * stride_bt
+
+    # ---- prologue: first tile's copies in flight, q to shared memory (fp16) -------------------------
+    slots, valid, is_a = _slots(lo, tiles_a, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs, COMP, BN, Lrow)
+    _issue_tile_copy(raw, rope, sc, 0, slots, valid, is_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs, BN, Lc, Lr)
+    async_copy.commit_group()
+
+    h_q = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, Lq))
+    d_q = gl.arange(0, 512, layout=gl.SliceLayout(0, Lq))
+    q = gl.load(Q + t64 * stride_qt + gl.expand_dims(h_q.to(gl.int64) * stride_qh, 1) + gl.expand_dims(d_q, 0),
+                mask=gl.expand_dims(h_q < num_heads, 1), other=0.0)
+    q_smem.store(q.to(gl.float16))
+
+    m_i = gl.full([BH], -1.0e30, gl.float32, layout=Lsr)
+    l_i = gl.zeros([BH], gl.float32, layout=Lsr)
+    acc = warpgroup_mma_init(gl.zeros([BH, 512], gl.float32, layout=o_layout))
+    s_zero = gl.zeros([BH, BN], gl.float32, layout=s_layout)
+
+    for g in range(lo, hi):
+        stage = (g - lo) % 2
+        # a. next tile's rows in flight (its stage was released by the barrier after the last dequant)
+        slots_n, valid_n, is_a_n = _slots(g + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs,
+                                          COMP, BN, Lrow)
+        _issue_tile_copy(raw, rope, sc, 1 - stage, slots_n, valid_n, is_a_n, A_U8, B_U8, a_stride0, b_stride0,
+                         a_bs, b_bs, BN, Lc, Lr)
+        async_copy.commit_group()
+        exp_off = gl.where(g < tiles_a, a_exp_off, b_exp_off)
+        valid_s = _valid_cols(g, tiles_a, hi, a_rows, len_a, b_rows, len_b, visible, COMP, BN, Lsc)
+        # b. this tile's rows have landed; the previous P·V has finished reading k_smem / p_smem
+        async_copy.wait_group(1)
+        acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()
+        # c. dequantize into the fp16 K tile
+        for c in gl.static_range(NOPE_CHUNKS):
+            x = raw.index(stage * NOPE_CHUNKS + c).load(Lc)
+            e = sc.index(stage).slice(c, 1, dim=1).load(Lc)
+            scale = (gl.maximum(e.to(gl.int32) - exp_off, 0) << 23).to(gl.float32, bitcast=True).to(gl.float16)
+            k = x.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale
+            k_smem.slice(c * 64, 64, dim=1).store(k)
+        r = rope.index(stage).load(Lr)
+        k_smem.slice(448, 64, dim=1).store(r.to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        # d. scores: each warpgroup computes half of the key columns
+        s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False)
+        s = gl.where(gl.expand_dims(valid_s, 0), s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        # e. acc = acc * alpha + P·V, left running while the next tile is issued
+        alpha_o = gl.convert_layout(alpha, Lor)
+        acc = warpgroup_mma(p_smem, k_smem, acc_t * gl.expand_dims(alpha_o, 1), is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    async_copy.wait_group(0)
+
+    # ---- epilogue ------------------------------------------------------------------------------
+    h_o = hb * BH + gl.arange(0, BH, layout=Lor)
+    d_o = gl.arange(0, 512, layout=Loc)
+    hmask_o = h_o < num_heads
+    m_o = gl.convert_layout(m_i, Lor)
+    l_o = gl.convert_layout(l_i, Lor)
+    if IS_SPLIT:
+        part = (t64 * split + sp) * num_heads + h_o.to(gl.int64)
+        gl.store(PO + gl.expand_dims(part * 512, 1) + gl.expand_dims(d_o, 0), acc, mask=gl.expand_dims(hmask_o, 1))
+        gl.store(PML + part * 2, m_o, mask=hmask_o)
+        gl.store(PML + part * 2 + 1, l_o, mask=hmask_o)
+    else:
+        denom = l_o
+        if HAS_SINK:
+            sink2 = gl.load(SINK + h_o, mask=hmask_o, other=float("-inf")) * 1.4426950408889634
+            denom = l_o + gl.exp2(sink2 - m_o)
+        has = l_o > 0.0
+        inv = gl.where(has, 1.0 / gl.where(has, denom, 1.0), 0.0)
+        o = acc * gl.expand_dims(inv, 1)
+        o_ptr = O + t64 * stride_ot + gl.expand_dims(h_o.to(gl.int64) * stride_oh, 1) + gl.expand_dims(d_o, 0)
+        gl.store(o_ptr, o.to(gl.bfloat16), mask=gl.expand_dims(hmask_o, 1))
+        if WRITE_LSE:
+            lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_o, 1.0))) * 0.6931471805599453, float("-inf"))
+            gl.store(LSE + t64 * stride_lt + h_o, lse, mask=hmask_o)

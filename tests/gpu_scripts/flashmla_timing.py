@@ -1,0 +1,80 @@
+"""Time the `flashmla` backend through SparseMLA on a GPU (not part of the test suite: no timing
+tests there). Prints, per config, the whole forward and the FlashMLA kernel alone (CUDA events
+around the op calls), so the adapter's own cost (C4A index translation, prefill gather) shows.
+
+    DSV4_ATTN_FLASHMLA_LIB=.flashmla/_flashmla_C.abi3.so PYTHONPATH=.:tests python tests/gpu_scripts/flashmla_timing.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_attn.api import SparseMLA
+from dsv4_attn.common.spec import LayerKind
+from dsv4_attn.cuda import flashmla
+from nvidia_cases import make_case
+
+ITERS = 20
+_kernel_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+
+def _timed(method):
+    def wrapper(self, *args):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        method(self, *args)
+        end.record()
+        _kernel_events.append((start, end))
+
+    return wrapper
+
+
+flashmla.FlashMLAOps.decode = _timed(flashmla.FlashMLAOps.decode)
+flashmla.FlashMLAOps.prefill = _timed(flashmla.FlashMLAOps.prefill)
+
+
+def measure(name, qlens, seqs, kind, **kw):
+    gen = torch.Generator().manual_seed(len(name))
+    case = make_case(gen, qlens, seqs, device="cuda", **kw)
+    mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device="cuda", max_tokens=max(8192, sum(qlens)))
+    plan = mla.plan(case.batch)
+    out = torch.empty_like(case.q)
+    args = (case.q, case.caches["swa"], case.caches.get(kind) if kind.has_comp_scope else None)
+    topk = case.topk if kind is LayerKind.C4A else None
+
+    def run():
+        mla.forward(plan, kind, *args, c4a_topk=topk, sink=case.sink, out=out)
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    _kernel_events.clear()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(ITERS):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    total = start.elapsed_time(end) * 1000 / ITERS
+    kernel = sum(s.elapsed_time(e) for s, e in _kernel_events) * 1000 / ITERS
+    print(f"| {name} | {kind.name} | {total:.1f} | {kernel:.1f} |", flush=True)
+
+
+def main():
+    print("| config | kind | forward us | FlashMLA kernel us |\n|---|---|---|---|")
+    for b in (2, 128, 256):
+        measure(f"decode H64 W128+C4A512 b{b} s_kv16k", [1] * b, [16384] * b, LayerKind.C4A, heads=64, topk=512,
+                max_model_len=65536)
+    measure("decode H128 W128+C4A1024 b128", [1] * 128, [16384] * 128, LayerKind.C4A, heads=128, topk=1024,
+            max_model_len=65536)
+    measure("decode H64 C128A (width 512) b128", [1] * 128, [16384] * 128, LayerKind.C128A, heads=64,
+            max_model_len=65536)
+    measure("decode H64 MTP s_q=2 b128", [2] * 128, [16384] * 128, LayerKind.C4A, heads=64, topk=512,
+            max_model_len=65536, num_decode_tokens=256)
+    for heads, topk in ((64, 512), (128, 1024)):
+        measure(f"prefill H{heads} 4096 tok, s_kv 32k, W128+C4A{topk}", [4096], [32768], LayerKind.C4A,
+                heads=heads, topk=topk, max_model_len=65536, num_decode_tokens=0)
+
+
+if __name__ == "__main__":
+    main()
