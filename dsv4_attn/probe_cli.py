@@ -1,0 +1,237 @@
+"""`dsv4-attn probe`: what this machine offers dsv4_attn (collect-env style).
+
+Prints the platform (vendor, arch, device, torch / CUDA / HIP / Triton versions, fp8 dialect),
+the vendor libraries found (version, location), what each vendor backend module says about
+its binary (which FlashMLA library loaded, which AITER build), and for one model shape
+(``--heads``, ``--format``, ``--c4a-topk``) which backend runs each layer kind and phase, and
+why the backends ahead of it in the priority list were passed over, followed by
+``SparseMLA.explain()``. ``--json`` prints the same facts as one JSON object.
+
+Never raises on a machine without a GPU or vendor libraries: every failure becomes text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform as _pyplatform
+import sys
+
+import torch
+
+from .common import backend as backend_mod
+from .common.backend import BackendUnavailableError, Phase
+from .common.layout import KVFormat
+from .common.platform import platform_for_device, probe
+from .common.spec import LayerKind, ModelSpec
+
+
+def _flashmla(plat) -> dict:
+    from .cuda.flashmla import load_flashmla  # loads the library only when this is asked
+
+    lib = load_flashmla()
+    return {"loaded": lib.ops is not None, "source": lib.source, "version": lib.version, "location": lib.location,
+            "summary": lib.describe()}
+
+
+def _flashinfer(plat) -> dict | str:
+    cap = plat.capability
+    if cap is None or cap[0] < 10:  # load_flashinfer imports flashinfer: only where its kernels can run
+        return f"not loaded: the TRTLLM-gen DSv4 kernels need an NVIDIA SM100-family GPU (this is {plat.arch})"
+    from .cuda.flashinfer import load_flashinfer
+
+    fn, version, reasons = load_flashinfer()
+    return {"usable": fn is not None, "version": version, "reasons": list(reasons)}
+
+
+def _aiter(plat) -> dict:
+    from .rocm.aiter import describe_aiter  # never imports aiter off ROCm
+
+    return describe_aiter(plat)
+
+
+# What each vendor backend module says about its binary.
+_DESCRIBERS = {"flashmla": ("dsv4_attn.cuda.flashmla", _flashmla),
+               "flashinfer": ("dsv4_attn.cuda.flashinfer", _flashinfer),
+               "aiter": ("dsv4_attn.rocm.aiter", _aiter)}
+_ENV_VARS = ("DSV4_ATTN_BACKEND", "DSV4_ATTN_FLASHMLA_LIB", "DSV4_ATTN_AITER_EMULATOR", "TRITON_INTERPRET",
+             "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+def describe_vendor(key: str, plat) -> dict:
+    """What vendor module ``key`` reports about its binary: {"module", "status", "info"}; status
+    is ok, absent (module not in this build) or error (the message says what failed)."""
+    module_name, describer = _DESCRIBERS[key]
+    try:
+        return {"module": module_name, "status": "ok", "info": _jsonable(describer(plat))}
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            return {"module": module_name, "status": "absent", "info": "module not in this dsv4_attn build"}
+        return {"module": module_name, "status": "error", "info": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # the probe never raises
+        return {"module": module_name, "status": "error", "info": f"{type(exc).__name__}: {exc}"}
+
+
+def _jsonable(value):
+    """A describer's result as JSON-able data (dataclasses and odd objects become strings)."""
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        if isinstance(value, dict):
+            return {str(k): _jsonable(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [_jsonable(v) for v in value]
+        return str(value)
+
+
+def choose(spec: ModelSpec, fmt: KVFormat, device: torch.device) -> dict:
+    """Per layer kind and phase: the backend that runs it and why ({"backend", "source",
+    "passed_over": {name: reasons}} or {"error": text})."""
+    plat = platform_for_device(device)
+    requested, source = backend_mod.requested_backend()
+    out = {}
+    for kind in LayerKind:
+        for phase in Phase:
+            key = f"{kind.name}/{phase.value}"
+            try:
+                name = backend_mod.select(plat, spec, fmt, kind, phase, requested, source)
+            except (BackendUnavailableError, ValueError) as exc:
+                out[key] = {"error": str(exc)}
+                continue
+            passed = {}
+            if requested == "auto":
+                for cand in backend_mod.PRIORITY.get(plat.vendor, []):
+                    if cand == name:
+                        break
+                    passed[cand] = backend_mod.reasons_for(cand, plat, spec, fmt, kind, phase)
+            why = source if requested != "auto" or name == requested else f"auto ({plat.vendor} priority list)"
+            if requested != "auto" and name != requested:
+                why = f"auto: forced {requested!r} does not implement {phase.value}"
+            out[key] = {"backend": name, "source": why, "passed_over": passed}
+    return out
+
+
+def explain(spec: ModelSpec, fmt: KVFormat, device: torch.device) -> str:
+    from .api import SparseMLA
+
+    try:
+        return SparseMLA(spec, fmt, device=device, max_tokens=1, max_reqs=1).explain()
+    except Exception as exc:  # e.g. a forced backend that cannot run here: its message lists why
+        return f"SparseMLA could not be built: {type(exc).__name__}: {exc}"
+
+
+def collect(heads: int = 64, fmt: str = "fp8_ds_mla", c4a_topk: int = 512, max_model_len: int = 65536,
+            device: str | None = None) -> dict:
+    """Every fact `dsv4-attn probe` prints, as JSON-able data."""
+    from . import __version__
+
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    plat = platform_for_device(dev)
+    base = probe()
+    spec = ModelSpec(num_heads=heads, c4a_topk=c4a_topk, max_model_len=max_model_len)
+    kv_format = KVFormat.parse(fmt)
+    facts = plat.as_dict()
+    libraries = facts.pop("libraries")
+    backends = {}
+    for name in backend_mod.backend_names():
+        instance = backend_mod.get_backend(name)
+        backends[name] = {"importable": instance is not None,
+                          "error": None if instance is not None else
+                          backend_mod.reasons_for(name, plat, spec, kv_format, LayerKind.SWA, Phase.DECODE)[0],
+                          "phases": [p.value for p in instance.phases] if instance is not None else []}
+    return {
+        "dsv4_attn": __version__,
+        "python": sys.version.split()[0],
+        "os": _pyplatform.platform(),
+        "device": str(dev),
+        "gpu_visible": base.is_gpu,
+        "platform": facts,
+        "libraries": libraries,
+        "vendor_binaries": {key: describe_vendor(key, plat) for key in _DESCRIBERS},
+        "backends": backends,
+        "env": {k: os.environ[k] for k in _ENV_VARS if k in os.environ},
+        "selection": {"heads": heads, "format": kv_format.value, "c4a_topk": c4a_topk,
+                      "max_model_len": max_model_len, "choices": choose(spec, kv_format, dev)},
+        "explain": explain(spec, kv_format, dev),
+    }
+
+
+def render(info: dict) -> str:
+    p = info["platform"]
+    lines = [
+        f"dsv4-attn {info['dsv4_attn']} probe",
+        f"platform   {p['vendor']}/{p['arch']}  {p['device_name']}"
+        + (f", {p['num_sms']} SMs/CUs" if p.get("num_sms") else "") + f", fp8 dialect {p['fp8_dialect']}",
+        f"device     {info['device']} (GPU visible to torch: {'yes' if info['gpu_visible'] else 'no'})",
+        f"torch      {p['torch_version']} (CUDA {p['cuda_version'] or '-'}, HIP {p['hip_version'] or '-'}), "
+        f"triton {p['triton_version'] or '-'}",
+        f"python     {info['python']} on {info['os']}",
+        "env        " + (", ".join(f"{k}={v}" for k, v in info["env"].items()) or "(no dsv4_attn variables set)"),
+        "",
+        "libraries",
+        f"  {'name':<14} {'found':<6} {'version':<22} location",
+    ]
+    for name, lib in info["libraries"].items():
+        extra = lib.get("location") or lib.get("note") or ""
+        if lib.get("location") and lib.get("note"):
+            extra += f" ({lib['note']})"
+        lines.append(f"  {name:<14} {'yes' if lib['found'] else 'no':<6} {lib.get('version') or '-':<22} {extra}")
+    lines += ["", "vendor binaries"]
+    for key, desc in info["vendor_binaries"].items():
+        body = desc["info"]
+        if isinstance(body, dict):
+            lines.append(f"  {key:<11} [{desc['status']}]")
+            lines += [f"  {'':<11} {k}: {_one_line(v)}" for k, v in _flatten(body)]
+        else:
+            lines.append(f"  {key:<11} [{desc['status']}] {_one_line(body)}")
+    lines += ["", "backends"]
+    for name, b in info["backends"].items():
+        state = f"phases {'/'.join(b['phases'])}" if b["importable"] else f"not importable: {b['error']}"
+        lines.append(f"  {name:<18} {state}")
+    sel = info["selection"]
+    lines += ["", f"backend choice for {sel['heads']} heads, {sel['format']}, C4A top-k {sel['c4a_topk']}, "
+                  f"max_model_len {sel['max_model_len']} on {info['device']}"]
+    for key, choice in sel["choices"].items():
+        if "error" in choice:
+            lines.append(f"  {key:<16} none: {_one_line(choice['error'])}")
+            continue
+        lines.append(f"  {key:<16} {choice['backend']:<18} ({choice['source']})")
+        for name, reasons in choice["passed_over"].items():
+            lines.append(f"  {'':<16}   passed over {name}: {'; '.join(reasons)}")
+    lines += ["", "explain()", info["explain"]]
+    return "\n".join(lines) + "\n"
+
+
+def _flatten(d: dict, prefix: str = ""):
+    """(dotted key, value) pairs of a nested dict."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def _one_line(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return "; ".join(map(str, value)) or "-"
+    return " ".join(str(value).split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsv4-attn probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--heads", type=int, default=64, help="query heads per rank (default 64, V4-Flash)")
+    parser.add_argument("--format", default="fp8_ds_mla", help="KV format: fp8_ds_mla, bfloat16, fp8_e4m3")
+    parser.add_argument("--c4a-topk", type=int, default=512, help="C4A top-k width (default 512)")
+    parser.add_argument("--max-model-len", type=int, default=65536, help="longest sequence (default 65536)")
+    parser.add_argument("--device", help="device the backends would run on (default: cuda when available)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = parser.parse_args(argv)
+    try:
+        info = collect(args.heads, args.format, args.c4a_topk, args.max_model_len, args.device)
+    except (ValueError, RuntimeError) as exc:  # bad --heads / --format / --device
+        print(f"dsv4-attn probe: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(info, indent=1) if args.json else render(info), end="\n" if args.json else "")
+    return 0
