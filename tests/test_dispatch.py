@@ -89,7 +89,7 @@ def test_context_manager_and_env_var_force_on_cpu(monkeypatch):
     with dsv4.backend("flashmla"):
         with pytest.raises(dsv4.BackendUnavailableError, match=r"(?s)'flashmla' \(forced by dsv4_attn.backend\(\)"):
             mla.backend_for("swa", "decode")
-    monkeypatch.setenv(bm.ENV_BACKEND, "triton")
+    monkeypatch.setenv(bm.ENV_BACKEND, "flashinfer-trtllm")
     with pytest.raises(dsv4.BackendUnavailableError, match="DSV4_ATTN_BACKEND environment variable"):
         dsv4.SparseMLA(ModelSpec(num_heads=8), "bf16")
     monkeypatch.setenv(bm.ENV_BACKEND, "nonsense")
