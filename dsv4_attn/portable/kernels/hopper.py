@@ -64,55 +64,43 @@ def _slots(g, lo_b, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs,
 
 
 @gluon.jit
-def _valid_cols(g, lo_b, hi, a_rows, len_a, b_rows, len_b, visible, COMP: gl.constexpr, BN: gl.constexpr,
-                layout: gl.constexpr):
-    """Validity of tile ``g``'s keys, computed directly in the score tile's column layout."""
-    live = g < hi
-    is_a = g < lo_b
-    j = gl.arange(0, BN, layout=layout)
-    ja = g * BN + j
-    ina = (ja < len_a) & is_a & live
-    sa = gl.load(a_rows + ja, mask=ina, other=-1)
-    valid = ina & (sa >= 0)
-    if COMP != 0:
-        jb = (g - lo_b) * BN + j
-        inb = (jb < len_b) & (g >= lo_b) & live
-        sb = gl.load(b_rows + jb, mask=inb, other=-1)
-        if COMP == 1:
-            vb = inb & (sb >= 0)
-        else:
-            vb = inb & (sb >= 0) & (sb < visible)
-        valid = gl.where(is_a, valid, vb)
-    return valid
-
-
-@gluon.jit
 def _issue_tile_copy(raw, rope, sc, stage, slots, valid, is_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs,
-                     BN: gl.constexpr, Lc: gl.constexpr, Lr: gl.constexpr):
-    """cp.async the tile's rows (7 x 64 e4m3 bytes, 64 bf16 RoPE values, 8 scale bytes) into ``stage``."""
+                     BN: gl.constexpr, Lw: gl.constexpr, Lr: gl.constexpr):
+    """cp.async the tile's rows into ``stage``: the 448 e4m3 bytes (one [BN, 512] copy, the last 64
+    columns masked off), the 64 bf16 RoPE values and the 8 scale bytes. Three copies, each into
+    its own buffer (no shared-memory hazards between them, so no barriers)."""
     base_ptr = gl.where(is_a, A_U8, B_U8)
     stride0 = gl.where(is_a, a_stride0, b_stride0)
     bs = gl.where(is_a, a_bs, b_bs)
     blk = slots // bs
     off = slots - blk * bs
     blk_base = blk.to(gl.int64) * stride0
-    row = blk_base + off.to(gl.int64) * 576  # [BN] in SliceLayout(1, Lc)
+    row = blk_base + off.to(gl.int64) * 576  # [BN] in SliceLayout(1, Lw)
     srow = blk_base + bs * 576 + off.to(gl.int64) * 8
-    c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, Lc))
-    m = gl.expand_dims(valid, 1)
-    ptr = base_ptr + gl.expand_dims(row, 1) + gl.expand_dims(c64, 0)
-    for c in gl.static_range(NOPE_CHUNKS):
-        async_copy.async_copy_global_to_shared(raw.index(stage * NOPE_CHUNKS + c), ptr + c * 64, mask=m)
+    c512 = gl.arange(0, 512, layout=gl.SliceLayout(0, Lw))
+    m = gl.expand_dims(valid, 1) & gl.expand_dims(c512 < 448, 0)
+    async_copy.async_copy_global_to_shared(raw.index(stage), base_ptr + gl.expand_dims(row, 1)
+                                           + gl.expand_dims(c512, 0), mask=m)
     row_r = gl.convert_layout(row, gl.SliceLayout(1, Lr))
-    valid_r = gl.convert_layout(valid, gl.SliceLayout(1, Lr))
+    valid_r = gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, Lr)), 1)
     c_r = gl.arange(0, 64, layout=gl.SliceLayout(0, Lr))
     rptr = (base_ptr + gl.expand_dims(row_r + 448, 1)).to(gl.pointer_type(gl.bfloat16), bitcast=True) \
         + gl.expand_dims(c_r, 0)
-    async_copy.async_copy_global_to_shared(rope.index(stage), rptr, mask=gl.expand_dims(valid_r, 1))
+    async_copy.async_copy_global_to_shared(rope.index(stage), rptr, mask=valid_r)
     srow_r = gl.convert_layout(srow, gl.SliceLayout(1, Lr))
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, Lr))
     async_copy.async_copy_global_to_shared(sc.index(stage), base_ptr + gl.expand_dims(srow_r, 1)
-                                           + gl.expand_dims(c8, 0), mask=gl.expand_dims(valid_r, 1))
+                                           + gl.expand_dims(c8, 0), mask=valid_r)
+
+
+@gluon.jit
+def _dequant_half(raw_stage, sc_stage, exp_off, HALF: gl.constexpr, BN: gl.constexpr, Lw: gl.constexpr):
+    """fp16 [BN, 256] of e4m3 columns [256*HALF, 256*HALF + 256) times their tiles' 2^(byte-127)."""
+    x = raw_stage.slice(256 * HALF, 256, dim=1).load(Lw)
+    x3 = gl.reshape(x.to(gl.float8e4nv, bitcast=True).to(gl.float16), [BN, 4, 64])
+    e = sc_stage.slice(4 * HALF, 4, dim=1).load(gl.SliceLayout(2, x3.type.layout))
+    scale = (gl.maximum(e.to(gl.int32) - exp_off, 0) << 23).to(gl.float32, bitcast=True).to(gl.float16)
+    return gl.reshape(x3 * gl.expand_dims(scale, 2), [BN, 256])
 
 
 @gluon.jit
@@ -132,14 +120,14 @@ def sparse_mla_fwd_hopper(
     BH: gl.constexpr = BLOCK_H
     BN: gl.constexpr = BLOCK_N
     # ---- layouts ------------------------------------------------------------------------------
-    Lc: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])  # [BN, 64] bytes: 16 per thread
+    Lw: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])  # [BN, 256|512] bytes: 16 B vectors
     Lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])  # [BN, 64] bf16 / [BN, 8] bytes
     Lq: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # [BH, 512] q rows
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BN // 2, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, 256, 16])
-    Lrow: gl.constexpr = gl.SliceLayout(1, Lc)
+    Lrow: gl.constexpr = gl.SliceLayout(1, Lw)
     Lsc: gl.constexpr = gl.SliceLayout(0, s_layout)
     Lsr: gl.constexpr = gl.SliceLayout(1, s_layout)
     Lor: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -149,10 +137,12 @@ def sparse_mla_fwd_hopper(
     q_smem = gl.allocate_shared_memory(gl.float16, [BH, 512], gl.NVMMASharedLayout.get_default_for([BH, 512], gl.float16))
     k_smem = gl.allocate_shared_memory(gl.float16, [BN, 512], gl.NVMMASharedLayout.get_default_for([BN, 512], gl.float16))
     p_smem = gl.allocate_shared_memory(gl.float16, [BH, BN], gl.NVMMASharedLayout.get_default_for([BH, BN], gl.float16))
-    raw = gl.allocate_shared_memory(gl.uint8, [2 * NOPE_CHUNKS, BN, 64],
-                                    gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=4, order=[1, 0]))
+    raw = gl.allocate_shared_memory(gl.uint8, [2, BN, 512],
+                                    gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0]))
     rope = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64],
                                      gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+    vflag = gl.allocate_shared_memory(gl.int8, [2, BN], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+                                                                                order=[0]))
     sc = gl.allocate_shared_memory(gl.uint8, [2, BN, 8], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
                                                                                  order=[1, 0]))
 
@@ -191,8 +181,9 @@ def sparse_mla_fwd_hopper(
 
     # ---- prologue: first tile's copies in flight, q to shared memory (fp16) -------------------------
     slots, valid, is_a = _slots(lo, tiles_a, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs, COMP, BN, Lrow)
-    _issue_tile_copy(raw, rope, sc, 0, slots, valid, is_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs, BN, Lc, Lr)
+    _issue_tile_copy(raw, rope, sc, 0, slots, valid, is_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs, BN, Lw, Lr)
     async_copy.commit_group()
+    vflag.index(0).store(valid.to(gl.int8))
 
     h_q = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, Lq))
     d_q = gl.arange(0, 512, layout=gl.SliceLayout(0, Lq))
@@ -211,27 +202,27 @@ def sparse_mla_fwd_hopper(
         slots_n, valid_n, is_a_n = _slots(g + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs,
                                           COMP, BN, Lrow)
         _issue_tile_copy(raw, rope, sc, 1 - stage, slots_n, valid_n, is_a_n, A_U8, B_U8, a_stride0, b_stride0,
-                         a_bs, b_bs, BN, Lc, Lr)
+                         a_bs, b_bs, BN, Lw, Lr)
         async_copy.commit_group()
+        vflag.index(1 - stage).store(valid_n.to(gl.int8))
         exp_off = gl.where(g < tiles_a, a_exp_off, b_exp_off)
-        valid_s = _valid_cols(g, tiles_a, hi, a_rows, len_a, b_rows, len_b, visible, COMP, BN, Lsc)
         # b. this tile's rows have landed; the previous P·V has finished reading k_smem / p_smem
         async_copy.wait_group(1)
         acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
-        # c. dequantize into the fp16 K tile
-        for c in gl.static_range(NOPE_CHUNKS):
-            x = raw.index(stage * NOPE_CHUNKS + c).load(Lc)
-            e = sc.index(stage).slice(c, 1, dim=1).load(Lc)
-            scale = (gl.maximum(e.to(gl.int32) - exp_off, 0) << 23).to(gl.float32, bitcast=True).to(gl.float16)
-            k = x.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale
-            k_smem.slice(c * 64, 64, dim=1).store(k)
+        valid_s = vflag.index(stage).load(Lsc) != 0
+        # c. dequantize into the fp16 K tile (two halves, then the RoPE columns over the masked tile 7)
+        raw_st = raw.index(stage)
+        sc_st = sc.index(stage)
+        k_smem.slice(0, 256, dim=1).store(_dequant_half(raw_st, sc_st, exp_off, 0, BN, Lw))
+        k_smem.slice(256, 256, dim=1).store(_dequant_half(raw_st, sc_st, exp_off, 1, BN, Lw))
         r = rope.index(stage).load(Lr)
         k_smem.slice(448, 64, dim=1).store(r.to(gl.float16))
         fence_async_shared()
         gl.thread_barrier()
         # d. scores: each warpgroup computes half of the key columns
-        s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False)
+        s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = gl.where(gl.expand_dims(valid_s, 0), s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         alpha = gl.exp2(m_i - m_new)
