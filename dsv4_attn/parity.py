@@ -1210,8 +1210,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         device = _device(args.device) if args.device else default_device()
         if args.threads or device.type == "cpu":
-            # The cases are small: on CPU one thread is as fast, and 3-4x faster when other
-            # processes share the cores (OpenMP workers spin-wait on busy cores; measured).
+            # One thread by default: on an idle 2-core machine the default matrix takes 37 s instead
+            # of 25 s, but when other processes share the cores OpenMP workers spin-wait and two
+            # threads ran 3-4x slower than one (measured), which would break the 3-minute budget.
             torch.set_num_threads(args.threads or 1)
         backends = resolve_backends(args.backends) if args.backends else default_backends(matrix, device)
         if args.emulate_aiter and not args.backends and "aiter" not in backends:
