@@ -100,15 +100,17 @@ def choose(spec: ModelSpec, fmt: KVFormat, device: torch.device) -> dict:
             except (BackendUnavailableError, ValueError) as exc:
                 out[key] = {"error": str(exc)}
                 continue
+            if name == requested:
+                out[key] = {"backend": name, "source": f"forced by {source}", "passed_over": {}}
+                continue
+            why = f"auto ({plat.vendor} priority list)"
+            if requested != "auto":
+                why += f"; the forced {requested!r} does not implement {phase.value}"
             passed = {}
-            if requested == "auto":
-                for cand in backend_mod.PRIORITY.get(plat.vendor, []):
-                    if cand == name:
-                        break
-                    passed[cand] = backend_mod.reasons_for(cand, plat, spec, fmt, kind, phase)
-            why = source if requested != "auto" or name == requested else f"auto ({plat.vendor} priority list)"
-            if requested != "auto" and name != requested:
-                why = f"auto: forced {requested!r} does not implement {phase.value}"
+            for cand in backend_mod.PRIORITY.get(plat.vendor, []):
+                if cand == name:
+                    break
+                passed[cand] = backend_mod.reasons_for(cand, plat, spec, fmt, kind, phase)
             out[key] = {"backend": name, "source": why, "passed_over": passed}
     return out
 
