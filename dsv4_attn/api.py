@@ -76,6 +76,10 @@ class SparseMLA:
 
     # ---- backend choice -------------------------------------------------------------------
     @property
+    def dialects(self) -> tuple[Fp8Dialect, Fp8Dialect]:
+        return self.swa_dialect, self.comp_dialect
+
+    @property
     def platform(self) -> Platform:
         return platform_for_device(self._device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -86,7 +90,7 @@ class SparseMLA:
         key = (requested, kind, phase)
         if key not in self._selected:
             self._selected[key] = backend_mod.select(self.platform, self.spec, self.fmt, kind, phase,
-                                                     requested, source)
+                                                     requested, source, self.dialects)
         return self._selected[key]
 
     def explain(self) -> str:
@@ -102,7 +106,7 @@ class SparseMLA:
             cells = []
             for kind in LayerKind:
                 for phase in Phase:
-                    reasons = backend_mod.reasons_for(name, plat, self.spec, self.fmt, kind, phase)
+                    reasons = backend_mod.reasons_for(name, plat, self.spec, self.fmt, kind, phase, self.dialects)
                     try:
                         chosen = self.backend_for(kind, phase) == name
                     except backend_mod.BackendUnavailableError:

@@ -122,3 +122,17 @@ def test_importing_the_package_imports_no_vendor_library():
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_fnuz_caches_only_go_to_backends_that_declare_fnuz(fakes):
+    from dsv4_attn.common.layout import Fp8Dialect
+
+    fakes("ocp-only", [], index=0)
+    fakes("portable", [], index=1)
+    bm.get_backend("portable").dialects = (Fp8Dialect.OCP, Fp8Dialect.FNUZ)
+    gfx942_caches = (Fp8Dialect.FNUZ, Fp8Dialect.OCP)  # vLLM on gfx942: SWA FNUZ, compressed OCP
+    args = (_cuda(), SPEC, KVFormat.MODEL1_FP8, LayerKind.C4A, dsv4.Phase.DECODE)
+    assert bm.select(*args, dialects=gfx942_caches) == "portable"
+    assert bm.reasons_for("ocp-only", *args, gfx942_caches) == ["reads ocp fp8 only; the SWA cache is fnuz"]
+    assert bm.reasons_for("ocp-only", _cuda(), SPEC, KVFormat.BF16, LayerKind.C4A, dsv4.Phase.DECODE,
+                          gfx942_caches) == []  # bf16 caches have no fp8 dialect

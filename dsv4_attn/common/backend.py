@@ -96,12 +96,14 @@ class Backend:
     phases                 the phases it implements at all (AITER: decode only). Forcing a
                            backend forces it for these; other phases are auto-selected, and
                            ``SparseMLA.explain()`` shows it.
+    dialects               FP8 dialects it reads (FNUZ is gfx942's; NVIDIA kernels read OCP only)
     capabilities           declared support, rendered into the README support matrix
     """
 
     name: str = "?"
     splits_phases: bool = False
     phases: tuple[Phase, ...] = (Phase.DECODE, Phase.PREFILL)
+    dialects: tuple[Fp8Dialect, ...] = (Fp8Dialect.OCP,)
     capabilities: Capabilities | None = None
 
     def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
@@ -197,17 +199,29 @@ def get_backend(name: str) -> Backend | None:
     return backend
 
 
+Dialects = tuple[Fp8Dialect, Fp8Dialect]  # (SWA cache, compressed cache)
+OCP_CACHES: Dialects = (Fp8Dialect.OCP, Fp8Dialect.OCP)
+
+
 def reasons_for(name: str, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
-                phase: Phase) -> list[str]:
+                phase: Phase, dialects: Dialects = OCP_CACHES) -> list[str]:
+    """Every reason backend ``name`` cannot serve the combination ([] = supported): import
+    failures, undeclared phases or FP8 dialects, then the backend's own reasons."""
     backend = get_backend(name)
     if backend is None:
         return [_import_errors[name]]
     if phase not in backend.phases:
         return [f"implements {'/'.join(p.value for p in backend.phases)} only (not {phase.value})"]
+    reasons = []
+    if fmt.uses_fp8:
+        for cache, dialect in zip(("SWA", "compressed"), dialects):
+            if dialect not in backend.dialects:
+                reasons.append(f"reads {'/'.join(d.value for d in backend.dialects)} fp8 only; the {cache} "
+                               f"cache is {dialect.value}")
     try:
-        return list(backend.unsupported_reasons(platform, spec, fmt, kind, phase))
+        return reasons + list(backend.unsupported_reasons(platform, spec, fmt, kind, phase))
     except Exception as exc:
-        return [f"unsupported_reasons raised {type(exc).__name__}: {exc}"]
+        return reasons + [f"unsupported_reasons raised {type(exc).__name__}: {exc}"]
 
 
 # ---- forcing a backend: argument > `with backend(...)` > DSV4_ATTN_BACKEND > auto --------------
@@ -242,7 +256,7 @@ def requested_backend(explicit: str = "auto") -> tuple[str, str]:
 
 
 def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
-           requested: str = "auto", source: str = "auto") -> str:
+           requested: str = "auto", source: str = "auto", dialects: Dialects = OCP_CACHES) -> str:
     """Name of the backend to run ``kind`` / ``phase``; raises BackendUnavailableError with every
     backend's reasons when the requested one (or, for auto, every candidate) refuses."""
     if requested != "auto":
@@ -250,8 +264,8 @@ def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, 
             raise ValueError(f"backend: got {requested!r} (from {source}); allowed: {sorted(_REGISTRY)} or 'auto'")
         forced = get_backend(requested)
         if forced is not None and phase not in forced.phases:
-            return select(platform, spec, fmt, kind, phase)
-        reasons = reasons_for(requested, platform, spec, fmt, kind, phase)
+            return select(platform, spec, fmt, kind, phase, dialects=dialects)
+        reasons = reasons_for(requested, platform, spec, fmt, kind, phase, dialects)
         if reasons:
             raise BackendUnavailableError(
                 f"backend {requested!r} (forced by {source}) cannot run {kind.name} {phase.value} "
@@ -262,7 +276,7 @@ def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, 
     candidates = PRIORITY.get(platform.vendor, [])
     report = []
     for name in candidates:
-        reasons = reasons_for(name, platform, spec, fmt, kind, phase)
+        reasons = reasons_for(name, platform, spec, fmt, kind, phase, dialects)
         if not reasons:
             return name
         report.append((name, reasons))

@@ -23,6 +23,7 @@ from ..common.spec import LayerKind, ModelSpec
 
 class TorchBackend(Backend):
     name = "torch"
+    dialects = (Fp8Dialect.OCP, Fp8Dialect.FNUZ)
     capabilities = Capabilities(
         platforms="any torch device (CPU default; CUDA/ROCm when forced)",
         formats=tuple(KVFormat),

@@ -30,6 +30,7 @@ def _interpreting() -> bool:
 
 class TritonBackend(Backend):
     name = "triton"
+    dialects = (Fp8Dialect.OCP, Fp8Dialect.FNUZ)
     capabilities = Capabilities(
         platforms="NVIDIA sm_80+ (fp8 formats sm_89+), AMD ROCm (through Triton)",
         formats=(KVFormat.MODEL1_FP8, KVFormat.BF16, KVFormat.FP8_TENSOR),

@@ -298,6 +298,7 @@ class AiterBackend(Backend):
     """
 
     splits_phases = True
+    dialects = (Fp8Dialect.OCP, Fp8Dialect.FNUZ)  # arch-native in place; gathered rows re-encoded
     phases = (Phase.DECODE,)
     capabilities = Capabilities(
         platforms="AMD gfx950 (MI355X), gfx942 (MI300X) via AITER",
