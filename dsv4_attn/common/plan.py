@@ -29,32 +29,46 @@ from .spec import LayerKind, ModelSpec
 
 @dataclass
 class PlanBuffers:
-    """Index buffers for up to ``max_tokens`` tokens (allocated once per SparseMLA)."""
+    """Index buffers for up to ``max_tokens`` tokens (allocated once per SparseMLA).
 
+    The C128A rows (``max_tokens x c128a_width`` int32: 256 MiB at 1M context and 8k tokens) are
+    allocated by the first plan whose batch has a ratio-128 block table, so plans for SWA-only
+    KV-cache groups never pay for them. Do that first plan before a CUDA-graph capture.
+    """
+
+    spec: ModelSpec
     positions: torch.Tensor  # int64 [max_tokens]
     token_to_req: torch.Tensor  # int32 [max_tokens]
     token_valid: torch.Tensor  # bool [max_tokens]
     swa_rows: torch.Tensor  # int32 [max_tokens, W]
     swa_lens: torch.Tensor  # int32 [max_tokens]
-    c128a_rows: torch.Tensor  # int32 [max_tokens, c128a_width]
-    c128a_lens: torch.Tensor  # int32 [max_tokens]
+    c128a_rows: torch.Tensor | None = None  # int32 [max_tokens, c128a_width]
+    c128a_lens: torch.Tensor | None = None  # int32 [max_tokens]
 
     @classmethod
     def allocate(cls, spec: ModelSpec, max_tokens: int, device: torch.device) -> "PlanBuffers":
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
+            spec=spec,
             positions=torch.zeros(max_tokens, dtype=torch.int64, device=device),
             token_to_req=torch.zeros(max_tokens, **i32),
             token_valid=torch.zeros(max_tokens, dtype=torch.bool, device=device),
             swa_rows=torch.full((max_tokens, spec.window), -1, **i32),
             swa_lens=torch.zeros(max_tokens, **i32),
-            c128a_rows=torch.full((max_tokens, spec.c128a_width), -1, **i32),
-            c128a_lens=torch.zeros(max_tokens, **i32),
         )
 
     @property
     def max_tokens(self) -> int:
         return self.positions.shape[0]
+
+    def c128a(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C128A row buffers, allocated on first use."""
+        if self.c128a_rows is None:
+            dev = self.positions.device
+            self.c128a_rows = torch.full((self.max_tokens, self.spec.c128a_width), -1, dtype=torch.int32,
+                                         device=dev)
+            self.c128a_lens = torch.zeros(self.max_tokens, dtype=torch.int32, device=dev)
+        return self.c128a_rows, self.c128a_lens
 
 
 @dataclass
@@ -155,7 +169,8 @@ def build_plan(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers, owner: A
     c128a: IndexPair | tuple[None, None] = (None, None)
     if LayerKind.C128A.ratio in batch.comp_block_tables:
         kind = LayerKind.C128A
+        rows_buf, lens_buf = buffers.c128a()
         c128a = comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
-                              spec.c128a_width, out=(buffers.c128a_rows[:T], buffers.c128a_lens[:T]))
+                              spec.c128a_width, out=(rows_buf[:T], lens_buf[:T]))
     return StepPlan(spec, batch, owner, generation, 0, T, batch.num_decode_tokens, positions, token_to_req,
                     token_valid, swa[0], swa[1], c128a[0], c128a[1])
