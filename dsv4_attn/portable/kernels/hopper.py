@@ -33,34 +33,40 @@ NOPE_CHUNKS = gl.constexpr(7)  # 448 e4m3 bytes = 7 tiles of 64
 
 
 @gluon.jit
-def _slots(g, lo_b, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs,
-           COMP: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
-    """(slots, valid, is_a) of global tile ``g`` in ``layout`` ([BN] vectors): tiles [0, lo_b) are
-    SWA tiles (scope A), later tiles compressed ones (scope B); tiles >= hi are all invalid."""
+def _idx_load(g, lo_b, hi, a_rows, len_a, b_rows, len_b, COMP: gl.constexpr, BN: gl.constexpr,
+              layout: gl.constexpr):
+    """Index pipeline, stage 1: row entries of global tile ``g`` (SWA slots for tiles < lo_b,
+    compressed entries after: global slots or C4A local positions); tiles >= hi are empty."""
     live = g < hi
-    is_a = g < lo_b
     j = gl.arange(0, BN, layout=layout)
     ja = g * BN + j
-    ina = (ja < len_a) & is_a & live
-    sa = gl.load(a_rows + ja, mask=ina, other=-1)
-    valid = ina & (sa >= 0)
-    slots = sa
+    ina = (ja < len_a) & (g < lo_b) & live
+    val = gl.load(a_rows + ja, mask=ina, other=-1)
+    inr = ina
     if COMP != 0:
         jb = (g - lo_b) * BN + j
         inb = (jb < len_b) & (g >= lo_b) & live
-        if COMP == 1:
-            sb = gl.load(b_rows + jb, mask=inb, other=-1)
-            vb = inb & (sb >= 0)
-        else:
-            local = gl.load(b_rows + jb, mask=inb, other=-1)
-            vb = inb & (local >= 0) & (local < visible)
-            local = gl.where(vb, local, 0)
-            col = local // b_bs
-            blk = gl.load(bt_row + col, mask=vb, other=0)
-            sb = blk * b_bs + (local - col * b_bs)
-        valid = gl.where(is_a, valid, vb)
-        slots = gl.where(is_a, sa, sb)
-    return gl.where(valid, slots, 0), valid, is_a
+        vb = gl.load(b_rows + jb, mask=inb, other=-1)
+        val = gl.where(g < lo_b, val, vb)
+        inr = ina | inb
+    return val, inr
+
+
+@gluon.jit
+def _idx_resolve(g, lo_b, val, inr, visible, bt_row, b_bs, COMP: gl.constexpr):
+    """Index pipeline, stage 2: entries -> (slots, valid); C4A local positions -> global slots
+    through the ratio-4 block table row (invalid: -1, >= visible, or past the row's length)."""
+    valid = inr & (val >= 0)
+    slots = val
+    if COMP == 2:
+        vb = valid & (val < visible)
+        local = gl.where(vb, val, 0)
+        col = local // b_bs
+        blk = gl.load(bt_row + col, mask=vb & (g >= lo_b), other=0)
+        sb = blk * b_bs + (local - col * b_bs)
+        valid = gl.where(g < lo_b, valid, vb)
+        slots = gl.where(g < lo_b, val, sb)
+    return gl.where(valid, slots, 0), valid
 
 
 @gluon.jit
@@ -115,13 +121,13 @@ def sparse_mla_fwd_hopper(
     PO, PML,
     num_heads, qk_scale, split, a_exp_off, b_exp_off,
     COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
-    IS_SPLIT: gl.constexpr,
+    IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64, STAGES: gl.constexpr = 2,
 ):
     BH: gl.constexpr = BLOCK_H
-    BN: gl.constexpr = BLOCK_N
+    TR: gl.constexpr = BN // 8  # rows of a tile per warp (8 warps)
     # ---- layouts ------------------------------------------------------------------------------
-    Lw: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])  # [BN, 256|512] bytes: 16 B vectors
-    Lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])  # [BN, 64] bf16 / [BN, 8] bytes
+    Lw: gl.constexpr = gl.BlockedLayout([1, 16], [TR, 32 // TR], [8, 1], [1, 0])  # [BN, 256|512] bytes, 16 B vectors
+    Lr: gl.constexpr = gl.BlockedLayout([1, 8], [TR, 32 // TR], [8, 1], [1, 0])  # [BN, 64] bf16 / [BN, 8] bytes
     Lq: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # [BH, 512] q rows
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BN // 2, 16])
@@ -137,13 +143,13 @@ def sparse_mla_fwd_hopper(
     q_smem = gl.allocate_shared_memory(gl.float16, [BH, 512], gl.NVMMASharedLayout.get_default_for([BH, 512], gl.float16))
     k_smem = gl.allocate_shared_memory(gl.float16, [BN, 512], gl.NVMMASharedLayout.get_default_for([BN, 512], gl.float16))
     p_smem = gl.allocate_shared_memory(gl.float16, [BH, BN], gl.NVMMASharedLayout.get_default_for([BH, BN], gl.float16))
-    raw = gl.allocate_shared_memory(gl.uint8, [2, BN, 512],
+    raw = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 512],
                                     gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0]))
-    rope = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64],
+    rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 64],
                                      gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
-    vflag = gl.allocate_shared_memory(gl.int8, [2, BN], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+    vflag = gl.allocate_shared_memory(gl.int8, [STAGES, BN], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
                                                                                 order=[0]))
-    sc = gl.allocate_shared_memory(gl.uint8, [2, BN, 8], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+    sc = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
                                                                                  order=[1, 0]))
 
     pid = gl.program_id(0)
@@ -179,16 +185,22 @@ def sparse_mla_fwd_hopper(
     b_rows = B_ROWS + t64 * stride_br
     bt_row = BT + req.to(gl.int64) * stride_bt
 
-    # ---- prologue: first tile's copies in flight, q to shared memory (fp16) -------------------------
-    slots, valid, is_a = _slots(lo, tiles_a, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs, COMP, BN, Lrow)
-    _issue_tile_copy(raw, rope, sc, 0, slots, valid, is_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs, BN, Lw, Lr)
-    async_copy.commit_group()
-    vflag.index(0).store(valid.to(gl.int8))
-
+    # ---- prologue: q loads in flight first, then tiles lo .. lo+STAGES-2, then the index pipeline ----
     h_q = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, Lq))
     d_q = gl.arange(0, 512, layout=gl.SliceLayout(0, Lq))
     q = gl.load(Q + t64 * stride_qt + gl.expand_dims(h_q.to(gl.int64) * stride_qh, 1) + gl.expand_dims(d_q, 0),
                 mask=gl.expand_dims(h_q < num_heads, 1), other=0.0)
+    for i in gl.static_range(STAGES - 1):
+        v0, r0 = _idx_load(lo + i, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
+        slots0, valid0 = _idx_resolve(lo + i, tiles_a, v0, r0, visible, bt_row, b_bs, COMP)
+        _issue_tile_copy(raw, rope, sc, i, slots0, valid0, lo + i < tiles_a, A_U8, B_U8, a_stride0, b_stride0,
+                         a_bs, b_bs, BN, Lw, Lr)
+        async_copy.commit_group()
+        vflag.index(i).store(valid0.to(gl.int8))
+    v_c, r_c = _idx_load(lo + STAGES - 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
+    slots_c, valid_c = _idx_resolve(lo + STAGES - 1, tiles_a, v_c, r_c, visible, bt_row, b_bs, COMP)
+    v_c, r_c = _idx_load(lo + STAGES, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
+
     q_smem.store(q.to(gl.float16))
 
     m_i = gl.full([BH], -1.0e30, gl.float32, layout=Lsr)
@@ -197,17 +209,22 @@ def sparse_mla_fwd_hopper(
     s_zero = gl.zeros([BH, BN], gl.float32, layout=s_layout)
 
     for g in range(lo, hi):
-        stage = (g - lo) % 2
-        # a. next tile's rows in flight (its stage was released by the barrier after the last dequant)
-        slots_n, valid_n, is_a_n = _slots(g + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs,
-                                          COMP, BN, Lrow)
-        _issue_tile_copy(raw, rope, sc, 1 - stage, slots_n, valid_n, is_a_n, A_U8, B_U8, a_stride0, b_stride0,
-                         a_bs, b_bs, BN, Lw, Lr)
+        stage = (g - lo) % STAGES
+        # a. tile g+STAGES-1's copies go out (its stage held tile g-1, consumed before the last
+        #    barrier of the previous iteration; its slots were resolved last iteration), tile
+        #    g+STAGES's entries go through the block table and tile g+STAGES+1's entries start
+        #    loading: every index load issued here is consumed one iteration later. The previous
+        #    P·V keeps running meanwhile.
+        nxt = (g - lo + STAGES - 1) % STAGES
+        _issue_tile_copy(raw, rope, sc, nxt, slots_c, valid_c, g + STAGES - 1 < tiles_a, A_U8, B_U8, a_stride0,
+                         b_stride0, a_bs, b_bs, BN, Lw, Lr)
         async_copy.commit_group()
-        vflag.index(1 - stage).store(valid_n.to(gl.int8))
+        vflag.index(nxt).store(valid_c.to(gl.int8))
+        slots_c, valid_c = _idx_resolve(g + STAGES, tiles_a, v_c, r_c, visible, bt_row, b_bs, COMP)
+        v_c, r_c = _idx_load(g + STAGES + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
         exp_off = gl.where(g < tiles_a, a_exp_off, b_exp_off)
         # b. this tile's rows have landed; the previous P·V has finished reading k_smem / p_smem
-        async_copy.wait_group(1)
+        async_copy.wait_group(STAGES - 1)
         acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
         valid_s = vflag.index(stage).load(Lsc) != 0
@@ -232,7 +249,7 @@ def sparse_mla_fwd_hopper(
         p_smem.store(p.to(gl.float16))
         fence_async_shared()
         gl.thread_barrier()
-        # e. acc = acc * alpha + P·V, left running while the next tile is issued
+        # e. acc = acc * alpha + P·V, left running into the next iteration
         alpha_o = gl.convert_layout(alpha, Lor)
         acc = warpgroup_mma(p_smem, k_smem, acc_t * gl.expand_dims(alpha_o, 1), is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -257,8 +274,12 @@ def sparse_mla_fwd_hopper(
         has = l_o > 0.0
         inv = gl.where(has, 1.0 / gl.where(has, denom, 1.0), 0.0)
         o = acc * gl.expand_dims(inv, 1)
-        o_ptr = O + t64 * stride_ot + gl.expand_dims(h_o.to(gl.int64) * stride_oh, 1) + gl.expand_dims(d_o, 0)
-        gl.store(o_ptr, o.to(gl.bfloat16), mask=gl.expand_dims(hmask_o, 1))
+        # 16-byte coalesced stores (the MMA layout would give 4-byte ones)
+        ob = gl.convert_layout(o.to(gl.bfloat16), Lq)
+        h_s = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, Lq))
+        d_s = gl.arange(0, 512, layout=gl.SliceLayout(0, Lq))
+        o_ptr = O + t64 * stride_ot + gl.expand_dims(h_s.to(gl.int64) * stride_oh, 1) + gl.expand_dims(d_s, 0)
+        gl.store(o_ptr, ob, mask=gl.expand_dims(h_s < num_heads, 1))
         if WRITE_LSE:
             lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_o, 1.0))) * 0.6931471805599453, float("-inf"))
             gl.store(LSE + t64 * stride_lt + h_o, lse, mask=hmask_o)

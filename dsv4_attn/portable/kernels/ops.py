@@ -64,6 +64,8 @@ class KernelConfig:
     dot_dtype: str = "auto"  # auto | fp16 | bf16 | fp32
     p_scratch: int = 1  # 1: P/alpha round-trip through a per-program scratch (see attention.py)
     impl: str = "auto"  # auto | gluon (Hopper kernel, MODEL1 only) | triton (portable kernel)
+    g_block_n: int = 64  # Gluon kernel: keys per tile
+    g_stages: int = 2  # Gluon kernel: depth of the cp.async ring of raw tiles
 
     def dt(self):
         name = self.dot_dtype
@@ -173,7 +175,7 @@ def sparse_mla_fwd(
     gluon = use_gluon(q.device, fmt_code, config)
     block_h = 64 if (H >= 64 or gluon) else max(16, triton.next_power_of_2(H))
     n_hb = triton.cdiv(H, block_h)
-    bn = 64 if gluon else config.block_n
+    bn = config.g_block_n if gluon else config.block_n
     max_tiles = triton.cdiv(swa_rows.shape[1], bn) + (triton.cdiv(b_width, bn) if comp_mode else 0)
     split = choose_split(T * n_hb, max_tiles, q.device, config.split)
     if split > 1:
@@ -202,7 +204,7 @@ def sparse_mla_fwd(
             po, pml,
             H, scale * LOG2E, split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
             COMP=comp_mode, C4A_RATIO=4, HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
-            IS_SPLIT=split > 1, num_warps=hopper.NUM_WARPS,
+            IS_SPLIT=split > 1, BN=bn, STAGES=config.g_stages, num_warps=hopper.NUM_WARPS,
         )
     else:
         _launch_portable(q, out, lse_t, stride_lt, sink_t, a_u8, a_16, a_s0, a_bs, swa_rows, swa_lens, b_u8, b_16,
