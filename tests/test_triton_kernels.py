@@ -268,3 +268,144 @@ def test_odd_block_stride_is_refused_before_launch(device, gen):
     plan = mla.plan(batch)
     with pytest.raises(ValueError, match="swa_cache"):
         mla.forward(plan, LayerKind.SWA, q, bad, sink=sink)
+
+
+# ---- H100: production shapes, CUDA graphs, caches past 2^31 bytes --------------------------------
+
+
+def _impls():
+    """(name, KernelConfig kwargs) of the kernels the triton backend can run on this GPU."""
+    out = [("portable", dict(impl="triton"))]
+    if HAS_CUDA and torch.cuda.get_device_capability() == (9, 0):
+        out.append(("gluon", dict(impl="gluon")))
+    return out
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("impl", ["portable", "gluon"])
+@pytest.mark.parametrize("cfg,batch,mtp", [("h64-c4a512", 5, 1), ("h128-c4a1024", 3, 2), ("h64-c128a", 4, 1),
+                                           ("h128-c4a1024", 40, 1)])
+def test_gpu_production_shapes(impl, cfg, batch, mtp):
+    """Production head counts / widths (the bench's cases) against the float64 reference, with a
+    +inf and a -inf sink; small batches take the split-KV path, larger ones do not."""
+    kw = dict(_impls()).get(impl)
+    if kw is None:
+        pytest.skip(f"{impl} kernel needs an sm_90 GPU")
+    from dsv4_attn import bench
+
+    name = _backend(f"triton-{impl}", **kw)
+    case = bench.make_decode_case(bench.DECODE_CONFIGS[cfg], batch, mtp, torch.device("cuda"), seed=batch * 7 + mtp)
+    case.sink[0], case.sink[1] = math.inf, -math.inf
+    mla = dsv4.SparseMLA(case.spec, case.fmt, backend=name, max_tokens=case.q.shape[0])
+    plan = mla.plan(case.batch)
+    run_and_check(mla, plan, case.kind, case.q, {"swa": case.swa_cache, case.kind: case.comp_cache},
+                  case.c4a_topk, case.sink)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("impl", ["portable", "gluon"])
+def test_gpu_cuda_graph_short_capture_long_replay(impl, gen):
+    """Capture plan() + a C4A decode layer with short sequences, then rewrite the batch tensors in
+    place (long sequences, new block tables, new top-k) and replay: the output must match the
+    reference of the NEW step (nothing step-dependent may be baked into the graph)."""
+    kw = dict(_impls()).get(impl)
+    if kw is None:
+        pytest.skip(f"{impl} kernel needs an sm_90 GPU")
+    name = _backend(f"triton-{impl}", **kw)
+    R, H, K, bs, max_len = 6, 64, 64, 64, 8192
+    spec = dsv4.ModelSpec(num_heads=H, c4a_topk=K, max_model_len=max_len)
+    cols, c4_cols = max_len // bs, max_len // 4 // 64
+    swa_table = torch.zeros(R, cols, dtype=torch.int32, device=DEVICE)
+    c4_table = torch.zeros(R, c4_cols, dtype=torch.int32, device=DEVICE)
+    swa_cache = _filled_cache("fp8_ds_mla", R * cols, bs, gen)
+    c4_cache = _filled_cache("fp8_ds_mla", R * c4_cols, 64, gen)
+    seq = torch.zeros(R, dtype=torch.int32, device=DEVICE)
+    qsl = torch.arange(R + 1, dtype=torch.int32, device=DEVICE)
+    topk = torch.full((R, K), -1, dtype=torch.int32, device=DEVICE)
+    q = torch.empty(R, H, 512, dtype=torch.bfloat16, device=DEVICE)
+    sink = torch.randn(H, generator=gen).to(DEVICE)
+
+    def fill(seq_lens):
+        seq.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        swa_table.copy_(torch.randperm(R * cols, generator=gen).int().view(R, cols))
+        c4_table.copy_(torch.randperm(R * c4_cols, generator=gen).int().view(R, c4_cols))
+        t = torch.full((R, K), -1, dtype=torch.int32)
+        for r, s in enumerate(seq_lens):
+            n = s // 4
+            t[r, : min(n, K)] = torch.randperm(max(n, 1), generator=gen)[: min(n, K)].int()
+        topk.copy_(t)
+        q.copy_(torch.randn(R, H, 512, generator=gen).bfloat16())
+
+    def new_batch():  # the engine's persistent tensors; a fresh StepBatch derives its facts anew
+        return dsv4.StepBatch(query_start_loc=qsl, seq_lens=seq, num_decode_tokens=R, swa_block_table=swa_table,
+                              swa_block_size=bs, comp_block_tables={4: c4_table}, block_size=256,
+                              max_model_len=max_len, num_tokens=R)
+
+    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend=name, max_tokens=R, max_reqs=R)
+    out = torch.full_like(q, float("nan"))
+    fill([3, 5, 9, 40, 17, 2])  # short: few SWA keys, C4A rows mostly empty
+    state = {}
+
+    def step():
+        state["plan"] = mla.plan(new_batch())
+        mla.forward(state["plan"], LayerKind.C4A, q, swa_cache, c4_cache, c4a_topk=topk, sink=sink, out=out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up (compiles) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    fill([8000, 4097, 300, 7777, 129, 6000])  # long: full windows, full top-k rows
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch", max_tokens=R, max_reqs=R)
+    eplan = eager.plan(new_batch())
+    assert int(eplan.swa_lens.min()) >= 128 and int(eplan.comp_scope(LayerKind.C4A, topk)[1].min()) >= 32
+    rows, lens = eplan.comp_scope(LayerKind.C4A, topk)
+    ref, _ = reference.sparse_mla(q, swa_cache, eplan.swa_rows, eplan.swa_lens, c4_cache, rows, lens, sink,
+                                  spec.scale, "fp8_ds_mla")
+    assert not out.isnan().any()
+    err = compare(out, ref)
+    print("graph replay:", err)
+    assert err["rel_l2"] < 1e-2 and err["cosine"] > 0.9999, err
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("impl", ["portable", "gluon"])
+def test_gpu_cache_past_2gib(impl, gen):
+    """A MODEL1 cache of > 2^31 bytes whose attended rows all lie past byte 2^31 (int64 offsets)."""
+    kw = dict(_impls()).get(impl)
+    if kw is None:
+        pytest.skip(f"{impl} kernel needs an sm_90 GPU")
+    free, _ = torch.cuda.mem_get_info()
+    bs = 64
+    page = layout.model1_page_bytes(bs)
+    nb = (2**31 + 64 * page) // page + 8
+    if free < nb * page + (1 << 30):
+        pytest.skip("needs ~2.5 GB of free GPU memory")
+    name = _backend(f"triton-{impl}", **kw)
+    cache = layout.new_cache("fp8_ds_mla", nb, bs, device=DEVICE)
+    assert cache.untyped_storage().nbytes() > 2**31
+    first = 2**31 // page + 1  # every block used starts past byte 2^31
+    R, W = 3, 128
+    table = torch.zeros(R, 4, dtype=torch.int32)
+    table[:, :] = torch.arange(first, first + 4 * R, dtype=torch.int32).view(R, 4)
+    slots = (table.long()[:, :, None] * bs + torch.arange(bs)[None, None, :]).reshape(-1)
+    kv = (torch.randn(slots.numel(), 512, generator=gen) * 2).bfloat16()
+    layout.insert(cache, "fp8_ds_mla", slots.to(DEVICE), kv.to(DEVICE))
+    batch = dsv4.StepBatch.from_lists([1, 1, 2], [200, 256, 131], table, bs, block_size=256, max_model_len=1024,
+                                      device=DEVICE)
+    spec = dsv4.ModelSpec(num_heads=64, max_model_len=1024)
+    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend=name)
+    plan = mla.plan(batch)
+    assert int(plan.swa_rows.max()) * 576 > 2**31
+    q = torch.randn(batch.num_tokens, 64, 512, generator=gen).bfloat16().to(DEVICE)
+    sink = torch.randn(64, generator=gen).to(DEVICE)
+    run_and_check(mla, plan, LayerKind.SWA, q, {"swa": cache}, None, sink)
