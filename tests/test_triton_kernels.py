@@ -103,7 +103,8 @@ def run_and_check(mla, plan, kind, q, caches, topk, sink, fmt="fp8_ds_mla", kv_s
     print(f"{kind.name} {fmt}: max_abs {err['max_abs']:.2e} rel_l2 {err['rel_l2']:.2e} cos {err['cosine']:.6f}")
     if ref.abs().max() > 0:
         assert err["rel_l2"] < tol and err["cosine"] > 0.9999, err
-    assert err["max_abs"] < 5e-2, err
+    # bf16 output: one rounding of |out| (2^-8 relative) plus accumulation noise
+    assert err["max_abs"] <= 1e-2 + 2**-7 * float(ref.abs().max()), err
     return out, ref
 
 
@@ -405,7 +406,8 @@ def test_gpu_cache_past_2gib(impl, gen):
     spec = dsv4.ModelSpec(num_heads=64, max_model_len=1024)
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend=name)
     plan = mla.plan(batch)
-    assert int(plan.swa_rows.max()) * 576 > 2**31
+    used = plan.swa_rows[plan.swa_rows >= 0].long()
+    assert int((used // bs).min()) * page > 2**31  # every attended row starts past byte 2^31
     q = torch.randn(batch.num_tokens, 64, 512, generator=gen).bfloat16().to(DEVICE)
     sink = torch.randn(64, generator=gen).to(DEVICE)
     run_and_check(mla, plan, LayerKind.SWA, q, {"swa": cache}, None, sink)

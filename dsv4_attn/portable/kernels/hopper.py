@@ -81,8 +81,9 @@ def _issue_tile_copy(raw, rope, sc, stage, slots, valid, is_a, A_U8, B_U8, a_str
     blk = slots // bs
     off = slots - blk * bs
     blk_base = blk.to(gl.int64) * stride0
-    row = blk_base + off.to(gl.int64) * 576  # [BN] in SliceLayout(1, Lw)
-    srow = blk_base + bs * 576 + off.to(gl.int64) * 8
+    # 16-byte aligned rows (the launcher checks stride(0) % 16 == 0 and a 16-byte aligned base)
+    row = gl.multiple_of(blk_base + off.to(gl.int64) * 576, 16)  # [BN] in SliceLayout(1, Lw)
+    srow = gl.multiple_of(blk_base + bs * 576 + off.to(gl.int64) * 8, 8)
     c512 = gl.arange(0, 512, layout=gl.SliceLayout(0, Lw))
     m = gl.expand_dims(valid, 1) & gl.expand_dims(c512 < 448, 0)
     async_copy.async_copy_global_to_shared(raw.index(stage), base_ptr + gl.expand_dims(row, 1)

@@ -105,13 +105,22 @@ def _gluon_ok(index: int) -> bool:
     return True
 
 
-def use_gluon(device: torch.device, fmt_code: int, config: KernelConfig) -> bool:
+def _aligned(cache: torch.Tensor | None) -> bool:
+    """Rows 16-byte aligned: what the Gluon kernel's cp.async copies assume."""
+    if cache is None:
+        return True
+    stride0 = cache.stride(0) * cache.element_size() if cache.shape[0] > 1 else 16
+    return stride0 % 16 == 0 and cache.data_ptr() % 16 == 0
+
+
+def use_gluon(device: torch.device, fmt_code: int, config: KernelConfig, caches=()) -> bool:
     if config.impl == "triton" or interpreting() or device.type != "cuda" or fmt_code != K.FMT_MODEL1:
         return False
     ok = _gluon_ok(device.index if device.index is not None else torch.cuda.current_device())
+    ok = ok and all(_aligned(c) for c in caches)
     if config.impl == "gluon" and not ok:
-        raise ValueError("config.impl: got 'gluon'; allowed only on an sm_90 GPU with Triton's Gluon and the "
-                         "fp8_ds_mla format")
+        raise ValueError("config.impl: got 'gluon'; allowed only on an sm_90 GPU with Triton's Gluon, the "
+                         "fp8_ds_mla format and 16-byte aligned cache blocks")
     return ok
 
 
@@ -172,7 +181,7 @@ def sparse_mla_fwd(
         bt, tok2req, pos = c4a
     else:
         bt, tok2req, pos = swa_rows, swa_lens, swa_lens
-    gluon = use_gluon(q.device, fmt_code, config)
+    gluon = use_gluon(q.device, fmt_code, config, (swa_cache, comp_cache))
     block_h = 64 if (H >= 64 or gluon) else max(16, triton.next_power_of_2(H))
     n_hb = triton.cdiv(H, block_h)
     bn = config.g_block_n if gluon else config.block_n
