@@ -1,6 +1,7 @@
 """Time the `flashmla` backend through SparseMLA on a GPU (not part of the test suite: no timing
-tests there). Prints, per config, the whole forward and the FlashMLA kernel alone (CUDA events
-around the op calls), so the adapter's own cost (C4A index translation, prefill gather) shows.
+tests there). Prints, per config, the eager forward, the FlashMLA op calls alone (CUDA events
+around them: inflated when the GPU waits for the host) and, for decode, one forward captured in a
+CUDA graph and replayed (what an engine runs; no host overhead).
 
     DSV4_ATTN_FLASHMLA_LIB=.flashmla/_flashmla_C.abi3.so PYTHONPATH=.:tests python tests/gpu_scripts/flashmla_timing.py
 """
@@ -20,6 +21,8 @@ _kernel_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
 def _timed(method):
     def wrapper(self, *args):
+        if torch.cuda.is_current_stream_capturing():  # no timing events inside a graph
+            return method(self, *args)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         method(self, *args)
@@ -49,19 +52,33 @@ def measure(name, qlens, seqs, kind, **kw):
         run()
     torch.cuda.synchronize()
     _kernel_events.clear()
+    total = _time(run)
+    kernel = sum(s.elapsed_time(e) for s, e in _kernel_events) * 1000 / ITERS
+    replay = "-"
+    if case.batch.num_decode_tokens == case.batch.num_tokens:
+        graph = torch.cuda.CUDAGraph()
+        plan = mla.plan(case.batch)  # fresh plan: the schedule is planned inside the capture
+        with torch.cuda.graph(graph):
+            run()
+        graph.replay()
+        replay = f"{_time(graph.replay):.1f}"
+    print(f"| {name} | {kind.name} | {total:.1f} | {kernel:.1f} | {replay} |", flush=True)
+
+
+def _time(fn) -> float:
+    """Mean microseconds per call of ITERS back-to-back calls."""
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(ITERS):
-        run()
+        fn()
     end.record()
     torch.cuda.synchronize()
-    total = start.elapsed_time(end) * 1000 / ITERS
-    kernel = sum(s.elapsed_time(e) for s, e in _kernel_events) * 1000 / ITERS
-    print(f"| {name} | {kind.name} | {total:.1f} | {kernel:.1f} |", flush=True)
+    return start.elapsed_time(end) * 1000 / ITERS
 
 
 def main():
-    print("| config | kind | forward us | FlashMLA kernel us |\n|---|---|---|---|")
+    print("| config | kind | eager forward us | FlashMLA op calls us | graph replay us |\n|---|---|---|---|---|")
     for b in (2, 128, 256):
         measure(f"decode H64 W128+C4A512 b{b} s_kv16k", [1] * b, [16384] * b, LayerKind.C4A, heads=64, topk=512,
                 max_model_len=65536)

@@ -1,0 +1,428 @@
+"""Backend `flashmla`: FlashMLA's sparse kernels (NVIDIA SM90 / SM100) on the fp8_ds_mla cache.
+
+Decode tokens go to ``sparse_decode_fwd``, which reads both MODEL1 caches in place: the SWA
+cache is the main scope, the compressed cache the ``extra`` scope of the same softmax, and the
+sink goes in through ``attn_sink``. Tokens are flattened to ``b = T, s_q = 1`` because FlashMLA
+takes ONE ``topk_length`` per batch row (vendor-apis §1.1), so MTP tokens keep their own lengths.
+The tile-scheduler metadata is planned by the first decode layer of each kind in a step (inside
+a CUDA-graph capture when the step is captured) and reused by the others (vendor-apis §1.2).
+
+Prefill tokens go to ``sparse_prefill_fwd``, which wants bf16 rows ``kv [s_kv, 1, 512]``. Per
+chunk of tokens the adapter gathers the DISTINCT rows the chunk's tokens select (never a
+request's whole history), dequantizes them into a bf16 workspace and rewrites the indices to
+workspace rows. Bounds (see docs/nvidia.md): the workspace holds at most ``workspace_bytes``
+(default 256 MiB; a chunk whose distinct rows would exceed it is halved), a chunk has at most
+``index_keys`` (token, key) pairs (default 2**24: ~0.6 GiB of index temporaries), and rows are
+dequantized ``_GATHER_ROWS`` at a time (~0.5 GiB of float32 temporaries). The distinct-row count
+is read back once per scope and chunk (a host sync), so prefill is not graph-capturable.
+
+Heads are padded to 64 or 128 through per-step staging buffers (padded sinks -inf); a caller that
+already hands 64/128 contiguous heads pays no copy. The FlashMLA library is found in this order:
+the ``flash_mla`` package, vLLM's bundled ``vllm._flashmla_C``, ``sgl_kernel.flash_mla``, then a
+shared library named by ``DSV4_ATTN_FLASHMLA_LIB``; its op schemas are checked before first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..common.backend import Backend, Capabilities, LayerInputs, Phase
+from ..common.layout import CacheGeometry, KVFormat, check_cache, gather_rows
+from ..common.platform import Platform
+from ..common.plan import StepPlan
+from ..common.spec import HEAD_DIM, MODEL1_PAGE_ALIGN, MODEL1_TOKEN_BYTES, LayerKind, ModelSpec, round_up
+
+ENV_LIB = "DSV4_ATTN_FLASHMLA_LIB"
+DECODE_TOPK_BLOCK = 64  # decode kernels assert topk % 64 == 0 (SM90 and SM100)
+EXTRA_TOPK_BLOCK = 128  # spec §12.9: the extra scope is loaded in whole blocks; 128 is safe on both archs
+PREFILL_TOPK_BLOCK = 128  # SM90 prefill asserts topk % 128 == 0
+DECODE_MAX_ROWS = 8192  # the decode scheduler kernel keeps 20*b+4 B in shared memory: b <~ 11k
+_GATHER_ROWS = 1 << 16  # rows dequantized per gather call (bounds the float32 temporaries)
+
+# Op schemas this adapter is written against (vendor-apis §1.6). Compared by argument names and
+# types and by return types (alias annotations ignored); anything else is refused.
+_VLLM_DECODE = (
+    "sparse_decode_fwd(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
+    "Tensor(a)? tile_scheduler_metadata, Tensor(b)? num_splits, Tensor? extra_kv, Tensor? extra_indices, "
+    "Tensor? extra_topk_length, int d_v, float sm_scale, Tensor(c!)? out_=None, "
+    "bool enable_batch_invariant=False) -> (Tensor(c!), Tensor, Tensor(a)?, Tensor(b)?)"
+)
+_VLLM_PREFILL = (
+    "sparse_prefill_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, Tensor? attn_sink, "
+    "Tensor? topk_length, Tensor(a!)? out_) -> Tensor[]"
+)
+_UPSTREAM_DECODE = (
+    "sparse_decode_fwd(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
+    "Tensor? tile_scheduler_metadata, Tensor? num_splits, Tensor? extra_kv, Tensor? extra_indices, "
+    "Tensor? extra_topk_length, int d_v, float sm_scale) -> (Tensor, Tensor, Tensor?, Tensor?)"
+)
+_UPSTREAM_PREFILL = (
+    "sparse_prefill_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, Tensor? attn_sink, "
+    "Tensor? topk_length) -> Tensor[]"
+)
+_SGL_DECODE = (
+    "sparse_decode_fwd(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
+    "Tensor? tile_scheduler_metadata, Tensor? num_splits, Tensor? extra_kv, Tensor? extra_indices, "
+    "Tensor? extra_topk_length, int d_v, float sm_scale, str? kv_format=None) -> (Tensor, Tensor, Tensor?, Tensor?)"
+)
+
+
+@dataclass(frozen=True)
+class _Dialect:
+    """One known op signature family. ``has_out``: the ops write a caller's ``out``; otherwise
+    the result is copied into it. ``kv_format``: decode takes a trailing ``str? kv_format``."""
+
+    name: str
+    namespace: str
+    decode_schema: str
+    prefill_schema: str
+    has_out: bool
+    kv_format: bool = False
+
+    def decode_tail(self, out: torch.Tensor) -> tuple:
+        if self.has_out:
+            return (out, False)  # out_, enable_batch_invariant (split-KV allowed: SM90 has no unsplit path)
+        return (None,) if self.kv_format else ()  # kv_format None: detected from the 584-byte rows
+
+
+_DIALECTS = (
+    _Dialect("vllm", "_flashmla_C", _VLLM_DECODE, _VLLM_PREFILL, has_out=True),
+    _Dialect("upstream", "_flashmla_C", _UPSTREAM_DECODE, _UPSTREAM_PREFILL, has_out=False),
+    _Dialect("sgl_kernel", "sgl_kernel", _SGL_DECODE, _UPSTREAM_PREFILL, has_out=False, kv_format=True),
+)
+
+# (label, module to import, distributions that may carry its version, op namespace)
+_SOURCES = (
+    ("flash_mla", "flash_mla", ("flash-mla", "flash_mla"), "_flashmla_C"),
+    ("vllm", "vllm._flashmla_C", ("vllm",), "_flashmla_C"),
+    ("sgl_kernel", "sgl_kernel.flash_mla", ("sglang-kernel", "sgl-kernel"), "sgl_kernel"),
+)
+
+
+class _Sched:
+    """FlashMLA tile-scheduler metadata of one decode launch shape in one step: empty until the
+    first layer's call plans it (tile_scheduler_metadata int32 [parts, n], num_splits int32 [b+1])."""
+
+    tile: torch.Tensor | None = None
+    splits: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class FlashMLAOps:
+    """The two FlashMLA ops of one loaded library, called with the dialect's argument list."""
+
+    dialect: _Dialect
+    ns: Any  # torch.ops.<namespace> (or a test double with the same call signature)
+
+    def decode(self, q, kv, indices, lens, sink, sched: _Sched, extra, scale: float, out) -> None:
+        """q bf16 [b, 1, h, 512]; kv uint8 [nb, bs, 1, 584]; indices int32 [b, 1, k]; lens int32 [b];
+        sink f32 [h] | None; extra None | (kv, indices int32 [b, 1, k2], lens int32 [b]);
+        out bf16 [b, 1, h, 512] contiguous, written."""
+        extra_kv, extra_idx, extra_lens = extra or (None, None, None)
+        res = self.ns.sparse_decode_fwd(q, kv, indices, lens, sink, sched.tile, sched.splits, extra_kv, extra_idx,
+                                        extra_lens, HEAD_DIM, scale, *self.dialect.decode_tail(out))
+        sched.tile, sched.splits = res[2], res[3]
+        if not self.dialect.has_out:
+            out.copy_(res[0])
+
+    def prefill(self, q, kv, indices, scale: float, sink, out) -> None:
+        """q bf16 [s, h, 512]; kv bf16 [s_kv, 1, 512]; indices int32 [s, 1, k] (invalid: -1);
+        sink f32 [h] | None; out bf16 [s, h, 512] contiguous, written."""
+        tail = (out,) if self.dialect.has_out else ()
+        res = self.ns.sparse_prefill_fwd(q, kv, indices, scale, HEAD_DIM, sink, None, *tail)
+        if not self.dialect.has_out:
+            out.copy_(res[0])
+
+
+@dataclass(frozen=True)
+class FlashMLALib:
+    """Outcome of the library search: ``ops`` is None when nothing usable was found; ``notes``
+    says why each source was skipped or refused."""
+
+    ops: FlashMLAOps | None
+    source: str | None = None
+    version: str | None = None
+    location: str | None = None
+    notes: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.ops is None:
+            return "FlashMLA not loaded: " + "; ".join(self.notes)
+        return (f"FlashMLA from {self.source} (version {self.version}, {self.location}), "
+                f"op schemas match the {self.ops.dialect.name} dialect")
+
+
+def _schema_key(schema) -> tuple:
+    return (tuple((a.name, str(a.type)) for a in schema.arguments), tuple(str(r.type) for r in schema.returns))
+
+
+def schema_mismatch(ns, namespace: str, op: str, expected: str) -> str | None:
+    """None when ``ns.<op>`` has the expected signature, else a refusal reason naming both."""
+    try:
+        found = getattr(ns, op).default._schema
+    except (AttributeError, RuntimeError) as exc:
+        return f"{namespace}::{op} is missing ({type(exc).__name__}); expected `{expected}`"
+    if _schema_key(found) != _schema_key(torch._C.parse_schema(expected)):
+        return f"{namespace}::{op} has schema `{found}`; expected `{expected}`"
+    return None
+
+
+def bind_ops(ns, namespace: str) -> tuple[FlashMLAOps | None, str]:
+    """FlashMLAOps for the first dialect of ``namespace`` both of whose schemas match, else the
+    mismatch reasons."""
+    reasons = []
+    for dialect in (d for d in _DIALECTS if d.namespace == namespace):
+        bad = [r for op, schema in (("sparse_decode_fwd", dialect.decode_schema),
+                                    ("sparse_prefill_fwd", dialect.prefill_schema))
+               if (r := schema_mismatch(ns, namespace, op, schema))]
+        if not bad:
+            return FlashMLAOps(dialect, ns), ""
+        reasons.append(f"not the {dialect.name} dialect: " + "; ".join(bad))
+    return None, " | ".join(reasons)
+
+
+def _module_exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError, AttributeError):  # the parent package failed to import
+        return False
+
+
+def _op_namespace(name: str):
+    return getattr(torch.ops, name)
+
+
+def _dist_version(dists: tuple[str, ...]) -> str | None:
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _file_version(path: str) -> str:
+    with open(path, "rb") as f:
+        return "unversioned build, sha256 " + hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def load_flashmla() -> FlashMLALib:
+    """Find FlashMLA (cached): the ``flash_mla`` package, ``vllm._flashmla_C``,
+    ``sgl_kernel.flash_mla``, then the library at ``$DSV4_ATTN_FLASHMLA_LIB``. The first source
+    that imports AND whose op schemas match wins; never raises."""
+    notes = []
+    for label, module, dists, namespace in _SOURCES:
+        if not _module_exists(module):
+            notes.append(f"{label}: not installed")
+            continue
+        try:
+            mod = importlib.import_module(module)
+        except Exception as exc:  # a broken install is a reason, not a crash
+            notes.append(f"{label}: import failed: {type(exc).__name__}: {exc}")
+            continue
+        ops, why = bind_ops(_op_namespace(namespace), namespace)
+        if ops is not None:
+            return FlashMLALib(ops, label, _dist_version(dists) or getattr(mod, "__version__", None),
+                               getattr(mod, "__file__", None), tuple(notes))
+        notes.append(f"{label}: {why}")
+    path = os.environ.get(ENV_LIB)
+    if not path:
+        notes.append(f"{ENV_LIB}: not set")
+    elif not os.path.isfile(path):
+        notes.append(f"{ENV_LIB}={path}: no such file")
+    else:
+        try:
+            torch.ops.load_library(path)
+            ops, why = bind_ops(_op_namespace("_flashmla_C"), "_flashmla_C")
+        except Exception as exc:
+            ops, why = None, f"cannot load: {type(exc).__name__}: {exc}"
+        if ops is not None:
+            return FlashMLALib(ops, ENV_LIB, _file_version(path), path, tuple(notes))
+        notes.append(f"{ENV_LIB}={path}: {why}")
+    return FlashMLALib(None, notes=tuple(notes))
+
+
+def padded_heads(num_heads: int) -> int:
+    """FlashMLA's sparse kernels take 64 or 128 query heads."""
+    return 64 if num_heads <= 64 else 128
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm100(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
+
+
+def _model1_geometry(cache: torch.Tensor, name: str) -> CacheGeometry:
+    """Host-only checks of a MODEL1 cache for FlashMLA (OCP e4m3: FNUZ caches are refused at
+    backend selection); returns its geometry."""
+    geo = check_cache(cache, KVFormat.MODEL1_FP8, name)
+    if _is_sm100(cache.device) and (geo.block_stride % MODEL1_PAGE_ALIGN or cache.data_ptr() % 16):
+        raise ValueError(f"{name}: got block stride {geo.block_stride} B at address {cache.data_ptr():#x}; "
+                         f"allowed on SM100: a multiple of {MODEL1_PAGE_ALIGN} B and a 16 B aligned base")
+    return geo
+
+
+def _kernel_cache(cache: torch.Tensor, name: str) -> torch.Tensor:
+    """The MODEL1 cache as the decode kernel takes it: [nb, bs, 1, 584] with stride(1) == 584
+    and stride(0) = the block stride (a view, no copy)."""
+    geo = _model1_geometry(cache, name)
+    return cache.as_strided((geo.num_blocks, geo.block_size, 1, MODEL1_TOKEN_BYTES),
+                            (geo.block_stride, MODEL1_TOKEN_BYTES, MODEL1_TOKEN_BYTES, 1))
+
+
+def _pad_cols(rows: torch.Tensor, multiple: int) -> torch.Tensor:
+    """rows int32 [T, K] -> [T, round_up(K, multiple)] with -1 columns (the same tensor if aligned)."""
+    pad = round_up(rows.shape[1], multiple) - rows.shape[1]
+    return rows if pad == 0 else F.pad(rows, (0, pad), value=-1)
+
+
+@dataclass
+class _HeadStaging:
+    """Per-step buffers for layers whose q is not 64/128 contiguous heads: q zero-padded,
+    out, sink (-inf on padded heads). q/out bf16 [T, hp, 512], sink float32 [hp]."""
+
+    q: torch.Tensor
+    out: torch.Tensor
+    sink: torch.Tensor
+
+    @classmethod
+    def allocate(cls, num_tokens: int, hp: int, device: torch.device) -> "_HeadStaging":
+        return cls(torch.zeros(num_tokens, hp, HEAD_DIM, dtype=torch.bfloat16, device=device),
+                   torch.empty(num_tokens, hp, HEAD_DIM, dtype=torch.bfloat16, device=device),
+                   torch.full((hp,), float("-inf"), dtype=torch.float32, device=device))
+
+
+class FlashMLABackend(Backend):
+    name = "flashmla"
+    splits_phases = True  # decode and prefill are different FlashMLA kernels
+    capabilities = Capabilities(
+        platforms="NVIDIA SM90, SM100 family",
+        formats=(KVFormat.MODEL1_FP8,),
+        heads="1-128 (padded to 64/128)",
+        validated="H100 (hardware) vs float64 reference",
+        notes="FlashMLA from flash_mla / vllm / sgl_kernel / $DSV4_ATTN_FLASHMLA_LIB; prefill gathers the "
+              "selected rows into a bounded bf16 workspace",
+    )
+
+    def __init__(self, workspace_bytes: int = 256 << 20, index_keys: int = 1 << 24) -> None:
+        self.workspace_bytes = workspace_bytes  # bound of one prefill chunk's bf16 workspace
+        self.index_keys = index_keys  # bound of tokens x keys per prefill chunk
+
+    # ---- capability ---------------------------------------------------------------------------
+    def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
+                            phase: Phase) -> list[str]:
+        reasons = []
+        if fmt is not KVFormat.MODEL1_FP8:
+            reasons.append(f"reads only the fp8_ds_mla (MODEL1, 584 B/token) cache, not {fmt.value} "
+                           "(flashinfer-trtllm on SM100 or triton read plain rows)")
+        cap = platform.capability
+        if platform.vendor != "cuda" or cap is None or not (cap == (9, 0) or cap[0] == 10):
+            reasons.append(f"needs an NVIDIA SM90 (H100/H200/H20) or SM100-family GPU; this is "
+                           f"{platform.vendor}/{platform.arch}")
+            return reasons
+        lib = load_flashmla()
+        if lib.ops is None:
+            reasons.append(lib.describe())
+        return reasons
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
+        T, nd = plan.num_tokens, plan.num_decode_tokens
+        if T == 0:
+            return
+        if 0 < nd < T:  # a mixed plan handed over directly: one kernel per phase
+            for phase, a, b in ((Phase.DECODE, 0, nd), (Phase.PREFILL, nd, T)):
+                self.forward(plan.phase_plan(phase), layer.token_slice(a, b), out[a:b])
+            return
+        ops = load_flashmla().ops
+        if ops is None:
+            raise RuntimeError(load_flashmla().describe())
+        q, kout, sink, staging = self._stage(plan, layer, out)
+        if nd:
+            self._decode(ops, plan, layer, q, sink, kout)
+        else:
+            self._prefill(ops, plan, layer, q, sink, kout)
+        if staging is not None:
+            out.copy_(staging.out[:, : out.shape[1]])
+
+    @staticmethod
+    def _stage(plan: StepPlan, layer: LayerInputs, out: torch.Tensor):
+        """(q, out, sink, staging) as the kernels take them: 64/128 contiguous heads, contiguous
+        fp32 sink. Without a copy when the caller's tensors already fit."""
+        q, sink = layer.q, layer.sink
+        T, H, _ = q.shape
+        hp = padded_heads(H)
+        if H == hp and q.is_contiguous() and (sink is None or sink.is_contiguous()):
+            return q, out, sink, None
+        staging = plan.cached(("flashmla", "heads", hp, q.device), lambda: _HeadStaging.allocate(T, hp, q.device))
+        staging.q[:, :H].copy_(q)
+        if sink is not None:
+            staging.sink[:H].copy_(sink)
+        return staging.q, staging.out, (None if sink is None else staging.sink), staging
+
+    def _decode(self, ops: FlashMLAOps, plan: StepPlan, layer: LayerInputs, q, sink, out) -> None:
+        swa_kv = _kernel_cache(layer.swa_cache, "swa_cache")
+        swa_idx = plan.cached(("flashmla", "swa_idx"), lambda: _pad_cols(plan.swa_rows, DECODE_TOPK_BLOCK))
+        comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.c4a_topk)
+        if comp_rows is not None:
+            comp_kv = _kernel_cache(layer.comp_cache, "comp_cache")
+            comp_idx = (plan.cached(("flashmla", "c128a_idx"), lambda: _pad_cols(comp_rows, EXTRA_TOPK_BLOCK))
+                        if layer.kind is LayerKind.C128A else _pad_cols(comp_rows, EXTRA_TOPK_BLOCK))
+        shape = (q.shape[1], swa_kv.shape[1], swa_idx.shape[1], None if comp_rows is None else comp_kv.shape[1],
+                 None if comp_rows is None else comp_idx.shape[1])
+        for t0 in range(0, plan.num_tokens, DECODE_MAX_ROWS):
+            t1 = min(plan.num_tokens, t0 + DECODE_MAX_ROWS)
+            # One schedule per (kind, launch shape) per step: every layer of a kind has the same
+            # lengths (they derive from positions and row widths only), FlashMLA's reuse rule.
+            sched = plan.cached(("flashmla", "sched", layer.kind, t0, t1, shape), _Sched)
+            extra = None if comp_rows is None else (comp_kv, comp_idx[t0:t1, None], comp_lens[t0:t1])
+            ops.decode(q[t0:t1, None], swa_kv, swa_idx[t0:t1, None], plan.swa_lens[t0:t1], sink, sched, extra,
+                       layer.softmax_scale, out[t0:t1, None])
+
+    def _prefill(self, ops: FlashMLAOps, plan: StepPlan, layer: LayerInputs, q, sink, out) -> None:
+        comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.c4a_topk)
+        scopes = [(layer.swa_cache, plan.swa_rows, plan.swa_lens, "swa_cache")]
+        if comp_rows is not None:
+            scopes.append((layer.comp_cache, comp_rows, comp_lens, "comp_cache"))
+        scopes = [(c, _model1_geometry(c, name), rows, lens) for c, rows, lens, name in scopes]
+        width = sum(rows.shape[1] for _, _, rows, _ in scopes)
+        step = max(1, self.index_keys // width)
+        for t0 in range(0, plan.num_tokens, step):
+            self._prefill_chunk(ops, layer, scopes, t0, min(plan.num_tokens, t0 + step), q, sink, out)
+
+    def _prefill_chunk(self, ops: FlashMLAOps, layer: LayerInputs, scopes, t0: int, t1: int, q, sink, out) -> None:
+        """Tokens [t0, t1): distinct selected rows -> bf16 workspace; indices -> workspace rows."""
+        parts = []
+        for cache, geo, rows, lens in scopes:
+            r, n = rows[t0:t1], lens[t0:t1]
+            col = torch.arange(r.shape[1], device=r.device)[None, :]
+            keys = torch.where((col < n[:, None]) & (r >= 0), r, torch.full_like(r, -1))
+            uniq, inverse = torch.unique(keys, return_inverse=True)  # syncs: the distinct count sizes the workspace
+            parts.append((cache, geo, keys, uniq, inverse))
+        rows_needed = sum(p[3].numel() for p in parts)
+        if rows_needed * HEAD_DIM * 2 > self.workspace_bytes and t1 - t0 > 1:
+            mid = (t0 + t1) // 2
+            self._prefill_chunk(ops, layer, scopes, t0, mid, q, sink, out)
+            self._prefill_chunk(ops, layer, scopes, mid, t1, q, sink, out)
+            return
+        kv = torch.empty(rows_needed, 1, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
+        indices, base = [], 0
+        for cache, geo, keys, uniq, inverse in parts:
+            for r0 in range(0, uniq.numel(), _GATHER_ROWS):  # uniq may start with -1: a zero row, never referenced
+                r1 = min(uniq.numel(), r0 + _GATHER_ROWS)
+                kv[base + r0 : base + r1, 0].copy_(gather_rows(cache, KVFormat.MODEL1_FP8, geo, uniq[r0:r1]))
+            indices.append(torch.where(keys < 0, torch.full_like(inverse, -1), inverse + base))
+            base += uniq.numel()
+        idx = _pad_cols(torch.cat(indices, dim=1).to(torch.int32), PREFILL_TOPK_BLOCK)
+        ops.prefill(q[t0:t1], kv, idx[:, None, :], layer.softmax_scale, sink, out[t0:t1])

@@ -1,0 +1,522 @@
+"""Backend `flashmla`.
+
+CPU (CI): the adapter runs end to end through ``SparseMLA(backend="flashmla")`` against a stand-in
+for FlashMLA's two ops that enforces their documented argument contract (vendor-apis §1.1-1.3:
+dtypes, shapes, strides, top-k granularity, index validity, the scheduler-metadata reuse rule) and
+computes the documented math; results are compared with the float64 reference. The loader, the
+schema check and the refusal reasons are tested with fake libraries.
+
+GPU (``-m gpu``, H100 with ``DSV4_ATTN_FLASHMLA_LIB``): the real FlashMLA on every DESIGN §5 edge
+case, a 32k-token prefill chunk with bounded memory, CUDA-graph capture and replay of a decode
+step. ``DSV4_ATTN_FLASHMLA_TABLE=path`` also writes the error table there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+import dsv4_attn as dsv4
+from dsv4_attn.api import SparseMLA
+from dsv4_attn.common import backend as bm
+from dsv4_attn.common import layout
+from dsv4_attn.common.layout import KVFormat
+from dsv4_attn.common.platform import Platform
+from dsv4_attn.common.spec import LayerKind, ModelSpec
+from dsv4_attn.cuda import flashmla
+
+from nvidia_cases import assert_close, forward_poisoned, make_case, metrics, reference_out, run_layer
+
+SM90 = Platform("cuda", "sm90", "fake H100", "2.x")
+
+
+# ---------------------------------------------------------------------------------------------
+# A stand-in for FlashMLA's ops: the documented contract, checked, and the documented math.
+# ---------------------------------------------------------------------------------------------
+class _Op:
+    def __init__(self, fn, schema: str):
+        self._fn, self.default = fn, type("Overload", (), {"_schema": torch._C.parse_schema(schema)})()
+
+    def __call__(self, *args):
+        return self._fn(*args)
+
+
+def _need(cond, what):
+    if not cond:
+        raise AssertionError(f"FlashMLA contract violated: {what}")
+
+
+def _attend(q, keys, valid, sink, scale):
+    """q [n, h, 512], keys [n, k, 512], valid [n, k] -> out float64 [n, h, 512] (lonely rows 0)."""
+    s = scale * torch.einsum("nhd,nkd->nhk", q.double(), keys.double())
+    s = s.masked_fill(~valid[:, None, :], -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    has = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(has, lse, torch.zeros_like(lse))[..., None])
+    o = torch.einsum("nhk,nkd->nhd", p, keys.double())
+    if sink is not None:
+        o = o * torch.sigmoid(lse - sink.double())[..., None]
+    return torch.where(has[..., None], o, torch.zeros_like(o)), torch.where(has, lse, torch.full_like(lse, math.inf))
+
+
+class FakeFlashMLA:
+    """The vLLM-build ops (``torch.ops._flashmla_C``) as a CPU double."""
+
+    def __init__(self):
+        self.sparse_decode_fwd = _Op(self._decode, flashmla._VLLM_DECODE)
+        self.sparse_prefill_fwd = _Op(self._prefill, flashmla._VLLM_PREFILL)
+        self.decode_calls, self.prefill_calls = [], []
+        self._plans = {}  # id(tile) -> (config, lens values) recorded when planned
+
+    @staticmethod
+    def _kv_rows(kv, idx, lens):
+        """Dequantized keys [b, k, 512] and validity [b, k]: only -1 is invalid in decode, and
+        every other entry inside the length must be a slot of the cache (else: an IMA)."""
+        _need(kv.dtype in (torch.uint8, torch.int8, torch.float8_e4m3fn), f"kv dtype {kv.dtype}")
+        _need(kv.dim() == 4 and kv.shape[2] == 1 and kv.shape[3] == 584, f"kv shape {tuple(kv.shape)}")
+        _need(kv.stride(1) == 584 and kv.stride(3) == 1, f"kv strides {kv.stride()} (block must be contiguous)")
+        cache = kv[:, :, 0, :]
+        geo = layout.check_cache(cache, KVFormat.MODEL1_FP8, "kv")
+        col = torch.arange(idx.shape[-1])[None, :]
+        live = col < lens[:, None].long()
+        rows = idx[:, 0, :]
+        _need(bool(((rows == -1) | ((rows >= 0) & (rows < geo.num_slots)) | ~live).all()),
+              "an index inside topk_length is neither -1 nor a slot of the cache")
+        valid = live & (rows != -1)
+        slots = torch.where(valid, rows, torch.full_like(rows, -1))
+        return layout.gather_rows(cache, KVFormat.MODEL1_FP8, geo, slots), valid
+
+    @staticmethod
+    def _check_idx(idx, lens, b, block, name):
+        _need(idx.dtype == torch.int32 and idx.dim() == 3 and idx.shape[:2] == (b, 1) and idx.stride(-1) == 1,
+              f"{name} {idx.dtype} {tuple(idx.shape)} {idx.stride()}")
+        _need(idx.shape[-1] % block == 0, f"{name} topk {idx.shape[-1]} % {block}")
+        _need(lens.dtype == torch.int32 and lens.shape == (b,) and lens.is_contiguous(), f"{name} lengths")
+        _need(bool(((lens >= 0) & (lens <= idx.shape[-1])).all()), f"{name} lengths out of range")
+
+    def _decode(self, q, kv, idx, lens, sink, tile, splits, extra_kv, extra_idx, extra_lens, d_v, scale, out,
+                batch_invariant):
+        b, s_q, h, d = q.shape
+        _need(q.dtype == torch.bfloat16 and d == 512 and q.stride(-1) == 1, "q bf16 [b, s_q, h, 512]")
+        _need(s_q == 1, "s_q == 1 (one topk_length per row: tokens are flattened)")
+        _need(h in (64, 128), f"Unsupported h_q {h}")
+        self._check_idx(idx, lens, b, 64, "indices")
+        _need((extra_kv is None) == (extra_idx is None) == (extra_lens is None), "extra_* come together")
+        if extra_kv is not None:
+            self._check_idx(extra_idx, extra_lens, b, 64, "extra_indices")
+        _need(sink is None or (sink.dtype == torch.float32 and sink.shape == (h,) and sink.is_contiguous()), "sink")
+        _need(d_v == 512 and isinstance(scale, float) and batch_invariant is False, "d_v / sm_scale / batch_inv")
+        _need(out.dtype == torch.bfloat16 and out.shape == q.shape and out.is_contiguous(), "out")
+        config = (b, s_q, h, kv.shape[1], idx.shape[-1], None if extra_kv is None else extra_kv.shape[1],
+                  None if extra_kv is None else extra_idx.shape[-1])
+        values = (lens.clone(), None if extra_lens is None else extra_lens.clone())
+        if tile is None:
+            _need(splits is None, "tile metadata and num_splits come together")
+            tile, splits = torch.zeros(4, 8, dtype=torch.int32), torch.zeros(b + 1, dtype=torch.int32)
+            self._plans[id(tile)] = (config, values)
+        else:
+            planned = self._plans.get(id(tile))
+            _need(planned is not None, "reused scheduler metadata was not returned by this library")
+            _need(planned[0] == config, f"sched meta reused with another shape {config} vs {planned[0]}")
+            _need(all(a is None and b_ is None or torch.equal(a, b_) for a, b_ in zip(planned[1], values)),
+                  "sched meta reused with other topk_length values (FlashMLA's reuse rule)")
+        self.decode_calls.append(dict(tile=tile, config=config, h=h))
+        keys, valid = self._kv_rows(kv, idx, lens)
+        if extra_kv is not None:
+            k2, v2 = self._kv_rows(extra_kv, extra_idx, extra_lens)
+            keys, valid = torch.cat([keys, k2], 1), torch.cat([valid, v2], 1)
+        o, lse = _attend(q[:, 0], keys, valid, sink, scale)
+        out[:, 0] = o.to(out.dtype)
+        return out, lse[:, :, None], tile, splits
+
+    def _prefill(self, q, kv, idx, scale, d_v, sink, topk_length, out):
+        s, h, d = q.shape
+        _need(q.dtype == torch.bfloat16 and d == 512 and q.is_contiguous(), "q bf16 [s_q, h, 512]")
+        _need(h in (64, 128), f"Unsupported h_q {h}")
+        _need(kv.dtype == torch.bfloat16 and kv.dim() == 3 and kv.shape[1:] == (1, 512) and kv.is_contiguous(),
+              f"kv bf16 [s_kv, 1, 512], got {kv.dtype} {tuple(kv.shape)}")
+        _need(idx.dtype == torch.int32 and idx.shape[:2] == (s, 1) and idx.stride(-1) == 1, "indices")
+        _need(idx.shape[-1] % 128 == 0, f"prefill topk {idx.shape[-1]} % 128")
+        _need(topk_length is None or (topk_length.dtype == torch.int32 and topk_length.shape == (s,)), "topk_length")
+        _need(sink is None or (sink.dtype == torch.float32 and sink.shape == (h,) and sink.is_contiguous()), "sink")
+        _need(d_v == 512 and isinstance(scale, float), "d_v / sm_scale")
+        _need(out.dtype == torch.bfloat16 and out.shape == q.shape and out.is_contiguous(), "out")
+        self.prefill_calls.append(dict(kv=kv.clone(), idx=idx.clone(), s=s))
+        rows = idx[:, 0, :].long()
+        valid = (rows >= 0) & (rows < kv.shape[0])  # prefill masks any out-of-range index
+        keys = kv[:, 0][torch.where(valid, rows, torch.zeros_like(rows))].float()
+        o, lse = _attend(q, keys, valid, sink, scale)
+        out.copy_(o.to(out.dtype))
+        return [out, lse, lse]
+
+
+@pytest.fixture
+def fake_flashmla(monkeypatch):
+    """Route the `flashmla` backend to FakeFlashMLA and make SparseMLA see an SM90 GPU."""
+    fake = FakeFlashMLA()
+    lib = flashmla.FlashMLALib(flashmla.FlashMLAOps(flashmla._DIALECTS[0], fake), "fake", "0", "test")
+    monkeypatch.setattr(flashmla, "load_flashmla", lambda: lib)
+    monkeypatch.setattr("dsv4_attn.api.platform_for_device", lambda device: SM90)
+    return fake
+
+
+def _mla(case, **kw):
+    return SparseMLA(case.spec, case.fmt, backend="flashmla", **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU contract tests
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("heads", [16, 64, 100])
+def test_every_kind_decode_prefill_mtp_padding_matches_reference(fake_flashmla, gen, heads):
+    # decodes (pos < W, pos + 1 < 4, long), an MTP pair, a prefill chunk crossing the window, a
+    # prefill request whose first tokens see no compressed entry yet, then 2 padding tokens
+    case = make_case(gen, [1, 1, 1, 2, 9, 5], [1, 3, 300, 131, 140, 7], heads=heads, topk=96,
+                     num_decode_tokens=5, pad_tokens=2, empty_topk_tokens=(2,))
+    case.sink[0], case.sink[1] = math.inf, -math.inf
+    mla = _mla(case)
+    plan = mla.plan(case.batch, validate=True)
+    for kind in LayerKind:
+        m = run_layer(mla, plan, case, kind)
+        assert_close(m)
+        assert m["out"][:, 0].abs().max() == 0  # +inf sink zeroes the head
+        assert m["out"][-2:].abs().max() == 0  # padding tokens have no keys
+    # decode went through sparse_decode_fwd with heads padded to 64/128, prefill through prefill
+    assert {c["h"] for c in fake_flashmla.decode_calls} == {flashmla.padded_heads(heads)}
+    assert len(fake_flashmla.prefill_calls) == 3
+
+
+def test_odd_page_sizes_block_strides_and_widths(fake_flashmla, gen):
+    # SWA block size 1 with a foreign-page stride, C4A block size 53 (block_size 212), top-k 100
+    # (not a multiple of the kernels' blocks), window 96 (decode pads the SWA row to 128 columns)
+    case = make_case(gen, [1, 1, 4], [90, 400, 260], heads=64, topk=100, window=96, swa_bs=1,
+                     block_size=212, swa_block_stride=2 * 584 + 576)
+    mla = _mla(case)
+    plan = mla.plan(case.batch, validate=True)
+    for kind in (LayerKind.SWA, LayerKind.C4A):
+        assert_close(run_layer(mla, plan, case, kind))
+
+
+@pytest.mark.parametrize("swa_bs, block_size", [(2, 256), (256, 512)])
+def test_block_sizes(fake_flashmla, gen, swa_bs, block_size):
+    case = make_case(gen, [1, 3, 1], [700, 520, 1030], heads=32, swa_bs=swa_bs, block_size=block_size,
+                     num_decode_tokens=1)
+    mla = _mla(case)
+    plan = mla.plan(case.batch, validate=True)
+    for kind in LayerKind:
+        assert_close(run_layer(mla, plan, case, kind))
+
+
+def test_scheduler_metadata_planned_once_per_kind_and_step(fake_flashmla, gen):
+    case = make_case(gen, [1, 1, 1], [100, 900, 2000], heads=64)
+    mla = _mla(case)
+    for step in range(2):
+        plan = mla.plan(case.batch)
+        start = len(fake_flashmla.decode_calls)
+        for kind in [LayerKind.SWA, LayerKind.C4A, LayerKind.C128A] * 3:  # three layers of each kind
+            assert_close(run_layer(mla, plan, case, kind))
+        calls = fake_flashmla.decode_calls[start:]
+        tiles = {}
+        for c in calls:
+            tiles.setdefault(c["config"], set()).add(id(c["tile"]))
+        assert len(tiles) == 3 and all(len(t) == 1 for t in tiles.values())  # one schedule per kind
+        if step == 0:
+            first = {k: next(iter(v)) for k, v in tiles.items()}
+        else:  # a new step plans afresh (the stand-in refuses reuse with changed lengths anyway)
+            assert all(next(iter(tiles[k])) != first[k] for k in tiles)
+
+
+def test_prefill_workspace_holds_distinct_selected_rows_within_budget(fake_flashmla, gen):
+    case = make_case(gen, [40, 30], [300, 1500], heads=64, topk=128)
+    budget = 96 * 1024  # 96 rows of bf16: forces the chunk to be halved several times
+    bm.register_backend("flashmla-small", flashmla.FlashMLABackend(workspace_bytes=budget, index_keys=4096))
+    try:
+        mla = SparseMLA(case.spec, case.fmt, backend="flashmla-small")
+        plan = mla.plan(case.batch, validate=True)
+        assert_close(run_layer(mla, plan, case, LayerKind.C4A))
+    finally:
+        bm.unregister_backend("flashmla-small")
+    calls = fake_flashmla.prefill_calls
+    assert len(calls) > 2 and sum(c["s"] for c in calls) == case.batch.num_tokens
+    for c in calls:
+        rows_used = c["idx"][c["idx"] >= 0].unique()
+        assert c["kv"].shape[0] * 512 * 2 <= budget or c["s"] == 1
+        # every workspace row but a possible leading zero row (the -1 key) is referenced: only
+        # selected rows, each once
+        assert c["kv"].shape[0] - rows_used.numel() in (0, 1)
+
+
+def test_cuda_graph_style_reuse_refused_across_steps_is_not_needed(fake_flashmla, gen):
+    """Two steps with different lengths: each step's first layer plans anew (no stale schedule)."""
+    mla = SparseMLA(ModelSpec(num_heads=64, c4a_topk=64), "fp8_ds_mla", backend="flashmla")
+    for seq in ([100, 200], [300, 400]):
+        case = make_case(gen, [1, 1], seq, heads=64)
+        plan = mla.plan(case.batch)
+        assert_close(run_layer(mla, plan, case, LayerKind.C128A))
+    tiles = [id(c["tile"]) for c in fake_flashmla.decode_calls]
+    assert len(set(tiles)) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# loader, schema check, refusal reasons
+# ---------------------------------------------------------------------------------------------
+def _namespace(decode_schema, prefill_schema):
+    ns = FakeFlashMLA()
+    ns.sparse_decode_fwd = _Op(ns._decode, decode_schema)
+    ns.sparse_prefill_fwd = _Op(ns._prefill, prefill_schema)
+    return ns
+
+
+def test_schema_mismatch_is_a_refusal_naming_the_expected_schema():
+    wrong = flashmla._VLLM_DECODE.replace("float sm_scale", "float sm_scale, int extra")
+    ops, why = flashmla.bind_ops(_namespace(wrong, flashmla._VLLM_PREFILL), "_flashmla_C")
+    assert ops is None
+    assert "not the vllm dialect" in why and flashmla._VLLM_DECODE in why and "int extra" in why
+    ops, why = flashmla.bind_ops(_namespace(flashmla._UPSTREAM_DECODE, flashmla._UPSTREAM_PREFILL), "_flashmla_C")
+    assert ops is not None and ops.dialect.name == "upstream" and not ops.dialect.has_out
+    ops, why = flashmla.bind_ops(object(), "_flashmla_C")
+    assert ops is None and "sparse_decode_fwd is missing" in why
+
+
+def test_loader_order_and_reasons(monkeypatch, tmp_path):
+    present = {"vllm._flashmla_C": _namespace(flashmla._VLLM_DECODE.replace("int d_v", "int dv"),
+                                              flashmla._VLLM_PREFILL),
+               "sgl_kernel.flash_mla": _namespace(flashmla._SGL_DECODE, flashmla._UPSTREAM_PREFILL)}
+    namespaces = {"_flashmla_C": present["vllm._flashmla_C"], "sgl_kernel": present["sgl_kernel.flash_mla"]}
+    monkeypatch.setattr(flashmla, "_module_exists", lambda m: m in present)
+    monkeypatch.setattr(flashmla.importlib, "import_module", lambda m: type("M", (), {"__file__": m})())
+    monkeypatch.setattr(flashmla, "_op_namespace", lambda name: namespaces[name])
+    monkeypatch.setenv(flashmla.ENV_LIB, str(tmp_path / "missing.so"))
+    flashmla.load_flashmla.cache_clear()
+    try:
+        lib = flashmla.load_flashmla()
+        assert lib.source == "sgl_kernel" and lib.ops.dialect.kv_format
+        assert lib.notes[0] == "flash_mla: not installed" and "int dv" in lib.notes[1]
+        del present["sgl_kernel.flash_mla"]
+        flashmla.load_flashmla.cache_clear()
+        lib = flashmla.load_flashmla()
+        assert lib.ops is None
+        text = lib.describe()
+        assert "vllm: not the vllm dialect" in text and "missing.so: no such file" in text
+    finally:
+        flashmla.load_flashmla.cache_clear()
+
+
+def test_unsupported_reasons(monkeypatch):
+    b = flashmla.FlashMLABackend()
+    spec = ModelSpec(num_heads=64)
+    cpu = Platform("cpu", "cpu", "cpu", "2.x")
+    assert any("needs an NVIDIA SM90" in r for r in b.unsupported_reasons(cpu, spec, KVFormat.MODEL1_FP8,
+                                                                       LayerKind.C4A, dsv4.Phase.DECODE))
+    sm80 = Platform("cuda", "sm80", "A100", "2.x")
+    assert any("this is cuda/sm80" in r for r in b.unsupported_reasons(sm80, spec, KVFormat.MODEL1_FP8,
+                                                                       LayerKind.SWA, dsv4.Phase.PREFILL))
+    missing = flashmla.FlashMLALib(None, notes=("vllm: not installed",))
+    monkeypatch.setattr(flashmla, "load_flashmla", lambda: missing)
+    assert b.unsupported_reasons(SM90, spec, KVFormat.MODEL1_FP8, LayerKind.C4A, dsv4.Phase.DECODE) == [
+        "FlashMLA not loaded: vllm: not installed"]
+    reasons = b.unsupported_reasons(Platform("cuda", "sm100", "B200", "2.x"), spec, KVFormat.BF16,
+                                    LayerKind.C4A, dsv4.Phase.DECODE)
+    assert any("not bfloat16" in r for r in reasons)
+
+
+def test_explain_on_cpu_lists_flashmla_reason():
+    mla = SparseMLA(ModelSpec(num_heads=64), "fp8_ds_mla", backend="torch", device="cpu")
+    assert "flashmla" in mla.explain() and "needs an NVIDIA SM90" in mla.explain()
+
+
+def test_fnuz_cache_is_refused(fake_flashmla):
+    with pytest.raises(dsv4.BackendUnavailableError, match="reads ocp fp8 only; the SWA cache is fnuz"):
+        SparseMLA(ModelSpec(num_heads=64), "fp8_ds_mla", backend="flashmla", swa_dialect="fnuz")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (H100): the real FlashMLA
+# ---------------------------------------------------------------------------------------------
+_TABLE: list[str] = []
+GPU = "cuda"
+
+
+def _real_lib():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    lib = flashmla.load_flashmla()
+    if lib.ops is None:
+        if os.environ.get(flashmla.ENV_LIB):
+            pytest.fail(lib.describe())  # asked for a library that does not load: a failure
+        pytest.skip(lib.describe())
+    return lib
+
+
+@pytest.fixture(scope="module")
+def table():
+    yield _TABLE
+    if _TABLE:
+        text = "\n".join(["| case | kind | max abs | rel L2 | cosine |", "|---|---|---|---|---|", *_TABLE])
+        print("\n" + text)
+        if os.environ.get("DSV4_ATTN_FLASHMLA_TABLE"):
+            with open(os.environ["DSV4_ATTN_FLASHMLA_TABLE"], "w") as f:
+                f.write(text + "\n")
+
+
+def _record(table, name, kind, m):
+    table.append(f"| {name} | {LayerKind.parse(kind).name} | {m['max_abs']:.3e} | {m['rel_l2']:.3e} | "
+                 f"{m['cosine']:.6f} |")
+    assert_close(m, max_abs=0.1)  # outputs reach |8|: bf16 steps there are 0.03
+
+
+# name -> (query_lens, seq_lens, make_case keyword arguments)
+_GPU_CASES = {
+    "decode H64 C4A512 b64": ([1] * 64, None, dict(heads=64, topk=512)),
+    "decode H128 C4A1024 b32": ([1] * 32, None, dict(heads=128, topk=1024)),
+    "decode H16 padded, C128A bs2": ([1] * 24, None, dict(heads=16, max_model_len=65536)),
+    "decode H32 padded": ([1] * 8, None, dict(heads=32, topk=512)),
+    "decode H100 padded to 128": ([1] * 8, None, dict(heads=100, topk=512)),
+    "MTP 2-3 tokens/request": ([2, 3, 2, 2], None, dict(heads=64, topk=512, num_decode_tokens=9)),
+    "odd pages: swa bs1, c4a bs53": ([1] * 6, None, dict(heads=64, topk=512, swa_bs=1, block_size=212)),
+    "swa bs2, c128a bs3 (block 384)": ([1] * 6, None, dict(heads=64, swa_bs=2, block_size=384)),
+    "swa bs256, foreign page stride": ([1] * 6, None, dict(heads=64, swa_bs=256, block_size=512,
+                                                          swa_block_stride=256 * 584 + 2 * 576)),
+    "empty rows, +-inf sinks, padding": ([1, 1, 1, 1], [1, 2, 3, 500], dict(heads=64, pad_tokens=3,
+                                                                            empty_topk_tokens=(3,))),
+    "mixed decode+prefill": ([1, 1, 2, 37, 130], [5, 900, 400, 160, 3000], dict(heads=64, topk=512,
+                                                                                 num_decode_tokens=4)),
+    "prefill H128 C4A1024": ([300, 200], [4000, 200], dict(heads=128, topk=1024, num_decode_tokens=0)),
+    "prefill H16 padded, long": ([257], [9000], dict(heads=16, topk=512, max_model_len=16384)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(_GPU_CASES))
+def test_gpu_parity(name, table):
+    _real_lib()
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    qlens, seqs, kw = _GPU_CASES[name]
+    if seqs is None:
+        seqs = [int(x) for x in torch.randint(1, 6000, (len(qlens),), generator=gen)]
+        seqs = [max(s, q) for s, q in zip(seqs, qlens)]
+    kw.setdefault("max_model_len", 8192)
+    case = make_case(gen, qlens, seqs, device=GPU, **kw)
+    case.sink[0], case.sink[1] = math.inf, -math.inf
+    mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU)
+    plan = mla.plan(case.batch, validate=True)
+    for kind in LayerKind:
+        if kind is LayerKind.C128A and LayerKind.C128A not in case.caches:
+            continue
+        m = run_layer(mla, plan, case, kind)
+        _record(table, name, kind, m)
+        assert m["out"][:, 0].abs().max() == 0
+        if "padding" in name:
+            assert m["out"][-3:].abs().max() == 0
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_32k_chunk_bounded(table, monkeypatch):
+    _real_lib()
+    launches = []
+    prefill = flashmla.FlashMLAOps.prefill
+    monkeypatch.setattr(flashmla.FlashMLAOps, "prefill",
+                        lambda self, q, kv, *a: (launches.append((q.shape[0], kv.shape[0])), prefill(self, q, kv, *a)))
+    gen = torch.Generator().manual_seed(32768)
+    case = make_case(gen, [32768], [40000], heads=64, topk=512, max_model_len=65536, num_decode_tokens=0,
+                     device=GPU)
+    mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU, max_tokens=32768)
+    plan = mla.plan(case.batch)
+    sample = torch.cat([torch.arange(64), torch.randperm(32768, generator=gen)[:448], torch.arange(32704, 32768)])
+    for kind in (LayerKind.C4A, LayerKind.C128A):
+        launches.clear()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = forward_poisoned(mla, plan, case, kind)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+        idx = sample.to(GPU)  # the reference on 576 of the 32768 tokens (first, last and random ones)
+        m = dict(metrics(out[idx], reference_out(mla, plan, case, kind, tokens=idx)),
+                 written=not bool(out.isnan().any()))
+        rows = max(r for _, r in launches)
+        _record(table, f"prefill 32k tokens: {len(launches)} launches, <= {rows} ws rows, peak +{peak >> 20} MiB",
+                kind, m)
+        # a per-token workspace would be 32768 x 640 rows x 1 KiB = 20 GiB; ours stays under the bounds
+        assert rows * 1024 <= bm.get_backend("flashmla").workspace_bytes and peak < 4 << 30, (rows, peak)
+
+
+def _graph_case(gen, device):
+    """16 decode tokens; the longest request is fixed so block tables and caches keep their shapes."""
+    seqs = [4000] + [int(x) for x in torch.randint(1, 4000, (15,), generator=gen)]
+    return make_case(gen, [1] * 16, seqs, heads=64, topk=512, device=device)
+
+
+def _refill(case, new):
+    """Write ``new``'s step into ``case``'s tensors in place (what an engine does between steps)."""
+    for name in ("query_start_loc", "seq_lens", "swa_block_table"):
+        getattr(case.batch, name).copy_(getattr(new.batch, name))
+    for ratio, table in case.batch.comp_block_tables.items():
+        table.copy_(new.batch.comp_block_tables[ratio])
+    for key, cache in case.caches.items():
+        cache.copy_(new.caches[key])
+    for name in ("q", "topk", "sink"):
+        getattr(case, name).copy_(getattr(new, name))
+    b = case.batch
+    return dsv4.StepBatch(b.query_start_loc, b.seq_lens, b.num_decode_tokens, b.swa_block_table, b.swa_block_size,
+                          b.comp_block_tables, b.block_size, b.max_model_len, num_tokens=b.num_tokens)
+
+
+def _decode_step(mla, plan, case, outs):
+    for kind, out in outs.items():
+        mla.forward(plan, kind, case.q, case.caches["swa"], case.caches.get(kind) if kind.has_comp_scope else None,
+                    c4a_topk=case.topk if kind is LayerKind.C4A else None, sink=case.sink, out=out)
+
+
+def _check_step(table, name, mla, plan, case, outs):
+    for kind, out in outs.items():
+        _record(table, name, kind, metrics(out, reference_out(mla, plan, case, kind)))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_decode_replay(table):
+    _real_lib()
+    gen = torch.Generator().manual_seed(11)
+    case = _graph_case(gen, GPU)
+    mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU, max_tokens=16)
+    outs = {kind: torch.empty_like(case.q) for kind in LayerKind}
+    _decode_step(mla, mla.plan(case.batch), case, outs)  # warm-up outside the capture; that plan is dropped
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    plan = mla.plan(case.batch)  # a fresh plan: its schedules are planned inside the capture
+    with torch.cuda.graph(graph):
+        _decode_step(mla, plan, case, outs)
+    for step in range(2):  # replay on new contents, same shapes, twice
+        plan = mla.plan(_refill(case, _graph_case(gen, GPU)))  # rewrites the buffers the graph reads
+        for out in outs.values():
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_step(table, f"CUDA graph replay {step + 1}, new contents", mla, plan, case, outs)
+
+
+@pytest.mark.gpu
+def test_gpu_library_and_schema():
+    lib = _real_lib()
+    assert lib.ops.dialect.name == "vllm", lib.describe()
+    wrong = flashmla._VLLM_PREFILL.replace("Tensor? topk_length", "Tensor topk_length")
+    ops, why = flashmla.bind_ops(_namespace(flashmla._VLLM_DECODE, wrong), "_flashmla_C")
+    assert ops is None and flashmla._VLLM_PREFILL in why
+    print(lib.describe())
+
+
+@pytest.mark.gpu
+def test_gpu_huge_slots(table):
+    """Last on purpose: if the kernel computed byte offsets in int32 this could fault the context."""
+    _real_lib()
+    gen = torch.Generator().manual_seed(2**31 % 1000)
+    case = make_case(gen, [1, 1, 1, 3], [4000, 5000, 300, 3000], heads=64, topk=512, block_base=60000,
+                     num_decode_tokens=3, max_model_len=8192, device=GPU)
+    assert case.caches["swa"].shape[0] * case.caches["swa"].stride(0) > 2**31
+    mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU)
+    plan = mla.plan(case.batch, validate=True)
+    for kind in LayerKind:
+        _record(table, "huge slots: SWA byte offsets > 2^31", kind, run_layer(mla, plan, case, kind))
