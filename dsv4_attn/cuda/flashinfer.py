@@ -1,0 +1,269 @@
+"""Backend `flashinfer-trtllm`: FlashInfer's TRTLLM-gen DSv4 sparse MLA kernel (NVIDIA SM100).
+
+CONTRACT-TESTED ONLY: no SM100 GPU was available. Every tensor this adapter passes is checked in
+CI against the documented contract of ``trtllm_batch_decode_sparse_mla_dsv4`` (flashinfer-python
+0.7.2.post1, vendor-apis §2) by a stand-in that also computes the documented math; the kernel
+itself has never run here.
+
+The kernel reads plain-row caches (bfloat16, or fp8 e4m3 with one per-tensor scale) and takes
+ONE merged index row per token: columns [0, 128) are SWA slots in ascending position order, the
+rest compressed slots padded with -1 to a multiple of 4 (16-byte rows), all as STORAGE offsets
+``block * (stride(0) // 512) + offset`` (``common.indices.merged_rows``). ``sparse_topk_lens``
+counts the SWA region as 128 + the compressed length. Tokens are flattened to ``B = T`` requests
+of one query token with ``seq_lens = position + 1``, so the kernel's SWA window
+``clamp(seq_len - (q_len - 1 - q_off), 0, 128)`` is exactly ``min(pos + 1, 128)`` and no host
+sync is needed for ``max_q_len``. Decode and prefill tokens are launched separately (the split
+vLLM keeps: the launcher is tuned for uniform-q batches) with separate workspaces (a workspace
+shared between a captured decode and an eager prefill corrupted scratch in vLLM PR #57388).
+Merged rows of SWA-only and C128A layers are built once per step and reused by every layer of
+that kind; C4A rows differ per layer. FP8: q is cast to e4m3 with q_scale 1.0 and the scales go
+in as Python floats (the scalar path): bmm1 = softmax_scale * q_scale * kv_scale, bmm2 = kv_scale.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import shutil
+from typing import Callable
+
+import torch
+
+from ..common.backend import Backend, Capabilities, LayerInputs, Phase
+from ..common.indices import merged_rows
+from ..common.layout import CacheGeometry, Fp8Dialect, KVFormat, check_cache
+from ..common.platform import Platform
+from ..common.plan import StepPlan
+from ..common.spec import HEAD_DIM, LayerKind, ModelSpec, round_up
+
+SWA_WIDTH = 128  # the kernel hard-codes a 128-column SWA region (kDsv4SparseMlaSlidingWindowTopK)
+WORKSPACE_BYTES = 128 << 20  # vLLM's _FLASHINFER_DSV4_WORKSPACE_BUFFER_SIZE
+Q_SCALE = 1.0  # q is cast to e4m3 unscaled, as vLLM does
+_FUNCTION = "trtllm_batch_decode_sparse_mla_dsv4"
+_MODULES = ("flashinfer.decode", "flashinfer.mla")  # vLLM imports it from flashinfer.decode
+# keyword arguments of the 0.7.2.post1 signature this adapter passes
+_REQUIRED_PARAMS = ("query", "swa_kv_cache", "workspace_buffer", "sparse_indices", "compressed_kv_cache",
+                    "sparse_topk_lens", "seq_lens", "out", "bmm1_scale", "bmm2_scale", "sinks", "kv_layout",
+                    "backend", "sparse_indices_are_storage_offsets", "multi_ctas_kv_counter_buffer")
+
+
+def _dist_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cubin_reason(version: str | None) -> str | None:
+    """TRTLLM-gen cubins come from FLASHINFER_CUBIN_DIR or a flashinfer-cubin of the SAME version;
+    otherwise FlashInfer downloads them at first use (vendor-apis §2.3)."""
+    cubin_dir = os.environ.get("FLASHINFER_CUBIN_DIR")
+    if cubin_dir and os.path.isdir(cubin_dir) and os.listdir(cubin_dir):
+        return None
+    cubin = _dist_version("flashinfer-cubin")
+    if cubin is not None and cubin == version:
+        return None
+    return (f"TRTLLM-gen cubins missing: flashinfer-cubin {cubin or 'not installed'} does not match "
+            f"flashinfer-python {version} and FLASHINFER_CUBIN_DIR is unset or empty (FlashInfer would download "
+            "them at first use)")
+
+
+def _jit_reason() -> str | None:
+    """The launcher is JIT-compiled unless flashinfer-jit-cache ships it: nvcc is needed."""
+    if _dist_version("flashinfer-jit-cache") is not None or shutil.which("nvcc"):
+        return None
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and os.path.isfile(os.path.join(cuda_home, "bin", "nvcc")):
+        return None
+    return "no nvcc (PATH / CUDA_HOME) and no flashinfer-jit-cache: FlashInfer cannot build its TRTLLM-gen launcher"
+
+
+@functools.lru_cache(maxsize=1)
+def load_flashinfer() -> tuple[Callable | None, str | None, tuple[str, ...]]:
+    """(kernel function, flashinfer version, reasons it cannot be used). Imports flashinfer; call
+    only on an SM100 machine. Never raises."""
+    try:
+        found = importlib.util.find_spec("flashinfer") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return None, None, ("flashinfer (flashinfer-python) is not installed",)
+    version = _dist_version("flashinfer-python")
+    fn, errors = None, []
+    for module in _MODULES:
+        try:
+            fn = getattr(importlib.import_module(module), _FUNCTION)
+            break
+        except Exception as exc:
+            errors.append(f"{module}.{_FUNCTION}: {type(exc).__name__}: {exc}")
+    if fn is None:
+        return None, version, (f"flashinfer {version} has no usable {_FUNCTION} ({'; '.join(errors)})",)
+    missing = [p for p in _REQUIRED_PARAMS if p not in inspect.signature(fn).parameters]
+    reasons = [f"flashinfer {version} {_FUNCTION} lacks parameters {missing} (written against 0.7.2.post1)"] \
+        if missing else []
+    reasons += [r for r in (_cubin_reason(version), _jit_reason()) if r]
+    return (fn if not reasons else None), version, tuple(reasons)
+
+
+def padded_heads(num_heads: int) -> int:
+    """The TRTLLM-gen DSv4 cubins serve 64 and 128 query heads."""
+    return 64 if num_heads <= 64 else 128
+
+
+def _pool(cache: torch.Tensor, fmt: KVFormat, dialect: Fp8Dialect, name: str) -> tuple[torch.Tensor, CacheGeometry]:
+    """The plain-row cache as the kernel takes it (HND 3-D ``[pages, page, 512]``, token stride 512,
+    page stride from the geometry) and its geometry. Host-only checks, no copy (FNUZ caches are
+    refused at backend selection)."""
+    geo = check_cache(cache, fmt, name, dialect)
+    if geo.block_stride % HEAD_DIM:
+        raise ValueError(f"{name}: got block stride {geo.block_stride} elements; allowed: a multiple of "
+                         f"{HEAD_DIM} (the token stride)")
+    if cache.data_ptr() % 16:
+        raise ValueError(f"{name}: got base address {cache.data_ptr():#x}; allowed: 16-byte aligned (TMA)")
+    if geo.num_blocks * (geo.block_stride // HEAD_DIM) > 2**31:
+        raise ValueError(f"{name}: got {geo.num_blocks} blocks of {geo.block_stride // HEAD_DIM} token slots; "
+                         "allowed: storage offsets below 2**31 (the kernel's int32 token coordinates)")
+    view = cache.as_strided((geo.num_blocks, geo.block_size, HEAD_DIM), (geo.block_stride, HEAD_DIM, 1))
+    return view, geo
+
+
+def storage_offsets(rows: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
+    """Global slots ``block * bs + offset`` -> storage offsets ``block * span + offset`` with
+    ``span = block_stride // 512`` (int32, -1 kept; the same tensor when span == bs)."""
+    span = geo.block_stride // HEAD_DIM
+    if span == geo.block_size:
+        return rows
+    r = rows.long()
+    offsets = torch.div(r, geo.block_size, rounding_mode="floor") * span + r.remainder(geo.block_size)
+    return torch.where(rows < 0, torch.full_like(offsets, -1), offsets).to(torch.int32)
+
+
+class FlashInferTRTLLMBackend(Backend):
+    name = "flashinfer-trtllm"
+    splits_phases = True  # decode and prefill tokens are separate launches
+    capabilities = Capabilities(
+        platforms="NVIDIA SM100 family (TRTLLM-gen)",
+        formats=(KVFormat.BF16, KVFormat.FP8_TENSOR),
+        heads="1-128 (padded to 64/128)",
+        validated="contract tests only (no SM100 GPU here)",
+        notes="needs flashinfer-python with matching cubins; window 128 only",
+    )
+
+    def __init__(self) -> None:
+        self._workspaces: dict[tuple, torch.Tensor] = {}
+
+    # ---- capability ---------------------------------------------------------------------------
+    def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
+                            phase: Phase) -> list[str]:
+        reasons = []
+        if fmt is KVFormat.MODEL1_FP8:
+            reasons.append("reads plain 512-wide rows (bfloat16, fp8_e4m3), not the fp8_ds_mla cache (use flashmla)")
+        if spec.window != SWA_WIDTH:
+            reasons.append(f"the kernel hard-codes a {SWA_WIDTH}-token sliding window; the model has {spec.window}")
+        cap = platform.capability
+        if platform.vendor != "cuda" or cap is None or cap[0] != 10:
+            lib = platform.library("flashinfer")
+            have = f"flashinfer {lib.version} installed" if lib.found else "flashinfer not installed"
+            reasons.append(f"needs an NVIDIA SM100-family GPU (TRTLLM-gen has no SM90 path); this is "
+                           f"{platform.vendor}/{platform.arch} ({have})")
+            return reasons
+        reasons.extend(load_flashinfer()[2])
+        return reasons
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
+        T, nd = plan.num_tokens, plan.num_decode_tokens
+        if T == 0:
+            return
+        if 0 < nd < T:  # a mixed plan handed over directly: decode and prefill launched separately
+            for phase, a, b in ((Phase.DECODE, 0, nd), (Phase.PREFILL, nd, T)):
+                self.forward(plan.phase_plan(phase), layer.token_slice(a, b), out[a:b])
+            return
+        fn, _, reasons = load_flashinfer()
+        if fn is None:
+            raise RuntimeError("flashinfer-trtllm cannot run: " + "; ".join(reasons))
+        phase = Phase.DECODE if nd else Phase.PREFILL
+        swa_pool, swa_geo = _pool(layer.swa_cache, layer.fmt, layer.swa_dialect, "swa_cache")
+        if layer.kind.has_comp_scope:
+            comp_pool, comp_geo = _pool(layer.comp_cache, layer.fmt, layer.comp_dialect, "comp_cache")
+        else:  # the kernel requires a compressed pool; SWA-only rows never index it
+            comp_pool, comp_geo = swa_pool, swa_geo
+        indices, lens = self._rows(plan, layer, swa_geo, comp_geo)
+        q, kout, sink, staging = self._stage(plan, layer, out)
+        kv_scale = float(layer.kv_scale) if layer.fmt is KVFormat.FP8_TENSOR else 1.0
+        fn(
+            query=q[:, None],
+            swa_kv_cache=swa_pool,
+            workspace_buffer=self._workspace(q.device, phase),
+            sparse_indices=indices,
+            compressed_kv_cache=comp_pool,
+            sparse_topk_lens=lens,
+            seq_lens=plan.cached(("flashinfer", "seq_lens"), lambda: (plan.positions + 1).to(torch.int32)),
+            out=kout[:, None],
+            bmm1_scale=float(layer.softmax_scale * Q_SCALE * kv_scale),
+            bmm2_scale=kv_scale,
+            sinks=sink,
+            kv_layout="HND",
+            backend="trtllm-gen",
+            sparse_indices_are_storage_offsets=True,
+            multi_ctas_kv_counter_buffer=plan.cached(("flashinfer", "counters", q.shape[1]),
+                                                     lambda: _counters(T, q.shape[1], q.device)),
+        )
+        if staging is not None:
+            out.copy_(staging[1][:, : out.shape[1]])
+
+    @staticmethod
+    def _rows(plan: StepPlan, layer: LayerInputs, swa_geo: CacheGeometry, comp_geo: CacheGeometry):
+        """Merged storage-offset rows int32 [T, 128 + round_up(K, 4)] and lens int32 [T] (128 + K_t)."""
+
+        def build():
+            comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.c4a_topk)
+            comp = None if comp_rows is None else storage_offsets(comp_rows, comp_geo)
+            return merged_rows(storage_offsets(plan.swa_rows, swa_geo), plan.swa_lens, comp, comp_lens)
+
+        if layer.kind is LayerKind.C4A:  # the indexer's top-k differs per layer
+            return build()
+        spans = (swa_geo.block_size, swa_geo.block_stride, comp_geo.block_size, comp_geo.block_stride)
+        return plan.cached(("flashinfer", "rows", layer.kind, spans), build)
+
+    @staticmethod
+    def _stage(plan: StepPlan, layer: LayerInputs, out: torch.Tensor):
+        """(q, out, sink, staging): q in the cache's dtype with 64/128 contiguous heads (fp8: cast
+        unscaled, q_scale 1.0), sink -inf on padded heads. No copy when bf16 fits already."""
+        q, sink = layer.q, layer.sink
+        T, H, _ = q.shape
+        hp = padded_heads(H)
+        fp8 = layer.fmt is KVFormat.FP8_TENSOR
+        if not fp8 and H == hp and q.is_contiguous() and (sink is None or sink.is_contiguous()):
+            return q, out, sink, None
+        dtype = layer.swa_cache.dtype if fp8 else torch.bfloat16
+
+        def allocate():
+            return (torch.zeros(T, hp, HEAD_DIM, dtype=dtype, device=q.device),
+                    torch.empty(T, hp, HEAD_DIM, dtype=torch.bfloat16, device=q.device),
+                    torch.full((hp,), float("-inf"), dtype=torch.float32, device=q.device))
+
+        sq, sout, ssink = plan.cached(("flashinfer", "heads", hp, dtype), allocate)
+        sq[:, :H].copy_(q)  # to e4m3: torch saturates at ±448
+        if sink is not None:
+            ssink[:H].copy_(sink)
+        return sq, sout, (None if sink is None else ssink), (sq, sout)
+
+    def _workspace(self, device: torch.device, phase: Phase) -> torch.Tensor:
+        """One zeroed 128 MiB split-K workspace per device and phase, allocated on first use
+        (make that first call outside a CUDA-graph capture)."""
+        key = (device, phase)
+        if key not in self._workspaces:
+            self._workspaces[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspaces[key]
+
+
+def _counters(batch: int, heads: int, device: torch.device) -> torch.Tensor:
+    """Caller-owned zeroed multi-CTA KV counters (the kernel resets them after use):
+    ``round_up(max(batch * heads, sm_count), 8) * 4`` bytes (flashinfer.utils)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return torch.zeros(round_up(max(batch * heads, sms), 8) * 4, dtype=torch.uint8, device=device)

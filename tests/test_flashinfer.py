@@ -1,0 +1,283 @@
+"""Backend `flashinfer-trtllm`: CONTRACT TESTS ONLY (no SM100 GPU here).
+
+A stand-in for ``flashinfer.decode.trtllm_batch_decode_sparse_mla_dsv4`` checks every argument
+the adapter passes against the documented contract (vendor-apis §2.1-2.2: shapes, dtypes, strides,
+16-byte alignment, the 128-column SWA region, storage-offset indices, lengths, Python-float scales,
+caller-owned counters) and computes the documented math (SWA window from ``seq_lens``, -1 skipped,
+sink in the denominator), so the whole adapter path runs on CPU and is compared with the float64
+reference. The merged-row layout is also checked by running the reference on the merged rows.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+import dsv4_attn as dsv4
+from dsv4_attn.api import SparseMLA
+from dsv4_attn.common import reference
+from dsv4_attn.common.layout import KVFormat
+from dsv4_attn.common.platform import LibraryInfo, Platform
+from dsv4_attn.common.spec import LayerKind, ModelSpec, round_up
+from dsv4_attn.cuda import flashinfer as fi
+
+from conftest import compare
+from nvidia_cases import assert_close, make_case, run_layer
+
+SM100 = Platform("cuda", "sm100", "fake B200", "2.x")
+
+
+def _need(cond, what):
+    if not cond:
+        raise AssertionError(f"trtllm_batch_decode_sparse_mla_dsv4 contract violated: {what}")
+
+
+def _pool_rows(pool, offsets, name):
+    """Rows float64 [n, k, 512] at storage offsets of a 3-D HND pool; -1 -> 0."""
+    pages, page, d = pool.shape
+    _need(pool.dim() == 3 and d == 512, f"{name} shape {tuple(pool.shape)}")
+    _need(pool.stride(2) == 1 and (page == 1 or pool.stride(1) == 512), f"{name} token stride must be 512")
+    _need(pool.stride(0) % 512 == 0, f"{name} page stride {pool.stride(0)} not a multiple of the token stride")
+    _need(pool.data_ptr() % 16 == 0, f"{name} base not 16-byte aligned")
+    span = pool.stride(0) // 512
+    valid = offsets >= 0
+    o = offsets.long().clamp(min=0)
+    _need(bool(((o // span < pages) & (o % span < page) | ~valid).all()),
+          f"{name}: an index is not a storage offset of a token of the pool")
+    flat = pool.as_strided((pages * span, 512), (512, 1))
+    return flat[o].double() * valid[..., None], valid
+
+
+class FakeFlashInfer:
+    """``trtllm_batch_decode_sparse_mla_dsv4`` of flashinfer-python 0.7.2.post1, as a CPU double."""
+
+    def __init__(self):
+        self.calls = []
+
+    def trtllm_batch_decode_sparse_mla_dsv4(
+        self, query, swa_kv_cache, workspace_buffer, sparse_indices=None, compressed_kv_cache=None,
+        sparse_topk_lens=None, seq_lens=None, out=None, bmm1_scale=1.0, bmm2_scale=1.0, sinks=None,
+        kv_layout="HND", cum_seq_lens_q=None, max_q_len=None, enable_pdl=None, swa_topk_lens=None,
+        extra_sparse_indices=None, extra_sparse_topk_lens=None, backend="auto",
+        remapped_sparse_indices_buffer=None, sparse_indices_are_storage_offsets=None,
+        dsv4_inv_rope_cos_sin_cache=None, dsv4_output_scale=None, sparse_topk_lens_offset=0,
+        multi_ctas_kv_counter_buffer=None, *, kv_cache_format="fp8",
+    ):
+        _need(backend == "trtllm-gen" and kv_layout == "HND" and kv_cache_format == "fp8", "backend / layout")
+        _need(cum_seq_lens_q is None and max_q_len is None, "dense query form (no varlen host max_q_len)")
+        _need(swa_topk_lens is None and extra_sparse_indices is None and extra_sparse_topk_lens is None,
+              "SM120-only arguments")
+        _need(sparse_indices_are_storage_offsets is True, "indices into strided pools must be storage offsets")
+        B, Q, H, D = query.shape
+        _need(query.dtype in (torch.bfloat16, torch.float8_e4m3fn) and D == 512, "query bf16/e4m3 [B, Q, H, 512]")
+        _need(H in (64, 128), f"h_q {H} not padded to 64/128")
+        _need(query.is_contiguous(), "query contiguous")
+        for name, pool in (("swa_kv_cache", swa_kv_cache), ("compressed_kv_cache", compressed_kv_cache)):
+            _need(pool is not None and pool.dtype == query.dtype, f"{name} dtype must match query")
+        _need(workspace_buffer.dtype == torch.uint8 and workspace_buffer.dim() == 1
+              and workspace_buffer.numel() >= 128 << 20, "workspace uint8 >= 128 MiB")
+        N = sparse_indices.shape[-1]
+        _need(sparse_indices.dtype == torch.int32 and sparse_indices.shape == (B * Q, N)
+              and sparse_indices.is_contiguous(), f"sparse_indices int32 [{B * Q}, N] contiguous")
+        _need(N >= 128 and N % 4 == 0, f"sparse_indices width {N}: >= 128 and a multiple of 4")
+        _need(sparse_topk_lens.dtype == torch.int32 and sparse_topk_lens.shape == (B * Q,)
+              and sparse_topk_lens.is_contiguous(), "sparse_topk_lens int32 [sum_q]")
+        _need(bool(((sparse_topk_lens >= 128) & (sparse_topk_lens <= N)).all()), "sparse_topk_lens in [128, N]")
+        _need(seq_lens.dtype == torch.int32 and seq_lens.shape == (B,) and bool((seq_lens >= Q).all()),
+              "seq_lens int32 [B] >= q_len")
+        _need(out.dtype == torch.bfloat16 and out.shape == (B, Q, H, 512) and out.is_contiguous(), "out")
+        _need(type(bmm1_scale) is float and type(bmm2_scale) is float, "scales as Python floats (scalar path)")
+        _need(sinks is None or (sinks.dtype == torch.float32 and sinks.shape == (H,) and sinks.is_contiguous()),
+              "sinks f32 [H]")
+        c = multi_ctas_kv_counter_buffer
+        _need(c is not None and c.dtype == torch.uint8 and c.numel() >= round_up(max(B * H, 1), 8) * 4
+              and not bool(c.any()), "caller-owned zeroed counters")
+        self.calls.append(dict(B=B, H=H, indices=sparse_indices, workspace=workspace_buffer, query=query.clone(),
+                               bmm1=bmm1_scale, bmm2=bmm2_scale))
+        # the documented math
+        idx = sparse_indices.view(B, Q, N)
+        q_off = torch.arange(Q)[None, :]
+        swa_len = (seq_lens[:, None].long() - (Q - 1 - q_off)).clamp(0, 128)  # [B, Q]
+        col = torch.arange(N)
+        live = torch.where(col < 128, col < swa_len[..., None], col < sparse_topk_lens.view(B, Q, 1).long())
+        ks, vs = _pool_rows(swa_kv_cache, torch.where(live[..., :128], idx[..., :128], -1), "swa_kv_cache")
+        kc, vc = _pool_rows(compressed_kv_cache, torch.where(live[..., 128:], idx[..., 128:], -1),
+                            "compressed_kv_cache")
+        keys, valid = torch.cat([ks, kc], -2).flatten(0, 1), torch.cat([vs, vc], -1).flatten(0, 1)
+        s = bmm1_scale * torch.einsum("nhd,nkd->nhk", query.flatten(0, 1).double(), keys)
+        s = s.masked_fill(~valid[:, None, :], -math.inf)
+        m = s.amax(-1, keepdim=True)
+        if sinks is not None:
+            m = torch.maximum(m, sinks.double()[None, :, None])
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(s - m)
+        den = p.sum(-1, keepdim=True) + (0 if sinks is None else torch.exp(sinks.double()[None, :, None] - m))
+        o = torch.einsum("nhk,nkd->nhd", p, keys) * bmm2_scale
+        o = torch.where((den > 0) & torch.isfinite(den), o / den.clamp(min=1e-300), torch.zeros_like(o))
+        out.copy_(o.view(B, Q, H, 512).to(out.dtype))
+        return out
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    fake = FakeFlashInfer()
+    monkeypatch.setattr(fi, "load_flashinfer", lambda: (fake.trtllm_batch_decode_sparse_mla_dsv4, "0.7.2.post1", ()))
+    monkeypatch.setattr("dsv4_attn.api.platform_for_device", lambda device: SM100)
+    return fake
+
+
+def _mla(case):
+    return SparseMLA(case.spec, case.fmt, backend="flashinfer-trtllm")
+
+
+@pytest.mark.parametrize("fmt, kv_scale", [("bfloat16", None), ("fp8_e4m3", 0.25)])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_every_kind_matches_reference(fake_flashinfer, gen, fmt, kv_scale, heads):
+    # decodes (pos < W, pos + 1 < 4), an MTP pair, prefill crossing the window, padding tokens,
+    # strided pools (storage offsets != slots) and a C4A row that is all -1
+    case = make_case(gen, [1, 1, 2, 7, 3], [1, 300, 131, 140, 9], heads=heads, topk=62, fmt=fmt,
+                     num_decode_tokens=4, pad_tokens=2, swa_block_stride=64 * 512 * 2,
+                     comp_block_stride=64 * 512 + 512, empty_topk_tokens=(1,), kv_scale=kv_scale)
+    case.sink[0], case.sink[1] = math.inf, -math.inf
+    mla = _mla(case)
+    plan = mla.plan(case.batch, validate=True)
+    q_seen = case.q if fmt == "bfloat16" else case.q.to(torch.float8_e4m3fn).to(torch.bfloat16)
+    for kind in LayerKind:
+        # fp8: the kernel sees q cast to e4m3 (as in vLLM), so the tight check uses that q...
+        m = run_layer(mla, plan, case, kind, q=case.q)
+        ref, _ = reference.sparse_mla(q_seen, case.caches["swa"], plan.swa_rows, plan.swa_lens,
+                                      case.caches.get(kind) if kind.has_comp_scope else None,
+                                      *plan.comp_scope(kind, case.topk if kind is LayerKind.C4A else None),
+                                      case.sink, case.spec.scale, fmt, kv_scale=case.kv_scale)
+        assert_close(dict(compare(m["out"], ref), written=m["written"]))
+        # ... and against the bf16-q reference the quantization of q costs a few percent at most
+        assert_close(m, rel=6e-2, cos=0.998, max_abs=0.5)
+        assert m["out"][:, 0].abs().max() == 0 and m["out"][-2:].abs().max() == 0
+    calls = fake_flashinfer.calls
+    assert {c["H"] for c in calls} == {fi.padded_heads(heads)}
+    scale_kv = 1.0 if kv_scale is None else kv_scale
+    assert all(c["bmm1"] == case.spec.scale * fi.Q_SCALE * scale_kv and c["bmm2"] == scale_kv for c in calls)
+
+
+def test_decode_and_prefill_launched_separately_with_own_workspaces(fake_flashinfer, gen):
+    case = make_case(gen, [1, 2, 5], [40, 80, 200], heads=64, fmt="bfloat16", num_decode_tokens=3)
+    mla = _mla(case)
+    plan = mla.plan(case.batch)
+    assert_close(run_layer(mla, plan, case, LayerKind.C4A))
+    decode, prefill = fake_flashinfer.calls
+    assert (decode["B"], prefill["B"]) == (3, 5)
+    assert decode["workspace"].data_ptr() != prefill["workspace"].data_ptr()
+
+
+def test_c128a_and_swa_rows_built_once_per_step_c4a_per_layer(fake_flashinfer, gen):
+    case = make_case(gen, [1, 1, 1], [300, 700, 1000], heads=64, fmt="bfloat16")
+    mla = _mla(case)
+    plan = mla.plan(case.batch)
+    kinds = [LayerKind.C128A, LayerKind.C4A, LayerKind.SWA] * 2
+    for kind in kinds:
+        assert_close(run_layer(mla, plan, case, kind))
+    ptr = {}
+    for kind, call in zip(kinds, fake_flashinfer.calls):
+        ptr.setdefault(kind, []).append(call["indices"].data_ptr())
+    assert ptr[LayerKind.C128A][0] == ptr[LayerKind.C128A][1]
+    assert ptr[LayerKind.SWA][0] == ptr[LayerKind.SWA][1]
+    assert len({id(c["indices"]) for k, c in zip(kinds, fake_flashinfer.calls) if k is LayerKind.C4A}) == 2
+
+
+@pytest.mark.parametrize("kind", [LayerKind.C4A, LayerKind.C128A])
+def test_merged_rows_give_the_reference_result(gen, kind):
+    """Run the float64 reference on the merged rows the kernel gets (plain pools: storage offsets
+    == slots): SWA columns [0, 128) with the seq_lens window rule, compressed columns after."""
+    case = make_case(gen, [1, 4, 1], [3, 150, 900], heads=8, topk=61, fmt="bfloat16")
+    mla = SparseMLA(case.spec, case.fmt, backend="torch")
+    plan = mla.plan(case.batch)
+    layer = dsv4.LayerInputs(kind, case.q, case.caches["swa"], case.caches[kind],
+                             case.topk if kind is LayerKind.C4A else None, case.sink, KVFormat.BF16, case.spec.scale)
+    swa_geo = fi._pool(case.caches["swa"], KVFormat.BF16, layer.swa_dialect, "swa")[1]
+    comp_geo = fi._pool(case.caches[kind], KVFormat.BF16, layer.comp_dialect, "comp")[1]
+    rows, lens = fi.FlashInferTRTLLMBackend._rows(plan, layer, swa_geo, comp_geo)
+    assert rows.shape[1] == 128 + round_up(plan.comp_scope(kind, layer.c4a_topk)[0].shape[1], 4)
+    swa_len = (plan.positions + 1).clamp(max=128)  # the kernel's window rule with seq_lens = pos + 1
+    got, _ = reference.sparse_mla(case.q, case.caches["swa"], rows[:, :128], swa_len, case.caches[kind],
+                                  rows[:, 128:], lens - 128, case.sink, case.spec.scale, "bfloat16")
+    want, _ = reference.sparse_mla(case.q, case.caches["swa"], plan.swa_rows, plan.swa_lens, case.caches[kind],
+                                   *plan.comp_scope(kind, layer.c4a_topk), case.sink, case.spec.scale, "bfloat16")
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)  # same keys; padding may reorder sums
+
+
+def test_storage_offsets_of_strided_pools():
+    from dsv4_attn.common.layout import CacheGeometry
+
+    geo = CacheGeometry(num_blocks=4, block_size=3, block_stride=5 * 512)  # 2 foreign token slots per page
+    rows = torch.tensor([[0, 2, 3, 11, -1]], dtype=torch.int32)
+    assert fi.storage_offsets(rows, geo).tolist() == [[0, 2, 5, 17, -1]]
+    plain = CacheGeometry(4, 3, 3 * 512)
+    assert fi.storage_offsets(rows, plain) is rows
+
+
+def test_unsupported_reasons(monkeypatch):
+    b = fi.FlashInferTRTLLMBackend()
+    spec = ModelSpec(num_heads=64)
+    sm90 = Platform("cuda", "sm90", "H100", "2.x", libraries={"flashinfer": LibraryInfo("flashinfer", False)})
+    r = b.unsupported_reasons(sm90, spec, KVFormat.BF16, LayerKind.C4A, dsv4.Phase.DECODE)
+    assert r == ["needs an NVIDIA SM100-family GPU (TRTLLM-gen has no SM90 path); this is cuda/sm90 "
+                 "(flashinfer not installed)"]
+    r = b.unsupported_reasons(SM100, ModelSpec(num_heads=64, window=64), KVFormat.MODEL1_FP8, LayerKind.SWA,
+                              dsv4.Phase.PREFILL)
+    assert any("fp8_ds_mla" in x for x in r) and any("128-token sliding window" in x for x in r)
+    missing = (None, None, ("flashinfer (flashinfer-python) is not installed",))
+    monkeypatch.setattr(fi, "load_flashinfer", lambda: missing)
+    assert b.unsupported_reasons(SM100, spec, KVFormat.FP8_TENSOR, LayerKind.C128A, dsv4.Phase.DECODE) == [
+        "flashinfer (flashinfer-python) is not installed"]
+
+
+def _install_fake_flashinfer(monkeypatch, fn):
+    top, dec = types.ModuleType("flashinfer"), types.ModuleType("flashinfer.decode")
+    top.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)
+    dec.trtllm_batch_decode_sparse_mla_dsv4 = fn
+    monkeypatch.setitem(sys.modules, "flashinfer", top)
+    monkeypatch.setitem(sys.modules, "flashinfer.decode", dec)
+
+
+def test_loader_refuses_missing_cubins_jit_and_old_signature(monkeypatch, tmp_path):
+    _install_fake_flashinfer(monkeypatch, FakeFlashInfer().trtllm_batch_decode_sparse_mla_dsv4)
+    monkeypatch.delenv("FLASHINFER_CUBIN_DIR", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    fi.load_flashinfer.cache_clear()
+    try:
+        fn, _, reasons = fi.load_flashinfer()
+        assert fn is None
+        assert any("cubins missing" in r for r in reasons) and any("no nvcc" in r for r in reasons)
+        (tmp_path / "cubins").mkdir()
+        (tmp_path / "cubins" / "checksums.txt").write_text("x")
+        (tmp_path / "bin").mkdir()
+        (tmp_path / "bin" / "nvcc").write_text("")
+        monkeypatch.setenv("FLASHINFER_CUBIN_DIR", str(tmp_path / "cubins"))
+        fi.load_flashinfer.cache_clear()
+        fn, _, reasons = fi.load_flashinfer()
+        assert fn is not None and reasons == ()
+
+        def old(query, swa_kv_cache, workspace_buffer, sparse_indices, compressed_kv_cache, sparse_topk_lens,
+                seq_lens, out=None, bmm1_scale=1.0, bmm2_scale=1.0, sinks=None, kv_layout="HND"):
+            pass
+
+        _install_fake_flashinfer(monkeypatch, old)
+        fi.load_flashinfer.cache_clear()
+        fn, _, reasons = fi.load_flashinfer()
+        assert fn is None and "lacks parameters" in reasons[0] and "sparse_indices_are_storage_offsets" in reasons[0]
+    finally:
+        fi.load_flashinfer.cache_clear()
+
+
+def test_bad_cache_layout_is_a_value_error(fake_flashinfer, gen):
+    case = make_case(gen, [1], [50], heads=64, fmt="bfloat16", swa_block_stride=64 * 512 + 8)
+    mla = _mla(case)
+    plan = mla.plan(case.batch)
+    with pytest.raises(ValueError, match="swa_cache: got block stride 32776 elements; allowed: a multiple of 512"):
+        mla.forward(plan, "swa", case.q, case.caches["swa"])
