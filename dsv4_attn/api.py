@@ -14,7 +14,9 @@ front end then splits the token range.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import torch
 
@@ -22,7 +24,7 @@ from .common import backend as backend_mod
 from .common.backend import Backend, LayerInputs, Phase
 from .common.batch import StepBatch
 from .common.layout import Fp8Dialect, KVFormat, check_cache
-from .common.plan import PlanBuffers, StepPlan, build_plan
+from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan
 from .common.platform import Platform, platform_for_device
 from .common.spec import HEAD_DIM, MAX_HEADS, LayerKind, ModelSpec
 
@@ -36,6 +38,9 @@ class SparseMLA:
     device      where plan buffers live (default: the first batch's device)
     max_tokens  most tokens in one step (plan buffers are sized for it)
     swa_dialect / comp_dialect   FP8 dialect of each cache ("ocp", or "fnuz" for gfx942's SWA cache)
+    front_end   who builds the index rows: "auto" (Triton on GPUs when Triton is importable, one
+                launch per step; torch otherwise), "torch", or "triton" (a GPU, or the CPU under
+                TRITON_INTERPRET=1). Both give the same rows; see ``common.plan.FrontEnd``.
     """
 
     def __init__(
@@ -48,6 +53,7 @@ class SparseMLA:
         max_reqs: int = 1024,
         swa_dialect: Fp8Dialect | str = Fp8Dialect.OCP,
         comp_dialect: Fp8Dialect | str = Fp8Dialect.OCP,
+        front_end: str = "auto",
     ) -> None:
         if not isinstance(spec, ModelSpec):
             raise ValueError(f"spec: got {type(spec).__name__}; allowed: a ModelSpec")
@@ -64,8 +70,13 @@ class SparseMLA:
         self.comp_dialect = Fp8Dialect.parse(comp_dialect)
         self.max_tokens = max_tokens
         self.max_reqs = max_reqs
+        if front_end not in _FRONT_ENDS:
+            raise ValueError(f"front_end: got {front_end!r}; allowed: one of {_FRONT_ENDS}")
+        self._front_end_choice = front_end
         self._explicit = backend
         self._device = torch.device(device) if device is not None else None
+        self._front_end: FrontEnd | None = (_make_front_end(front_end, self._device)
+                                            if self._device is not None else None)
         self._buffers: PlanBuffers | None = None
         self._generation = 0
         self._selected: dict[tuple, str] = {}
@@ -97,9 +108,10 @@ class SparseMLA:
         """Table: per backend, kind and phase: chosen / ok / refused, with the reasons."""
         plat = self.platform
         requested, source = backend_mod.requested_backend(self._explicit)
+        front = self._front_end.name if self._front_end else f"{self._front_end_choice} (chosen at the first plan)"
         lines = [
             f"dsv4_attn on {plat.vendor}/{plat.arch} ({plat.device_name}), format {self.fmt.value}, "
-            f"{self.spec.num_heads} heads, requested backend: {requested} ({source})",
+            f"{self.spec.num_heads} heads, requested backend: {requested} ({source}), index front end: {front}",
             f"{'backend':<18} {'kind':<6} {'phase':<8} {'status':<8} reasons",
         ]
         for name in backend_mod.backend_names():
@@ -134,8 +146,9 @@ class SparseMLA:
         if self._buffers is None:
             self._device = self._device or batch.device
             self._buffers = PlanBuffers.allocate(self.spec, self.max_tokens, self._device)
+            self._front_end = self._front_end or _make_front_end(self._front_end_choice, self._device)
         self._generation += 1
-        return build_plan(self.spec, batch, self._buffers, self, self._generation)
+        return build_plan(self.spec, batch, self._buffers, self, self._generation, self._front_end)
 
     def forward(
         self,
@@ -265,6 +278,27 @@ class SparseMLA:
                     f"{name}: too small for this step: a row holds slot {int(rows.max())}; allowed: slots < "
                     f"num_blocks * block_size = {num_slots} (block table and cache disagree)"
                 )
+
+
+_FRONT_ENDS = ("auto", "torch", "triton")
+
+
+def _make_front_end(choice: str, device: torch.device) -> FrontEnd:
+    """The index front end for ``device``: Triton on GPUs (CUDA and ROCm builds of torch both
+    report device type "cuda") when it is importable, else torch; "triton" forced where it
+    cannot run raises."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    has_triton = importlib.util.find_spec("triton") is not None
+    triton_runs = has_triton and (device.type == "cuda" or interpreting)
+    if choice == "triton" and not triton_runs:
+        why = "triton is not importable" if not has_triton else f"device {device} is not a GPU"
+        raise ValueError(f"front_end: got 'triton', but {why}; allowed: 'torch' or 'auto' here "
+                         "(or TRITON_INTERPRET=1 to run the kernels on the CPU)")
+    if choice == "torch" or (choice == "auto" and not (has_triton and device.type == "cuda")):
+        return TorchFrontEnd()
+    from .portable.kernels.indices import TritonFrontEnd
+
+    return TritonFrontEnd()
 
 
 def backend_names() -> list[str]:

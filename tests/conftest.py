@@ -5,15 +5,22 @@
   inputs are reproducible and independent of which other tests ran).
 - ``e4m3_value(byte, dialect)``: an fp8 e4m3 byte's value decoded from the bit fields by hand
   (independent of torch's float8 dtypes, for byte-level and dequantization checks).
+
+Without a GPU, Triton kernels run under its CPU interpreter: ``TRITON_INTERPRET=1`` is set here,
+before any test module defines a kernel (the interpreter is chosen per process).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import zlib
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:

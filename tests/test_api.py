@@ -196,3 +196,84 @@ def test_constructor_and_plan_reject_bad_arguments():
         dsv4.ModelSpec(num_heads=129)
     with pytest.raises(ValueError, match="batch: got dict"):
         dsv4.SparseMLA(spec, "bf16").plan({})
+
+
+# ---- index front ends -------------------------------------------------------------------------
+
+HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
+FRONT_END_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _plan_fields(plan, topk):
+    rows, lens = plan.comp_scope(LayerKind.C4A, topk)
+    return {"positions": plan.positions, "token_to_req": plan.token_to_req, "token_valid": plan.token_valid,
+            "swa_rows": plan.swa_rows, "swa_lens": plan.swa_lens, "c128a_rows": plan.c128a_rows,
+            "c128a_lens": plan.c128a_lens, "c4a_rows": rows, "c4a_lens": lens}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("swa_bs, block_size", [(1, 256), (2, 128), (64, 512)])
+def test_triton_front_end_builds_the_torch_rows(swa_bs, block_size, gen):
+    """Same rows, lens and per-token facts from both front ends (on CPU through the interpreter):
+    odd block sizes, pos < W, no compressed entry yet, garbage top-k lanes, padding tokens."""
+    spec, batch, caches, topk, q, sink = _case(gen, [1, 2, 5, 1, 3], [300, 131, 70, 3, 2100], swa_bs=swa_bs,
+                                               block_size=block_size)
+    dev = FRONT_END_DEVICE
+    padded = dsv4.StepBatch(batch.query_start_loc.to(dev), batch.seq_lens.to(dev), batch.num_decode_tokens,
+                            batch.swa_block_table.to(dev), swa_bs,
+                            {r: t.to(dev) for r, t in batch.comp_block_tables.items()}, block_size,
+                            batch.max_model_len, num_tokens=batch.num_tokens + 2)
+    topk = torch.cat([topk, torch.randint(-3, 99, (2, topk.shape[1]), generator=gen).int()]).to(dev)
+    got = {}
+    for front_end in ("torch", "triton"):
+        mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch", device=dev, front_end=front_end, max_tokens=32)
+        plan = mla.plan(padded)
+        assert plan.front_end.name == front_end and f"index front end: {front_end}" in mla.explain()
+        got[front_end] = _plan_fields(plan, topk)
+    for name, want in got["torch"].items():
+        assert torch.equal(got["triton"][name], want), name
+    assert got["triton"]["c4a_lens"][-2:].tolist() == [0, 0] and (got["triton"]["c4a_rows"][-2:] == -1).all()
+
+
+def test_front_end_choice_is_checked(monkeypatch):
+    spec = dsv4.ModelSpec(num_heads=8)
+    with pytest.raises(ValueError, match="front_end: got 'cuda'; allowed: one of"):
+        dsv4.SparseMLA(spec, "bf16", front_end="cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="front_end: got 'triton', but (device cpu is not a GPU|triton is not imp)"):
+        dsv4.SparseMLA(spec, "bf16", device="cpu", front_end="triton")
+    assert dsv4.SparseMLA(spec, "bf16", device="cpu")._front_end.name == "torch"  # auto on CPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA GPU and Triton")
+def test_plan_and_c4a_rows_replay_in_a_cuda_graph():
+    """Capture plan() + the C4A translation on a short step, replay after writing a long step's
+    lengths and top-k into the same tensors: the rows equal a fresh torch-front-end plan."""
+    gen = torch.Generator().manual_seed(11)
+    spec, batch, _, topk, _, _ = _case(gen, [1, 1, 1, 1], [33000, 700, 131, 4000])
+    tables = {r: t.cuda() for r, t in batch.comp_block_tables.items()}
+    gpu_batch = dsv4.StepBatch(batch.query_start_loc.cuda(), torch.tensor([5, 9, 130, 40], dtype=torch.int32,
+                               device="cuda"), batch.num_decode_tokens, batch.swa_block_table.cuda(),
+                               batch.swa_block_size, tables, batch.block_size, batch.max_model_len,
+                               num_tokens=batch.num_tokens)
+    gpu_topk = torch.randint(-3, 3, topk.shape, generator=gen).int().cuda()
+    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch", device="cuda", front_end="triton", max_tokens=8)
+    mla.plan(gpu_batch)  # allocates the buffers (C128A rows too) before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan = mla.plan(gpu_batch)
+        c4a_rows, c4a_lens = plan.comp_scope(LayerKind.C4A, gpu_topk)
+    gpu_batch.seq_lens.copy_(batch.seq_lens)
+    gpu_topk.copy_(topk)
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = dsv4.StepBatch(gpu_batch.query_start_loc, gpu_batch.seq_lens, batch.num_decode_tokens,
+                           gpu_batch.swa_block_table, batch.swa_block_size, tables, batch.block_size,
+                           batch.max_model_len)
+    want = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch", device="cuda", front_end="torch").plan(fresh)
+    assert int(plan.c128a_lens.max()) == 33000 // 128  # the long step's rows, not the captured short ones
+    for name, rows in _plan_fields(want, gpu_topk).items():
+        got = {"c4a_rows": c4a_rows, "c4a_lens": c4a_lens}.get(name, getattr(plan, name, None))
+        assert torch.equal(got, rows), name

@@ -13,12 +13,17 @@ Backends cache per-step metadata in the plan with ``plan.cached(key, builder)`` 
 tile-scheduler metadata, AITER work buffers, FlashInfer merged rows), keyed per layer kind.
 Phase sub-plans (``plan.phase_plan(Phase.DECODE)``) view a token range of the same buffers
 for backends that split decode and prefill launches.
+
+The rows themselves come from a ``FrontEnd``: :class:`TorchFrontEnd` here (vectorized torch, any
+device), or the Triton one in ``dsv4_attn.portable.kernels.indices`` that ``SparseMLA`` picks on
+GPUs (one launch per step, one per C4A layer). Both write the same values and neither syncs
+with the host, so both are safe inside a captured graph.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -71,6 +76,44 @@ class PlanBuffers:
         return self.c128a_rows, self.c128a_lens
 
 
+class FrontEnd(Protocol):
+    """Builds a step's index rows (same values as ``dsv4_attn.common.indices``)."""
+
+    name: str
+
+    def step_rows(self, batch: StepBatch, buffers: PlanBuffers, num_tokens: int) -> None:
+        """Write positions, token_to_req, token_valid, the SWA rows and, when the batch has a
+        ratio-128 table, the C128A rows of tokens [0, num_tokens) into ``buffers``."""
+
+    def c4a_rows(self, tokens: Tokens, table: torch.Tensor, comp_block_size: int,
+                 local_topk: torch.Tensor) -> IndexPair:
+        """C4A rows int32 [T, K] and lens int32 [T] from the local top-k int32/int64 [T, K]."""
+
+
+class TorchFrontEnd:
+    """Vectorized torch front end (any device): a few dozen small ops per step."""
+
+    name = "torch"
+
+    def step_rows(self, batch: StepBatch, buffers: PlanBuffers, num_tokens: int) -> None:
+        T = num_tokens
+        buffers.positions[:T].copy_(batch.positions)
+        buffers.token_to_req[:T].copy_(batch.token_to_req)
+        buffers.token_valid[:T].copy_(batch.token_valid)
+        tokens = Tokens(buffers.positions[:T], buffers.token_to_req[:T], buffers.token_valid[:T])
+        swa_rows_for(tokens, batch.swa_block_table, batch.swa_block_size, buffers.spec.window,
+                     out=(buffers.swa_rows[:T], buffers.swa_lens[:T]))
+        if LayerKind.C128A.ratio in batch.comp_block_tables:
+            kind = LayerKind.C128A
+            rows, lens = buffers.c128a()
+            comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
+                          buffers.spec.c128a_width, out=(rows[:T], lens[:T]))
+
+    def c4a_rows(self, tokens: Tokens, table: torch.Tensor, comp_block_size: int,
+                 local_topk: torch.Tensor) -> IndexPair:
+        return comp_rows_for(tokens, LayerKind.C4A, table, comp_block_size, local_topk)
+
+
 @dataclass
 class StepPlan:
     """One step's shared metadata (views of PlanBuffers). Token range [token_start, token_start + T)
@@ -95,6 +138,7 @@ class StepPlan:
     swa_lens: torch.Tensor
     c128a_rows: torch.Tensor | None
     c128a_lens: torch.Tensor | None
+    front_end: FrontEnd = field(default_factory=TorchFrontEnd, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -114,7 +158,7 @@ class StepPlan:
     def comp_scope(self, kind: LayerKind, c4a_topk: torch.Tensor | None = None) -> IndexPair | tuple[None, None]:
         """(rows, lens) of the compressed scope of ``kind``: global slots, -1 unused.
         SWA -> (None, None); C128A -> the plan's rows; C4A -> translated from ``c4a_topk``
-        (local positions ``[T, K]``) through the ratio-4 block table (one small launch)."""
+        (local positions ``[T, K]``) through the ratio-4 block table by the plan's front end."""
         kind = LayerKind.parse(kind)
         if kind is LayerKind.SWA:
             return None, None
@@ -124,8 +168,8 @@ class StepPlan:
                                  "provide comp_block_tables[128] to run C128A layers")
             return self.c128a_rows, self.c128a_lens
         check_local_topk(c4a_topk, self.num_tokens, self.device)
-        return comp_rows_for(self.tokens, kind, self.batch.comp_block_table(kind),
-                             self.batch.comp_block_size(kind), c4a_topk[: self.num_tokens])
+        return self.front_end.c4a_rows(self.tokens, self.batch.comp_block_table(kind),
+                                       self.batch.comp_block_size(kind), c4a_topk[: self.num_tokens])
 
     def phase_plan(self, phase) -> "StepPlan":
         """Sub-plan of the decode tokens [0, num_decode_tokens) or the rest (prefill + padding)."""
@@ -143,11 +187,14 @@ class StepPlan:
         return StepPlan(self.spec, self.batch, self.owner, self.generation, self.token_start + start,
                         stop - start, (stop - start) if decode else 0, cut(self.positions),
                         cut(self.token_to_req), cut(self.token_valid), cut(self.swa_rows), cut(self.swa_lens),
-                        cut(self.c128a_rows), cut(self.c128a_lens))
+                        cut(self.c128a_rows), cut(self.c128a_lens), self.front_end)
 
 
-def build_plan(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers, owner: Any, generation: int) -> StepPlan:
-    """Fill ``buffers`` for ``batch`` (no host sync given batch.num_tokens) and view them."""
+def build_plan(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers, owner: Any, generation: int,
+               front_end: FrontEnd | None = None) -> StepPlan:
+    """Fill ``buffers`` for ``batch`` with ``front_end`` (default torch; no host sync given
+    batch.num_tokens) and view them."""
+    front_end = front_end or TorchFrontEnd()
     T = batch.num_tokens
     if T > buffers.max_tokens:
         raise ValueError(f"batch.num_tokens: got {T}; allowed: <= max_tokens ({buffers.max_tokens}) of this "
@@ -158,19 +205,13 @@ def build_plan(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers, owner: A
     if batch.device != buffers.positions.device:
         raise ValueError(f"batch: got device {batch.device}; allowed: {buffers.positions.device} "
                          "(the SparseMLA's device)")
-    positions, token_to_req, token_valid = (buffers.positions[:T], buffers.token_to_req[:T],
-                                            buffers.token_valid[:T])
-    positions.copy_(batch.positions)
-    token_to_req.copy_(batch.token_to_req)
-    token_valid.copy_(batch.token_valid)
-    tokens = Tokens(positions, token_to_req, token_valid)
-    swa = swa_rows_for(tokens, batch.swa_block_table, batch.swa_block_size, spec.window,
-                       out=(buffers.swa_rows[:T], buffers.swa_lens[:T]))
-    c128a: IndexPair | tuple[None, None] = (None, None)
-    if LayerKind.C128A.ratio in batch.comp_block_tables:
-        kind = LayerKind.C128A
-        rows_buf, lens_buf = buffers.c128a()
-        c128a = comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
-                              spec.c128a_width, out=(rows_buf[:T], lens_buf[:T]))
-    return StepPlan(spec, batch, owner, generation, 0, T, batch.num_decode_tokens, positions, token_to_req,
-                    token_valid, swa[0], swa[1], c128a[0], c128a[1])
+    front_end.step_rows(batch, buffers, T)
+    has_c128a = LayerKind.C128A.ratio in batch.comp_block_tables
+    c128a_rows, c128a_lens = buffers.c128a() if has_c128a else (None, None)
+
+    def view(t):
+        return None if t is None else t[:T]
+
+    return StepPlan(spec, batch, owner, generation, 0, T, batch.num_decode_tokens, view(buffers.positions),
+                    view(buffers.token_to_req), view(buffers.token_valid), view(buffers.swa_rows),
+                    view(buffers.swa_lens), view(c128a_rows), view(c128a_lens), front_end)

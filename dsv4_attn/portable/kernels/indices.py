@@ -1,4 +1,6 @@
-"""GPU front end: a step's per-token facts, SWA rows and C128A rows in ONE small launch.
+"""GPU front end: a step's per-token facts, SWA rows and C128A rows in ONE small launch, and
+a C4A layer's local -> global translation in one more (``TritonFrontEnd``, what ``SparseMLA``
+uses on GPUs).
 
 Same results as ``dsv4_attn.common.indices`` (``swa_rows_for`` / ``comp_rows_for`` on
 ``StepBatch.positions`` etc.), computed per token from ``query_start_loc`` and ``seq_lens``
@@ -9,6 +11,8 @@ without any host synchronisation (no ``searchsorted`` / ``.item()``), into calle
   pos = seq_lens[r] - (qsl[r+1] - qsl[r]) + (t - qsl[r])
   SWA row:   slots of positions max(0, pos-W+1) .. pos, then -1;  len = min(pos+1, W)
   C128A row: slots of compressed entries 0 .. n-1, then -1;    n = min((pos+1)//128, width)
+  C4A row:   slot(local[t, c]) for c < n with 0 <= local[t, c] < (pos+1)//4, else -1;
+             n = min((pos+1)//4, K)
   slot(p) = table[r, p // bs] * bs + p % bs  (int64 arithmetic, stored int32)
 Padding tokens (t >= qsl[R]): position 0, request -1, invalid, rows all -1, lens 0.
 """
@@ -18,6 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ...common.indices import IndexPair, Tokens
 
 
 @triton.jit
@@ -29,13 +35,13 @@ def _step_rows_kernel(
     C_TABLE, stride_c_t, c_bs, c_cols,
     C_ROWS, stride_c_r, C_LENS, c_width,
     WINDOW: tl.constexpr, W_P2: tl.constexpr, HAS_C128: tl.constexpr, C_RATIO: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr, R_BLOCKS: tl.constexpr, BLOCK_C: tl.constexpr, C_BLOCKS: tl.constexpr,
 ):
     t = tl.program_id(0)
     # request of token t: count query_start_loc[1..R] <= t (vectorized, no searchsorted)
     count = 0
-    for r0 in range(0, num_reqs, BLOCK_R):
-        r = r0 + 1 + tl.arange(0, BLOCK_R)
+    for rb in range(R_BLOCKS):  # constexpr trip counts: runtime-int bounds break the CPU interpreter
+        r = rb * BLOCK_R + 1 + tl.arange(0, BLOCK_R)
         starts = tl.load(QSL + r, mask=r <= num_reqs, other=2147483647)
         count += tl.sum((starts <= t).to(tl.int32), 0)
     total = tl.load(QSL + num_reqs)
@@ -66,8 +72,8 @@ def _step_rows_kernel(
 
     if HAS_C128:
         n = tl.where(valid, tl.minimum((pos + 1) // C_RATIO, c_width), 0)
-        for c0 in range(0, c_width, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
+        for cb in range(C_BLOCKS):
+            c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
             okc = c < n
             ccol = tl.minimum(c // c_bs, c_cols - 1)
             cblk = tl.load(C_TABLE + req64 * stride_c_t + ccol, mask=okc, other=0).to(tl.int64)
@@ -75,6 +81,13 @@ def _step_rows_kernel(
             tl.store(C_ROWS + t.to(tl.int64) * stride_c_r + c, tl.where(okc, cslot, -1).to(tl.int32),
                      mask=c < c_width)
         tl.store(C_LENS + t, n.to(tl.int32))
+
+
+def _blocks(block_name: str, count_name: str, n: int) -> dict[str, int]:
+    """Tile width (power of two, <= 1024) and constexpr trip count covering ``n`` elements: the
+    counts are per-model constants (top-k, C128A width) or few buckets (requests), so few compiles."""
+    block = min(1024, triton.next_power_of_2(max(n, 1)))
+    return {block_name: block, count_name: triton.cdiv(n, block)}
 
 
 def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int,
@@ -106,6 +119,67 @@ def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
         ct, ct.stride(0), c128_block_size if has_c else 1, ct.shape[1],
         cr, cr.stride(0), cl, width,
         WINDOW=window, W_P2=triton.next_power_of_2(window), HAS_C128=has_c, C_RATIO=128,
-        BLOCK_R=min(1024, triton.next_power_of_2(max(R, 1))), BLOCK_C=min(1024, triton.next_power_of_2(max(width, 1))),
-        num_warps=4,
+        num_warps=4, **_blocks("BLOCK_R", "R_BLOCKS", R), **_blocks("BLOCK_C", "C_BLOCKS", width),
     )
+
+
+@triton.jit
+def _c4a_rows_kernel(
+    LOCAL, stride_l, POS, TOK2REQ, VALID,
+    TABLE, stride_t, bs, table_cols,
+    ROWS, LENS, K,
+    BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pos = tl.load(POS + t)
+    valid = tl.load(VALID + t)
+    req = tl.maximum(tl.load(TOK2REQ + t), 0).to(tl.int64)
+    visible = (pos + 1) // 4
+    n = tl.where(valid, tl.minimum(visible, K), 0)
+    for kb in range(K_BLOCKS):
+        c = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        local = tl.load(LOCAL + t.to(tl.int64) * stride_l + c, mask=c < K, other=-1).to(tl.int64)
+        ok = (c < n) & (local >= 0) & (local < visible)
+        col = tl.minimum(local // bs, table_cols - 1)
+        blk = tl.load(TABLE + req * stride_t + col, mask=ok, other=0).to(tl.int64)
+        slot = blk * bs + (local - col * bs)
+        tl.store(ROWS + t.to(tl.int64) * K + c, tl.where(ok, slot, -1).to(tl.int32), mask=c < K)
+    tl.store(LENS + t, n.to(tl.int32))
+
+
+def c4a_rows(tokens: Tokens, table: torch.Tensor, comp_block_size: int,
+             local_topk: torch.Tensor) -> IndexPair:
+    """C4A rows int32 [T, K] (contiguous) and lens int32 [T] from the local top-k int32/int64
+    [T, K] (last dim contiguous), in one launch. Inputs are not validated here."""
+    T, K = local_topk.shape
+    rows = torch.empty((T, K), dtype=torch.int32, device=local_topk.device)
+    lens = torch.empty(T, dtype=torch.int32, device=local_topk.device)
+    if T:
+        _c4a_rows_kernel[(T,)](
+            local_topk, local_topk.stride(0), tokens.positions, tokens.token_to_req, tokens.valid,
+            table, table.stride(0), comp_block_size, table.shape[1], rows, lens, K,
+            num_warps=4, **_blocks("BLOCK_K", "K_BLOCKS", K),
+        )
+    return rows, lens
+
+
+class TritonFrontEnd:
+    """The front end on GPUs: one launch per step (:func:`build_step_rows`), one per C4A layer
+    (:func:`c4a_rows`); no host sync, graph-capturable. Same values as ``TorchFrontEnd``."""
+
+    name = "triton"
+
+    def step_rows(self, batch, buffers, num_tokens: int) -> None:
+        has_c128a = 128 in batch.comp_block_tables
+        c_rows, c_lens = buffers.c128a() if has_c128a else (None, None)
+        build_step_rows(batch.query_start_loc, batch.seq_lens, num_tokens, batch.swa_block_table,
+                        batch.swa_block_size, buffers.spec.window, buffers.positions, buffers.token_to_req,
+                        buffers.token_valid, buffers.swa_rows, buffers.swa_lens,
+                        batch.comp_block_tables.get(128), batch.block_size // 128 if has_c128a else 2,
+                        c_rows, c_lens)
+
+    def c4a_rows(self, tokens: Tokens, table: torch.Tensor, comp_block_size: int,
+                 local_topk: torch.Tensor) -> IndexPair:
+        if local_topk.stride(-1) != 1:
+            local_topk = local_topk.contiguous()
+        return c4a_rows(tokens, table, comp_block_size, local_topk)
