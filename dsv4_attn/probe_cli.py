@@ -55,7 +55,7 @@ def _aiter(plat) -> dict:
 _DESCRIBERS = {"flashmla": ("dsv4_attn.cuda.flashmla", _flashmla),
                "flashinfer": ("dsv4_attn.cuda.flashinfer", _flashinfer),
                "aiter": ("dsv4_attn.rocm.aiter", _aiter)}
-_ENV_VARS = ("DSV4_ATTN_BACKEND", "DSV4_ATTN_FLASHMLA_LIB", "DSV4_ATTN_AITER_EMULATOR", "TRITON_INTERPRET",
+_ENV_VARS = ("DSV4_ATTN_BACKEND", "DSV4_ATTN_VLLM", "DSV4_ATTN_FLASHMLA_LIB", "DSV4_ATTN_AITER_EMULATOR", "TRITON_INTERPRET",
              "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
 
@@ -84,6 +84,18 @@ def _jsonable(value):
         if isinstance(value, (list, tuple)):
             return [_jsonable(v) for v in value]
         return str(value)
+
+
+def vllm_plugin() -> dict[str, str]:
+    """The vLLM plugin's state (dsv4_attn.integrations.vllm.status(); imports no vLLM code)."""
+    try:
+        from .integrations.vllm import status
+    except ModuleNotFoundError:
+        return {"vllm plugin": "module not in this dsv4_attn build"}
+    try:
+        return status()
+    except Exception as exc:  # the probe never raises
+        return {"vllm plugin": f"error: {type(exc).__name__}: {exc}"}
 
 
 def choose(spec: ModelSpec, fmt: KVFormat, device: torch.device) -> dict:
@@ -153,6 +165,7 @@ def collect(heads: int = 64, fmt: str = "fp8_ds_mla", c4a_topk: int = 512, max_m
         "libraries": libraries,
         "vendor_binaries": {key: describe_vendor(key, plat) for key in _DESCRIBERS},
         "backends": backends,
+        "vllm_plugin": vllm_plugin(),
         "env": {k: os.environ[k] for k in _ENV_VARS if k in os.environ},
         "selection": {"heads": heads, "format": kv_format.value, "c4a_topk": c4a_topk,
                       "max_model_len": max_model_len, "choices": choose(spec, kv_format, dev)},
@@ -188,6 +201,7 @@ def render(info: dict) -> str:
             lines += [f"  {'':<11} {k}: {_one_line(v)}" for k, v in _flatten(body)]
         else:
             lines.append(f"  {key:<11} [{desc['status']}] {_one_line(body)}")
+    lines += ["", "vllm plugin"] + [f"  {k:<14} {v}" for k, v in info["vllm_plugin"].items()]
     lines += ["", "backends"]
     for name, b in info["backends"].items():
         state = f"phases {'/'.join(b['phases'])}" if b["importable"] else f"not importable: {b['error']}"

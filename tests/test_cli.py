@@ -30,7 +30,8 @@ def test_probe_prints_the_platform_and_the_choice():
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert out.startswith("dsv4-attn ") and "platform   " in out and "libraries" in out
-    assert "vendor binaries" in out and "explain()" in out
+    assert "vendor binaries" in out and "explain()" in out and "index front end:" in out
+    assert "vllm plugin" in out
     for line in ("SWA/decode", "C4A/prefill", "C128A/decode"):
         assert line in out
 
@@ -41,6 +42,7 @@ def test_probe_json():
     info = json.loads(res.stdout)
     assert info["platform"]["torch_version"] and set(info["vendor_binaries"]) == {"flashmla", "flashinfer", "aiter"}
     assert info["selection"]["heads"] == 128 and len(info["selection"]["choices"]) == 6
+    assert info["vllm_plugin"]["vllm plugin"].startswith(("off", "available", "on", "refused"))
     if info["platform"]["vendor"] == "cpu":
         assert all(c["backend"] == "torch" for c in info["selection"]["choices"].values())
 
