@@ -1,0 +1,36 @@
+"""The README is part of the product: its support matrix is the backends' declared capabilities,
+and CI's commands are the ones it shows."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from dsv4_attn.common.backend import support_matrix
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _between(start: str, stop: str) -> str:
+    return README.split(start, 1)[1].split(stop, 1)[0].strip()
+
+
+def test_readme_support_matrix_is_rendered_from_capabilities():
+    table = _between("<!-- support-matrix -->", "<!-- /support-matrix -->")
+    assert table == support_matrix().strip(), "README support matrix is stale: paste support_matrix() output"
+    assert "emulated" in table and "contract tests only" in table
+
+
+def test_ci_runs_the_readme_commands():
+    """.ci/run's own extraction (awk over the markers) finds the README's install and test lines."""
+    script = (ROOT / ".ci" / "run").read_text()
+    extract = script.split("readme_command() {", 1)[1].split("\n}", 1)[0]
+    got = {}
+    for marker in ("install-command", "test-command"):
+        res = subprocess.run(["bash", "-c", f"cd {ROOT} && readme_command() {{ {extract}\n}}; readme_command {marker}"],
+                             capture_output=True, text=True, check=True)
+        got[marker] = res.stdout.strip()
+    assert got["install-command"] == 'pip install -e ".[test]"'
+    assert got["test-command"].startswith("python -m pytest -q tests") and "ci/vllm-tests.sh" in got["test-command"]
+    assert "dsv4-attn parity" in README and "dsv4-attn probe" in README
