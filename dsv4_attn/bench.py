@@ -551,6 +551,14 @@ def register_variant(spec_str: str) -> str:
     return name
 
 
+def default_backends() -> list[str]:
+    """What `dsv4-attn bench` times without --backend: the portable kernels, and on ROCm the AITER
+    path first."""
+    from .common.platform import probe
+
+    return ["aiter", "triton"] if probe().vendor == "rocm" else ["triton"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dsv4-attn bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=["decode", "prefill", "all"], default="decode")
@@ -558,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"decode: {sorted(DECODE_CONFIGS)}; prefill: {sorted(PREFILL_CONFIGS)} (default all)")
     p.add_argument("--batches", type=int, nargs="*", default=[2, 64, 128, 256])
     p.add_argument("--mtp", type=int, nargs="*", default=[1, 2], help="query tokens per request (decode)")
-    p.add_argument("--backend", nargs="*", default=["triton"], help="our backend(s) to time (default triton)")
+    p.add_argument("--backend", nargs="*", default=None,
+                   help="our backend(s) to time (default: triton; aiter and triton on ROCm)")
     p.add_argument("--variant", action="append", default=[],
                    help="development: also time a triton kernel config, e.g. "
                         "'bn64=block_n=64,num_warps=8,num_stages=2,dot_dtype=bf16' (repeatable)")
@@ -574,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda")
     fmt = KVFormat.parse(args.format)
+    if args.backend is None:
+        args.backend = default_backends()
     for spec_str in args.variant:
         args.backend.append(register_variant(spec_str))
     props = torch.cuda.get_device_properties(device)

@@ -245,12 +245,21 @@ def test_gfx942_refuses_packed_cache_on_sparse_path():
     assert "persistent" in describe_aiter()["paths"]["mla_decode_fwd (persistent)"]
 
 
-def test_wrong_fp8_dialect_is_a_value_error(gen):
-    emulate.enable("gfx942")  # reads FNUZ
+def test_wrong_fp8_dialect_is_refused_with_reasons(gen):
+    emulate.enable("gfx942")  # reads FNUZ in place
+    with pytest.raises(dsv4.BackendUnavailableError, match="swa_dialect: got ocp; allowed: fnuz"):
+        dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16), "fp8_e4m3", backend="aiter")
+    auto = dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16), "fp8_e4m3", device="cpu")
+    assert "swa_dialect: got ocp; allowed: fnuz" in auto.explain()
+    # called directly (no selection), the backend still refuses before any AITER call
     case = make_case(gen, "fp8_e4m3", 16, swa_dialect="ocp", comp_dialect="ocp")
-    mla = dsv4.SparseMLA(case["spec"], "fp8_e4m3", backend="aiter")
+    mla = dsv4.SparseMLA(case["spec"], "fp8_e4m3", backend="torch")
+    plan = mla.plan(case["batch"])
+    layer = dsv4.LayerInputs(LayerKind.SWA, case["q"], case["caches"]["swa"], None, None, case["sink"],
+                             dsv4.KVFormat.FP8_TENSOR, case["spec"].scale, case["kv_scale"])
+    out = torch.full_like(case["q"], float("nan"))
     with pytest.raises(ValueError, match="swa_dialect: got ocp; allowed: fnuz"):
-        run_layer(mla, mla.plan(case["batch"]), case, LayerKind.SWA)
+        dsv4.common.backend.get_backend("aiter").forward(plan.phase_plan("decode"), layer, out)
 
 
 def test_bad_backend_arguments():

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_parity import TINY
 
@@ -82,3 +83,17 @@ def test_console_script_lists_the_packaged_matrix(tmp_path):
     assert res.returncode == 0, res.stderr
     names = res.stdout.split()
     assert "core.c128a.h128.fp8_ds_mla.mtp.long" in names and len(names) > 400
+
+
+def test_bench_without_gpu_is_exit_2_and_rocm_times_aiter_first(monkeypatch):
+    from dsv4_attn import bench
+    from dsv4_attn.common import platform
+
+    if not torch.cuda.is_available():
+        res = _run("bench", "--mode", "decode")
+        assert res.returncode == 2 and "needs a CUDA/ROCm GPU" in res.stderr
+    rocm = platform.Platform("rocm", "gfx950", "AMD Instinct MI355X", torch.__version__)
+    monkeypatch.setattr(platform, "probe", lambda refresh=False: rocm)
+    assert bench.default_backends() == ["aiter", "triton"]
+    monkeypatch.setattr(platform, "probe", lambda refresh=False: platform.Platform("cuda", "sm90", "H100", "2.13"))
+    assert bench.default_backends() == ["triton"]

@@ -111,6 +111,12 @@ class Backend:
         """Every reason this backend cannot serve the combination; [] = supported."""
         raise NotImplementedError
 
+    def dialect_reasons(self, platform: Platform, fmt: KVFormat, kind: LayerKind, dialects: "Dialects") -> list[str]:
+        """Reasons beyond ``dialects`` (the declared set) that these cache dialects (SWA,
+        compressed) cannot be served, e.g. an arch that reads only its native encoding in place.
+        Called only for fp8 formats the backend otherwise supports."""
+        return []
+
     def prepare(self, plan: "StepPlan", kind: LayerKind) -> Any:
         """Per-step, per-kind metadata shared by all layers of that kind (None = nothing)."""
         return None
@@ -213,15 +219,18 @@ def reasons_for(name: str, platform: Platform, spec: ModelSpec, fmt: KVFormat, k
     if phase not in backend.phases:
         return [f"implements {'/'.join(p.value for p in backend.phases)} only (not {phase.value})"]
     reasons = []
+    kind = LayerKind.parse(kind)
     if fmt.uses_fp8:
-        for cache, dialect in zip(("SWA", "compressed"), dialects):
-            if dialect not in backend.dialects:
-                reasons.append(f"reads {'/'.join(d.value for d in backend.dialects)} fp8 only; the {cache} "
-                               f"cache is {dialect.value}")
+        used = zip(("SWA", "compressed"), dialects[: 2 if kind.has_comp_scope else 1])
+        reasons += [f"reads {'/'.join(d.value for d in backend.dialects)} fp8 only; the {cache} cache is "
+                    f"{dialect.value}" for cache, dialect in used if dialect not in backend.dialects]
     try:
-        return reasons + list(backend.unsupported_reasons(platform, spec, fmt, kind, phase))
+        reasons += backend.unsupported_reasons(platform, spec, fmt, kind, phase)
+        if fmt.uses_fp8 and not reasons:
+            reasons += backend.dialect_reasons(platform, fmt, kind, dialects)
     except Exception as exc:
-        return reasons + [f"unsupported_reasons raised {type(exc).__name__}: {exc}"]
+        reasons.append(f"unsupported_reasons raised {type(exc).__name__}: {exc}")
+    return reasons
 
 
 # ---- forcing a backend: argument > `with backend(...)` > DSV4_ATTN_BACKEND > auto --------------

@@ -369,26 +369,29 @@ class AiterBackend(Backend):
         path, reasons = self.choose_path(api, layer.fmt, layer.kind)
         if path is None:
             raise ValueError("aiter: cannot run this layer:\n" + "\n".join(f"  - {r}" for r in reasons))
-        self._check_dialects(api, layer, path)
+        problems = self._dialect_problems(api, layer.fmt, layer.kind, path, (layer.swa_dialect, layer.comp_dialect))
+        if problems:
+            raise ValueError("; ".join(problems))
         if path == "sparse_mla_fwd":
             self._forward_sparse(api, plan, layer, out)
         else:
             self._forward_decode(api, plan, layer, out)
 
+    def dialect_reasons(self, platform: Platform, fmt: KVFormat, kind: LayerKind, dialects) -> list[str]:
+        api = load_aiter(platform)
+        path, _ = self.choose_path(api, fmt, LayerKind.parse(kind))
+        return [] if path is None else self._dialect_problems(api, fmt, LayerKind.parse(kind), path, dialects)
+
     @staticmethod
-    def _check_dialects(api: AiterAPI, layer: LayerInputs, path: str) -> None:
+    def _dialect_problems(api: AiterAPI, fmt: KVFormat, kind: LayerKind, path: str, dialects) -> list[str]:
         """Caches read in place must be in the arch's FP8 dialect: FP8_TENSOR always, MODEL1 on
         sparse_mla_fwd (gathered MODEL1 rows are decoded in their own dialect and re-encoded)."""
         native = NATIVE_DIALECT[api.arch]
-        in_place = layer.fmt is KVFormat.FP8_TENSOR or (layer.fmt is KVFormat.MODEL1_FP8 and path == PATHS[0])
-        if not in_place:
-            return
-        for name, dialect in (("swa_dialect", layer.swa_dialect), ("comp_dialect", layer.comp_dialect)):
-            if name == "comp_dialect" and not layer.kind.has_comp_scope:
-                continue
-            if dialect is not native:
-                raise ValueError(f"{name}: got {dialect.value}; allowed: {native.value} ({api.arch} reads its native "
-                                 f"FP8 encoding in place for {layer.fmt.value} caches)")
+        if not (fmt is KVFormat.FP8_TENSOR or (fmt is KVFormat.MODEL1_FP8 and path == PATHS[0])):
+            return []
+        names = ("swa_dialect", "comp_dialect")[: 2 if kind.has_comp_scope else 1]
+        return [f"{name}: got {dialect.value}; allowed: {native.value} ({api.arch} reads its native FP8 encoding "
+                f"in place for {fmt.value} caches)" for name, dialect in zip(names, dialects) if dialect is not native]
 
     def _get_scratch(self, api: AiterAPI, plan: StepPlan, key_args: dict) -> AiterScratch:
         spec = plan.spec
