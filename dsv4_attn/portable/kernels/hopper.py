@@ -1,21 +1,27 @@
 """Hopper (sm_90) fast path of the `triton` backend, written in Gluon (Triton's explicit-layout dialect).
 
 Same math and the same argument contract as ``attention.sparse_mla_fwd_kernel`` (MODEL1_FP8
-caches only), but with explicit shared memory, layouts and asynchronous copies, which the
-portable kernel cannot express:
+caches only), but with explicit shared memory, layouts, mbarriers and warp specialization,
+which the portable kernel cannot express. One program = one token x 64 heads (x key split):
 
-* the raw 584-byte rows of the NEXT key tile are gathered with ``cp.async`` into a two-stage
-  shared-memory ring while the current tile is computed (no registers held for the prefetch);
-* the current tile is dequantized from shared memory (e4m3 -> fp16 x 2^(byte-127) per 64-wide
-  tile, bf16 RoPE -> fp16) straight into ONE [BLOCK_N, 512] fp16 K tile in shared memory, which
-  is the B operand of both matrix products (Q·Kᵀ through a transposed view, P·V as is);
-* both warpgroups split the key tile for Q·Kᵀ (no duplicated score computation) and the
-  512 output dims for P·V; P goes through shared memory, never through global scratch;
-* P·V of tile g runs asynchronously while tile g+1's copies are issued.
+* a PRODUCER warpgroup (``_producer``, 120 registers) walks the key tiles: resolves their rows
+  (C4A local -> global slots through the block table, one tile ahead), gathers the raw 584-byte
+  rows (e4m3 bytes and scale words into registers, bf16 RoPE with ``cp.async``), dequantizes
+  them (e4m3 -> fp16 x 2^(byte-127) per 64-wide tile, RoPE -> fp16) into one of TWO fp16
+  [64, 512] K tiles in shared memory and signals ``kready``;
+* two CONSUMER warpgroups (``_consumer``, the default partition, 192 registers) wait for a K
+  tile, compute Q·Kᵀ (each warpgroup half of the keys; K is the B operand of both products),
+  the online softmax, P through shared memory and P·V (each warpgroup half of the 512 dims),
+  then hand the K tile back (``kempty``). The producer's gathers and dequantization of tile
+  g+1 run under the consumers' matrix products of tile g.
+
+Pitfall (ptxas C7515, every wgmma serialized): an asynchronous P·V left running across the
+next mbarrier wait; it is retired at the end of each tile instead.
 
 fp16 operands: e4m3 values and their power-of-two scales are exact in fp16 for every scale byte
-the cache writers produce (>= 2^-22); q is RMS-normed (|q| <= sqrt(512)); bf16 RoPE values
-round to fp16's 11-bit mantissa (finer than bf16's 8). Accumulation is fp32 throughout.
+the cache writers produce (>= 2^-22); q is RMS-normed (|q| <= sqrt(512)) and carries the
+softmax scale; bf16 RoPE values round to fp16's 11-bit mantissa (finer than bf16's 8).
+Accumulation is fp32 throughout.
 """
 
 from __future__ import annotations
@@ -23,13 +29,13 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 BLOCK_H = gl.constexpr(64)
-BLOCK_N = gl.constexpr(64)
-NUM_WARPS = 8
-NOPE_CHUNKS = gl.constexpr(7)  # 448 e4m3 bytes = 7 tiles of 64
+NUM_WARPS = 8  # the consumer (default) partition; the producer adds one warpgroup
+PRODUCER_REGS = gl.constexpr(120)
+MAXNREG = 168  # 12 warps x 32 threads x 168 <= 64K registers: the consumers get 192, the producer 120
 
 
 @gluon.jit
@@ -70,44 +76,150 @@ def _idx_resolve(g, lo_b, val, inr, visible, bt_row, b_bs, COMP: gl.constexpr):
 
 
 @gluon.jit
-def _issue_tile_copy(raw, rope, sc, stage, slots, valid, is_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs,
-                     BN: gl.constexpr, Lw: gl.constexpr, Lr: gl.constexpr):
-    """cp.async the tile's rows into ``stage``: the 448 e4m3 bytes (one [BN, 512] copy, the last 64
-    columns masked off), the 64 bf16 RoPE values and the 8 scale bytes. Three copies, each into
-    its own buffer (no shared-memory hazards between them, so no barriers)."""
-    base_ptr = gl.where(is_a, A_U8, B_U8)
+def _row_offsets(slots, is_a, a_stride0, b_stride0, a_bs, b_bs):
+    """Byte offsets (int64) of the rows' 576-byte data and of their 8 scale bytes."""
     stride0 = gl.where(is_a, a_stride0, b_stride0)
     bs = gl.where(is_a, a_bs, b_bs)
     blk = slots // bs
     off = slots - blk * bs
     blk_base = blk.to(gl.int64) * stride0
     # 16-byte aligned rows (the launcher checks stride(0) % 16 == 0 and a 16-byte aligned base)
-    row = gl.multiple_of(blk_base + off.to(gl.int64) * 576, 16)  # [BN] in SliceLayout(1, Lw)
+    row = gl.multiple_of(blk_base + off.to(gl.int64) * 576, 16)
     srow = gl.multiple_of(blk_base + bs * 576 + off.to(gl.int64) * 8, 8)
-    c512 = gl.arange(0, 512, layout=gl.SliceLayout(0, Lw))
-    m = gl.expand_dims(valid, 1) & gl.expand_dims(c512 < 448, 0)
-    async_copy.async_copy_global_to_shared(raw.index(stage), base_ptr + gl.expand_dims(row, 1)
-                                           + gl.expand_dims(c512, 0), mask=m)
-    row_r = gl.convert_layout(row, gl.SliceLayout(1, Lr))
-    valid_r = gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, Lr)), 1)
-    c_r = gl.arange(0, 64, layout=gl.SliceLayout(0, Lr))
-    rptr = (base_ptr + gl.expand_dims(row_r + 448, 1)).to(gl.pointer_type(gl.bfloat16), bitcast=True) \
-        + gl.expand_dims(c_r, 0)
-    async_copy.async_copy_global_to_shared(rope.index(stage), rptr, mask=valid_r)
-    srow_r = gl.convert_layout(srow, gl.SliceLayout(1, Lr))
-    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, Lr))
-    async_copy.async_copy_global_to_shared(sc.index(stage), base_ptr + gl.expand_dims(srow_r, 1)
-                                           + gl.expand_dims(c8, 0), mask=valid_r)
+    return row, srow
 
 
 @gluon.jit
-def _dequant_half(raw_stage, sc_stage, exp_off, HALF: gl.constexpr, BN: gl.constexpr, Lw: gl.constexpr):
-    """fp16 [BN, 256] of e4m3 columns [256*HALF, 256*HALF + 256) times their tiles' 2^(byte-127)."""
-    x = raw_stage.slice(256 * HALF, 256, dim=1).load(Lw)
-    x3 = gl.reshape(x.to(gl.float8e4nv, bitcast=True).to(gl.float16), [BN, 4, 64])
-    e = sc_stage.slice(4 * HALF, 4, dim=1).load(gl.SliceLayout(2, x3.type.layout))
-    scale = (gl.maximum(e.to(gl.int32) - exp_off, 0) << 23).to(gl.float32, bitcast=True).to(gl.float16)
-    return gl.reshape(x3 * gl.expand_dims(scale, 2), [BN, 256])
+def _chunk_ptrs(base_ptr, row, valid, C0: gl.constexpr, NC: gl.constexpr, L3: gl.constexpr):
+    """Pointers [BN, NC, 64] to the e4m3 tiles C0 .. C0+NC-1 (64 bytes each) of the rows, and the
+    row-validity mask (``row``/``valid`` [BN] in the row layout of ``L3``)."""
+    c = gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    col = gl.expand_dims(gl.expand_dims((c + C0) * 64, 0), 2) + gl.expand_dims(gl.expand_dims(c64, 0), 1)
+    ptrs = base_ptr + gl.expand_dims(gl.expand_dims(row, 1), 2) + col
+    return ptrs, gl.expand_dims(gl.expand_dims(valid, 1), 2) & (col >= 0)
+
+
+@gluon.jit
+def _dequant(x, e, B0: gl.constexpr, exp_off, BN: gl.constexpr):
+    """fp16 [BN, NC*64] = e4m3 bytes [BN, NC, 64] times their tiles' 2^(byte-127) (FNUZ:
+    2^(byte-128)); tile c's scale is byte B0 + c of the little-endian int32 ``e`` [BN]."""
+    NC: gl.constexpr = x.shape[1]
+    c = gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(2, x.type.layout)))
+    e2 = gl.expand_dims(gl.convert_layout(e, gl.SliceLayout(1, gl.SliceLayout(2, x.type.layout))), 1)
+    byte = (e2 >> gl.expand_dims((c + B0) * 8, 0)) & 255
+    scale = (gl.maximum(byte - exp_off, 0) << 23).to(gl.float32, bitcast=True).to(gl.float16)
+    x3 = x.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    return gl.reshape(x3 * gl.expand_dims(scale, 2), [BN, NC * 64])
+
+
+@gluon.jit
+def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_rows, len_a, B_U8, b_stride0, b_bs, b_rows,
+              len_b, bt_row, visible, lo, hi, tiles_a, a_exp_off, b_exp_off, COMP: gl.constexpr, BN: gl.constexpr):
+    """Producer warpgroup: for each key tile, load its rows (e4m3 bytes and scale words into
+    registers, RoPE values with cp.async into the stage's RoPE buffer), wait until the consumers
+    have released K[stage], dequantize into it and signal ``kready``. The index pipeline runs one
+    tile ahead (the block-table load of tile g+1 is in flight while tile g's rows load)."""
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0])  # [BN, n, 64] e4m3 bytes
+    Lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [BN, 64] bf16
+    Lrow: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
+    v, r = _idx_load(lo, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
+    slots_c, valid_c = _idx_resolve(lo, tiles_a, v, r, visible, bt_row, b_bs, COMP)
+    v_c, r_c = _idx_load(lo + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
+    for g in range(lo, hi):
+        i = g - lo
+        stage = i % 2
+        is_a = g < tiles_a
+        base_ptr = gl.where(is_a, A_U8, B_U8)
+        row, srow = _row_offsets(slots_c, is_a, a_stride0, b_stride0, a_bs, b_bs)
+        valid = valid_c
+        ptrs, m = _chunk_ptrs(base_ptr, row, valid, 0, 2, L3)
+        x01 = gl.load(ptrs, mask=m, other=0)
+        ptrs, m = _chunk_ptrs(base_ptr, row, valid, 2, 2, L3)
+        x23 = gl.load(ptrs, mask=m, other=0)
+        ptrs, m = _chunk_ptrs(base_ptr, row, valid, 4, 2, L3)
+        x45 = gl.load(ptrs, mask=m, other=0)
+        ptrs, m = _chunk_ptrs(base_ptr, row, valid, 6, 1, L3)
+        x6 = gl.load(ptrs, mask=m, other=0)
+        e_ptr = (base_ptr + srow).to(gl.pointer_type(gl.int32), bitcast=True)
+        e0 = gl.load(e_ptr, mask=valid, other=0)
+        e1 = gl.load(e_ptr + 1, mask=valid, other=0)
+        row_r = gl.convert_layout(row, gl.SliceLayout(1, Lr))
+        valid_r = gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, Lr)), 1)
+        c_r = gl.arange(0, 64, layout=gl.SliceLayout(0, Lr))
+        rptr = (base_ptr + gl.expand_dims(row_r + 448, 1)).to(gl.pointer_type(gl.bfloat16), bitcast=True) \
+            + gl.expand_dims(c_r, 0)
+        async_copy.async_copy_global_to_shared(rope.index(stage), rptr, mask=valid_r)
+        async_copy.commit_group()
+        # next tile's rows through the block table while this tile's bytes are in flight
+        slots_c, valid_c = _idx_resolve(g + 1, tiles_a, v_c, r_c, visible, bt_row, b_bs, COMP)
+        v_c, r_c = _idx_load(g + 2, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
+        exp_off = gl.where(is_a, a_exp_off, b_exp_off)
+        mbarrier.wait(kempty.index(stage), ((i // 2) & 1) ^ 1)
+        k_buf = k_smem.index(stage)
+        k_buf.slice(0, 128, dim=1).store(_dequant(x01, e0, 0, exp_off, BN))
+        k_buf.slice(128, 128, dim=1).store(_dequant(x23, e0, 2, exp_off, BN))
+        k_buf.slice(256, 128, dim=1).store(_dequant(x45, e1, 0, exp_off, BN))
+        k_buf.slice(384, 64, dim=1).store(_dequant(x6, e1, 2, exp_off, BN))
+        async_copy.wait_group(0)
+        k_buf.slice(448, 64, dim=1).store(rope.index(stage).load(Lr).to(gl.float16))
+        vflag.index(stage).store(valid.to(gl.int8))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(kready.index(stage), count=1)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, stride_qh, t64, hb, num_heads, qk_scale,
+              lo, hi, BH: gl.constexpr, BN: gl.constexpr):
+    """Consumer warpgroups (the default partition, 8 warps): q into shared memory, then per key tile
+    Q·Kᵀ (each warpgroup half of the keys), online softmax, P through shared memory, P·V (each
+    warpgroup half of the 512 dims) left running into the next tile. Returns (acc, m, l)."""
+    Lq: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # [BH, 512] q rows
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BN // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, 256, 16])
+    Lsc: gl.constexpr = gl.SliceLayout(0, s_layout)
+    Lsr: gl.constexpr = gl.SliceLayout(1, s_layout)
+    Lor: gl.constexpr = gl.SliceLayout(1, o_layout)
+    h_q = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, Lq))
+    d_q = gl.arange(0, 512, layout=gl.SliceLayout(0, Lq))
+    q = gl.load(Q + t64 * stride_qt + gl.expand_dims(h_q.to(gl.int64) * stride_qh, 1) + gl.expand_dims(d_q, 0),
+                mask=gl.expand_dims(h_q < num_heads, 1), other=0.0)
+    q_smem.store((q * qk_scale).to(gl.float16))  # the softmax scale (with log2 e) folded into q
+    fence_async_shared()
+    gl.thread_barrier()
+
+    m_i = gl.full([BH], -1.0e30, gl.float32, layout=Lsr)
+    l_i = gl.zeros([BH], gl.float32, layout=Lsr)
+    acc = gl.zeros([BH, 512], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BH, BN], gl.float32, layout=s_layout)
+    for g in range(lo, hi):
+        i = g - lo
+        stage = i % 2
+        mbarrier.wait(kready.index(stage), (i // 2) & 1)
+        k_cur = k_smem.index(stage)
+        s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        valid_s = vflag.index(stage).load(Lsc) != 0
+        s = gl.where(gl.expand_dims(valid_s, 0), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        alpha_o = gl.convert_layout(alpha, Lor)
+        acc = warpgroup_mma(p_smem, k_cur, acc * gl.expand_dims(alpha_o, 1), is_async=True)
+        # retired here, not across the next mbarrier wait (ptxas serializes every wgmma otherwise,
+        # C7515); the producer runs meanwhile. Both warpgroups past it: K[stage] and P are free.
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(kempty.index(stage), count=1)
+    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -122,36 +234,30 @@ def sparse_mla_fwd_hopper(
     PO, PML,
     num_heads, qk_scale, split, a_exp_off, b_exp_off,
     COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
-    IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64, STAGES: gl.constexpr = 2,
+    IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64,
 ):
     BH: gl.constexpr = BLOCK_H
-    TR: gl.constexpr = BN // 8  # rows of a tile per warp (8 warps)
-    # ---- layouts ------------------------------------------------------------------------------
-    Lw: gl.constexpr = gl.BlockedLayout([1, 16], [TR, 32 // TR], [8, 1], [1, 0])  # [BN, 256|512] bytes, 16 B vectors
-    Lr: gl.constexpr = gl.BlockedLayout([1, 8], [TR, 32 // TR], [8, 1], [1, 0])  # [BN, 64] bf16 / [BN, 8] bytes
-    Lq: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # [BH, 512] q rows
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BN // 2, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, 256, 16])
-    Lrow: gl.constexpr = gl.SliceLayout(1, Lw)
-    Lsc: gl.constexpr = gl.SliceLayout(0, s_layout)
-    Lsr: gl.constexpr = gl.SliceLayout(1, s_layout)
+    Lq: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # [BH, 512] output rows
     Lor: gl.constexpr = gl.SliceLayout(1, o_layout)
     Loc: gl.constexpr = gl.SliceLayout(0, o_layout)
 
-    # ---- shared memory ------------------------------------------------------------------------
+    # ---- shared memory: q, two K tiles (the producer fills one while the consumers read the
+    #      other), P, the producer's RoPE ring, tile validity, and the two mbarrier pairs --------
     q_smem = gl.allocate_shared_memory(gl.float16, [BH, 512], gl.NVMMASharedLayout.get_default_for([BH, 512], gl.float16))
-    k_smem = gl.allocate_shared_memory(gl.float16, [BN, 512], gl.NVMMASharedLayout.get_default_for([BN, 512], gl.float16))
+    k_smem = gl.allocate_shared_memory(gl.float16, [2, BN, 512],
+                                       gl.NVMMASharedLayout.get_default_for([BN, 512], gl.float16))
     p_smem = gl.allocate_shared_memory(gl.float16, [BH, BN], gl.NVMMASharedLayout.get_default_for([BH, BN], gl.float16))
-    raw = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 512],
-                                    gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0]))
-    rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 64],
+    rope = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64],
                                      gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
-    vflag = gl.allocate_shared_memory(gl.int8, [STAGES, BN], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
-                                                                                order=[0]))
-    sc = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
-                                                                                 order=[1, 0]))
+    vflag = gl.allocate_shared_memory(gl.int8, [2, BN], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+                                                                           order=[0]))
+    kready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kempty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kready.index(i), count=1)
+        mbarrier.init(kempty.index(i), count=1)
 
     pid = gl.program_id(0)
     n_hb = gl.cdiv(num_heads, BH)
@@ -186,75 +292,12 @@ def sparse_mla_fwd_hopper(
     b_rows = B_ROWS + t64 * stride_br
     bt_row = BT + req.to(gl.int64) * stride_bt
 
-    # ---- prologue: q loads in flight first, then tiles lo .. lo+STAGES-2, then the index pipeline ----
-    h_q = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, Lq))
-    d_q = gl.arange(0, 512, layout=gl.SliceLayout(0, Lq))
-    q = gl.load(Q + t64 * stride_qt + gl.expand_dims(h_q.to(gl.int64) * stride_qh, 1) + gl.expand_dims(d_q, 0),
-                mask=gl.expand_dims(h_q < num_heads, 1), other=0.0)
-    for i in gl.static_range(STAGES - 1):
-        v0, r0 = _idx_load(lo + i, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
-        slots0, valid0 = _idx_resolve(lo + i, tiles_a, v0, r0, visible, bt_row, b_bs, COMP)
-        _issue_tile_copy(raw, rope, sc, i, slots0, valid0, lo + i < tiles_a, A_U8, B_U8, a_stride0, b_stride0,
-                         a_bs, b_bs, BN, Lw, Lr)
-        async_copy.commit_group()
-        vflag.index(i).store(valid0.to(gl.int8))
-    v_c, r_c = _idx_load(lo + STAGES - 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
-    slots_c, valid_c = _idx_resolve(lo + STAGES - 1, tiles_a, v_c, r_c, visible, bt_row, b_bs, COMP)
-    v_c, r_c = _idx_load(lo + STAGES, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
-
-    q_smem.store(q.to(gl.float16))
-
-    m_i = gl.full([BH], -1.0e30, gl.float32, layout=Lsr)
-    l_i = gl.zeros([BH], gl.float32, layout=Lsr)
-    acc = warpgroup_mma_init(gl.zeros([BH, 512], gl.float32, layout=o_layout))
-    s_zero = gl.zeros([BH, BN], gl.float32, layout=s_layout)
-
-    for g in range(lo, hi):
-        stage = (g - lo) % STAGES
-        # a. tile g+STAGES-1's copies go out (its stage held tile g-1, consumed before the last
-        #    barrier of the previous iteration; its slots were resolved last iteration), tile
-        #    g+STAGES's entries go through the block table and tile g+STAGES+1's entries start
-        #    loading: every index load issued here is consumed one iteration later. The previous
-        #    P·V keeps running meanwhile.
-        nxt = (g - lo + STAGES - 1) % STAGES
-        _issue_tile_copy(raw, rope, sc, nxt, slots_c, valid_c, g + STAGES - 1 < tiles_a, A_U8, B_U8, a_stride0,
-                         b_stride0, a_bs, b_bs, BN, Lw, Lr)
-        async_copy.commit_group()
-        vflag.index(nxt).store(valid_c.to(gl.int8))
-        slots_c, valid_c = _idx_resolve(g + STAGES, tiles_a, v_c, r_c, visible, bt_row, b_bs, COMP)
-        v_c, r_c = _idx_load(g + STAGES + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
-        exp_off = gl.where(g < tiles_a, a_exp_off, b_exp_off)
-        # b. this tile's rows have landed; the previous P·V has finished reading k_smem / p_smem
-        async_copy.wait_group(STAGES - 1)
-        acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        gl.thread_barrier()
-        valid_s = vflag.index(stage).load(Lsc) != 0
-        # c. dequantize into the fp16 K tile (two halves, then the RoPE columns over the masked tile 7)
-        raw_st = raw.index(stage)
-        sc_st = sc.index(stage)
-        k_smem.slice(0, 256, dim=1).store(_dequant_half(raw_st, sc_st, exp_off, 0, BN, Lw))
-        k_smem.slice(256, 256, dim=1).store(_dequant_half(raw_st, sc_st, exp_off, 1, BN, Lw))
-        r = rope.index(stage).load(Lr)
-        k_smem.slice(448, 64, dim=1).store(r.to(gl.float16))
-        fence_async_shared()
-        gl.thread_barrier()
-        # d. scores: each warpgroup computes half of the key columns
-        s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        s = gl.where(gl.expand_dims(valid_s, 0), s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        p_smem.store(p.to(gl.float16))
-        fence_async_shared()
-        gl.thread_barrier()
-        # e. acc = acc * alpha + P·V, left running into the next iteration
-        alpha_o = gl.convert_layout(alpha, Lor)
-        acc = warpgroup_mma(p_smem, k_smem, acc_t * gl.expand_dims(alpha_o, 1), is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    async_copy.wait_group(0)
+    acc, m_i, l_i = gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, stride_qh, t64, hb, num_heads,
+                     qk_scale, lo, hi, BH, BN)),
+        (_producer, (k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_rows, len_a, B_U8, b_stride0, b_bs,
+                     b_rows, len_b, bt_row, visible, lo, hi, tiles_a, a_exp_off, b_exp_off, COMP, BN)),
+    ], [4], [PRODUCER_REGS])
 
     # ---- epilogue ------------------------------------------------------------------------------
     h_o = hb * BH + gl.arange(0, BH, layout=Lor)

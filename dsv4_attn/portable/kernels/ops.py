@@ -65,7 +65,6 @@ class KernelConfig:
     p_scratch: int = 1  # 1: P/alpha round-trip through a per-program scratch (see attention.py)
     impl: str = "auto"  # auto | gluon (Hopper kernel, MODEL1 only) | triton (portable kernel)
     g_block_n: int = 64  # Gluon kernel: keys per tile
-    g_stages: int = 2  # Gluon kernel: depth of the cp.async ring of raw tiles
 
     def dt(self):
         name = self.dot_dtype
@@ -213,7 +212,7 @@ def sparse_mla_fwd(
             po, pml,
             H, scale * LOG2E, split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
             COMP=comp_mode, C4A_RATIO=4, HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
-            IS_SPLIT=split > 1, BN=bn, STAGES=config.g_stages, num_warps=hopper.NUM_WARPS,
+            IS_SPLIT=split > 1, BN=bn, num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG,
         )
     else:
         _launch_portable(q, out, lse_t, stride_lt, sink_t, a_u8, a_16, a_s0, a_bs, swa_rows, swa_lens, b_u8, b_16,
