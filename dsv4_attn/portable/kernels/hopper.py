@@ -97,7 +97,8 @@ def _prefetch_l2(g, slots, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs
     is_a = g < tiles_a
     row, srow = _row_offsets(slots, is_a, a_stride0, b_stride0, a_bs, b_bs)
     base_ptr = gl.where(is_a, A_U8, B_U8)
-    gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 576;\n\tprefetch.global.L2 [$2];\n\tmov.b32 $0, 0;",
+    gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 576;\n\t"
+                              "prefetch.global.L2 [$2];\n\tmov.b32 $0, 0;",
                               "=r,l,l", [base_ptr + row, base_ptr + srow], dtype=gl.int32, is_pure=False, pack=1)
 
 
