@@ -115,11 +115,11 @@ def choose(spec: ModelSpec, fmt: KVFormat, device: torch.device) -> dict:
             if name == requested:
                 out[key] = {"backend": name, "source": f"forced by {source}", "passed_over": {}}
                 continue
-            why = f"auto ({plat.vendor} priority list)"
+            why = f"auto ({plat.vendor} {phase.value} priority list)"
             if requested != "auto":
                 why += f"; the forced {requested!r} does not implement {phase.value}"
             passed = {}
-            for cand in backend_mod.PRIORITY.get(plat.vendor, []):
+            for cand in backend_mod.priority_for(plat, phase):
                 if cand == name:
                     break
                 passed[cand] = backend_mod.reasons_for(cand, plat, spec, fmt, kind, phase)

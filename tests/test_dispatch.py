@@ -37,7 +37,8 @@ def fakes():
         bm.register_backend(name, _Fake(name, reasons, **kw),
                             priority=None if index is None else {"cuda": index})
 
-    bm.PRIORITY["cuda"] = []
+    for key in [k for k in bm.PRIORITY if k == "cuda" or k.startswith("cuda/")]:
+        bm.PRIORITY[key] = []
     yield add
     bm._REGISTRY.clear(), bm._REGISTRY.update(saved_registry)
     bm.PRIORITY.clear(), bm.PRIORITY.update(saved_priority)
@@ -54,6 +55,20 @@ def test_auto_walks_priority_list(fakes):
     fakes("vendor-b", [], index=1)
     fakes("portable", [], index=2)
     assert bm.select(_cuda(), SPEC, KVFormat.MODEL1_FP8, LayerKind.C4A, dsv4.Phase.DECODE) == "vendor-b"
+
+
+def test_priority_refined_per_arch_and_phase(fakes):
+    """A "vendor/arch/phase" list overrides the vendor's list for that arch and phase only, and
+    register_backend(priority=...) inserts into the refinements too."""
+    bm.PRIORITY["cuda/sm90/prefill"] = []
+    fakes("kernel-lib", [], index=0)
+    fakes("portable", [], index=1)
+    assert bm.PRIORITY["cuda/sm90/prefill"] == ["kernel-lib", "portable"]
+    bm.PRIORITY["cuda/sm90/prefill"].reverse()
+    pick = {(arch, phase): bm.select(_cuda(arch), SPEC, KVFormat.MODEL1_FP8, LayerKind.C4A, phase)
+            for arch in ("sm90", "sm100") for phase in dsv4.Phase}
+    assert pick == {("sm90", dsv4.Phase.DECODE): "kernel-lib", ("sm90", dsv4.Phase.PREFILL): "portable",
+                    ("sm100", dsv4.Phase.DECODE): "kernel-lib", ("sm100", dsv4.Phase.PREFILL): "kernel-lib"}
 
 
 def test_no_backend_lists_every_reason(fakes):

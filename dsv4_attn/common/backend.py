@@ -143,13 +143,30 @@ _REGISTRY: dict[str, str | Backend] = {
     "aiter": "dsv4_attn.rocm.aiter:AiterBackend",
 }
 
-# Auto-selection order per vendor. The torch backend is the CPU default; on GPUs it is slow
-# (~30x FlashMLA) and is never picked silently: force it with backend="torch".
+# Auto-selection order per vendor, refined per "vendor/arch/phase" where measurements say so
+# (priority_for). The torch backend is the CPU default; on GPUs it is slow (~30x FlashMLA) and
+# is never picked silently: force it with backend="torch".
+# sm90 prefill: triton reads the fp8 cache in place and took 0.43-0.97x the time of the flashmla
+# backend (bf16 gather + FlashMLA prefill, with host syncs) on all 8 `dsv4-attn bench` prefill
+# configs (H100, 2026-11-23); decode stays FlashMLA-first (triton 0.82-1.48x its speed, by heads
+# and batch: no single winner).
 PRIORITY: dict[str, list[str]] = {
     "cuda": ["flashmla", "flashinfer-trtllm", "triton"],
+    "cuda/sm90/prefill": ["triton", "flashmla", "flashinfer-trtllm"],
     "rocm": ["aiter", "triton"],
     "cpu": ["torch"],
 }
+
+
+def priority_for(platform: Platform, phase: Phase) -> list[str]:
+    """The auto-selection order for ``platform`` and ``phase``: the most specific PRIORITY key
+    of "vendor/arch/phase", "vendor/phase", "vendor"."""
+    phase = Phase(phase)
+    for key in (f"{platform.vendor}/{platform.arch}/{phase.value}", f"{platform.vendor}/{phase.value}",
+                platform.vendor):
+        if key in PRIORITY:
+            return PRIORITY[key]
+    return []
 
 _instances: dict[str, Backend] = {}
 _import_errors: dict[str, str] = {}
@@ -158,16 +175,19 @@ _import_errors: dict[str, str] = {}
 def register_backend(name: str, backend: str | Backend, priority: dict[str, int] | None = None) -> None:
     """Register ``backend`` (an instance or a "module:Class" path) under ``name``.
 
-    ``priority`` optionally inserts it into vendor priority lists, e.g. ``{"cpu": 0}``.
+    ``priority`` optionally inserts it into vendor priority lists, e.g. ``{"cpu": 0}`` (into the
+    vendor's list and every refinement of it, "cpu/...").
     """
     _REGISTRY[name] = backend
     _instances.pop(name, None)
     _import_errors.pop(name, None)
     for vendor, index in (priority or {}).items():
-        order = PRIORITY.setdefault(vendor, [])
-        if name in order:
-            order.remove(name)
-        order.insert(index, name)
+        PRIORITY.setdefault(vendor, [])
+        for key, order in PRIORITY.items():
+            if key == vendor or key.startswith(vendor + "/"):
+                if name in order:
+                    order.remove(name)
+                order.insert(index, name)
 
 
 def unregister_backend(name: str) -> None:
@@ -282,7 +302,7 @@ def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, 
                 + "\n".join(f"  - {r}" for r in reasons)
             )
         return requested
-    candidates = PRIORITY.get(platform.vendor, [])
+    candidates = priority_for(platform, phase)
     report = []
     for name in candidates:
         reasons = reasons_for(name, platform, spec, fmt, kind, phase, dialects)
