@@ -168,6 +168,7 @@ def priority_for(platform: Platform, phase: Phase) -> list[str]:
             return PRIORITY[key]
     return []
 
+
 _instances: dict[str, Backend] = {}
 _import_errors: dict[str, str] = {}
 
