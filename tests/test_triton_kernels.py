@@ -161,9 +161,10 @@ def test_empty_rows_padding_tokens_and_fnuz(device, gen):
 
 
 @pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("swa_bs,block_size", [(1, 256), (2, 512), (256, 256)])
+@pytest.mark.parametrize("swa_bs,block_size", [(1, 256), (2, 512), (256, 256), (48, 256), (64, 384)])
 def test_block_sizes(device, swa_bs, block_size, gen):
-    """SWA block sizes 1/2/256 and compressed blocks of 64/128 (C4A) and 2/4 (C128A) entries."""
+    """SWA block sizes 1/2/256/48/64 and compressed blocks of 64/128/96 (C4A) and 2/4/3 (C128A)
+    entries: powers of two (the Gluon kernel splits slots with shifts) and not (divisions)."""
     name = _backend("triton-t32", block_n=32)
     spec, batch, caches, topk, q, sink = make_case(gen, [1, 3], [700, 260], swa_bs=swa_bs, block_size=block_size)
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend=name)

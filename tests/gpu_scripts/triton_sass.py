@@ -30,9 +30,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--comp", type=int, default=2, help="0 SWA only, 1 global compressed rows, 2 C4A local top-k")
     p.add_argument("--split", action="store_true", help="the split-KV variant (small batches)")
+    p.add_argument("--shifts", type=int, nargs=2, default=(6, 6), metavar=("A", "B"),
+                   help="log2 of the SWA / compressed cache block sizes (-1: not a power of two)")
     args = p.parse_args()
     fn = hopper.sparse_mla_fwd_hopper
-    const = dict(COMP=args.comp, C4A_RATIO=4, HAS_SINK=True, WRITE_LSE=False, IS_SPLIT=args.split, BN=64)
+    const = dict(COMP=args.comp, C4A_RATIO=4, HAS_SINK=True, WRITE_LSE=False, IS_SPLIT=args.split, BN=64,
+                 A_SHIFT=args.shifts[0], B_SHIFT=args.shifts[1])
     sig = {}
     for prm in fn.params:
         sig[prm.name] = (POINTERS.get(prm.name) or ("constexpr" if prm.name in const else

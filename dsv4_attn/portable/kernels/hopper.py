@@ -59,7 +59,18 @@ def _idx_load(g, lo_b, hi, a_rows, len_a, b_rows, len_b, COMP: gl.constexpr, BN:
 
 
 @gluon.jit
-def _idx_resolve(g, lo_b, val, inr, visible, bt_row, b_bs, COMP: gl.constexpr):
+def _split_slot(slots, bs, shift, POW2: gl.constexpr):
+    """(block, offset in block) of non-negative ``slots``: a shift and a mask when the block size
+    ``bs`` is a power of two (= 2^shift), else the integer division (~20 instructions each)."""
+    if POW2:
+        return slots >> shift, slots & (bs - 1)
+    else:
+        blk = slots // bs
+        return blk, slots - blk * bs
+
+
+@gluon.jit
+def _idx_resolve(g, lo_b, val, inr, visible, bt_row, b_bs, B_SHIFT: gl.constexpr, COMP: gl.constexpr):
     """Index pipeline, stage 2: entries -> (slots, valid); C4A local positions -> global slots
     through the ratio-4 block table row (invalid: -1, >= visible, or past the row's length)."""
     valid = inr & (val >= 0)
@@ -67,49 +78,49 @@ def _idx_resolve(g, lo_b, val, inr, visible, bt_row, b_bs, COMP: gl.constexpr):
     if COMP == 2:
         vb = valid & (val < visible)
         local = gl.where(vb, val, 0)
-        col = local // b_bs
+        col, off = _split_slot(local, b_bs, B_SHIFT, B_SHIFT >= 0)
         blk = gl.load(bt_row + col, mask=vb & (g >= lo_b), other=0)
-        sb = blk * b_bs + (local - col * b_bs)
+        sb = blk * b_bs + off
         valid = gl.where(g < lo_b, valid, vb)
         slots = gl.where(g < lo_b, val, sb)
     return gl.where(valid, slots, 0), valid
 
 
 @gluon.jit
-def _row_offsets(slots, is_a, a_stride0, b_stride0, a_bs, b_bs):
-    """Byte offsets (int64) of the rows' 576-byte data and of their 8 scale bytes."""
+def _row_ptrs(g, slots, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs, A_SHIFT: gl.constexpr,
+              B_SHIFT: gl.constexpr):
+    """Pointers (u8) to tile ``g``'s rows' 576-byte data and to their 8 scale bytes; slot ->
+    byte offsets in int64. Computed once per tile, for its L2 prefetch and its loads."""
+    is_a = g < tiles_a
     stride0 = gl.where(is_a, a_stride0, b_stride0)
     bs = gl.where(is_a, a_bs, b_bs)
-    blk = slots // bs
-    off = slots - blk * bs
+    blk, off = _split_slot(slots, bs, gl.where(is_a, A_SHIFT, B_SHIFT), A_SHIFT >= 0 and B_SHIFT >= 0)
     blk_base = blk.to(gl.int64) * stride0
+    base_ptr = gl.where(is_a, A_U8, B_U8)
     # 16-byte aligned rows (the launcher checks stride(0) % 16 == 0 and a 16-byte aligned base)
     row = gl.multiple_of(blk_base + off.to(gl.int64) * 576, 16)
     srow = gl.multiple_of(blk_base + bs * 576 + off.to(gl.int64) * 8, 8)
-    return row, srow
+    return base_ptr + row, base_ptr + srow
 
 
 @gluon.jit
-def _prefetch_l2(g, slots, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs):
-    """Pull tile ``g``'s rows (576 data bytes with one bulk prefetch each, and the line of their
-    scale bytes) into L2: no registers or shared memory held, so the producer's loads of that
-    tile one iteration later wait for L2 instead of DRAM."""
-    is_a = g < tiles_a
-    row, srow = _row_offsets(slots, is_a, a_stride0, b_stride0, a_bs, b_bs)
-    base_ptr = gl.where(is_a, A_U8, B_U8)
+def _prefetch_l2(row_ptr, srow_ptr):
+    """Pull rows (576 data bytes with one bulk prefetch each, and the line of their scale bytes)
+    into L2: no registers or shared memory held, so the producer's loads of that tile one
+    iteration later wait for L2 instead of DRAM."""
     gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 576;\n\t"
                               "prefetch.global.L2 [$2];\n\tmov.b32 $0, 0;",
-                              "=r,l,l", [base_ptr + row, base_ptr + srow], dtype=gl.int32, is_pure=False, pack=1)
+                              "=r,l,l", [row_ptr, srow_ptr], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def _chunk_ptrs(base_ptr, row, valid, C0: gl.constexpr, NC: gl.constexpr, L3: gl.constexpr):
+def _chunk_ptrs(row_ptr, valid, C0: gl.constexpr, NC: gl.constexpr, L3: gl.constexpr):
     """Pointers [BN, NC, 64] to the e4m3 tiles C0 .. C0+NC-1 (64 bytes each) of the rows, and the
-    row-validity mask (``row``/``valid`` [BN] in the row layout of ``L3``)."""
+    row-validity mask (``row_ptr``/``valid`` [BN] in the row layout of ``L3``)."""
     c = gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     col = gl.expand_dims(gl.expand_dims((c + C0) * 64, 0), 2) + gl.expand_dims(gl.expand_dims(c64, 0), 1)
-    ptrs = base_ptr + gl.expand_dims(gl.expand_dims(row, 1), 2) + col
+    ptrs = gl.expand_dims(gl.expand_dims(row_ptr, 1), 2) + col
     return ptrs, gl.expand_dims(gl.expand_dims(valid, 1), 2) & (col >= 0)
 
 
@@ -128,47 +139,51 @@ def _dequant(x, e, B0: gl.constexpr, exp_off, BN: gl.constexpr):
 
 @gluon.jit
 def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_rows, len_a, B_U8, b_stride0, b_bs, b_rows,
-              len_b, bt_row, visible, lo, hi, tiles_a, a_exp_off, b_exp_off, COMP: gl.constexpr, BN: gl.constexpr):
+              len_b, bt_row, visible, lo, hi, tiles_a, a_exp_off, b_exp_off, A_SHIFT: gl.constexpr,
+              B_SHIFT: gl.constexpr, COMP: gl.constexpr, BN: gl.constexpr):
     """Producer warpgroup: for each key tile, load its rows (e4m3 bytes and scale words into
     registers, RoPE values with cp.async into the stage's RoPE buffer), wait until the consumers
     have released K[stage], dequantize into it and signal ``kready``. The index pipeline and an
     L2 prefetch of the rows run one tile ahead (tile g+1 goes through the block table and into
-    L2 while tile g's rows load; two tiles ahead measured slower)."""
+    L2 while tile g's rows load; two tiles ahead measured slower); its row pointers are resolved
+    once, for the prefetch and the next iteration's loads."""
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0])  # [BN, n, 64] e4m3 bytes
     Lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [BN, 64] bf16
     Lrow: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
     v, r = _idx_load(lo, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
-    slots_c, valid_c = _idx_resolve(lo, tiles_a, v, r, visible, bt_row, b_bs, COMP)
+    slots_c, valid_c = _idx_resolve(lo, tiles_a, v, r, visible, bt_row, b_bs, B_SHIFT, COMP)
+    row_c, srow_c = _row_ptrs(lo, slots_c, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs, A_SHIFT, B_SHIFT)
     v_c, r_c = _idx_load(lo + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
     for g in range(lo, hi):
         i = g - lo
         stage = i % 2
         is_a = g < tiles_a
-        base_ptr = gl.where(is_a, A_U8, B_U8)
-        row, srow = _row_offsets(slots_c, is_a, a_stride0, b_stride0, a_bs, b_bs)
+        row = row_c
         valid = valid_c
-        ptrs, m = _chunk_ptrs(base_ptr, row, valid, 0, 2, L3)
+        ptrs, m = _chunk_ptrs(row, valid, 0, 2, L3)
         x01 = gl.load(ptrs, mask=m, other=0)
-        ptrs, m = _chunk_ptrs(base_ptr, row, valid, 2, 2, L3)
+        ptrs, m = _chunk_ptrs(row, valid, 2, 2, L3)
         x23 = gl.load(ptrs, mask=m, other=0)
-        ptrs, m = _chunk_ptrs(base_ptr, row, valid, 4, 2, L3)
+        ptrs, m = _chunk_ptrs(row, valid, 4, 2, L3)
         x45 = gl.load(ptrs, mask=m, other=0)
-        ptrs, m = _chunk_ptrs(base_ptr, row, valid, 6, 1, L3)
+        ptrs, m = _chunk_ptrs(row, valid, 6, 1, L3)
         x6 = gl.load(ptrs, mask=m, other=0)
-        e_ptr = (base_ptr + srow).to(gl.pointer_type(gl.int32), bitcast=True)
+        e_ptr = srow_c.to(gl.pointer_type(gl.int32), bitcast=True)
         e0 = gl.load(e_ptr, mask=valid, other=0)
         e1 = gl.load(e_ptr + 1, mask=valid, other=0)
         row_r = gl.convert_layout(row, gl.SliceLayout(1, Lr))
         valid_r = gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, Lr)), 1)
         c_r = gl.arange(0, 64, layout=gl.SliceLayout(0, Lr))
-        rptr = (base_ptr + gl.expand_dims(row_r + 448, 1)).to(gl.pointer_type(gl.bfloat16), bitcast=True) \
+        rptr = gl.expand_dims(row_r + 448, 1).to(gl.pointer_type(gl.bfloat16), bitcast=True) \
             + gl.expand_dims(c_r, 0)
         async_copy.async_copy_global_to_shared(rope.index(stage), rptr, mask=valid_r)
         async_copy.commit_group()
         # next tile's rows through the block table (and into L2) while this tile's bytes are in flight
-        slots_c, valid_c = _idx_resolve(g + 1, tiles_a, v_c, r_c, visible, bt_row, b_bs, COMP)
+        slots_c, valid_c = _idx_resolve(g + 1, tiles_a, v_c, r_c, visible, bt_row, b_bs, B_SHIFT, COMP)
         v_c, r_c = _idx_load(g + 2, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
-        _prefetch_l2(g + 1, slots_c, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs)
+        row_c, srow_c = _row_ptrs(g + 1, slots_c, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs,
+                                  A_SHIFT, B_SHIFT)
+        _prefetch_l2(row_c, srow_c)
         exp_off = gl.where(is_a, a_exp_off, b_exp_off)
         mbarrier.wait(kempty.index(stage), ((i // 2) & 1) ^ 1)
         k_buf = k_smem.index(stage)
@@ -249,7 +264,7 @@ def sparse_mla_fwd_hopper(
     PO, PML,
     num_heads, qk_scale, split, a_exp_off, b_exp_off,
     COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
-    IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64,
+    IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64, A_SHIFT: gl.constexpr = -1, B_SHIFT: gl.constexpr = -1,
 ):
     BH: gl.constexpr = BLOCK_H
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -311,7 +326,8 @@ def sparse_mla_fwd_hopper(
         (_consumer, (q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, stride_qh, t64, hb, num_heads,
                      qk_scale, lo, hi, BH, BN)),
         (_producer, (k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_rows, len_a, B_U8, b_stride0, b_bs,
-                     b_rows, len_b, bt_row, visible, lo, hi, tiles_a, a_exp_off, b_exp_off, COMP, BN)),
+                     b_rows, len_b, bt_row, visible, lo, hi, tiles_a, a_exp_off, b_exp_off, A_SHIFT, B_SHIFT,
+                     COMP, BN)),
     ], [4], [PRODUCER_REGS])
 
     # ---- epilogue ------------------------------------------------------------------------------

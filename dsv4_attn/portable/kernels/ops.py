@@ -92,6 +92,12 @@ def _cache_views(cache: torch.Tensor, fmt_code: int) -> tuple[torch.Tensor, torc
     return u8, u8, stride0, bs
 
 
+def _log2_or_minus1(block_size: int) -> int:
+    """log2 of a power-of-two cache block size (the Gluon kernel then splits slots with shifts),
+    else -1 (integer division)."""
+    return block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+
+
 @functools.lru_cache(maxsize=8)
 def _gluon_ok(index: int) -> bool:
     """Hopper GPU and an importable Gluon (Triton >= 3.5)."""
@@ -212,7 +218,8 @@ def sparse_mla_fwd(
             po, pml,
             H, scale * LOG2E, split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
             COMP=comp_mode, C4A_RATIO=4, HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
-            IS_SPLIT=split > 1, BN=bn, num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG,
+            IS_SPLIT=split > 1, BN=bn, A_SHIFT=_log2_or_minus1(a_bs), B_SHIFT=_log2_or_minus1(b_bs),
+            num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG,
         )
     else:
         _launch_portable(q, out, lse_t, stride_lt, sink_t, a_u8, a_16, a_s0, a_bs, swa_rows, swa_lens, b_u8, b_16,
