@@ -146,10 +146,10 @@ _REGISTRY: dict[str, str | Backend] = {
 # Auto-selection order per vendor, refined per "vendor/arch/phase" where measurements say so
 # (priority_for). The torch backend is the CPU default; on GPUs it is slow (~30x FlashMLA) and
 # is never picked silently: force it with backend="torch".
-# sm90 prefill: triton reads the fp8 cache in place and took 0.43-0.97x the time of the flashmla
-# backend (bf16 gather + FlashMLA prefill, with host syncs) on all 8 `dsv4-attn bench` prefill
-# configs (H100, 2026-11-23); decode stays FlashMLA-first (triton 0.82-1.48x its speed, by heads
-# and batch: no single winner).
+# sm90 prefill: triton reads the fp8 cache in place (no host sync, no bf16 workspace) and took
+# 0.43-1.02x the time of the flashmla backend (bf16 gather + FlashMLA prefill) on the 8
+# `dsv4-attn bench` prefill configs in two H100 runs (2026-11-23; parity only on the largest H=128
+# ones); decode stays FlashMLA-first (triton 0.82-1.48x its speed, by heads and batch).
 PRIORITY: dict[str, list[str]] = {
     "cuda": ["flashmla", "flashinfer-trtllm", "triton"],
     "cuda/sm90/prefill": ["triton", "flashmla", "flashinfer-trtllm"],
