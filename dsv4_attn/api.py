@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 
 import torch
 
@@ -25,7 +24,7 @@ from .common.backend import Backend, LayerInputs, Phase
 from .common.batch import StepBatch
 from .common.layout import Fp8Dialect, KVFormat, check_cache
 from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan
-from .common.platform import Platform, platform_for_device
+from .common.platform import Platform, platform_for_device, triton_interpreting
 from .common.spec import HEAD_DIM, MAX_HEADS, LayerKind, ModelSpec
 
 
@@ -287,9 +286,8 @@ def _make_front_end(choice: str, device: torch.device) -> FrontEnd:
     """The index front end for ``device``: Triton on GPUs (CUDA and ROCm builds of torch both
     report device type "cuda") when it is importable, else torch; "triton" forced where it
     cannot run raises."""
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     has_triton = importlib.util.find_spec("triton") is not None
-    triton_runs = has_triton and (device.type == "cuda" or interpreting)
+    triton_runs = has_triton and (device.type == "cuda" or triton_interpreting())
     if choice == "triton" and not triton_runs:
         why = "triton is not importable" if not has_triton else f"device {device} is not a GPU"
         raise ValueError(f"front_end: got 'triton', but {why}; allowed: 'torch' or 'auto' here "

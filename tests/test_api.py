@@ -3,6 +3,7 @@ and input validation of the public API."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -200,7 +201,7 @@ def test_constructor_and_plan_reject_bad_arguments():
 
 # ---- index front ends -------------------------------------------------------------------------
 
-HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 FRONT_END_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

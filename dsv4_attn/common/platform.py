@@ -19,6 +19,13 @@ import torch
 
 from .layout import Fp8Dialect
 
+
+def triton_interpreting() -> bool:
+    """True when ``TRITON_INTERPRET`` selects Triton's CPU interpreter (read from the environment;
+    imports nothing)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 # (import name, distribution name) of the vendor libraries we can use.
 _LIBRARIES = {
     "flash_mla": ("flash_mla", "flash-mla"),

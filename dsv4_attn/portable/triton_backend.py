@@ -13,19 +13,14 @@ under ``TRITON_INTERPRET=1``, which tests use); NVIDIA GPUs older than sm_89 for
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
 from ..common.backend import Backend, Capabilities, LayerInputs, Phase
 from ..common.layout import Fp8Dialect, KVFormat, check_cache
-from ..common.platform import Platform
+from ..common.platform import Platform, triton_interpreting
 from ..common.plan import StepPlan
 from ..common.spec import LayerKind, ModelSpec
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class TritonBackend(Backend):
@@ -53,7 +48,7 @@ class TritonBackend(Backend):
             return [f"Triton failed to import: {type(exc).__name__}: {exc}"]
         fmt = KVFormat.parse(fmt)
         if platform.vendor == "cpu":
-            if not _interpreting():
+            if not triton_interpreting():
                 reasons.append("needs a GPU (NVIDIA sm_80+ or AMD ROCm); on CPU the Triton kernels run only "
                                "under TRITON_INTERPRET=1 (slow, for tests): use backend 'torch'")
         elif platform.vendor == "cuda":

@@ -378,9 +378,9 @@ class AiterBackend(Backend):
             self._forward_decode(api, plan, layer, out)
 
     def dialect_reasons(self, platform: Platform, fmt: KVFormat, kind: LayerKind, dialects) -> list[str]:
-        api = load_aiter(platform)
-        path, _ = self.choose_path(api, fmt, LayerKind.parse(kind))
-        return [] if path is None else self._dialect_problems(api, fmt, LayerKind.parse(kind), path, dialects)
+        api, kind = load_aiter(platform), LayerKind.parse(kind)
+        path, _ = self.choose_path(api, fmt, kind)
+        return [] if path is None else self._dialect_problems(api, fmt, kind, path, dialects)
 
     @staticmethod
     def _dialect_problems(api: AiterAPI, fmt: KVFormat, kind: LayerKind, path: str, dialects) -> list[str]:

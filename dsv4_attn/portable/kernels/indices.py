@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ...common.indices import IndexPair, Tokens
+from ...common.spec import LayerKind
 
 
 @triton.jit
@@ -35,13 +36,13 @@ def _step_rows_kernel(
     C_TABLE, stride_c_t, c_bs, c_cols,
     C_ROWS, stride_c_r, C_LENS, c_width,
     WINDOW: tl.constexpr, W_P2: tl.constexpr, HAS_C128: tl.constexpr, C_RATIO: tl.constexpr,
-    BLOCK_R: tl.constexpr, R_BLOCKS: tl.constexpr, BLOCK_C: tl.constexpr, C_BLOCKS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     t = tl.program_id(0)
     # request of token t: count query_start_loc[1..R] <= t (vectorized, no searchsorted)
     count = 0
-    for rb in range(R_BLOCKS):  # constexpr trip counts: runtime-int bounds break the CPU interpreter
-        r = rb * BLOCK_R + 1 + tl.arange(0, BLOCK_R)
+    for r0 in range(0, num_reqs, BLOCK_R):
+        r = r0 + 1 + tl.arange(0, BLOCK_R)
         starts = tl.load(QSL + r, mask=r <= num_reqs, other=2147483647)
         count += tl.sum((starts <= t).to(tl.int32), 0)
     total = tl.load(QSL + num_reqs)
@@ -72,8 +73,8 @@ def _step_rows_kernel(
 
     if HAS_C128:
         n = tl.where(valid, tl.minimum((pos + 1) // C_RATIO, c_width), 0)
-        for cb in range(C_BLOCKS):
-            c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        for c0 in range(0, c_width, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
             okc = c < n
             ccol = tl.minimum(c // c_bs, c_cols - 1)
             cblk = tl.load(C_TABLE + req64 * stride_c_t + ccol, mask=okc, other=0).to(tl.int64)
@@ -83,11 +84,9 @@ def _step_rows_kernel(
         tl.store(C_LENS + t, n.to(tl.int32))
 
 
-def _blocks(block_name: str, count_name: str, n: int) -> dict[str, int]:
-    """Tile width (power of two, <= 1024) and constexpr trip count covering ``n`` elements: the
-    counts are per-model constants (top-k, C128A width) or few buckets (requests), so few compiles."""
-    block = min(1024, triton.next_power_of_2(max(n, 1)))
-    return {block_name: block, count_name: triton.cdiv(n, block)}
+def _block(n: int) -> int:
+    """Tile width for a loop over ``n`` elements: a power of two, at most 1024."""
+    return min(1024, triton.next_power_of_2(max(n, 1)))
 
 
 def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int,
@@ -119,7 +118,7 @@ def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
         ct, ct.stride(0), c128_block_size if has_c else 1, ct.shape[1],
         cr, cr.stride(0), cl, width,
         WINDOW=window, W_P2=triton.next_power_of_2(window), HAS_C128=has_c, C_RATIO=128,
-        num_warps=4, **_blocks("BLOCK_R", "R_BLOCKS", R), **_blocks("BLOCK_C", "C_BLOCKS", width),
+        BLOCK_R=_block(R), BLOCK_C=_block(width), num_warps=4,
     )
 
 
@@ -128,7 +127,7 @@ def _c4a_rows_kernel(
     LOCAL, stride_l, POS, TOK2REQ, VALID,
     TABLE, stride_t, bs, table_cols,
     ROWS, LENS, K,
-    BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0)
     pos = tl.load(POS + t)
@@ -136,8 +135,8 @@ def _c4a_rows_kernel(
     req = tl.maximum(tl.load(TOK2REQ + t), 0).to(tl.int64)
     visible = (pos + 1) // 4
     n = tl.where(valid, tl.minimum(visible, K), 0)
-    for kb in range(K_BLOCKS):
-        c = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + tl.arange(0, BLOCK_K)
         local = tl.load(LOCAL + t.to(tl.int64) * stride_l + c, mask=c < K, other=-1).to(tl.int64)
         ok = (c < n) & (local >= 0) & (local < visible)
         col = tl.minimum(local // bs, table_cols - 1)
@@ -158,7 +157,7 @@ def c4a_rows(tokens: Tokens, table: torch.Tensor, comp_block_size: int,
         _c4a_rows_kernel[(T,)](
             local_topk, local_topk.stride(0), tokens.positions, tokens.token_to_req, tokens.valid,
             table, table.stride(0), comp_block_size, table.shape[1], rows, lens, K,
-            num_warps=4, **_blocks("BLOCK_K", "K_BLOCKS", K),
+            BLOCK_K=_block(K), num_warps=4,
         )
     return rows, lens
 
@@ -170,13 +169,13 @@ class TritonFrontEnd:
     name = "triton"
 
     def step_rows(self, batch, buffers, num_tokens: int) -> None:
-        has_c128a = 128 in batch.comp_block_tables
+        c128a = LayerKind.C128A
+        has_c128a = c128a.ratio in batch.comp_block_tables
         c_rows, c_lens = buffers.c128a() if has_c128a else (None, None)
         build_step_rows(batch.query_start_loc, batch.seq_lens, num_tokens, batch.swa_block_table,
                         batch.swa_block_size, buffers.spec.window, buffers.positions, buffers.token_to_req,
                         buffers.token_valid, buffers.swa_rows, buffers.swa_lens,
-                        batch.comp_block_tables.get(128), batch.block_size // 128 if has_c128a else 2,
-                        c_rows, c_lens)
+                        batch.comp_block_tables.get(c128a.ratio), batch.comp_block_size(c128a), c_rows, c_lens)
 
     def c4a_rows(self, tokens: Tokens, table: torch.Tensor, comp_block_size: int,
                  local_topk: torch.Tensor) -> IndexPair:

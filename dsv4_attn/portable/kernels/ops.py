@@ -3,43 +3,15 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from ...common.platform import triton_interpreting
 from . import attention as K
 
 LOG2E = 1.4426950408889634
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _patch_interpreter_index() -> None:
-    """Triton 3.6's interpreter turns scalar tensors (1-element 1-d numpy arrays) into ints with
-    ``int(array)``, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted");
-    loops with tensor bounds then fail. Convert through ``.reshape(-1)[0]`` instead."""
-    try:
-        from triton.runtime import interpreter as interp
-    except Exception:  # pragma: no cover - other Triton versions
-        return
-    orig = getattr(interp, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_dsv4_patched", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._dsv4_patched = True
-    interp._patch_lang_tensor = patched
-
-
-if interpreting():
-    _patch_interpreter_index()
 
 
 @functools.lru_cache(maxsize=8)
@@ -69,7 +41,7 @@ class KernelConfig:
     def dt(self):
         name = self.dot_dtype
         if name == "auto":
-            name = "fp32" if interpreting() else "bf16"
+            name = "fp32" if triton_interpreting() else "bf16"
         return {"fp16": K.tl.float16, "bf16": K.tl.bfloat16, "fp32": K.tl.float32}[name]
 
 
@@ -119,7 +91,7 @@ def _aligned(cache: torch.Tensor | None) -> bool:
 
 
 def use_gluon(device: torch.device, fmt_code: int, config: KernelConfig, caches=()) -> bool:
-    if config.impl == "triton" or interpreting() or device.type != "cuda" or fmt_code != K.FMT_MODEL1:
+    if config.impl == "triton" or triton_interpreting() or device.type != "cuda" or fmt_code != K.FMT_MODEL1:
         return False
     ok = _gluon_ok(device.index if device.index is not None else torch.cuda.current_device())
     ok = ok and all(_aligned(c) for c in caches)
