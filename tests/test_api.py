@@ -10,50 +10,10 @@ import pytest
 import torch
 
 import dsv4_attn as dsv4
-from dsv4_attn.common import layout, reference
+from dsv4_attn.common import reference
 from dsv4_attn.common.spec import LayerKind
 
-
-def _filled_cache(fmt, num_blocks, block_size, gen, dialect="ocp"):
-    cache = layout.new_cache(fmt, num_blocks, block_size, dialect=dialect)
-    n = num_blocks * block_size
-    kv = (torch.randn(n, 512, generator=gen) * 2).bfloat16()
-    layout.insert(cache, fmt, torch.arange(n, dtype=torch.int32), kv, dialect=dialect)
-    return cache
-
-
-def _case(gen, query_lens, seq_lens, heads=16, fmt="fp8_ds_mla", topk=64, max_model_len=40960,
-          swa_bs=64, block_size=256):
-    """A batch with permuted block tables, both compressed caches and random C4A top-k whose
-    lanes past the valid prefix hold garbage."""
-    R = len(query_lens)
-    spec = dsv4.ModelSpec(num_heads=heads, c4a_topk=topk, max_model_len=max_model_len)
-    swa_blocks = -(-max(seq_lens) // swa_bs)
-    c4_bs, c128_bs = block_size // 4, block_size // 128
-    c4_blocks = -(-(max(seq_lens) // 4) // c4_bs) + 1
-    c128_blocks = -(-(max(seq_lens) // 128) // c128_bs) + 1
-    tables = {
-        "swa": torch.randperm(R * swa_blocks, generator=gen).int().view(R, swa_blocks),
-        4: torch.randperm(R * c4_blocks, generator=gen).int().view(R, c4_blocks),
-        128: torch.randperm(R * c128_blocks, generator=gen).int().view(R, c128_blocks),
-    }
-    batch = dsv4.StepBatch.from_lists(query_lens, seq_lens, tables["swa"], swa_bs,
-                                      {4: tables[4], 128: tables[128]}, block_size, max_model_len)
-    T = batch.num_tokens
-    pos = batch.positions
-    n4 = (pos + 1) // 4
-    topk_local = torch.randint(-5, 10**6, (T, topk), generator=gen).int()  # garbage everywhere
-    for t in range(T):  # a valid prefix of distinct visible entries
-        k = min(int(n4[t]), topk)
-        topk_local[t, :k] = torch.randperm(int(n4[t]), generator=gen)[:k].int()
-    caches = {
-        "swa": _filled_cache(fmt, R * swa_blocks, swa_bs, gen),
-        LayerKind.C4A: _filled_cache(fmt, R * c4_blocks, c4_bs, gen),
-        LayerKind.C128A: _filled_cache(fmt, R * c128_blocks, c128_bs, gen),
-    }
-    q = torch.randn(T, heads, 512, generator=gen).bfloat16()
-    sink = torch.randn(heads, generator=gen)
-    return spec, batch, caches, topk_local, q, sink
+from step_cases import make_case
 
 
 def _check_against_reference(mla, plan, kind, q, caches, topk, sink, fmt="fp8_ds_mla"):
@@ -77,7 +37,7 @@ def _check_against_reference(mla, plan, kind, q, caches, topk, sink, fmt="fp8_ds
 def test_forward_matches_reference_every_kind(kind, fmt):
     gen = torch.Generator().manual_seed(int(kind) * 7 + len(fmt))
     # decode, MTP pair, a prefill chunk crossing the window, a long request (C128A rows wide)
-    spec, batch, caches, topk, q, sink = _case(gen, [1, 2, 9, 1], [300, 131, 140, 33000], fmt=fmt)
+    spec, batch, caches, topk, q, sink = make_case(gen, [1, 2, 9, 1], [300, 131, 140, 33000], fmt=fmt)
     mla = dsv4.SparseMLA(spec, fmt, backend="torch")
     plan = mla.plan(batch, validate=True)
     _check_against_reference(mla, plan, kind, q, caches, topk, sink, fmt)
@@ -86,7 +46,7 @@ def test_forward_matches_reference_every_kind(kind, fmt):
 def test_short_sequences_padding_tokens_and_infinite_sinks():
     gen = torch.Generator().manual_seed(3)
     # pos < W, pos + 1 < 4 (no compressed entry yet) and 3 padding tokens after the real ones
-    spec, batch, caches, topk, q, sink = _case(gen, [1, 3, 1], [1, 3, 7])
+    spec, batch, caches, topk, q, sink = make_case(gen, [1, 3, 1], [1, 3, 7])
     padded = dsv4.StepBatch(batch.query_start_loc, batch.seq_lens, batch.num_decode_tokens,
                             batch.swa_block_table, batch.swa_block_size, batch.comp_block_tables,
                             batch.block_size, batch.max_model_len, num_tokens=batch.num_tokens + 3)
@@ -104,7 +64,7 @@ def test_short_sequences_padding_tokens_and_infinite_sinks():
 
 def test_padded_heads_and_phase_split_keep_results():
     gen = torch.Generator().manual_seed(5)
-    spec, batch, caches, topk, q, sink = _case(gen, [1, 1, 6], [90, 600, 700], heads=12)
+    spec, batch, caches, topk, q, sink = make_case(gen, [1, 1, 6], [90, 600, 700], heads=12)
     q = torch.cat([q, torch.zeros(q.shape[0], 4, 512, dtype=q.dtype)], dim=1)  # pad 12 -> 16 heads
     sink = torch.cat([sink, torch.full((4,), -math.inf)])
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
@@ -123,7 +83,7 @@ def test_padded_heads_and_phase_split_keep_results():
 
 def test_stale_plan_and_foreign_plan_are_refused():
     gen = torch.Generator().manual_seed(7)
-    spec, batch, caches, topk, q, sink = _case(gen, [1, 1], [50, 60])
+    spec, batch, caches, topk, q, sink = make_case(gen, [1, 1], [50, 60])
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
     old = mla.plan(batch)
     mla.plan(batch)
@@ -136,16 +96,16 @@ def test_stale_plan_and_foreign_plan_are_refused():
 
 def test_plan_reuses_preallocated_buffers():
     gen = torch.Generator().manual_seed(8)
-    spec, batch, caches, topk, q, sink = _case(gen, [1, 1], [50, 60])
+    spec, batch, caches, topk, q, sink = make_case(gen, [1, 1], [50, 60])
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch", max_tokens=16)
     p1 = mla.plan(batch)
     ptrs = (p1.swa_rows.data_ptr(), p1.c128a_rows.data_ptr(), p1.positions.data_ptr())
-    spec2, batch2, *_ = _case(gen, [1, 1], [900, 2000])
+    spec2, batch2, *_ = make_case(gen, [1, 1], [900, 2000])
     p2 = mla.plan(batch2)
     assert (p2.swa_rows.data_ptr(), p2.c128a_rows.data_ptr(), p2.positions.data_ptr()) == ptrs
     assert p2.c128a_rows.shape[1] == spec.c128a_width  # fixed by the model, not the batch
     with pytest.raises(ValueError, match="max_tokens"):
-        mla.plan(_case(gen, [20], [40])[1])
+        mla.plan(make_case(gen, [20], [40])[1])
 
 
 @pytest.mark.parametrize(
@@ -166,7 +126,7 @@ def test_plan_reuses_preallocated_buffers():
 )
 def test_forward_rejects_bad_input_with_named_argument(mutate, match):
     gen = torch.Generator().manual_seed(9)
-    spec, batch, caches, topk, q, sink = _case(gen, [1, 1], [50, 60])
+    spec, batch, caches, topk, q, sink = make_case(gen, [1, 1], [50, 60])
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
     plan = mla.plan(batch)
     args = dict(q=q, swa_cache=caches["swa"], comp_cache=caches[LayerKind.C4A], c4a_topk=topk, sink=sink)
@@ -177,7 +137,7 @@ def test_forward_rejects_bad_input_with_named_argument(mutate, match):
 
 def test_validate_catches_cache_too_small_for_block_table():
     gen = torch.Generator().manual_seed(10)
-    spec, batch, caches, topk, q, sink = _case(gen, [1, 1], [50, 60])
+    spec, batch, caches, topk, q, sink = make_case(gen, [1, 1], [50, 60])
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
     plan = mla.plan(batch)
     small = caches["swa"][:1]
@@ -217,7 +177,7 @@ def _plan_fields(plan, topk):
 def test_triton_front_end_builds_the_torch_rows(swa_bs, block_size, gen):
     """Same rows, lens and per-token facts from both front ends (on CPU through the interpreter):
     odd block sizes, pos < W, no compressed entry yet, garbage top-k lanes, padding tokens."""
-    spec, batch, caches, topk, q, sink = _case(gen, [1, 2, 5, 1, 3], [300, 131, 70, 3, 2100], swa_bs=swa_bs,
+    spec, batch, caches, topk, q, sink = make_case(gen, [1, 2, 5, 1, 3], [300, 131, 70, 3, 2100], swa_bs=swa_bs,
                                                block_size=block_size)
     dev = FRONT_END_DEVICE
     padded = dsv4.StepBatch(batch.query_start_loc.to(dev), batch.seq_lens.to(dev), batch.num_decode_tokens,
@@ -252,7 +212,7 @@ def test_plan_and_c4a_rows_replay_in_a_cuda_graph():
     """Capture plan() + the C4A translation on a short step, replay after writing a long step's
     lengths and top-k into the same tensors: the rows equal a fresh torch-front-end plan."""
     gen = torch.Generator().manual_seed(11)
-    spec, batch, _, topk, _, _ = _case(gen, [1, 1, 1, 1], [33000, 700, 131, 4000])
+    spec, batch, _, topk, _, _ = make_case(gen, [1, 1, 1, 1], [33000, 700, 131, 4000])
     tables = {r: t.cuda() for r, t in batch.comp_block_tables.items()}
     gpu_batch = dsv4.StepBatch(batch.query_start_loc.cuda(), torch.tensor([5, 9, 130, 40], dtype=torch.int32,
                                device="cuda"), batch.num_decode_tokens, batch.swa_block_table.cuda(),

@@ -9,6 +9,7 @@ reports max abs error, relative L2 and cosine against ``common.reference.sparse_
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -27,6 +28,7 @@ from dsv4_attn.common import backend as backend_mod  # noqa: E402
 from dsv4_attn.common import layout, reference  # noqa: E402
 from dsv4_attn.common.spec import LayerKind  # noqa: E402
 
+import step_cases  # noqa: E402
 from conftest import compare  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -43,47 +45,9 @@ def _backend(name: str, **cfg) -> str:
     return name
 
 
-def _filled_cache(fmt, num_blocks, block_size, gen, dialect="ocp", block_stride=None, scale=None):
-    cache = layout.new_cache(fmt, num_blocks, block_size, dialect=dialect, block_stride=block_stride)
-    n = num_blocks * block_size
-    kv = (torch.randn(n, 512, generator=gen) * 2).bfloat16()
-    layout.insert(cache, fmt, torch.arange(n, dtype=torch.int32), kv, dialect=dialect, scale=scale)
-    return cache.to(DEVICE) if DEVICE != "cpu" else cache
-
-
-def make_case(gen, query_lens, seq_lens, heads=16, fmt="fp8_ds_mla", topk=32, max_model_len=33280,
-              swa_bs=64, block_size=256, num_tokens=None, swa_dialect="ocp", kv_scale=None):
-    """A step with shuffled block tables, both compressed caches and C4A top-k rows whose lanes
-    past the valid prefix hold garbage (stale, negative or huge local positions)."""
-    R = len(query_lens)
-    spec = dsv4.ModelSpec(num_heads=heads, c4a_topk=topk, max_model_len=max_model_len)
-    swa_blocks = -(-max(seq_lens) // swa_bs)
-    c4_bs, c128_bs = block_size // 4, block_size // 128
-    c4_blocks = -(-(max(seq_lens) // 4) // c4_bs) + 1
-    c128_blocks = -(-(max(seq_lens) // 128) // c128_bs) + 1
-    tables = {
-        "swa": torch.randperm(R * swa_blocks, generator=gen).int().view(R, swa_blocks),
-        4: torch.randperm(R * c4_blocks, generator=gen).int().view(R, c4_blocks),
-        128: torch.randperm(R * c128_blocks, generator=gen).int().view(R, c128_blocks),
-    }
-    batch = dsv4.StepBatch.from_lists(query_lens, seq_lens, tables["swa"], swa_bs, {4: tables[4], 128: tables[128]},
-                                      block_size, max_model_len, num_tokens=num_tokens, device=DEVICE)
-    T = batch.num_tokens
-    pos = batch.positions.cpu()
-    n4 = (pos + 1) // 4
-    topk_local = torch.randint(-5, 10**6, (T, topk), generator=gen).int()
-    for t in range(T):
-        k = min(int(n4[t]), topk)
-        topk_local[t, :k] = torch.randperm(int(n4[t]), generator=gen)[:k].int()
-    scale = None if kv_scale is None else kv_scale
-    caches = {
-        "swa": _filled_cache(fmt, R * swa_blocks, swa_bs, gen, dialect=swa_dialect, scale=scale),
-        LayerKind.C4A: _filled_cache(fmt, R * c4_blocks, c4_bs, gen, scale=scale),
-        LayerKind.C128A: _filled_cache(fmt, R * c128_blocks, c128_bs, gen, scale=scale),
-    }
-    q = torch.randn(T, heads, 512, generator=gen).bfloat16().to(DEVICE)
-    sink = torch.randn(heads, generator=gen).to(DEVICE)
-    return spec, batch, caches, topk_local.to(DEVICE), q, sink
+# this file's cases: a smaller top-k and model length (the interpreter is slow), made on DEVICE
+make_case = functools.partial(step_cases.make_case, topk=32, max_model_len=33280, device=DEVICE)
+_filled_cache = functools.partial(step_cases.filled_cache, device=DEVICE)
 
 
 def run_and_check(mla, plan, kind, q, caches, topk, sink, fmt="fp8_ds_mla", kv_scale=1.0, swa_dialect="ocp",
