@@ -1,8 +1,8 @@
 """SparseMLA: plan once per step, run every layer on the best backend the probe found.
 
-    mla = SparseMLA(ModelSpec(num_heads=64, c4a_topk=512), "fp8_ds_mla", device="cuda")
+    mla = SparseMLA(ModelSpec(num_heads=64, topk=512), "fp8_ds_mla", device="cuda")
     plan = mla.plan(batch)                               # once per engine step
-    out = mla.forward(plan, LayerKind.C4A, q, swa_cache, comp_cache, c4a_topk=topk, sink=sink)
+    out = mla.forward(plan, LayerKind.C4A, q, swa_cache, comp_cache, topk=topk, sink=sink)
     print(mla.explain())                                 # which backend runs what, and why
 
 Backend choice: ``backend=`` argument > ``with dsv4_attn.backend(name):`` > the
@@ -22,16 +22,20 @@ import torch
 from .common import backend as backend_mod
 from .common.backend import Backend, LayerInputs, Phase
 from .common.batch import StepBatch
+from .common.indices import check_local_topk
 from .common.layout import Fp8Dialect, KVFormat, check_cache
 from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan
 from .common.platform import Platform, platform_for_device, triton_interpreting
 from .common.spec import HEAD_DIM, MAX_HEADS, LayerKind, ModelSpec
 
 
+_UNSET = object()  # marks an omitted keyword argument
+
+
 class SparseMLA:
     """DSv4 two-scope sparse attention with sinks for one model (per TP rank).
 
-    spec        ModelSpec (heads on this rank, C4A top-k, max_model_len, window, scale)
+    spec        ModelSpec (heads on this rank, top-k width, max_model_len, window, scale, layers)
     fmt         KVFormat (or "fp8_ds_mla" / "bfloat16" / "fp8_e4m3") of the SWA and compressed caches
     backend     "auto" or a registered backend name (see ``dsv4_attn.backend_names()``)
     device      where plan buffers live (default: the first batch's device)
@@ -79,8 +83,8 @@ class SparseMLA:
         self._buffers: PlanBuffers | None = None
         self._generation = 0
         self._selected: dict[tuple, str] = {}
-        # Refuse at construction (engine start) when the requested backend cannot run anything.
-        for kind in LayerKind:
+        # Refuse at construction (engine start) when the requested backend cannot run a layer.
+        for kind in spec.kinds:
             for phase in Phase:
                 self.backend_for(kind, phase)
 
@@ -95,7 +99,7 @@ class SparseMLA:
 
     def backend_for(self, kind: LayerKind | str | int, phase: Phase | str) -> str:
         """Name of the backend that runs ``kind`` / ``phase`` now (raises with reasons if none)."""
-        kind, phase = LayerKind.parse(kind), Phase(phase)
+        kind, phase = self.spec.check_kind(kind), Phase(phase)
         requested, source = backend_mod.requested_backend(self._explicit)
         key = (requested, kind, phase)
         if key not in self._selected:
@@ -115,7 +119,7 @@ class SparseMLA:
         ]
         for name in backend_mod.backend_names():
             cells = []
-            for kind in LayerKind:
+            for kind in self.spec.kinds:
                 for phase in Phase:
                     reasons = backend_mod.reasons_for(name, plat, self.spec, self.fmt, kind, phase, self.dialects)
                     try:
@@ -156,27 +160,39 @@ class SparseMLA:
         q: torch.Tensor,
         swa_cache: torch.Tensor,
         comp_cache: torch.Tensor | None = None,
-        c4a_topk: torch.Tensor | None = None,
+        topk: torch.Tensor | None = None,
         sink: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
         kv_scale: float = 1.0,
         validate: bool = False,
+        *,
+        c4a_topk: torch.Tensor | None | object = _UNSET,
     ) -> torch.Tensor:
         """One layer's attention.
 
+        kind       the layer's LayerKind (one of ``spec.kinds``), or its name ("c4a", "c2a", ...)
         q          bf16 [T, H, 512], T = plan.num_tokens, num_heads <= H <= 128 (extra heads are
                    padding: give them sink -inf; their output rows are written but meaningless)
-        swa_cache  this layer's SWA cache; comp_cache this layer's compressed cache (C4A/C128A)
-        c4a_topk   int32 [T, K] local top-k of the indexer (C4A layers only)
+        swa_cache  this layer's SWA cache; comp_cache the compressed cache it reads (of ratio
+                   kind.ratio; layers sharing a compressed cache pass the same tensor)
+        topk       int32 [T, K] the indexer's LOCAL top-k (compressed entry numbers of the
+                   token's request, -1 unused) for top-k kinds (C4A, C1A, C2A); None otherwise.
+                   ``c4a_topk=`` is accepted as its V4 name.
         sink       float32 [H] (None = no sink)
         out        bf16 [T, H, 512] contiguous, written in place (allocated when None)
         validate   also check slot ranges against the caches (reads device tensors: a sync)
         Returns out.
         """
-        kind = LayerKind.parse(kind)
-        layer = LayerInputs(kind, q, swa_cache, comp_cache, c4a_topk, sink, self.fmt, self.spec.scale,
+        topk_name = "topk"
+        if c4a_topk is not _UNSET:
+            if topk is not None:
+                raise ValueError("c4a_topk: got a tensor beside topk; allowed: one of them (c4a_topk is the V4 "
+                                 "name of topk)")
+            topk, topk_name = c4a_topk, "c4a_topk"
+        kind = self.spec.check_kind(kind)
+        layer = LayerInputs(kind, q, swa_cache, comp_cache, topk, sink, self.fmt, self.spec.scale,
                             kv_scale, self.swa_dialect, self.comp_dialect)
-        self._check(plan, layer, out, validate)
+        self._check(plan, layer, out, validate, topk_name)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         T, nd = plan.num_tokens, plan.num_decode_tokens
@@ -191,7 +207,8 @@ class SparseMLA:
         return out
 
     # ---- validation ---------------------------------------------------------------------------
-    def _check(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None, validate: bool) -> None:
+    def _check(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None, validate: bool,
+               topk_name: str = "topk") -> None:
         if not isinstance(plan, StepPlan) or plan.owner is not self:
             raise ValueError("plan: got a plan not built by this SparseMLA; allowed: the result of this object's plan()")
         if plan.generation != self._generation:
@@ -228,18 +245,18 @@ class SparseMLA:
                     f"{layer.kind.ratio} = {want_bs}"
                 )
         elif layer.comp_cache is not None:
-            raise ValueError("comp_cache: got a tensor for an SWA layer; allowed: None")
+            raise ValueError("comp_cache: got a tensor for a window-only (SWA) layer; allowed: None")
         if swa_geo.block_size != plan.batch.swa_block_size:
             raise ValueError(f"swa_cache: got block size {swa_geo.block_size}; allowed: "
                              f"batch.swa_block_size = {plan.batch.swa_block_size}")
-        if layer.kind is LayerKind.C4A:
-            if layer.c4a_topk is None:
-                raise ValueError("c4a_topk: got None; allowed: int32 [T, K] local top-k for C4A layers")
-            from .common.indices import check_local_topk
-
-            check_local_topk(layer.c4a_topk, T, q.device)
-        elif layer.c4a_topk is not None:
-            raise ValueError(f"c4a_topk: got a tensor for a {layer.kind.name} layer; allowed: None")
+        if layer.kind.uses_topk:
+            if layer.topk is None:
+                raise ValueError(f"{topk_name}: got None; allowed: int32 [T, K] local top-k for {layer.kind.name} "
+                                 "layers")
+            check_local_topk(layer.topk, T, q.device, topk_name)
+        elif layer.topk is not None:
+            what = "attends every compressed entry" if layer.kind.attends_all else "is window-only"
+            raise ValueError(f"{topk_name}: got a tensor for a {layer.kind.name} layer, which {what}; allowed: None")
         if layer.sink is not None:
             s = layer.sink
             if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.shape != (H,) \
@@ -269,7 +286,7 @@ class SparseMLA:
     def _check_slots(plan: StepPlan, layer: LayerInputs, swa_slots: int, comp_slots: int | None) -> None:
         checks = [("swa_cache", plan.swa_rows, swa_slots)]
         if comp_slots is not None:
-            rows, _ = plan.comp_scope(layer.kind, layer.c4a_topk)
+            rows, _ = plan.comp_scope(layer.kind, layer.topk)
             checks.append(("comp_cache", rows, comp_slots))
         for name, rows, num_slots in checks:
             if rows.numel() and int(rows.max()) >= num_slots:

@@ -104,7 +104,7 @@ def choose(spec: ModelSpec, fmt: KVFormat, device: torch.device) -> dict:
     plat = platform_for_device(device)
     requested, source = backend_mod.requested_backend()
     out = {}
-    for kind in LayerKind:
+    for kind in spec.kinds:
         for phase in Phase:
             key = f"{kind.name}/{phase.value}"
             try:

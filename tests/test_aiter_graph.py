@@ -18,7 +18,7 @@ import torch
 
 import dsv4_attn as dsv4
 from dsv4_attn.common.backend import get_backend, register_backend, unregister_backend
-from dsv4_attn.common.spec import LayerKind
+from dsv4_attn.common.spec import V4_KINDS, LayerKind
 from dsv4_attn.rocm import emulate
 from dsv4_attn.rocm.aiter import AiterBackend
 
@@ -71,10 +71,10 @@ def test_decode_step_captured_and_replayed_with_new_contents(kwargs, fmt, heads,
             return mla.plan(dsv4.StepBatch(b.query_start_loc, b.seq_lens, b.num_decode_tokens, b.swa_block_table,
                                            b.swa_block_size, tables, b.block_size, b.max_model_len, b.num_tokens))
 
-        outs = {kind: torch.full_like(static["q"], math.nan) for kind in LayerKind}
+        outs = {kind: torch.full_like(static["q"], math.nan) for kind in V4_KINDS}
 
         def layers(plan):
-            for kind in LayerKind:
+            for kind in V4_KINDS:
                 mla.forward(plan, kind, static["q"], caches["swa"], caches.get(kind),
                             static["topk"] if kind is LayerKind.C4A else None, static["sink"], out=outs[kind])
 

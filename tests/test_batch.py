@@ -101,7 +101,8 @@ def _kwargs(**over):
     (dict(block_size=True), "block_size"),
     (dict(block_size=258), "block_size"),  # not a multiple of 4
     (dict(max_model_len=0), "max_model_len"),
-    (dict(comp_block_tables={8: _table(2, 2)}), "comp_block_tables"),
+    (dict(comp_block_tables={0: _table(2, 2)}), "comp_block_tables"),
+    (dict(comp_block_tables={"4": _table(2, 2)}), "comp_block_tables"),
     (dict(comp_block_tables=[_table(2, 2)]), "comp_block_tables"),
     (dict(comp_block_tables={4: _table(1, 2)}), r"comp_block_tables\[4\]"),
     (dict(num_decode_tokens=-1), "num_decode_tokens"),

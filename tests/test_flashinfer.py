@@ -23,7 +23,7 @@ from dsv4_attn.api import SparseMLA
 from dsv4_attn.common import reference
 from dsv4_attn.common.layout import KVFormat
 from dsv4_attn.common.platform import LibraryInfo, Platform
-from dsv4_attn.common.spec import LayerKind, ModelSpec, round_up
+from dsv4_attn.common.spec import V4_KINDS, LayerKind, ModelSpec, round_up
 from dsv4_attn.cuda import flashinfer as fi
 
 from conftest import compare
@@ -147,7 +147,7 @@ def test_every_kind_matches_reference(fake_flashinfer, gen, fmt, kv_scale, heads
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
     q_seen = case.q if fmt == "bfloat16" else case.q.to(torch.float8_e4m3fn).to(torch.bfloat16)
-    for kind in LayerKind:
+    for kind in V4_KINDS:
         # fp8: the kernel sees q cast to e4m3 (as in vLLM), so the tight check uses that q...
         m = run_layer(mla, plan, case, kind, q=case.q)
         ref, _ = reference.sparse_mla(q_seen, case.caches["swa"], plan.swa_rows, plan.swa_lens,

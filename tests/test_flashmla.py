@@ -25,7 +25,7 @@ from dsv4_attn.common import backend as bm
 from dsv4_attn.common import layout
 from dsv4_attn.common.layout import KVFormat
 from dsv4_attn.common.platform import Platform
-from dsv4_attn.common.spec import LayerKind, ModelSpec
+from dsv4_attn.common.spec import V4_KINDS, LayerKind, ModelSpec
 from dsv4_attn.cuda import flashmla
 
 from nvidia_cases import assert_close, forward_poisoned, make_case, metrics, reference_out, run_layer
@@ -179,7 +179,7 @@ def test_every_kind_decode_prefill_mtp_padding_matches_reference(fake_flashmla, 
     case.sink[0], case.sink[1] = math.inf, -math.inf
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
-    for kind in LayerKind:
+    for kind in V4_KINDS:
         m = run_layer(mla, plan, case, kind)
         assert_close(m)
         assert m["out"][:, 0].abs().max() == 0  # +inf sink zeroes the head
@@ -206,7 +206,7 @@ def test_block_sizes(fake_flashmla, gen, swa_bs, block_size):
                      num_decode_tokens=1)
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
-    for kind in LayerKind:
+    for kind in V4_KINDS:
         assert_close(run_layer(mla, plan, case, kind))
 
 
@@ -403,7 +403,7 @@ def test_gpu_parity(name, table):
     case.sink[0], case.sink[1] = math.inf, -math.inf
     mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU)
     plan = mla.plan(case.batch, validate=True)
-    for kind in LayerKind:
+    for kind in V4_KINDS:
         if kind is LayerKind.C128A and LayerKind.C128A not in case.caches:
             continue
         m = run_layer(mla, plan, case, kind)
@@ -482,7 +482,7 @@ def test_gpu_cuda_graph_decode_replay(table):
     gen = torch.Generator().manual_seed(11)
     case = _graph_case(gen, GPU)
     mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU, max_tokens=16)
-    outs = {kind: torch.empty_like(case.q) for kind in LayerKind}
+    outs = {kind: torch.empty_like(case.q) for kind in V4_KINDS}
     _decode_step(mla, mla.plan(case.batch), case, outs)  # warm-up outside the capture; that plan is dropped
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -518,5 +518,5 @@ def test_gpu_huge_slots(table):
     assert case.caches["swa"].shape[0] * case.caches["swa"].stride(0) > 2**31
     mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU)
     plan = mla.plan(case.batch, validate=True)
-    for kind in LayerKind:
+    for kind in V4_KINDS:
         _record(table, "huge slots: SWA byte offsets > 2^31", kind, run_layer(mla, plan, case, kind))

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 import dsv4_attn as dsv4  # noqa: E402
 from dsv4_attn.common import backend as backend_mod  # noqa: E402
 from dsv4_attn.common import layout, reference  # noqa: E402
-from dsv4_attn.common.spec import LayerKind  # noqa: E402
+from dsv4_attn.common.spec import V4_KINDS, LayerKind  # noqa: E402
 
 import step_cases  # noqa: E402
 from conftest import compare  # noqa: E402
@@ -83,7 +83,7 @@ def _devices():
 
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bfloat16", "fp8_e4m3"])
-@pytest.mark.parametrize("kind", list(LayerKind))
+@pytest.mark.parametrize("kind", list(V4_KINDS))
 def test_kinds_and_formats(device, kind, fmt, gen):
     name = _backend("triton-t16", block_n=16)
     # decode (long), MTP pair, a prefill chunk crossing the window start, a very short request

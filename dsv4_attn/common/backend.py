@@ -22,7 +22,7 @@ import torch
 
 from .layout import Fp8Dialect, KVFormat
 from .platform import Platform
-from .spec import LayerKind, ModelSpec
+from .spec import V4_KINDS, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
     from .plan import StepPlan
@@ -37,12 +37,12 @@ class Phase(str, enum.Enum):
 class LayerInputs:
     """One layer's inputs to ``Backend.forward``.
 
-    kind          layer kind (SWA / C4A / C128A)
+    kind          layer kind (SWA, C4A, C128A, C1A, C2A: common.spec.LayerKind)
     q             bf16 [T, H, 512], RMS-normed and roped; H = heads as the caller holds them
                   (padded heads allowed: their sink must be -inf and their output is ignored)
     swa_cache     this layer's SWA cache (format ``fmt``)
-    comp_cache    this layer's compressed cache (ratio = kind.ratio) or None for SWA layers
-    c4a_topk      int32 [T, K] LOCAL compressed positions from the indexer (C4A only)
+    comp_cache    this layer's compressed cache (ratio = kind.ratio) or None for window-only layers
+    topk          int32 [T, K] LOCAL compressed positions from the indexer (top-k kinds only)
     sink          float32 [H] sink logits (natural-log units), or None for no sink
     fmt           cache format of both caches
     softmax_scale scale applied to q·k
@@ -54,7 +54,7 @@ class LayerInputs:
     q: torch.Tensor
     swa_cache: torch.Tensor
     comp_cache: torch.Tensor | None
-    c4a_topk: torch.Tensor | None
+    topk: torch.Tensor | None
     sink: torch.Tensor | None
     fmt: KVFormat
     softmax_scale: float
@@ -64,7 +64,7 @@ class LayerInputs:
 
     def token_slice(self, start: int, stop: int) -> "LayerInputs":
         """The same layer restricted to tokens [start, stop)."""
-        topk = None if self.c4a_topk is None else self.c4a_topk[start:stop]
+        topk = None if self.topk is None else self.topk[start:stop]
         return LayerInputs(self.kind, self.q[start:stop], self.swa_cache, self.comp_cache, topk, self.sink,
                            self.fmt, self.softmax_scale, self.kv_scale, self.swa_dialect, self.comp_dialect)
 
@@ -97,6 +97,7 @@ class Backend:
                            backend forces it for these; other phases are auto-selected, and
                            ``SparseMLA.explain()`` shows it.
     dialects               FP8 dialects it reads (FNUZ is gfx942's; NVIDIA kernels read OCP only)
+    kinds                  layer kinds it serves (None: every kind, V4's and V4.1's)
     capabilities           declared support, rendered into the README support matrix
     """
 
@@ -104,6 +105,7 @@ class Backend:
     splits_phases: bool = False
     phases: tuple[Phase, ...] = (Phase.DECODE, Phase.PREFILL)
     dialects: tuple[Fp8Dialect, ...] = (Fp8Dialect.OCP,)
+    kinds: tuple[LayerKind, ...] | None = V4_KINDS
     capabilities: Capabilities | None = None
 
     def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
@@ -239,8 +241,10 @@ def reasons_for(name: str, platform: Platform, spec: ModelSpec, fmt: KVFormat, k
         return [_import_errors[name]]
     if phase not in backend.phases:
         return [f"implements {'/'.join(p.value for p in backend.phases)} only (not {phase.value})"]
-    reasons = []
     kind = LayerKind.parse(kind)
+    if backend.kinds is not None and kind not in backend.kinds:
+        return [f"serves {'/'.join(k.name for k in backend.kinds)} layers only (not {kind.name})"]
+    reasons = []
     if fmt.uses_fp8:
         used = zip(("SWA", "compressed"), dialects[: 2 if kind.has_comp_scope else 1])
         reasons += [f"reads {'/'.join(d.value for d in backend.dialects)} fp8 only; the {cache} cache is "

@@ -35,8 +35,9 @@ class StepBatch:
     num_decode_tokens int          tokens [0, num_decode_tokens) are decode tokens
     swa_block_table   int32 [R, nb]   SWA-cache block ids per request
     swa_block_size    int          tokens per SWA-cache block (64 in vLLM)
-    comp_block_tables {4: int32 [R, nb4], 128: int32 [R, nb128]} compressed-cache block tables
-                      (only the ratios the model has; missing ratio -> that layer kind unusable)
+    comp_block_tables {ratio: int32 [R, nb]} compressed-cache block tables, one per compression
+                      ratio of the model (V4: 4 and 128; V4.1: 1 and 2); a missing ratio makes
+                      that layer kind unusable in this step
     block_size        int          UNCOMPRESSED tokens per compressed-cache block (256 in vLLM);
                       the compressed cache of ratio r holds block_size // r entries per block
     max_model_len     int          longest sequence the engine serves
@@ -85,8 +86,9 @@ class StepBatch:
         if not isinstance(self.comp_block_tables, dict):
             raise ValueError(f"comp_block_tables: got {type(self.comp_block_tables).__name__}; allowed: a dict")
         for ratio, table in self.comp_block_tables.items():
-            if ratio not in (LayerKind.C4A.ratio, LayerKind.C128A.ratio):
-                raise ValueError(f"comp_block_tables: got key {ratio!r}; allowed: 4 and 128")
+            if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio <= 0:
+                raise ValueError(f"comp_block_tables: got key {ratio!r}; allowed: compression ratios (positive "
+                                 "ints: 4 and 128 for V4, 1 and 2 for V4.1)")
             _check_int_tensor(f"comp_block_tables[{ratio}]", table, 2, dev)
             if table.shape[0] < num_reqs:
                 raise ValueError(
@@ -169,7 +171,11 @@ class StepBatch:
         return self.query_start_loc.device
 
     def comp_block_size(self, kind: LayerKind) -> int:
-        return self.block_size // LayerKind.parse(kind).ratio
+        """Entries per compressed-cache block of a compressed layer kind: block_size // ratio."""
+        kind = LayerKind.parse(kind)
+        if not kind.has_comp_scope:
+            raise ValueError(f"kind: got {kind.name}; allowed: a kind with a compressed cache")
+        return self.block_size // kind.ratio
 
     def comp_block_table(self, kind: LayerKind) -> torch.Tensor:
         kind = LayerKind.parse(kind)

@@ -99,45 +99,64 @@ def swa_rows_for(tokens: Tokens, table: torch.Tensor, block_size: int, window: i
     return _emit(rows, lens, out)
 
 
-def check_local_topk(local_topk, num_tokens: int, device: torch.device) -> None:
+def check_local_topk(local_topk, num_tokens: int, device: torch.device, name: str = "topk") -> None:
     if not isinstance(local_topk, torch.Tensor) or local_topk.dtype not in (torch.int32, torch.int64) \
             or local_topk.dim() != 2 or local_topk.shape[0] < num_tokens:
         got = (f"{local_topk.dtype} {tuple(local_topk.shape)}" if isinstance(local_topk, torch.Tensor)
                else type(local_topk).__name__)
-        raise ValueError(f"c4a_topk: got {got}; allowed: int32 [T >= {num_tokens}, K] local compressed positions")
+        raise ValueError(f"{name}: got {got}; allowed: int32 [T >= {num_tokens}, K] local compressed positions")
     if local_topk.device != device:
-        raise ValueError(f"c4a_topk: got device {local_topk.device}; allowed: {device}")
+        raise ValueError(f"{name}: got device {local_topk.device}; allowed: {device}")
+
+
+def topk_rows(batch: StepBatch, kind: LayerKind, local_topk: torch.Tensor,
+              out: IndexPair | None = None, name: str = "topk") -> IndexPair:
+    """Rows of a top-k layer (C4A, C1A, C2A) from the indexer's LOCAL top-k ``[T, K]``
+    (compressed positions, -1 unused), through the block table of the layer's ratio r.
+
+    The valid prefix is bounded by ``min((pos+1)//r, K)``; entries past it, negative entries and
+    entries ``>= (pos+1)//r`` (not yet visible: stale lanes) become -1. Returns rows int32
+    ``[T, K]``, lens int32 ``[T]`` = ``min((pos+1)//r, K)`` (0 for padding tokens).
+    """
+    kind = LayerKind.parse(kind)
+    if not kind.uses_topk:
+        raise ValueError(f"kind: got {kind.name}; allowed: a top-k layer kind (C4A, C1A, C2A)")
+    check_local_topk(local_topk, batch.num_tokens, batch.device, name)
+    return comp_rows_for(Tokens.of(batch), kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
+                         local_topk[: batch.num_tokens], out)
 
 
 def c4a_rows(batch: StepBatch, local_topk: torch.Tensor, out: IndexPair | None = None) -> IndexPair:
-    """C4A rows from the indexer's LOCAL top-k ``[T, K]`` (compressed positions, -1 unused).
+    """:func:`topk_rows` of a C4A layer."""
+    return topk_rows(batch, LayerKind.C4A, local_topk, out, "c4a_topk")
 
-    The valid prefix is bounded by ``min((pos+1)//4, K)``; entries past it, negative entries and
-    entries ``>= (pos+1)//4`` (not yet visible: stale lanes) become -1. Returns rows int32
-    ``[T, K]``, lens int32 ``[T]`` = ``min((pos+1)//4, K)`` (0 for padding tokens).
+
+def all_rows(batch: StepBatch, kind: LayerKind, width: int | None = None,
+             out: IndexPair | None = None) -> IndexPair:
+    """Rows of an "all" layer (C128A): every compressed entry ``c < (pos+1)//r``, ascending.
+
+    ``width`` is fixed per model (default ``round_up(cdiv(max_model_len, r), 128)``), never
+    derived from the batch, so graph-captured strides stay valid. Returns rows int32
+    ``[T, width]``, lens int32 ``[T]`` = ``min((pos+1)//r, width)``.
     """
-    check_local_topk(local_topk, batch.num_tokens, batch.device)
-    return comp_rows_for(Tokens.of(batch), LayerKind.C4A, batch.comp_block_table(LayerKind.C4A),
-                         batch.comp_block_size(LayerKind.C4A), local_topk[: batch.num_tokens], out)
+    kind = LayerKind.parse(kind)
+    if not kind.attends_all:
+        raise ValueError(f"kind: got {kind.name}; allowed: a kind that attends every entry (C128A)")
+    if width is None:
+        width = round_up(cdiv(batch.max_model_len, kind.ratio), 128)
+    return comp_rows_for(Tokens.of(batch), kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
+                         width, out)
 
 
 def c128a_rows(batch: StepBatch, width: int | None = None, out: IndexPair | None = None) -> IndexPair:
-    """C128A rows: every compressed entry ``c < (pos+1)//128``, ascending.
-
-    ``width`` is fixed per model (default ``round_up(cdiv(max_model_len, 128), 128)``), never
-    derived from the batch, so graph-captured strides stay valid (anchors C7). Returns rows
-    int32 ``[T, width]``, lens int32 ``[T]`` = ``min((pos+1)//128, width)``.
-    """
-    if width is None:
-        width = round_up(cdiv(batch.max_model_len, 128), 128)
-    return comp_rows_for(Tokens.of(batch), LayerKind.C128A, batch.comp_block_table(LayerKind.C128A),
-                         batch.comp_block_size(LayerKind.C128A), width, out)
+    """:func:`all_rows` of a C128A layer."""
+    return all_rows(batch, LayerKind.C128A, width, out)
 
 
 def comp_rows_for(tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
                   local: torch.Tensor | int, out: IndexPair | None = None) -> IndexPair:
-    """Compressed-scope rows from per-token facts. ``local`` is the C4A local top-k [T, K] or,
-    for C128A, the row width (all entries 0..width-1)."""
+    """Compressed-scope rows from per-token facts. ``local`` is a top-k layer's local top-k
+    [T, K] or, for an "all" layer, the row width (entries 0..width-1)."""
     pos, valid_tok = tokens.positions, tokens.valid
     if isinstance(local, int):
         if isinstance(local, bool) or local <= 0:

@@ -1,8 +1,8 @@
 """StepPlan: the per-step metadata, built ONCE per engine step and shared by every layer.
 
-``SparseMLA.plan(batch)`` writes the per-token facts, the SWA rows and (when the model has
-C128A layers) the C128A rows into buffers preallocated for the maximum batch, and returns a
-StepPlan whose tensors are views of those buffers. Consequences:
+``SparseMLA.plan(batch)`` writes the per-token facts, the SWA rows and the rows of every
+"all" layer kind (C128A) the batch has a block table for into buffers preallocated for the
+maximum batch, and returns a StepPlan whose tensors are views of those buffers. Consequences:
 
 * a decode step can be captured in a CUDA/HIP graph and replayed after ``plan()`` rewrote the
   buffers with the next step's contents (same num_tokens);
@@ -16,7 +16,7 @@ for backends that split decode and prefill launches.
 
 The rows themselves come from a ``FrontEnd``: :class:`TorchFrontEnd` here (vectorized torch, any
 device), or the Triton one in ``dsv4_attn.portable.kernels.indices`` that ``SparseMLA`` picks on
-GPUs (one launch per step, one per C4A layer). Both write the same values and neither syncs
+GPUs (one launch per step, one per top-k layer). Both write the same values and neither syncs
 with the host, so both are safe inside a captured graph.
 """
 
@@ -36,9 +36,10 @@ from .spec import LayerKind, ModelSpec
 class PlanBuffers:
     """Index buffers for up to ``max_tokens`` tokens (allocated once per SparseMLA).
 
-    The C128A rows (``max_tokens x c128a_width`` int32: 256 MiB at 1M context and 8k tokens) are
-    allocated by the first plan whose batch has a ratio-128 block table, so plans for SWA-only
-    KV-cache groups never pay for them. Do that first plan before a CUDA-graph capture.
+    The rows of an "all" kind of ratio r (``max_tokens x spec.all_width(r)`` int32; C128A at 1M
+    context and 8k tokens: 256 MiB) are allocated by the first plan whose batch has a ratio-r
+    block table, so plans for window-only KV-cache groups never pay for them. Do that first plan
+    before a CUDA-graph capture.
     """
 
     spec: ModelSpec
@@ -47,8 +48,7 @@ class PlanBuffers:
     token_valid: torch.Tensor  # bool [max_tokens]
     swa_rows: torch.Tensor  # int32 [max_tokens, W]
     swa_lens: torch.Tensor  # int32 [max_tokens]
-    c128a_rows: torch.Tensor | None = None  # int32 [max_tokens, c128a_width]
-    c128a_lens: torch.Tensor | None = None  # int32 [max_tokens]
+    all_rows: dict[int, IndexPair] = field(default_factory=dict)  # ratio -> int32 [max_tokens, width], [max_tokens]
 
     @classmethod
     def allocate(cls, spec: ModelSpec, max_tokens: int, device: torch.device) -> "PlanBuffers":
@@ -66,14 +66,18 @@ class PlanBuffers:
     def max_tokens(self) -> int:
         return self.positions.shape[0]
 
-    def c128a(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The C128A row buffers, allocated on first use."""
-        if self.c128a_rows is None:
+    def all_kinds(self, batch: StepBatch) -> list[LayerKind]:
+        """The model's "all" kinds whose block table the batch carries (their rows are built)."""
+        return [k for k in self.spec.kinds if k.attends_all and k.ratio in batch.comp_block_tables]
+
+    def rows_of(self, kind: LayerKind) -> IndexPair:
+        """The row buffers of an "all" kind, allocated on first use."""
+        if kind.ratio not in self.all_rows:
             dev = self.positions.device
-            self.c128a_rows = torch.full((self.max_tokens, self.spec.c128a_width), -1, dtype=torch.int32,
-                                         device=dev)
-            self.c128a_lens = torch.zeros(self.max_tokens, dtype=torch.int32, device=dev)
-        return self.c128a_rows, self.c128a_lens
+            self.all_rows[kind.ratio] = (
+                torch.full((self.max_tokens, self.spec.all_width(kind.ratio)), -1, dtype=torch.int32, device=dev),
+                torch.zeros(self.max_tokens, dtype=torch.int32, device=dev))
+        return self.all_rows[kind.ratio]
 
 
 class FrontEnd(Protocol):
@@ -82,12 +86,13 @@ class FrontEnd(Protocol):
     name: str
 
     def step_rows(self, batch: StepBatch, buffers: PlanBuffers, num_tokens: int) -> None:
-        """Write positions, token_to_req, token_valid, the SWA rows and, when the batch has a
-        ratio-128 table, the C128A rows of tokens [0, num_tokens) into ``buffers``."""
+        """Write positions, token_to_req, token_valid, the SWA rows and the rows of every kind of
+        ``buffers.all_kinds(batch)`` for tokens [0, num_tokens) into ``buffers``."""
 
-    def c4a_rows(self, tokens: Tokens, table: torch.Tensor, comp_block_size: int,
-                 local_topk: torch.Tensor) -> IndexPair:
-        """C4A rows int32 [T, K] and lens int32 [T] from the local top-k int32/int64 [T, K]."""
+    def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
+                  local_topk: torch.Tensor) -> IndexPair:
+        """Rows int32 [T, K] and lens int32 [T] of a top-k layer from its local top-k
+        int32/int64 [T, K] (entries visible while ``< (pos+1) // kind.ratio``)."""
 
 
 class TorchFrontEnd:
@@ -103,15 +108,14 @@ class TorchFrontEnd:
         tokens = Tokens(buffers.positions[:T], buffers.token_to_req[:T], buffers.token_valid[:T])
         swa_rows_for(tokens, batch.swa_block_table, batch.swa_block_size, buffers.spec.window,
                      out=(buffers.swa_rows[:T], buffers.swa_lens[:T]))
-        if LayerKind.C128A.ratio in batch.comp_block_tables:
-            kind = LayerKind.C128A
-            rows, lens = buffers.c128a()
+        for kind in buffers.all_kinds(batch):
+            rows, lens = buffers.rows_of(kind)
             comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
-                          buffers.spec.c128a_width, out=(rows[:T], lens[:T]))
+                          buffers.spec.all_width(kind.ratio), out=(rows[:T], lens[:T]))
 
-    def c4a_rows(self, tokens: Tokens, table: torch.Tensor, comp_block_size: int,
-                 local_topk: torch.Tensor) -> IndexPair:
-        return comp_rows_for(tokens, LayerKind.C4A, table, comp_block_size, local_topk)
+    def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
+                  local_topk: torch.Tensor) -> IndexPair:
+        return comp_rows_for(tokens, kind, table, comp_block_size, local_topk)
 
 
 @dataclass
@@ -121,7 +125,8 @@ class StepPlan:
 
     positions int64 [T]; token_to_req int32 [T] (-1 padding); token_valid bool [T];
     swa_rows int32 [T, W] / swa_lens int32 [T];
-    c128a_rows int32 [T, c128a_width] / c128a_lens int32 [T], or None without C128A table.
+    all_rows {ratio: (rows int32 [T, spec.all_width(ratio)], lens int32 [T])} of the "all" kinds
+    (C128A) whose block table the batch carries.
     """
 
     spec: ModelSpec
@@ -136,8 +141,7 @@ class StepPlan:
     token_valid: torch.Tensor
     swa_rows: torch.Tensor
     swa_lens: torch.Tensor
-    c128a_rows: torch.Tensor | None
-    c128a_lens: torch.Tensor | None
+    all_rows: dict[int, IndexPair] = field(default_factory=dict)
     front_end: FrontEnd = field(default_factory=TorchFrontEnd, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -149,27 +153,39 @@ class StepPlan:
     def tokens(self) -> Tokens:
         return Tokens(self.positions, self.token_to_req, self.token_valid)
 
+    @property
+    def c128a_rows(self) -> torch.Tensor | None:
+        """C128A rows int32 [T, spec.c128a_width], or None without a ratio-128 table."""
+        pair = self.all_rows.get(LayerKind.C128A.ratio)
+        return None if pair is None else pair[0]
+
+    @property
+    def c128a_lens(self) -> torch.Tensor | None:
+        pair = self.all_rows.get(LayerKind.C128A.ratio)
+        return None if pair is None else pair[1]
+
     def cached(self, key, builder: Callable[[], Any]) -> Any:
         """``builder()`` once per plan and key (per-step metadata shared by all layers)."""
         if key not in self._cache:
             self._cache[key] = builder()
         return self._cache[key]
 
-    def comp_scope(self, kind: LayerKind, c4a_topk: torch.Tensor | None = None) -> IndexPair | tuple[None, None]:
+    def comp_scope(self, kind: LayerKind, topk: torch.Tensor | None = None) -> IndexPair | tuple[None, None]:
         """(rows, lens) of the compressed scope of ``kind``: global slots, -1 unused.
-        SWA -> (None, None); C128A -> the plan's rows; C4A -> translated from ``c4a_topk``
-        (local positions ``[T, K]``) through the ratio-4 block table by the plan's front end."""
+        Window-only -> (None, None); "all" kinds (C128A) -> the plan's rows; top-k kinds (C4A, C1A,
+        C2A) -> translated from ``topk`` (local positions ``[T, K]``) through the block table of
+        the kind's ratio by the plan's front end."""
         kind = LayerKind.parse(kind)
-        if kind is LayerKind.SWA:
+        if not kind.has_comp_scope:
             return None, None
-        if kind is LayerKind.C128A:
-            if self.c128a_rows is None:
-                raise ValueError("comp_block_tables: the batch has no ratio-128 table; allowed: "
-                                 "provide comp_block_tables[128] to run C128A layers")
-            return self.c128a_rows, self.c128a_lens
-        check_local_topk(c4a_topk, self.num_tokens, self.device)
-        return self.front_end.c4a_rows(self.tokens, self.batch.comp_block_table(kind),
-                                       self.batch.comp_block_size(kind), c4a_topk[: self.num_tokens])
+        if kind.attends_all:
+            if kind.ratio not in self.all_rows:
+                raise ValueError(f"comp_block_tables: the batch has no ratio-{kind.ratio} table; allowed: "
+                                 f"provide comp_block_tables[{kind.ratio}] to run {kind.name} layers")
+            return self.all_rows[kind.ratio]
+        check_local_topk(topk, self.num_tokens, self.device)
+        return self.front_end.topk_rows(self.tokens, kind, self.batch.comp_block_table(kind),
+                                        self.batch.comp_block_size(kind), topk[: self.num_tokens])
 
     def phase_plan(self, phase) -> "StepPlan":
         """Sub-plan of the decode tokens [0, num_decode_tokens) or the rest (prefill + padding)."""
@@ -181,13 +197,12 @@ class StepPlan:
         return self.cached(("phase", phase), lambda: self._slice(start, stop, phase is Phase.DECODE))
 
     def _slice(self, start: int, stop: int, decode: bool) -> "StepPlan":
-        def cut(t):
-            return None if t is None else t[start:stop]
-
         return StepPlan(self.spec, self.batch, self.owner, self.generation, self.token_start + start,
-                        stop - start, (stop - start) if decode else 0, cut(self.positions),
-                        cut(self.token_to_req), cut(self.token_valid), cut(self.swa_rows), cut(self.swa_lens),
-                        cut(self.c128a_rows), cut(self.c128a_lens), self.front_end)
+                        stop - start, (stop - start) if decode else 0, self.positions[start:stop],
+                        self.token_to_req[start:stop], self.token_valid[start:stop], self.swa_rows[start:stop],
+                        self.swa_lens[start:stop],
+                        {r: (rows[start:stop], lens[start:stop]) for r, (rows, lens) in self.all_rows.items()},
+                        self.front_end)
 
 
 def build_plan(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers, owner: Any, generation: int,
@@ -201,17 +216,16 @@ def build_plan(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers, owner: A
                          "SparseMLA (raise max_tokens)")
     if batch.max_model_len > spec.max_model_len:
         raise ValueError(f"batch.max_model_len: got {batch.max_model_len}; allowed: <= spec.max_model_len "
-                         f"({spec.max_model_len}), which fixes the C128A row width")
+                         f"({spec.max_model_len}), which fixes the row width of the \"all\" layers (C128A)")
     if batch.device != buffers.positions.device:
         raise ValueError(f"batch: got device {batch.device}; allowed: {buffers.positions.device} "
                          "(the SparseMLA's device)")
+    unknown = sorted(set(batch.comp_block_tables) - set(spec.comp_ratios))
+    if unknown:
+        raise ValueError(f"batch.comp_block_tables: got ratio(s) {unknown}; allowed: the model's compression "
+                         f"ratios {list(spec.comp_ratios)}")
     front_end.step_rows(batch, buffers, T)
-    has_c128a = LayerKind.C128A.ratio in batch.comp_block_tables
-    c128a_rows, c128a_lens = buffers.c128a() if has_c128a else (None, None)
-
-    def view(t):
-        return None if t is None else t[:T]
-
-    return StepPlan(spec, batch, owner, generation, 0, T, batch.num_decode_tokens, view(buffers.positions),
-                    view(buffers.token_to_req), view(buffers.token_valid), view(buffers.swa_rows),
-                    view(buffers.swa_lens), view(c128a_rows), view(c128a_lens), front_end)
+    all_rows = {k.ratio: tuple(t[:T] for t in buffers.rows_of(k)) for k in buffers.all_kinds(batch)}
+    return StepPlan(spec, batch, owner, generation, 0, T, batch.num_decode_tokens, buffers.positions[:T],
+                    buffers.token_to_req[:T], buffers.token_valid[:T], buffers.swa_rows[:T], buffers.swa_lens[:T],
+                    all_rows, front_end)

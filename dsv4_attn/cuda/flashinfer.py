@@ -221,11 +221,11 @@ class FlashInferTRTLLMBackend(Backend):
         """Merged storage-offset rows int32 [T, 128 + round_up(K, 4)] and lens int32 [T] (128 + K_t)."""
 
         def build():
-            comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.c4a_topk)
+            comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
             comp = None if comp_rows is None else storage_offsets(comp_rows, comp_geo)
             return merged_rows(storage_offsets(plan.swa_rows, swa_geo), plan.swa_lens, comp, comp_lens)
 
-        if layer.kind is LayerKind.C4A:  # the indexer's top-k differs per layer
+        if layer.kind.uses_topk:  # the indexer's top-k differs per layer
             return build()
         spans = (swa_geo.block_size, swa_geo.block_stride, comp_geo.block_size, comp_geo.block_stride)
         return plan.cached(("flashinfer", "rows", layer.kind, spans), build)

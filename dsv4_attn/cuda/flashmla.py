@@ -306,6 +306,7 @@ class _HeadStaging:
 class FlashMLABackend(Backend):
     name = "flashmla"
     splits_phases = True  # decode and prefill are different FlashMLA kernels
+    kinds = None  # FlashMLA takes global rows and lengths: every (ratio, selection), V4.1's too
     capabilities = Capabilities(
         platforms="NVIDIA SM90, SM100 family",
         formats=(KVFormat.MODEL1_FP8,),
@@ -374,11 +375,11 @@ class FlashMLABackend(Backend):
     def _decode(self, ops: FlashMLAOps, plan: StepPlan, layer: LayerInputs, q, sink, out) -> None:
         swa_kv = _kernel_cache(layer.swa_cache, "swa_cache")
         swa_idx = plan.cached(("flashmla", "swa_idx"), lambda: _pad_cols(plan.swa_rows, DECODE_TOPK_BLOCK))
-        comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.c4a_topk)
+        comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
         if comp_rows is not None:
             comp_kv = _kernel_cache(layer.comp_cache, "comp_cache")
-            comp_idx = (plan.cached(("flashmla", "c128a_idx"), lambda: _pad_cols(comp_rows, EXTRA_TOPK_BLOCK))
-                        if layer.kind is LayerKind.C128A else _pad_cols(comp_rows, EXTRA_TOPK_BLOCK))
+            comp_idx = (plan.cached(("flashmla", "all_idx", layer.kind), lambda: _pad_cols(comp_rows, EXTRA_TOPK_BLOCK))
+                        if layer.kind.attends_all else _pad_cols(comp_rows, EXTRA_TOPK_BLOCK))
         shape = (q.shape[1], swa_kv.shape[1], swa_idx.shape[1], None if comp_rows is None else comp_kv.shape[1],
                  None if comp_rows is None else comp_idx.shape[1])
         for t0 in range(0, plan.num_tokens, DECODE_MAX_ROWS):
@@ -391,7 +392,7 @@ class FlashMLABackend(Backend):
                        layer.softmax_scale, out[t0:t1, None])
 
     def _prefill(self, ops: FlashMLAOps, plan: StepPlan, layer: LayerInputs, q, sink, out) -> None:
-        comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.c4a_topk)
+        comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
         scopes = [(layer.swa_cache, plan.swa_rows, plan.swa_lens, "swa_cache")]
         if comp_rows is not None:
             scopes.append((layer.comp_cache, comp_rows, comp_lens, "comp_cache"))

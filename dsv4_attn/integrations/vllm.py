@@ -365,7 +365,8 @@ class DSv4AttnLayerMixin:
         if reasons:
             raise ValueError(f"dsv4_attn cannot serve {self.prefix} ({type(self).__name__}):\n"
                              + "\n".join(f"  - {r}" for r in reasons))
-        self.dsv4_kind = LayerKind.parse(self.compress_ratio)
+        # vLLM's V4 layers number window-only layers 1 (max(1, config ratio)); config ratio 1 is V4.1's C1A
+        self.dsv4_kind = LayerKind.SWA if self.compress_ratio <= 1 else LayerKind.from_ratio(self.compress_ratio)
         self.dsv4_planner = planner_for(self, vllm_config)
 
     def forward_mqa(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
@@ -525,7 +526,7 @@ class StepPlanner:
 
     def log(self, layer_cls: type) -> None:
         mla = self.slots[0]
-        choice = {f"{k.name} {p.value}": mla.backend_for(k, p) for k in LayerKind for p in Phase}
+        choice = {f"{k.name} {p.value}": mla.backend_for(k, p) for k in mla.spec.kinds for p in Phase}
         names = sorted(set(choice.values()))
         logger.info("dsv4_attn: DeepSeek-V4 attention runs on dsv4_attn through %s (%s, %s, %d heads per "
                     "rank, backend %s)", layer_cls.__name__, mla.platform.arch, KVFormat.MODEL1_FP8.value,

@@ -24,6 +24,7 @@ from ..common.spec import LayerKind, ModelSpec
 class TorchBackend(Backend):
     name = "torch"
     dialects = (Fp8Dialect.OCP, Fp8Dialect.FNUZ)
+    kinds = None  # every (ratio, selection): the kernels take the ratio as a parameter
     capabilities = Capabilities(
         platforms="any torch device (CPU default; CUDA/ROCm when forced)",
         formats=tuple(KVFormat),
@@ -43,7 +44,7 @@ class TorchBackend(Backend):
         T, H = plan.num_tokens, layer.q.shape[1]
         if T == 0:
             return
-        comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.c4a_topk)
+        comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
         scopes = [(layer.swa_cache, plan.swa_rows, plan.swa_lens, layer.swa_dialect, "swa_cache")]
         if comp_rows is not None:
             scopes.append((layer.comp_cache, comp_rows, comp_lens, layer.comp_dialect, "comp_cache"))

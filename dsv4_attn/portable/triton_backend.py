@@ -26,6 +26,7 @@ from ..common.spec import LayerKind, ModelSpec
 class TritonBackend(Backend):
     name = "triton"
     dialects = (Fp8Dialect.OCP, Fp8Dialect.FNUZ)
+    kinds = None  # every (ratio, selection): the kernels take the ratio as a parameter
     capabilities = Capabilities(
         platforms="NVIDIA sm_80+ (fp8 formats sm_89+), AMD ROCm (through Triton)",
         formats=(KVFormat.MODEL1_FP8, KVFormat.BF16, KVFormat.FP8_TENSOR),
@@ -76,25 +77,24 @@ class TritonBackend(Backend):
         self._check_model1_stride("swa_cache", layer.swa_cache, fmt, swa_geo.block_stride)
         comp_rows = comp_lens = c4a = None
         comp_cache = None
-        if layer.kind is LayerKind.C128A:
+        if layer.kind.attends_all:
             comp_cache = layer.comp_cache
-            comp_rows, comp_lens = plan.comp_scope(LayerKind.C128A)
-        elif layer.kind is LayerKind.C4A:
+            comp_rows, comp_lens = plan.comp_scope(layer.kind)
+        elif layer.kind.uses_topk:  # local top-k translated inside the kernel
             comp_cache = layer.comp_cache
-            topk = layer.c4a_topk[:T]
-            comp_rows = topk
-            c4a = (plan.batch.comp_block_table(LayerKind.C4A), plan.token_to_req, plan.positions)
+            comp_rows = layer.topk[:T]
+            c4a = (plan.batch.comp_block_table(layer.kind), plan.token_to_req, plan.positions)
         if comp_cache is not None:
             geo = check_cache(comp_cache, fmt, "comp_cache", layer.comp_dialect)
             self._check_model1_stride("comp_cache", comp_cache, fmt, geo.block_stride)
             if comp_rows.stride(-1) != 1:
-                raise ValueError(f"c4a_topk: got strides {tuple(comp_rows.stride())}; allowed: last dim contiguous")
+                raise ValueError(f"topk: got strides {tuple(comp_rows.stride())}; allowed: last dim contiguous")
         kwargs = {}
         if self._config is not None:
             kwargs["config"] = self._config
         ops.sparse_mla_fwd(
             layer.q, out, fmt.value, layer.swa_cache, plan.swa_rows, plan.swa_lens,
-            comp_cache=comp_cache, comp_rows=comp_rows, comp_lens=comp_lens, c4a=c4a,
+            comp_cache=comp_cache, comp_rows=comp_rows, comp_lens=comp_lens, c4a=c4a, topk_ratio=layer.kind.ratio,
             sink=layer.sink, scale=layer.softmax_scale, kv_scale=layer.kv_scale,
             swa_fnuz=layer.swa_dialect is Fp8Dialect.FNUZ, comp_fnuz=layer.comp_dialect is Fp8Dialect.FNUZ,
             **kwargs,

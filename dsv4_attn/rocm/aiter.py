@@ -444,7 +444,7 @@ class AiterBackend(Backend):
         """(scope name, rows, lens, cache, dialect) of the layer's scopes, SWA first."""
         scopes = [("swa", plan.swa_rows, plan.swa_lens, layer.swa_cache, layer.swa_dialect)]
         if layer.kind.has_comp_scope:
-            rows, lens = plan.comp_scope(layer.kind, layer.c4a_topk)
+            rows, lens = plan.comp_scope(layer.kind, layer.topk)
             scopes.append((layer.kind.name.lower(), rows, lens, layer.comp_cache, layer.comp_dialect))
         return scopes
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...common.indices import IndexPair, Tokens
+from ...common.indices import IndexPair, Tokens, comp_rows_for
 from ...common.spec import LayerKind
 
 
@@ -94,12 +94,14 @@ def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
                     positions: torch.Tensor, token_to_req: torch.Tensor, token_valid: torch.Tensor,
                     swa_rows: torch.Tensor, swa_lens: torch.Tensor,
                     c128_table: torch.Tensor | None = None, c128_block_size: int = 2,
-                    c128_rows: torch.Tensor | None = None, c128_lens: torch.Tensor | None = None) -> None:
+                    c128_rows: torch.Tensor | None = None, c128_lens: torch.Tensor | None = None,
+                    all_ratio: int = 128) -> None:
     """Fill the step buffers (first ``num_tokens`` rows of each) in one launch.
 
     positions int64 [>=T], token_to_req int32 [>=T], token_valid bool [>=T], swa_rows int32
-    [>=T, window] (last dim contiguous), swa_lens int32 [>=T]; optionally the C128A rows int32
-    [>=T, width] and lens from the ratio-128 block table. Inputs are not validated here.
+    [>=T, window] (last dim contiguous), swa_lens int32 [>=T]; optionally the rows int32
+    [>=T, width] and lens of an "all" kind (C128A) from its ratio-``all_ratio`` block table.
+    Inputs are not validated here.
     """
     T = num_tokens
     if T == 0:
@@ -117,7 +119,7 @@ def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
         swa_rows, swa_rows.stride(0), swa_lens,
         ct, ct.stride(0), c128_block_size if has_c else 1, ct.shape[1],
         cr, cr.stride(0), cl, width,
-        WINDOW=window, W_P2=triton.next_power_of_2(window), HAS_C128=has_c, C_RATIO=128,
+        WINDOW=window, W_P2=triton.next_power_of_2(window), HAS_C128=has_c, C_RATIO=all_ratio,
         BLOCK_R=_block(R), BLOCK_C=_block(width), num_warps=4,
     )
 
@@ -127,13 +129,13 @@ def _c4a_rows_kernel(
     LOCAL, stride_l, POS, TOK2REQ, VALID,
     TABLE, stride_t, bs, table_cols,
     ROWS, LENS, K,
-    BLOCK_K: tl.constexpr,
+    RATIO: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0)
     pos = tl.load(POS + t)
     valid = tl.load(VALID + t)
     req = tl.maximum(tl.load(TOK2REQ + t), 0).to(tl.int64)
-    visible = (pos + 1) // 4
+    visible = (pos + 1) // RATIO
     n = tl.where(valid, tl.minimum(visible, K), 0)
     for k0 in range(0, K, BLOCK_K):
         c = k0 + tl.arange(0, BLOCK_K)
@@ -146,10 +148,11 @@ def _c4a_rows_kernel(
     tl.store(LENS + t, n.to(tl.int32))
 
 
-def c4a_rows(tokens: Tokens, table: torch.Tensor, comp_block_size: int,
-             local_topk: torch.Tensor) -> IndexPair:
-    """C4A rows int32 [T, K] (contiguous) and lens int32 [T] from the local top-k int32/int64
-    [T, K] (last dim contiguous), in one launch. Inputs are not validated here."""
+def topk_rows(tokens: Tokens, ratio: int, table: torch.Tensor, comp_block_size: int,
+              local_topk: torch.Tensor) -> IndexPair:
+    """Rows int32 [T, K] (contiguous) and lens int32 [T] of a top-k layer of compression
+    ``ratio`` from its local top-k int32/int64 [T, K] (last dim contiguous), in one launch.
+    Inputs are not validated here."""
     T, K = local_topk.shape
     rows = torch.empty((T, K), dtype=torch.int32, device=local_topk.device)
     lens = torch.empty(T, dtype=torch.int32, device=local_topk.device)
@@ -157,28 +160,38 @@ def c4a_rows(tokens: Tokens, table: torch.Tensor, comp_block_size: int,
         _c4a_rows_kernel[(T,)](
             local_topk, local_topk.stride(0), tokens.positions, tokens.token_to_req, tokens.valid,
             table, table.stride(0), comp_block_size, table.shape[1], rows, lens, K,
-            BLOCK_K=_block(K), num_warps=4,
+            RATIO=ratio, BLOCK_K=_block(K), num_warps=4,
         )
     return rows, lens
 
 
 class TritonFrontEnd:
-    """The front end on GPUs: one launch per step (:func:`build_step_rows`), one per C4A layer
-    (:func:`c4a_rows`); no host sync, graph-capturable. Same values as ``TorchFrontEnd``."""
+    """The front end on GPUs: one launch per step (:func:`build_step_rows`: positions, SWA rows
+    and the rows of the model's "all" kind, C128A), one per top-k layer (:func:`topk_rows`); no
+    host sync, graph-capturable. Same values as ``TorchFrontEnd``."""
 
     name = "triton"
 
     def step_rows(self, batch, buffers, num_tokens: int) -> None:
-        c128a = LayerKind.C128A
-        has_c128a = c128a.ratio in batch.comp_block_tables
-        c_rows, c_lens = buffers.c128a() if has_c128a else (None, None)
+        kinds = buffers.all_kinds(batch)
+        fused = kinds[0] if kinds else None
+        rows, lens = buffers.rows_of(fused) if fused else (None, None)
         build_step_rows(batch.query_start_loc, batch.seq_lens, num_tokens, batch.swa_block_table,
                         batch.swa_block_size, buffers.spec.window, buffers.positions, buffers.token_to_req,
                         buffers.token_valid, buffers.swa_rows, buffers.swa_lens,
-                        batch.comp_block_tables.get(c128a.ratio), batch.comp_block_size(c128a), c_rows, c_lens)
+                        batch.comp_block_tables[fused.ratio] if fused else None,
+                        batch.comp_block_size(fused) if fused else 1, rows, lens,
+                        fused.ratio if fused else 1)
+        # No released model has a second "all" kind; any further one takes the torch ops.
+        T = num_tokens
+        tokens = Tokens(buffers.positions[:T], buffers.token_to_req[:T], buffers.token_valid[:T])
+        for kind in kinds[1:]:
+            rows, lens = buffers.rows_of(kind)
+            comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
+                          buffers.spec.all_width(kind.ratio), out=(rows[:T], lens[:T]))
 
-    def c4a_rows(self, tokens: Tokens, table: torch.Tensor, comp_block_size: int,
-                 local_topk: torch.Tensor) -> IndexPair:
+    def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
+                  local_topk: torch.Tensor) -> IndexPair:
         if local_topk.stride(-1) != 1:
             local_topk = local_topk.contiguous()
-        return c4a_rows(tokens, table, comp_block_size, local_topk)
+        return topk_rows(tokens, kind.ratio, table, comp_block_size, local_topk)

@@ -121,6 +121,7 @@ def sparse_mla_fwd(
     comp_rows: torch.Tensor | None = None,
     comp_lens: torch.Tensor | None = None,
     c4a: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    topk_ratio: int = 4,
     sink: torch.Tensor | None = None,
     scale: float = 512**-0.5,
     kv_scale: float = 1.0,
@@ -133,9 +134,10 @@ def sparse_mla_fwd(
     """Two-scope sparse attention into ``out`` [T, H, 512] (bf16, written in place).
 
     swa_rows int32 [T, W] global slots (+ swa_lens [T]). Compressed scope (optional):
-    ``comp_rows`` int32 [T, K] global slots + ``comp_lens`` [T], or, for C4A, ``comp_rows`` =
-    LOCAL top-k [T, K] with ``c4a = (block_table int32 [R, nb], token_to_req int32 [T],
-    positions int64 [T])`` (translated in the kernel; lens = min((pos+1)//4, K)).
+    ``comp_rows`` int32 [T, K] global slots + ``comp_lens`` [T], or, for a top-k layer (C4A, C1A,
+    C2A), ``comp_rows`` = LOCAL top-k [T, K] with ``c4a = (block_table int32 [R, nb], token_to_req
+    int32 [T], positions int64 [T])`` of the layer's ratio ``topk_ratio`` (translated in the
+    kernel; lens = min((pos+1)//topk_ratio, K)).
     ``lse`` optional float32 [T, H] (natural log, sink excluded, -inf for empty rows).
     """
     T, H, _ = q.shape
@@ -189,14 +191,15 @@ def sparse_mla_fwd(
             bt, bt.stride(0), tok2req, pos, b_width,
             po, pml,
             H, scale * LOG2E, split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
-            COMP=comp_mode, C4A_RATIO=4, HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
+            COMP=comp_mode, C4A_RATIO=topk_ratio, HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
             IS_SPLIT=split > 1, BN=bn, A_SHIFT=_log2_or_minus1(a_bs), B_SHIFT=_log2_or_minus1(b_bs),
             num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG,
         )
     else:
         _launch_portable(q, out, lse_t, stride_lt, sink_t, a_u8, a_16, a_s0, a_bs, swa_rows, swa_lens, b_u8, b_16,
                          b_s0, b_bs, comp_rows, comp_lens, bt, tok2req, pos, b_width, po, pml, H, scale, kv_scale,
-                         split, swa_fnuz, comp_fnuz, fmt_code, comp_mode, sink, write_lse, block_h, bn, grid, config)
+                         split, swa_fnuz, comp_fnuz, fmt_code, comp_mode, sink, write_lse, block_h, bn, grid, config,
+                         topk_ratio)
     if split > 1:
         bh_c = min(16, block_h)
         bd = 128
@@ -210,7 +213,8 @@ def sparse_mla_fwd(
 
 def _launch_portable(q, out, lse_t, stride_lt, sink_t, a_u8, a_16, a_s0, a_bs, swa_rows, swa_lens, b_u8, b_16, b_s0,
                      b_bs, comp_rows, comp_lens, bt, tok2req, pos, b_width, po, pml, H, scale, kv_scale, split,
-                     swa_fnuz, comp_fnuz, fmt_code, comp_mode, sink, write_lse, block_h, bn, grid, config):
+                     swa_fnuz, comp_fnuz, fmt_code, comp_mode, sink, write_lse, block_h, bn, grid, config,
+                     topk_ratio):
     dt = config.dt()
     p_scratch = bool(config.p_scratch)
     if p_scratch:
@@ -227,7 +231,7 @@ def _launch_portable(q, out, lse_t, stride_lt, sink_t, a_u8, a_16, a_s0, a_bs, s
         bt, bt.stride(0), tok2req, pos, b_width,
         po, pml, scr_p, scr_a,
         H, scale * LOG2E, float(kv_scale), split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
-        FMT=fmt_code, COMP=comp_mode, C4A_RATIO=4,
+        FMT=fmt_code, COMP=comp_mode, C4A_RATIO=topk_ratio,
         HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
         IS_SPLIT=split > 1, BLOCK_H=block_h, BLOCK_N=bn, DT=dt, P_SCRATCH=p_scratch,
         num_warps=config.num_warps, num_stages=config.num_stages,
