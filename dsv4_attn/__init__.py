@@ -1,7 +1,8 @@
 """dsv4_attn: DeepSeek-V4 sparse MLA attention (SWA + compressed scopes + sink) on every vendor.
 
 Public face: :class:`SparseMLA` (plan once per step, forward per layer, explain), the data
-model (:class:`ModelSpec`, :class:`StepBatch`, :class:`LayerKind`, :class:`KVFormat`), the
+model (:class:`ModelSpec` and its :class:`Layer` list, :class:`StepBatch`, :class:`LayerKind` =
+(compression ratio, :class:`Selection`), :class:`KVFormat`), the
 platform :func:`probe`, and the :func:`backend` override context manager.
 """
 
@@ -11,7 +12,7 @@ from .common.batch import StepBatch
 from .common.layout import Fp8Dialect, KVFormat
 from .common.plan import StepPlan
 from .common.platform import Platform, probe
-from .common.spec import LayerKind, ModelSpec
+from .common.spec import V4_KINDS, Layer, LayerKind, ModelSpec, Selection
 
 __version__ = "0.1.0"
 
@@ -20,14 +21,17 @@ __all__ = [
     "BackendUnavailableError",
     "Fp8Dialect",
     "KVFormat",
+    "Layer",
     "LayerInputs",
     "LayerKind",
     "ModelSpec",
     "Phase",
     "Platform",
+    "Selection",
     "SparseMLA",
     "StepBatch",
     "StepPlan",
+    "V4_KINDS",
     "backend",
     "backend_names",
     "probe",
