@@ -80,7 +80,7 @@ def make_case(gen, query_lens, seq_lens, *, heads=16, fmt="fp8_ds_mla", topk=64,
     local[list(empty_topk_tokens)] = -1
     caches = {"swa": _cache(fmt, swa_table, swa_bs, block_base, gen, device, swa_block_stride, kv_scale)}
     for ratio, table in comp_tables.items():
-        caches[LayerKind(ratio)] = _cache(fmt, table, block_size // ratio, 0, gen, device, comp_block_stride,
+        caches[LayerKind.from_ratio(ratio)] = _cache(fmt, table, block_size // ratio, 0, gen, device, comp_block_stride,
                                           kv_scale)
     q = randn((T, heads, 512), gen, device).bfloat16()
     sink = (torch.randn(heads, generator=gen) + 2).to(device)

@@ -201,12 +201,12 @@ def test_merged_rows_give_the_reference_result(gen, kind):
     swa_geo = fi._pool(case.caches["swa"], KVFormat.BF16, layer.swa_dialect, "swa")[1]
     comp_geo = fi._pool(case.caches[kind], KVFormat.BF16, layer.comp_dialect, "comp")[1]
     rows, lens = fi.FlashInferTRTLLMBackend._rows(plan, layer, swa_geo, comp_geo)
-    assert rows.shape[1] == 128 + round_up(plan.comp_scope(kind, layer.c4a_topk)[0].shape[1], 4)
+    assert rows.shape[1] == 128 + round_up(plan.comp_scope(kind, layer.topk)[0].shape[1], 4)
     swa_len = (plan.positions + 1).clamp(max=128)  # the kernel's window rule with seq_lens = pos + 1
     got, _ = reference.sparse_mla(case.q, case.caches["swa"], rows[:, :128], swa_len, case.caches[kind],
                                   rows[:, 128:], lens - 128, case.sink, case.spec.scale, "bfloat16")
     want, _ = reference.sparse_mla(case.q, case.caches["swa"], plan.swa_rows, plan.swa_lens, case.caches[kind],
-                                   *plan.comp_scope(kind, layer.c4a_topk), case.sink, case.spec.scale, "bfloat16")
+                                   *plan.comp_scope(kind, layer.topk), case.sink, case.spec.scale, "bfloat16")
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)  # same keys; padding may reorder sums
 
 

@@ -68,7 +68,7 @@ class DropsCompressed(TorchBackend):
     """Forgets the compressed scope (attends the SWA keys only)."""
 
     def forward(self, plan, layer, out):
-        super().forward(plan, dataclasses.replace(layer, kind=LayerKind.SWA, comp_cache=None, c4a_topk=None), out)
+        super().forward(plan, dataclasses.replace(layer, kind=LayerKind.SWA, comp_cache=None, topk=None), out)
 
 
 class WritesHalf(TorchBackend):
