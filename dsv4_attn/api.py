@@ -83,6 +83,7 @@ class SparseMLA:
         self._buffers: PlanBuffers | None = None
         self._generation = 0
         self._selected: dict[tuple, str] = {}
+        self._backends: dict[str, Backend] = {}  # this model's own instances (their buffers are its own)
         # Refuse at construction (engine start) when the requested backend cannot run a layer.
         for kind in spec.kinds:
             for phase in Phase:
@@ -198,13 +199,18 @@ class SparseMLA:
         T, nd = plan.num_tokens, plan.num_decode_tokens
         phases = [(p, a, b) for p, a, b in ((Phase.DECODE, 0, nd), (Phase.PREFILL, nd, T)) if b > a]
         names = {p: self.backend_for(kind, p) for p, _, _ in phases}
-        backends = {p: backend_mod.get_backend(n) for p, n in names.items()}
+        backends = {p: self._backend(n) for p, n in names.items()}
         if len(set(names.values())) == 1 and not backends[phases[0][0]].splits_phases:
             backends[phases[0][0]].forward(plan, layer, out)
             return out
         for phase, a, b in phases:
             backends[phase].forward(plan.phase_plan(phase), layer.token_slice(a, b), out[a:b])
         return out
+
+    def _backend(self, name: str) -> Backend:
+        if name not in self._backends:
+            self._backends[name] = backend_mod.new_backend(name)
+        return self._backends[name]
 
     # ---- validation ---------------------------------------------------------------------------
     def _check(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None, validate: bool,

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform as _pyplatform
 import sys
 
 import torch
 
+from . import envs
 from .common import backend as backend_mod
 from .common.backend import BackendUnavailableError, Phase
 from .common.layout import KVFormat
@@ -55,8 +55,6 @@ def _aiter(plat) -> dict:
 _DESCRIBERS = {"flashmla": ("dsv4_attn.cuda.flashmla", _flashmla),
                "flashinfer": ("dsv4_attn.cuda.flashinfer", _flashinfer),
                "aiter": ("dsv4_attn.rocm.aiter", _aiter)}
-_ENV_VARS = ("DSV4_ATTN_BACKEND", "DSV4_ATTN_VLLM", "DSV4_ATTN_FLASHMLA_LIB", "DSV4_ATTN_AITER_EMULATOR", "TRITON_INTERPRET",
-             "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
 
 def describe_vendor(key: str, plat) -> dict:
@@ -166,7 +164,7 @@ def collect(heads: int = 64, fmt: str = "fp8_ds_mla", c4a_topk: int = 512, max_m
         "vendor_binaries": {key: describe_vendor(key, plat) for key in _DESCRIBERS},
         "backends": backends,
         "vllm_plugin": vllm_plugin(),
-        "env": {k: os.environ[k] for k in _ENV_VARS if k in os.environ},
+        "env": envs.table(),
         "selection": {"heads": heads, "format": kv_format.value, "c4a_topk": c4a_topk,
                       "max_model_len": max_model_len, "choices": choose(spec, kv_format, dev)},
         "explain": explain(spec, kv_format, dev),
@@ -183,7 +181,10 @@ def render(info: dict) -> str:
         f"torch      {p['torch_version']} (CUDA {p['cuda_version'] or '-'}, HIP {p['hip_version'] or '-'}), "
         f"triton {p['triton_version'] or '-'}",
         f"python     {info['python']} on {info['os']}",
-        "env        " + (", ".join(f"{k}={v}" for k, v in info["env"].items()) or "(no dsv4_attn variables set)"),
+        "",
+        "environment (dsv4_attn's variables, then other projects' that matter here)",
+        f"  {'name':<37} {'value':<12} {'default':<8} meaning",
+        *(f"  {v['name']:<37} {v['value'] or '-':<12} {v['default'] or '-':<8} {v['meaning']}" for v in info["env"]),
         "",
         "libraries",
         f"  {'name':<14} {'found':<6} {'version':<22} location",
@@ -244,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", help="device the backends would run on (default: cuda when available)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
+    bad = [row["error"] for row in envs.table() if row["error"]]
+    if bad:  # a mistyped variable must not pass unnoticed
+        print("\n".join(f"dsv4-attn probe: {why}" for why in bad), file=sys.stderr)
+        return 2
     try:
         info = collect(args.heads, args.format, args.c4a_topk, args.max_model_len, args.device)
     except (ValueError, RuntimeError) as exc:  # bad --heads / --format / --device

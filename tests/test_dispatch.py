@@ -3,6 +3,7 @@ reason, the override context manager and environment variable, lazy vendor impor
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -18,12 +19,14 @@ SPEC = ModelSpec(num_heads=64)
 
 
 class _Fake(dsv4.Backend):
-    """A backend whose verdict is fixed by the test."""
+    """A backend whose verdict is fixed by the test (it declares every platform, format and kind)."""
 
     def __init__(self, name, reasons=(), phases=(dsv4.Phase.DECODE, dsv4.Phase.PREFILL)):
-        self.name, self._reasons, self.phases = name, list(reasons), phases
+        self.name, self._reasons = name, list(reasons)
+        self.capabilities = bm.Capabilities(platforms=(bm.PlatformSupport("*"),), formats=tuple(KVFormat),
+                                            phases=phases)
 
-    def unsupported_reasons(self, platform, spec, fmt, kind, phase):
+    def extra_reasons(self, platform, spec, fmt, kind, phase, dialects):
         return list(self._reasons)
 
 
@@ -144,7 +147,8 @@ def test_fnuz_caches_only_go_to_backends_that_declare_fnuz(fakes):
 
     fakes("ocp-only", [], index=0)
     fakes("portable", [], index=1)
-    bm.get_backend("portable").dialects = (Fp8Dialect.OCP, Fp8Dialect.FNUZ)
+    portable = bm.get_backend("portable")
+    portable.capabilities = dataclasses.replace(portable.capabilities, dialects=(Fp8Dialect.OCP, Fp8Dialect.FNUZ))
     gfx942_caches = (Fp8Dialect.FNUZ, Fp8Dialect.OCP)  # vLLM on gfx942: SWA FNUZ, compressed OCP
     args = (_cuda(), SPEC, KVFormat.MODEL1_FP8, LayerKind.C4A, dsv4.Phase.DECODE)
     assert bm.select(*args, dialects=gfx942_caches) == "portable"

@@ -90,13 +90,15 @@ class WritesNaN(TorchBackend):
 
 
 class Refuses(Backend):
-    def unsupported_reasons(self, platform, spec, fmt, kind, phase):
+    capabilities = TorchBackend.capabilities
+
+    def extra_reasons(self, platform, spec, fmt, kind, phase, dialects):
         return ["needs a quantum computer"]
 
 
 class DecodeOnly(TorchBackend):
     splits_phases = True
-    phases = (Phase.DECODE,)
+    capabilities = dataclasses.replace(TorchBackend.capabilities, phases=(Phase.DECODE,))
 
 
 class Crashes(TorchBackend):

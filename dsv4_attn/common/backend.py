@@ -14,15 +14,15 @@ import contextlib
 import contextvars
 import enum
 import importlib
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import envs
 from .layout import Fp8Dialect, KVFormat
 from .platform import Platform
-from .spec import V4_KINDS, LayerKind, ModelSpec
+from .spec import MAX_HEADS, LayerKind, ModelSpec
 
 if TYPE_CHECKING:
     from .plan import StepPlan
@@ -69,67 +69,157 @@ class LayerInputs:
                            self.fmt, self.softmax_scale, self.kv_scale, self.swa_dialect, self.comp_dialect)
 
 
+Dialects = tuple[Fp8Dialect, Fp8Dialect]  # (SWA cache, compressed cache)
+OCP_CACHES: Dialects = (Fp8Dialect.OCP, Fp8Dialect.OCP)
+
+
+@dataclass(frozen=True)
+class PlatformSupport:
+    """One platform a backend runs on.
+
+    vendor          a ``common.platform.VENDORS`` name ("cuda", "rocm", "cpu", ...), or "*" for any
+    archs           arch names it runs on ("gfx942"; a trailing "*" matches a family: "sm10*");
+                    empty = every arch of the vendor
+    min_capability  NVIDIA compute-capability floor, e.g. (8, 0)
+    label           README / refusal text, e.g. "NVIDIA SM90, SM100 family"
+    """
+
+    vendor: str
+    archs: tuple[str, ...] = ()
+    min_capability: tuple[int, int] | None = None
+    label: str = ""
+
+    def matches(self, platform: Platform) -> bool:
+        if self.vendor not in ("*", platform.vendor):
+            return False
+        if self.archs and not any(platform.arch == a or (a.endswith("*") and platform.arch.startswith(a[:-1]))
+                                  for a in self.archs):
+            return False
+        if self.min_capability is not None:
+            cap = platform.capability
+            return cap is not None and cap >= self.min_capability
+        return True
+
+
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend declares it serves; rendered into the README support matrix.
+    """What a backend serves, as data: ``reasons()`` checks a request against it (one generic
+    function for every backend), ``support_matrix()`` renders it into the README, and
+    ``SparseMLA.explain()`` shows its refusals. A backend adds only what data cannot say
+    (libraries present, arch-by-format rules) in ``Backend.extra_reasons``.
 
-    platforms   e.g. "NVIDIA SM90, SM100"
+    platforms   where it runs (any one matches)
     formats     KV formats it reads
-    heads       query heads per rank it accepts, e.g. "1-128" or "64, 128 (others padded)"
+    kinds       layer kinds it serves (None: every (ratio, selection), V4's and V4.1's)
+    heads       (min, max) query heads per rank
+    phases      phases it implements (a forced backend is forced for these only)
+    dialects    FP8 dialects it reads (FNUZ is gfx942's; NVIDIA kernels read OCP only)
+    windows     sliding-window lengths it serves (None: any)
+    platform_need  refusal text off its platforms, e.g. "needs an NVIDIA SM90 or SM100-family GPU"
+                (default: "runs on <platform labels>"); "; this is <vendor>/<arch>" follows
+    heads_note  README text beside the head range, e.g. "padded to 64/128"
     validated   where its results come from: "H100 (hardware)", "emulated", "contract tests"...
     notes       anything a user must know (one line)
     """
 
-    platforms: str
+    platforms: tuple[PlatformSupport, ...]
     formats: tuple[KVFormat, ...]
-    heads: str
-    validated: str
+    kinds: tuple[LayerKind, ...] | None = None
+    heads: tuple[int, int] = (1, MAX_HEADS)
+    phases: tuple[Phase, ...] = (Phase.DECODE, Phase.PREFILL)
+    dialects: tuple[Fp8Dialect, ...] = (Fp8Dialect.OCP,)
+    windows: tuple[int, ...] | None = None
+    platform_need: str = ""
+    heads_note: str = ""
+    validated: str = ""
     notes: str = ""
+
+    @property
+    def platform_text(self) -> str:
+        return "; ".join(p.label or p.vendor for p in self.platforms)
+
+    def platform_reasons(self, platform: Platform) -> list[str]:
+        if any(p.matches(platform) for p in self.platforms):
+            return []
+        need = self.platform_need or f"runs on {self.platform_text}"
+        return [f"{need}; this is {platform.vendor}/{platform.arch}"]
+
+    def reasons(self, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, dialects: Dialects = OCP_CACHES) -> list[str]:
+        """Every way (spec, format, kind, dialects) falls outside the declared data (platform and
+        phase are checked by ``Backend.reasons``)."""
+        reasons = []
+        if self.kinds is not None and kind not in self.kinds:
+            reasons.append(f"serves {'/'.join(k.name for k in self.kinds)} layers only (not {kind.name})")
+        if fmt not in self.formats:
+            reasons.append(f"reads {'/'.join(f.value for f in self.formats)} caches only (not {fmt.value})")
+        lo, hi = self.heads
+        if not lo <= spec.num_heads <= hi:
+            reasons.append(f"serves {lo}-{hi} heads per rank (not {spec.num_heads})")
+        if self.windows is not None and spec.window not in self.windows:
+            reasons.append(f"serves {'/'.join(map(str, self.windows))}-token sliding windows only "
+                           f"(the model has {spec.window})")
+        if fmt.uses_fp8 and fmt in self.formats:
+            used = zip(("SWA", "compressed"), dialects[: 2 if kind.has_comp_scope else 1])
+            reasons += [f"reads {'/'.join(d.value for d in self.dialects)} fp8 only; the {cache} cache is "
+                        f"{dialect.value}" for cache, dialect in used if dialect not in self.dialects]
+        return reasons
 
 
 class Backend:
     """Base class of all backends.
 
-    name                   registry name
-    splits_phases          True: the front end calls forward separately for the decode and
-                           prefill token ranges (the plan passed is then a phase sub-plan)
-    phases                 the phases it implements at all (AITER: decode only). Forcing a
-                           backend forces it for these; other phases are auto-selected, and
-                           ``SparseMLA.explain()`` shows it.
-    dialects               FP8 dialects it reads (FNUZ is gfx942's; NVIDIA kernels read OCP only)
-    kinds                  layer kinds it serves (None: every kind, V4's and V4.1's)
-    capabilities           declared support, rendered into the README support matrix
+    name           registry name
+    capabilities   what it serves, as data (``Capabilities``)
+    splits_phases  True: the front end calls forward separately for the decode and prefill
+                   token ranges (the plan passed is then a phase sub-plan)
+
+    ``reasons(...)`` = the declared data's refusals + ``extra_reasons`` (what data cannot say);
+    [] means supported. ``forward`` runs a layer; ``prepare`` builds per-step metadata once per
+    plan and layer kind (``prepared`` caches it in the plan).
     """
 
     name: str = "?"
+    capabilities: Capabilities
     splits_phases: bool = False
-    phases: tuple[Phase, ...] = (Phase.DECODE, Phase.PREFILL)
-    dialects: tuple[Fp8Dialect, ...] = (Fp8Dialect.OCP,)
-    kinds: tuple[LayerKind, ...] | None = V4_KINDS
-    capabilities: Capabilities | None = None
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        return self.capabilities.phases
+
+    def platform_reasons(self, platform: Platform) -> list[str]:
+        """Why this backend cannot run on ``platform`` at all ([] = it can); the declared
+        platforms unless a backend knows better (an emulator serving any device)."""
+        return self.capabilities.platform_reasons(platform)
+
+    def extra_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
+                      dialects: Dialects) -> list[str]:
+        """Refusals the declared data cannot express (a missing library, an arch that reads a
+        format only with some instruction), asked only on a platform it runs on."""
+        return []
 
     def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
-                            phase: Phase) -> list[str]:
+                            phase: Phase, dialects: Dialects = OCP_CACHES) -> list[str]:
         """Every reason this backend cannot serve the combination; [] = supported."""
-        raise NotImplementedError
-
-    def dialect_reasons(self, platform: Platform, fmt: KVFormat, kind: LayerKind, dialects: "Dialects") -> list[str]:
-        """Reasons beyond ``dialects`` (the declared set) that these cache dialects (SWA,
-        compressed) cannot be served, e.g. an arch that reads only its native encoding in place.
-        Called only for fp8 formats the backend otherwise supports."""
-        return []
+        kind, fmt, phase = LayerKind.parse(kind), KVFormat.parse(fmt), Phase(phase)
+        if phase not in self.phases:
+            return [f"implements {'/'.join(p.value for p in self.phases)} only (not {phase.value})"]
+        reasons = self.capabilities.reasons(spec, fmt, kind, dialects)
+        on_platform = self.platform_reasons(platform)
+        if on_platform:
+            return reasons + on_platform
+        return reasons + self.extra_reasons(platform, spec, fmt, kind, phase, dialects)
 
     def prepare(self, plan: "StepPlan", kind: LayerKind) -> Any:
         """Per-step, per-kind metadata shared by all layers of that kind (None = nothing)."""
         return None
 
-    def forward(self, plan: "StepPlan", layer: LayerInputs, out: torch.Tensor) -> None:
-        """Write attention for all ``plan.num_tokens`` tokens into ``out`` [T, H, 512] bf16."""
-        raise NotImplementedError
-
     def prepared(self, plan: "StepPlan", kind: LayerKind) -> Any:
         """``prepare(plan, kind)`` once per plan, cached in the plan."""
         return plan.cached((self.name, "prepare", LayerKind.parse(kind)), lambda: self.prepare(plan, kind))
+
+    def forward(self, plan: "StepPlan", layer: LayerInputs, out: torch.Tensor) -> None:
+        """Write attention for all ``plan.num_tokens`` tokens into ``out`` [T, H, 512] bf16."""
+        raise NotImplementedError
 
 
 class BackendUnavailableError(RuntimeError):
@@ -207,7 +297,9 @@ def backend_names() -> list[str]:
 
 
 def get_backend(name: str) -> Backend | None:
-    """The backend instance, or None when its module cannot be imported (see import_error)."""
+    """The process-wide instance of a backend for capability questions (selection, explain,
+    the support matrix), or None when its module cannot be imported. Layers run on each
+    SparseMLA's own instance (``new_backend``), so per-model buffers are never shared."""
     if name not in _REGISTRY:
         raise ValueError(f"backend: got {name!r}; allowed: {sorted(_REGISTRY)} or 'auto'")
     if name in _instances:
@@ -228,39 +320,31 @@ def get_backend(name: str) -> Backend | None:
     return backend
 
 
-Dialects = tuple[Fp8Dialect, Fp8Dialect]  # (SWA cache, compressed cache)
-OCP_CACHES: Dialects = (Fp8Dialect.OCP, Fp8Dialect.OCP)
+def new_backend(name: str) -> Backend:
+    """A fresh instance of backend ``name`` for one SparseMLA (its buffers are that model's); a
+    backend registered as an instance is that instance. Raises when the module cannot be imported."""
+    shared = get_backend(name)
+    if shared is None:
+        raise BackendUnavailableError(_import_errors[name])
+    return shared if isinstance(_REGISTRY[name], Backend) else type(shared)()
 
 
 def reasons_for(name: str, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
                 phase: Phase, dialects: Dialects = OCP_CACHES) -> list[str]:
-    """Every reason backend ``name`` cannot serve the combination ([] = supported): import
-    failures, undeclared phases or FP8 dialects, then the backend's own reasons."""
+    """Every reason backend ``name`` cannot serve the combination ([] = supported): an import
+    failure, else the backend's ``unsupported_reasons`` (declared data + extras)."""
     backend = get_backend(name)
     if backend is None:
         return [_import_errors[name]]
-    if phase not in backend.phases:
-        return [f"implements {'/'.join(p.value for p in backend.phases)} only (not {phase.value})"]
-    kind = LayerKind.parse(kind)
-    if backend.kinds is not None and kind not in backend.kinds:
-        return [f"serves {'/'.join(k.name for k in backend.kinds)} layers only (not {kind.name})"]
-    reasons = []
-    if fmt.uses_fp8:
-        used = zip(("SWA", "compressed"), dialects[: 2 if kind.has_comp_scope else 1])
-        reasons += [f"reads {'/'.join(d.value for d in backend.dialects)} fp8 only; the {cache} cache is "
-                    f"{dialect.value}" for cache, dialect in used if dialect not in backend.dialects]
     try:
-        reasons += backend.unsupported_reasons(platform, spec, fmt, kind, phase)
-        if fmt.uses_fp8 and not reasons:
-            reasons += backend.dialect_reasons(platform, fmt, kind, dialects)
+        return backend.unsupported_reasons(platform, spec, fmt, kind, phase, dialects)
     except Exception as exc:
-        reasons.append(f"unsupported_reasons raised {type(exc).__name__}: {exc}")
-    return reasons
+        return [f"unsupported_reasons raised {type(exc).__name__}: {exc}"]
 
 
 # ---- forcing a backend: argument > `with backend(...)` > DSV4_ATTN_BACKEND > auto --------------
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsv4_attn_backend", default=None)
-ENV_BACKEND = "DSV4_ATTN_BACKEND"
+ENV_BACKEND = envs.BACKEND.name
 
 
 @contextlib.contextmanager
@@ -283,8 +367,8 @@ def requested_backend(explicit: str = "auto") -> tuple[str, str]:
     ctx = _forced.get()
     if ctx is not None and ctx != "auto":
         return ctx, "dsv4_attn.backend() context"
-    env = os.environ.get(ENV_BACKEND, "").strip()
-    if env and env != "auto":
+    env = envs.BACKEND.get()  # ValueError for a name that is not registered
+    if env != "auto":
         return env, f"{ENV_BACKEND} environment variable"
     return "auto", "auto"
 
@@ -329,17 +413,21 @@ def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, 
 def support_matrix() -> str:
     """Markdown support matrix rendered from every registered backend's declared capabilities."""
     fmt_names = {KVFormat.MODEL1_FP8: "MODEL1 fp8", KVFormat.BF16: "bf16", KVFormat.FP8_TENSOR: "fp8 per-tensor"}
-    lines = ["| backend | platforms | KV formats | heads | phases | validated | notes |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| backend | platforms | KV formats | layer kinds | heads | phases | validated | notes |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in _REGISTRY:
         backend = get_backend(name)
         caps = getattr(backend, "capabilities", None)
         if backend is None or caps is None:
             why = _import_errors.get(name, "declares no capabilities")
-            lines.append(f"| `{name}` | ? | ? | ? | ? | ? | {why} |")
+            lines.append(f"| `{name}` | ? | ? | ? | ? | ? | ? | {why} |")
             continue
-        formats = ", ".join(fmt_names[f] for f in caps.formats)
-        phases = ", ".join(p.value for p in backend.phases)
-        lines.append(f"| `{name}` | {caps.platforms} | {formats} | {caps.heads} | {phases} | {caps.validated} "
-                     f"| {caps.notes} |")
+        formats = ", ".join(fmt_names.get(f, f.value) for f in caps.formats)
+        kinds = "all (V4 and V4.1)" if caps.kinds is None else ", ".join(k.name for k in caps.kinds)
+        if caps.windows is not None:
+            kinds += f" (window {'/'.join(map(str, caps.windows))} only)"
+        heads = f"{caps.heads[0]}-{caps.heads[1]}" + (f" ({caps.heads_note})" if caps.heads_note else "")
+        phases = ", ".join(p.value for p in caps.phases)
+        lines.append(f"| `{name}` | {caps.platform_text} | {formats} | {kinds} | {heads} | {phases} | "
+                     f"{caps.validated} | {caps.notes} |")
     return "\n".join(lines)

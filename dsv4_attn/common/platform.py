@@ -14,9 +14,11 @@ import importlib.metadata
 import importlib.util
 import os
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
+from .. import envs
 from .layout import Fp8Dialect
 
 
@@ -48,8 +50,73 @@ class LibraryInfo:
 
 
 @dataclass(frozen=True)
+class DeviceFacts:
+    """What a vendor's probe reads off device 0."""
+
+    arch: str  # "sm90", "gfx942", ...
+    device_name: str
+    fp8_dialect: Fp8Dialect = Fp8Dialect.OCP
+    num_units: int | None = None  # SMs / CUs
+
+
+@dataclass(frozen=True)
+class Vendor:
+    """A kind of device the package can run on: the ONE place a new vendor plugs in
+    (``register_vendor``); backends then name it in their declared platforms and the
+    auto-selection order takes a ``PRIORITY`` entry under its name.
+
+    name          "cuda", "rocm", "cpu" (and e.g. "xpu"): Platform.vendor, PRIORITY keys
+    label         for humans: "NVIDIA", "AMD", "CPU"
+    torch_device  torch device type of its tensors ("cuda" for ROCm builds of torch too)
+    detect        facts of device 0 when this vendor's device is present, else None; may raise
+                  (a broken driver), which the probe turns into a CPU platform with a note
+    is_gpu        whether kernels run on an accelerator
+    """
+
+    name: str
+    label: str
+    torch_device: str
+    detect: Callable[[], DeviceFacts | None]
+    is_gpu: bool = True
+
+
+def _detect_rocm() -> DeviceFacts | None:
+    if not (torch.cuda.is_available() and getattr(torch.version, "hip", None)):
+        return None
+    props = torch.cuda.get_device_properties(0)
+    arch = getattr(props, "gcnArchName", "gfx?").split(":")[0]
+    dialect = Fp8Dialect.FNUZ if arch == "gfx942" else Fp8Dialect.OCP  # gfx942 computes in FNUZ e4m3
+    return DeviceFacts(arch, props.name, dialect, props.multi_processor_count)
+
+
+def _detect_cuda() -> DeviceFacts | None:
+    if not torch.cuda.is_available() or getattr(torch.version, "hip", None):
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return DeviceFacts(f"sm{props.major}{props.minor}", props.name, Fp8Dialect.OCP, props.multi_processor_count)
+
+
+CPU = Vendor("cpu", "CPU", "cpu", lambda: DeviceFacts("cpu", "cpu"), is_gpu=False)
+# Probed in this order; the CPU always answers and stays last.
+VENDORS: dict[str, Vendor] = {v.name: v for v in (Vendor("rocm", "AMD", "cuda", _detect_rocm),
+                                                   Vendor("cuda", "NVIDIA", "cuda", _detect_cuda), CPU)}
+
+
+def register_vendor(vendor: Vendor) -> None:
+    """Add (or replace) a vendor; it is probed before the CPU. Call ``probe(refresh=True)`` after."""
+    if not isinstance(vendor, Vendor) or vendor.name == CPU.name:
+        raise ValueError(f"vendor: got {vendor!r}; allowed: a Vendor other than the built-in cpu")
+    others = {name: v for name, v in VENDORS.items() if name not in (vendor.name, CPU.name)}
+    VENDORS.clear()
+    VENDORS.update(others)
+    VENDORS[vendor.name] = vendor
+    VENDORS[CPU.name] = CPU
+
+
+@dataclass(frozen=True)
 class Platform:
-    """vendor: 'cuda' | 'rocm' | 'cpu'; arch: 'sm90', 'sm100', 'sm120', 'gfx942', 'gfx950', 'cpu', ..."""
+    """vendor: a ``VENDORS`` name ('cuda' | 'rocm' | 'cpu' | a registered one); arch: 'sm90',
+    'sm100', 'sm120', 'gfx942', 'gfx950', 'cpu', ..."""
 
     vendor: str
     arch: str
@@ -64,7 +131,15 @@ class Platform:
 
     @property
     def is_gpu(self) -> bool:
-        return self.vendor in ("cuda", "rocm")
+        vendor = VENDORS.get(self.vendor)
+        return vendor.is_gpu if vendor is not None else self.vendor != "cpu"
+
+    @property
+    def label(self) -> str:
+        """"NVIDIA sm90", "AMD gfx942", "CPU"."""
+        vendor = VENDORS.get(self.vendor)
+        name = vendor.label if vendor is not None else self.vendor
+        return name if self.arch == self.vendor else f"{name} {self.arch}"
 
     @property
     def capability(self) -> tuple[int, int] | None:
@@ -98,41 +173,37 @@ def _library_info(key: str, module: str, dist: str) -> LibraryInfo:
     return LibraryInfo(key, True, version, location)
 
 
-def _device_facts() -> tuple[str, str, str, Fp8Dialect, int | None]:
-    """(vendor, arch, device name, fp8 dialect, SM/CU count) of device 0."""
-    try:
-        if not torch.cuda.is_available():
-            return "cpu", "cpu", "cpu", Fp8Dialect.OCP, None
-        props = torch.cuda.get_device_properties(0)
-        if getattr(torch.version, "hip", None):
-            arch = getattr(props, "gcnArchName", "gfx?").split(":")[0]
-            dialect = Fp8Dialect.FNUZ if arch == "gfx942" else Fp8Dialect.OCP
-            return "rocm", arch, props.name, dialect, props.multi_processor_count
-        return ("cuda", f"sm{props.major}{props.minor}", props.name, Fp8Dialect.OCP,
-                props.multi_processor_count)
-    except Exception as exc:  # a broken driver must not break the probe
-        return "cpu", "cpu", f"cpu (GPU probe failed: {type(exc).__name__}: {exc})", Fp8Dialect.OCP, None
+def _device_facts() -> tuple[str, DeviceFacts]:
+    """(vendor name, facts of device 0): the first registered vendor whose device is present."""
+    for vendor in VENDORS.values():
+        try:
+            facts = vendor.detect()
+        except Exception as exc:  # a broken driver must not break the probe
+            return CPU.name, DeviceFacts("cpu", f"cpu ({vendor.label} probe failed: {type(exc).__name__}: {exc})")
+        if facts is not None:
+            return vendor.name, facts
+    return CPU.name, DeviceFacts("cpu", "cpu")
 
 
 @functools.lru_cache(maxsize=1)
 def _probe_cached() -> Platform:
-    vendor, arch, name, dialect, sms = _device_facts()
+    vendor, facts = _device_facts()
     libs = {key: _library_info(key, mod, dist) for key, (mod, dist) in _LIBRARIES.items()}
-    env_lib = os.environ.get("DSV4_ATTN_FLASHMLA_LIB")
+    env_lib = envs.FLASHMLA_LIB.get()
     if env_lib:
         libs["flashmla_lib"] = LibraryInfo("flashmla_lib", os.path.isfile(env_lib), location=env_lib,
-                                           note="DSV4_ATTN_FLASHMLA_LIB")
+                                           note=envs.FLASHMLA_LIB.name)
     triton = libs["triton"]
     return Platform(
         vendor=vendor,
-        arch=arch,
-        device_name=name,
+        arch=facts.arch,
+        device_name=facts.device_name,
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda if vendor == "cuda" else None,
         hip_version=getattr(torch.version, "hip", None) if vendor == "rocm" else None,
         triton_version=triton.version if triton.found else None,
-        fp8_dialect=dialect,
-        num_sms=sms,
+        fp8_dialect=facts.fp8_dialect,
+        num_sms=facts.num_units,
         libraries=libs,
     )
 
@@ -147,7 +218,7 @@ def probe(refresh: bool = False) -> Platform:
 def platform_for_device(device: torch.device) -> Platform:
     """The probe, or a CPU platform when the tensors live on the CPU of a GPU machine."""
     plat = probe()
-    if device.type == "cpu" and plat.vendor != "cpu":
+    if device.type == CPU.torch_device and plat.vendor != CPU.name:
         return Platform("cpu", "cpu", "cpu", plat.torch_version, triton_version=plat.triton_version,
                         libraries=plat.libraries)
     return plat

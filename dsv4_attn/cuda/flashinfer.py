@@ -33,12 +33,12 @@ from typing import Callable
 
 import torch
 
-from ..common.backend import Backend, Capabilities, LayerInputs, Phase
+from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
 from ..common.indices import merged_rows
 from ..common.layout import CacheGeometry, Fp8Dialect, KVFormat, check_cache
 from ..common.platform import Platform
 from ..common.plan import StepPlan
-from ..common.spec import HEAD_DIM, LayerKind, ModelSpec, round_up
+from ..common.spec import HEAD_DIM, V4_KINDS, LayerKind, ModelSpec, round_up
 
 SWA_WIDTH = 128  # the kernel hard-codes a 128-column SWA region (kDsv4SparseMlaSlidingWindowTopK)
 WORKSPACE_BYTES = 128 << 20  # vLLM's _FLASHINFER_DSV4_WORKSPACE_BUFFER_SIZE
@@ -146,33 +146,31 @@ class FlashInferTRTLLMBackend(Backend):
     name = "flashinfer-trtllm"
     splits_phases = True  # decode and prefill tokens are separate launches
     capabilities = Capabilities(
-        platforms="NVIDIA SM100 family (TRTLLM-gen)",
+        platforms=(PlatformSupport("cuda", archs=("sm10*",), label="NVIDIA SM100 family (TRTLLM-gen)"),),
         formats=(KVFormat.BF16, KVFormat.FP8_TENSOR),
-        heads="1-128 (padded to 64/128)",
+        kinds=V4_KINDS,  # V4.1 kinds: not wired here yet (vLLM 0.33 has a V4.1 path, models/deepseek_v41/nvidia/flashinfer_sparse.py)
+        windows=(SWA_WIDTH,),  # the kernel hard-codes the window
+        platform_need="needs an NVIDIA SM100-family GPU (TRTLLM-gen has no SM90 path)",
+        heads_note="padded to 64/128",
         validated="contract tests only (no SM100 GPU here)",
-        notes="needs flashinfer-python with matching cubins; window 128 only",
+        notes="needs flashinfer-python with matching cubins",
     )
 
     def __init__(self) -> None:
         self._workspaces: dict[tuple, torch.Tensor] = {}
 
     # ---- capability ---------------------------------------------------------------------------
-    def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
-                            phase: Phase) -> list[str]:
-        reasons = []
-        if fmt is KVFormat.MODEL1_FP8:
-            reasons.append("reads plain 512-wide rows (bfloat16, fp8_e4m3), not the fp8_ds_mla cache (use flashmla)")
-        if spec.window != SWA_WIDTH:
-            reasons.append(f"the kernel hard-codes a {SWA_WIDTH}-token sliding window; the model has {spec.window}")
-        cap = platform.capability
-        if platform.vendor != "cuda" or cap is None or cap[0] != 10:
+    def platform_reasons(self, platform: Platform) -> list[str]:
+        reasons = super().platform_reasons(platform)
+        if reasons:  # say whether the library is there at all: the usual question off SM100
             lib = platform.library("flashinfer")
             have = f"flashinfer {lib.version} installed" if lib.found else "flashinfer not installed"
-            reasons.append(f"needs an NVIDIA SM100-family GPU (TRTLLM-gen has no SM90 path); this is "
-                           f"{platform.vendor}/{platform.arch} ({have})")
-            return reasons
-        reasons.extend(load_flashinfer()[2])
+            reasons = [f"{reasons[0]} ({have})"]
         return reasons
+
+    def extra_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
+                      dialects) -> list[str]:
+        return list(load_flashinfer()[2])
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:

@@ -36,13 +36,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..common.backend import Backend, Capabilities, LayerInputs, Phase
+from .. import envs
+from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
 from ..common.layout import CacheGeometry, KVFormat, check_cache, gather_rows
 from ..common.platform import Platform
 from ..common.plan import StepPlan
 from ..common.spec import HEAD_DIM, MODEL1_PAGE_ALIGN, MODEL1_TOKEN_BYTES, LayerKind, ModelSpec, round_up
 
-ENV_LIB = "DSV4_ATTN_FLASHMLA_LIB"
+ENV_LIB = envs.FLASHMLA_LIB.name
 DECODE_TOPK_BLOCK = 64  # decode kernels assert topk % 64 == 0 (SM90 and SM100)
 EXTRA_TOPK_BLOCK = 128  # spec §12.9: the extra scope is loaded in whole blocks; 128 is safe on both archs
 PREFILL_TOPK_BLOCK = 128  # SM90 prefill asserts topk % 128 == 0
@@ -236,7 +237,7 @@ def load_flashmla() -> FlashMLALib:
             return FlashMLALib(ops, label, _dist_version(dists) or getattr(mod, "__version__", None),
                                getattr(mod, "__file__", None), tuple(notes))
         notes.append(f"{label}: {why}")
-    path = os.environ.get(ENV_LIB)
+    path = envs.FLASHMLA_LIB.get()
     if not path:
         notes.append(f"{ENV_LIB}: not set")
     elif not os.path.isfile(path):
@@ -306,11 +307,12 @@ class _HeadStaging:
 class FlashMLABackend(Backend):
     name = "flashmla"
     splits_phases = True  # decode and prefill are different FlashMLA kernels
-    kinds = None  # FlashMLA takes global rows and lengths: every (ratio, selection), V4.1's too
     capabilities = Capabilities(
-        platforms="NVIDIA SM90, SM100 family",
+        platforms=(PlatformSupport("cuda", archs=("sm90", "sm10*"), label="NVIDIA SM90, SM100 family"),),
         formats=(KVFormat.MODEL1_FP8,),
-        heads="1-128 (padded to 64/128)",
+        kinds=None,  # FlashMLA takes global rows and lengths: every (ratio, selection), V4.1's too
+        platform_need="needs an NVIDIA SM90 (H100/H200/H20) or SM100-family GPU",
+        heads_note="padded to 64/128",
         validated="H100 (hardware) vs float64 reference",
         notes="FlashMLA from flash_mla / vllm / sgl_kernel / $DSV4_ATTN_FLASHMLA_LIB; prefill gathers the "
               "selected rows into a bounded bf16 workspace",
@@ -321,21 +323,10 @@ class FlashMLABackend(Backend):
         self.index_keys = index_keys  # bound of tokens x keys per prefill chunk
 
     # ---- capability ---------------------------------------------------------------------------
-    def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
-                            phase: Phase) -> list[str]:
-        reasons = []
-        if fmt is not KVFormat.MODEL1_FP8:
-            reasons.append(f"reads only the fp8_ds_mla (MODEL1, 584 B/token) cache, not {fmt.value} "
-                           "(flashinfer-trtllm on SM100 or triton read plain rows)")
-        cap = platform.capability
-        if platform.vendor != "cuda" or cap is None or not (cap == (9, 0) or cap[0] == 10):
-            reasons.append(f"needs an NVIDIA SM90 (H100/H200/H20) or SM100-family GPU; this is "
-                           f"{platform.vendor}/{platform.arch}")
-            return reasons
+    def extra_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
+                      dialects) -> list[str]:
         lib = load_flashmla()
-        if lib.ops is None:
-            reasons.append(lib.describe())
-        return reasons
+        return [lib.describe()] if lib.ops is None else []
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:

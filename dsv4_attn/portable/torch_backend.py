@@ -14,31 +14,24 @@ import math
 
 import torch
 
-from ..common.backend import Backend, Capabilities, LayerInputs, Phase
+from ..common.backend import Backend, Capabilities, LayerInputs, PlatformSupport
 from ..common.layout import Fp8Dialect, KVFormat, check_cache, gather_rows
-from ..common.platform import Platform
 from ..common.plan import StepPlan
-from ..common.spec import LayerKind, ModelSpec
 
 
 class TorchBackend(Backend):
     name = "torch"
-    dialects = (Fp8Dialect.OCP, Fp8Dialect.FNUZ)
-    kinds = None  # every (ratio, selection): the kernels take the ratio as a parameter
     capabilities = Capabilities(
-        platforms="any torch device (CPU default; CUDA/ROCm when forced)",
+        platforms=(PlatformSupport("*", label="any torch device (CPU default; CUDA/ROCm when forced)"),),
         formats=tuple(KVFormat),
-        heads="1-128",
+        kinds=None,
+        dialects=(Fp8Dialect.OCP, Fp8Dialect.FNUZ),
         validated="CPU (CI) vs float64 reference",
         notes="slow on GPUs (~30x FlashMLA): never auto-selected there",
     )
 
     def __init__(self, chunk_bytes: int = 256 << 20) -> None:
         self.chunk_bytes = chunk_bytes
-
-    def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
-                            phase: Phase) -> list[str]:
-        return []  # every format, kind, head count and device
 
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
         T, H = plan.num_tokens, layer.q.shape[1]

@@ -5,9 +5,9 @@ rows and its compressed rows with one online softmax and the sink, reading the c
 (MODEL1_FP8 dequantized in registers, BF16, FP8_TENSOR), C4A local top-k translated to global
 slots inside the kernel. See ``dsv4_attn/portable/kernels/attention.py``.
 
-Refusals (``unsupported_reasons``): Triton not importable; no GPU (on CPU the kernels only run
-under ``TRITON_INTERPRET=1``, which tests use); NVIDIA GPUs older than sm_89 for the fp8 formats
-(Triton's e4m3 conversions need sm_89+) or older than sm_80 at all.
+Refusals beyond the declared capabilities: Triton not importable; no GPU (on CPU the kernels only
+run under ``TRITON_INTERPRET=1``, which tests use); NVIDIA GPUs older than sm_89 for the fp8
+formats (Triton's e4m3 conversions need sm_89+).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import importlib.util
 
 import torch
 
-from ..common.backend import Backend, Capabilities, LayerInputs, Phase
+from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
 from ..common.layout import Fp8Dialect, KVFormat, check_cache
 from ..common.platform import Platform, triton_interpreting
 from ..common.plan import StepPlan
@@ -25,12 +25,13 @@ from ..common.spec import LayerKind, ModelSpec
 
 class TritonBackend(Backend):
     name = "triton"
-    dialects = (Fp8Dialect.OCP, Fp8Dialect.FNUZ)
-    kinds = None  # every (ratio, selection): the kernels take the ratio as a parameter
     capabilities = Capabilities(
-        platforms="NVIDIA sm_80+ (fp8 formats sm_89+), AMD ROCm (through Triton)",
+        platforms=(PlatformSupport("cuda", min_capability=(8, 0), label="NVIDIA sm_80+ (fp8 formats sm_89+)"),
+                   PlatformSupport("rocm", label="AMD ROCm (through Triton)")),
         formats=(KVFormat.MODEL1_FP8, KVFormat.BF16, KVFormat.FP8_TENSOR),
-        heads="1-128 (blocks of 64; fewer heads padded inside the kernel)",
+        kinds=None,  # every (ratio, selection): the kernels take the ratio as a parameter
+        dialects=(Fp8Dialect.OCP, Fp8Dialect.FNUZ),
+        heads_note="blocks of 64; fewer heads padded inside the kernel",
         validated="H100 (hardware); CPU via TRITON_INTERPRET=1 (logic only)",
         notes="one launch per layer (+1 small combine when few tokens split the key range)",
     )
@@ -38,32 +39,25 @@ class TritonBackend(Backend):
     def __init__(self, config=None) -> None:
         self._config = config  # kernels.ops.KernelConfig or None (defaults)
 
-    def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
-                            phase: Phase) -> list[str]:
-        reasons = []
+    def platform_reasons(self, platform: Platform) -> list[str]:
+        if platform.vendor == "cpu":  # the CPU interpreter (tests) is the one non-GPU platform
+            return [] if triton_interpreting() else [
+                "needs a GPU (NVIDIA sm_80+ or AMD ROCm); on CPU the Triton kernels run only under "
+                "TRITON_INTERPRET=1 (slow, for tests): use backend 'torch'"]
+        return super().platform_reasons(platform)
+
+    def extra_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
+                      dialects) -> list[str]:
         if importlib.util.find_spec("triton") is None:
             return ["Triton is not installed (pip install triton; on ROCm the pytorch-triton-rocm build)"]
         try:
             import triton  # noqa: F401
         except Exception as exc:  # a broken install is a reason, not a crash
             return [f"Triton failed to import: {type(exc).__name__}: {exc}"]
-        fmt = KVFormat.parse(fmt)
-        if platform.vendor == "cpu":
-            if not triton_interpreting():
-                reasons.append("needs a GPU (NVIDIA sm_80+ or AMD ROCm); on CPU the Triton kernels run only "
-                               "under TRITON_INTERPRET=1 (slow, for tests): use backend 'torch'")
-        elif platform.vendor == "cuda":
-            cap = platform.capability
-            if cap is None:
-                reasons.append(f"unknown NVIDIA arch {platform.arch!r}")
-            elif cap < (8, 0):
-                reasons.append(f"needs NVIDIA sm_80 or newer, got {platform.arch}")
-            elif fmt.uses_fp8 and cap < (8, 9):
-                reasons.append(f"format {fmt.value} needs fp8 (e4m3) conversions: NVIDIA sm_89 or newer, "
-                               f"got {platform.arch}")
-        elif platform.vendor != "rocm":
-            reasons.append(f"unsupported platform {platform.vendor}/{platform.arch}")
-        return reasons
+        cap = platform.capability
+        if fmt.uses_fp8 and cap is not None and cap < (8, 9):
+            return [f"format {fmt.value} needs fp8 (e4m3) conversions: NVIDIA sm_89 or newer, got {platform.arch}"]
+        return []
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:

@@ -56,12 +56,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..common.backend import Backend, Capabilities, LayerInputs, Phase
+from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
 from ..common.layout import Fp8Dialect, KVFormat, check_cache, gather_rows
 from ..common.merge import apply_sink, lse_base2_to_natural, merge_lse
 from ..common.plan import StepPlan
 from ..common.platform import Platform, probe
-from ..common.spec import HEAD_DIM, LayerKind, ModelSpec
+from ..common.spec import HEAD_DIM, V4_KINDS, LayerKind, ModelSpec
 from . import emulate
 from .scratch import AiterScratch, ScopeBuffers, ScratchKey, quantize_pow2_, write_indices
 
@@ -298,12 +298,13 @@ class AiterBackend(Backend):
     """
 
     splits_phases = True
-    dialects = (Fp8Dialect.OCP, Fp8Dialect.FNUZ)  # arch-native in place; gathered rows re-encoded
-    phases = (Phase.DECODE,)
     capabilities = Capabilities(
-        platforms="AMD gfx950 (MI355X), gfx942 (MI300X) via AITER",
+        platforms=(PlatformSupport("rocm", archs=ARCHS, label="AMD gfx950 (MI355X), gfx942 (MI300X) via AITER"),),
         formats=tuple(KVFormat),
-        heads="1-128 (padded to 16/32/64/128 where a kernel needs it)",
+        kinds=V4_KINDS,
+        phases=(Phase.DECODE,),
+        dialects=(Fp8Dialect.OCP, Fp8Dialect.FNUZ),  # arch-native in place; gathered rows re-encoded
+        heads_note="padded to 16/32/64/128 where a kernel needs it",
         validated="emulated (AITER emulator: CPU CI, H100 CUDA-graph test); not yet run on MI300X/MI355X",
         notes="decode only; sparse_mla_fwd preferred (gfx950, newer AITER), else mla_decode_fwd + LSE merge",
     )
@@ -346,15 +347,19 @@ class AiterBackend(Backend):
             reasons += [f"{path}: {r}" for r in why]
         return None, reasons
 
-    def unsupported_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
-                            phase: Phase) -> list[str]:
-        if phase is not Phase.DECODE:
-            return ["decode only: prefill goes to triton/torch"]
+    def platform_reasons(self, platform: Platform) -> list[str]:
+        return []  # load_aiter decides: a ROCm gfx942/gfx950 with AITER, or the emulator on any device
+
+    def extra_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
+                      dialects) -> list[str]:
         api = load_aiter(platform)
         if api.emulated and platform.vendor == "rocm" and not self._warned_env:
             self._warned_env = True
             warnings.warn("dsv4_attn: the AITER EMULATOR is switched on on a ROCm machine; results are emulated")
-        return self.choose_path(api, fmt, LayerKind.parse(kind))[1]
+        path, reasons = self.choose_path(api, fmt, kind)
+        if path is None or not fmt.uses_fp8:
+            return reasons
+        return self._dialect_problems(api, fmt, kind, path, dialects)
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
@@ -376,11 +381,6 @@ class AiterBackend(Backend):
             self._forward_sparse(api, plan, layer, out)
         else:
             self._forward_decode(api, plan, layer, out)
-
-    def dialect_reasons(self, platform: Platform, fmt: KVFormat, kind: LayerKind, dialects) -> list[str]:
-        api, kind = load_aiter(platform), LayerKind.parse(kind)
-        path, _ = self.choose_path(api, fmt, kind)
-        return [] if path is None else self._dialect_problems(api, fmt, kind, path, dialects)
 
     @staticmethod
     def _dialect_problems(api: AiterAPI, fmt: KVFormat, kind: LayerKind, path: str, dialects) -> list[str]:
