@@ -110,8 +110,8 @@ def test_context_manager_and_env_var_force_on_cpu(monkeypatch):
     monkeypatch.setenv(bm.ENV_BACKEND, "flashinfer-trtllm")
     with pytest.raises(dsv4.BackendUnavailableError, match="DSV4_ATTN_BACKEND environment variable"):
         dsv4.SparseMLA(ModelSpec(num_heads=8), "bf16")
-    monkeypatch.setenv(bm.ENV_BACKEND, "nonsense")
-    with pytest.raises(ValueError, match="backend: got 'nonsense'"):
+    monkeypatch.setenv(bm.ENV_BACKEND, "nonsense")  # the error names the variable it came from
+    with pytest.raises(ValueError, match="DSV4_ATTN_BACKEND: got 'nonsense'; allowed: 'auto' or one of"):
         dsv4.SparseMLA(ModelSpec(num_heads=8), "bf16")
     with pytest.raises(ValueError, match="backend: got 'nonsense'"):
         with dsv4.backend("nonsense"):
