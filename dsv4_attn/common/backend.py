@@ -241,6 +241,9 @@ def reasons_for(name: str, platform: Platform, spec: ModelSpec, fmt: KVFormat, k
         return [_import_errors[name]]
     if phase not in backend.phases:
         return [f"implements {'/'.join(p.value for p in backend.phases)} only (not {phase.value})"]
+    caps = backend.capabilities
+    if caps is not None and fmt not in caps.formats:
+        return [f"reads {', '.join(f.value for f in caps.formats)} caches only (not {fmt.value})"]
     kind = LayerKind.parse(kind)
     if backend.kinds is not None and kind not in backend.kinds:
         return [f"serves {'/'.join(k.name for k in backend.kinds)} layers only (not {kind.name})"]
@@ -328,7 +331,8 @@ def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, 
 
 def support_matrix() -> str:
     """Markdown support matrix rendered from every registered backend's declared capabilities."""
-    fmt_names = {KVFormat.MODEL1_FP8: "MODEL1 fp8", KVFormat.BF16: "bf16", KVFormat.FP8_TENSOR: "fp8 per-tensor"}
+    fmt_names = {KVFormat.MODEL1_FP8: "MODEL1 fp8", KVFormat.BF16: "bf16", KVFormat.FP8_TENSOR: "fp8 per-tensor",
+                 KVFormat.MXFP8: "V4.1 MXFP8", KVFormat.NVFP4: "V4.1 MXFP8 + NVFP4"}
     lines = ["| backend | platforms | KV formats | heads | phases | validated | notes |",
              "|---|---|---|---|---|---|---|"]
     for name in _REGISTRY:

@@ -302,7 +302,7 @@ class AiterBackend(Backend):
     phases = (Phase.DECODE,)
     capabilities = Capabilities(
         platforms="AMD gfx950 (MI355X), gfx942 (MI300X) via AITER",
-        formats=tuple(KVFormat),
+        formats=(KVFormat.MODEL1_FP8, KVFormat.BF16, KVFormat.FP8_TENSOR),
         heads="1-128 (padded to 16/32/64/128 where a kernel needs it)",
         validated="emulated (AITER emulator: CPU CI, H100 CUDA-graph test); not yet run on MI300X/MI355X",
         notes="decode only; sparse_mla_fwd preferred (gfx950, newer AITER), else mla_decode_fwd + LSE merge",
