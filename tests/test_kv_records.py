@@ -250,6 +250,16 @@ def test_insert_places_interleaved_tokens_and_touches_nothing_else(gen, record):
     assert torch.equal(layout.gather(view, record, torch.tensor([1])), layout.gather(cache, record, torch.tensor([9])))
 
 
+@pytest.mark.parametrize("record", ["v4_fp8", "bf16", "fp8_tensor", "mxfp8", "nvfp4"])
+def test_gather_rows_reads_nothing_for_out_of_range_slots(gen, record):
+    cache = _filled(gen, record, 2, 4)  # 8 slots
+    geo = layout.check_cache(cache, record, "c")
+    slots = torch.tensor([[3, -1, 8, -2], [2**31 - 1, -(2**31), 7, 0]])
+    got = layout.gather_rows(cache, record, geo, slots)
+    want = layout.gather(cache, record, torch.where((slots >= 0) & (slots < 8), slots, -1))
+    assert torch.equal(got, want) and got[0, 2].abs().sum() == 0 and got[0, 0].abs().sum() > 0
+
+
 @pytest.mark.parametrize("record, block_size, stride", [
     ("mxfp8", 32, 16896), ("mxfp8", 64, 33792), ("mxfp8", 16, 8704), ("mxfp8", 1, 1024),
     ("nvfp4", 64, 18432), ("nvfp4", 2, 1024), ("v4_fp8", 64, 37440),

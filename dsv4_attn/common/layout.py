@@ -590,13 +590,14 @@ def gather_rows(
     kv_scale: float = 1.0,
     dialect: Fp8Dialect = Fp8Dialect.OCP,
 ) -> torch.Tensor:
-    """Unchecked gather for hot paths: int slots ``[...]`` -> float32 ``[..., 512]`` (-1 -> 0).
+    """Unvalidated gather for hot paths: int slots ``[...]`` -> float32 ``[..., 512]``.
 
-    Reads only the selected rows (never the whole cache). Callers validate first.
+    Reads only the selected rows (never the whole cache). A slot outside ``[0, num_slots)`` is "no
+    row", like -1: zeros, nothing read (docs/semantics.md "Out-of-range entries").
     """
     record = parse_record(fmt)
     flat = slots.reshape(-1)
-    valid = flat >= 0
+    valid = (flat >= 0) & (flat < geo.num_slots)
     safe = torch.where(valid, flat, torch.zeros_like(flat)).long()
     block, offset = safe // geo.block_size, safe % geo.block_size
     if record.layout.packed:

@@ -1,7 +1,8 @@
 """The golden model of DSv4 sparse attention: plain torch, written for clarity.
 
 For token t and head h, with key set S = {first swa_lens[t] entries of swa_rows[t]} ∪
-{first comp_lens[t] entries of comp_rows[t]}, -1 entries skipped (spec §8):
+{first comp_lens[t] entries of comp_rows[t]}, -1 entries skipped (docs/semantics.md, "Attention
+with sink"):
 
     s_j = scale * (q[t, h] · k_j)            over all 512 dims, v_j = k_j
     out[t, h] = Σ_j exp(s_j) v_j / (Σ_j exp(s_j) + exp(sink[h]))
