@@ -4,8 +4,8 @@ Byte-exactness is pinned to tests/data/kv_records_golden.pt: the bytes vLLM 0.33
 (``quantize_and_insert_k_cache``, the compressor's ``rope_quant_insert``) and its prefill gather
 produced, run under TRITON_INTERPRET=1 by tests/data/make_kv_records_golden.py (its docstring
 says which interpreter casts it replaces and why). Hand-derived bytes, round-trip error bounds,
-decoding from the bit fields (never through the code under test), the float64 reference and the
-torch backend on the new formats, and refusals complete the picture.
+decoding from the bit fields (never through the code under test), the float64 reference on the
+new formats (the torch backend against it: tests/test_api.py), and refusals complete the picture.
 
 e2m1 (NVFP4 values): sign bit 3, magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 at codes 0..7.
 e4m3fn: bias 7, 1.0 = 0x38, 448 = 0x7E, 2**-9 = 0x01 (the smallest subnormal).
@@ -20,12 +20,12 @@ import pytest
 import torch
 
 import dsv4_attn as dsv4
-from conftest import compare, e4m3_table
-from dsv4_attn.common import layout, reference
+from conftest import e4m3_table
 from dsv4_attn.common import backend as backend_mod
+from dsv4_attn.common import layout, reference
 from dsv4_attn.common.backend import BackendUnavailableError, Phase
-from dsv4_attn.common.platform import probe
 from dsv4_attn.common.layout import Fp8Dialect, KVFormat, Record
+from dsv4_attn.common.platform import probe
 from dsv4_attn.common.spec import LayerKind
 
 GOLDEN = torch.load(Path(__file__).parent / "data" / "kv_records_golden.pt")
@@ -285,7 +285,7 @@ def test_formats_name_the_record_of_each_cache():
     assert (Record.MXFP8.layout.token_bytes, Record.V4_FP8.layout.token_bytes) == (528, 584)
 
 
-# ---- the float64 reference and the torch backend on the V4.1 records --------------------------
+# ---- the float64 reference on the V4.1 records (the torch backend: tests/test_api.py) -----------
 
 def _filled(gen, record, nb, bs, dialect="ocp"):
     cache = layout.new_cache(record, nb, bs, dialect=dialect)
@@ -326,42 +326,6 @@ def test_reference_reads_each_cache_in_its_record(gen, fmt, swa_dialect):
         want_lse = torch.logsumexp(s, -1)
         want = torch.softmax(s, -1) @ k * torch.sigmoid(want_lse - sink.double())[:, None]
         assert (out[t] - want).abs().max() < 1e-12 and (lse[t] - want_lse).abs().max() < 1e-12
-
-
-@pytest.mark.parametrize("fmt", ["mxfp8_ds_mla", "nvfp4_ds_mla"])
-@pytest.mark.parametrize("kind", list(LayerKind))
-def test_torch_backend_serves_the_v41_records(gen, fmt, kind):
-    fmt = KVFormat.parse(fmt)
-    spec = dsv4.ModelSpec(num_heads=8, c4a_topk=16, max_model_len=4096)
-    query_lens, seq_lens = [1, 2, 6], [300, 40, 520]
-    swa_bs, block_size, R = 32, 256, 3
-    swa_blocks = -(-max(seq_lens) // swa_bs)
-    comp_bs = block_size // kind.ratio if kind.has_comp_scope else None
-    tables = {4: torch.randperm(R * 3, generator=gen).int().view(R, 3),
-              128: torch.randperm(R * 3, generator=gen).int().view(R, 3)}
-    swa_table = torch.randperm(R * swa_blocks, generator=gen).int().view(R, swa_blocks)
-    batch = dsv4.StepBatch.from_lists(query_lens, seq_lens, swa_table, swa_bs, tables, block_size, 4096)
-    T = batch.num_tokens
-    topk = None
-    if kind is LayerKind.C4A:
-        n4 = (batch.positions + 1) // 4
-        topk = torch.full((T, 16), -1, dtype=torch.int32)
-        for t in range(T):
-            k = min(int(n4[t]), 16)
-            topk[t, :k] = torch.randperm(int(n4[t]), generator=gen)[:k].int()
-    swa = _filled(gen, fmt.swa_record, R * swa_blocks, swa_bs)
-    comp = _filled(gen, fmt.comp_record, R * 3, comp_bs) if comp_bs else None
-    q = torch.randn(T, 8, 512, generator=gen).bfloat16()
-    sink = torch.randn(8, generator=gen)
-    mla = dsv4.SparseMLA(spec, fmt, backend="torch")
-    plan = mla.plan(batch, validate=True)
-    out = torch.full_like(q, float("nan"))
-    mla.forward(plan, kind, q, swa, comp, c4a_topk=topk, sink=sink, out=out, validate=True)
-    assert not out.isnan().any(), "output not fully written"
-    rows, lens = plan.comp_scope(kind, topk)
-    ref, _ = reference.sparse_mla(q, swa, plan.swa_rows, plan.swa_lens, comp, rows, lens, sink, spec.scale, fmt)
-    err = compare(out, ref)
-    assert err["rel_l2"] < 1e-2 and err["cosine"] > 0.9999 and err["max_abs"] < 5e-2, err
 
 
 # ---- refusals ---------------------------------------------------------------------------------
