@@ -2,14 +2,14 @@
 
 Public face: :class:`SparseMLA` (plan once per step, forward per layer, explain), the data
 model (:class:`ModelSpec` and its :class:`Layer` list, :class:`StepBatch`, :class:`LayerKind` =
-(compression ratio, :class:`Selection`), :class:`KVFormat`), the
-platform :func:`probe`, and the :func:`backend` override context manager.
+(compression ratio, :class:`Selection`), :class:`KVFormat` and the :class:`Record` of each cache),
+the platform :func:`probe`, and the :func:`backend` override context manager.
 """
 
 from .api import SparseMLA, backend_names
 from .common.backend import Backend, BackendUnavailableError, LayerInputs, Phase, backend, register_backend
 from .common.batch import StepBatch
-from .common.layout import Fp8Dialect, KVFormat
+from .common.layout import Fp8Dialect, KVFormat, Record
 from .common.plan import StepPlan
 from .common.platform import Platform, probe
 from .common.spec import V4_KINDS, Layer, LayerKind, ModelSpec, Selection
@@ -27,6 +27,7 @@ __all__ = [
     "ModelSpec",
     "Phase",
     "Platform",
+    "Record",
     "Selection",
     "SparseMLA",
     "StepBatch",

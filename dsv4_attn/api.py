@@ -235,14 +235,14 @@ class SparseMLA:
         if q.device != plan.device:
             raise ValueError(f"q: got device {q.device}; allowed: {plan.device} (the plan's device)")
         H = q.shape[1]
-        swa_geo = check_cache(layer.swa_cache, self.fmt, "swa_cache", self.swa_dialect)
+        swa_geo = check_cache(layer.swa_cache, self.fmt.swa_record, "swa_cache", self.swa_dialect)
         self._check_device("swa_cache", layer.swa_cache, q.device)
         comp_geo = None
         if layer.kind.has_comp_scope:
             if layer.comp_cache is None:
                 raise ValueError(f"comp_cache: got None; allowed: the ratio-{layer.kind.ratio} cache for "
                                  f"{layer.kind.name} layers")
-            comp_geo = check_cache(layer.comp_cache, self.fmt, "comp_cache", self.comp_dialect)
+            comp_geo = check_cache(layer.comp_cache, self.fmt.comp_record, "comp_cache", self.comp_dialect)
             self._check_device("comp_cache", layer.comp_cache, q.device)
             want_bs = plan.batch.comp_block_size(layer.kind)
             if comp_geo.block_size != want_bs:

@@ -61,8 +61,9 @@ def _local_topk(gen, positions: torch.Tensor, ratio: int, K: int) -> torch.Tenso
 def make_step(gen, query_lens, seq_lens, *, kinds=V4_KINDS, heads=16, fmt="fp8_ds_mla", topk=64,
               max_model_len=40960, swa_bs=64, block_size=256, num_tokens=None, swa_dialect="ocp", kv_scale=None,
               device="cpu") -> StepCase:
-    """A random step of a model whose layers are ``kinds`` (LayerKinds or names); everything on
-    ``device``. ``num_tokens`` > the batch's tokens appends padding tokens."""
+    """A random step of a model whose layers are ``kinds`` (LayerKinds or names), its caches in the
+    records of ``fmt``; everything on ``device``. ``num_tokens`` > the batch's tokens appends
+    padding tokens."""
     R = len(query_lens)
     spec = dsv4.ModelSpec(num_heads=heads, topk=topk, max_model_len=max_model_len, layers=kinds)
     swa_blocks = -(-max(seq_lens) // swa_bs)
@@ -74,8 +75,9 @@ def make_step(gen, query_lens, seq_lens, *, kinds=V4_KINDS, heads=16, fmt="fp8_d
                                       num_tokens=num_tokens, device=device)
     local = {k: _local_topk(gen, batch.positions, k.ratio, topk) for k in spec.kinds if k.uses_topk}
     on = dict(scale=kv_scale, device=device)
-    caches = {"swa": filled_cache(fmt, R * swa_blocks, swa_bs, gen, dialect=swa_dialect, **on)}
-    by_ratio = {r: filled_cache(fmt, R * n, block_size // r, gen, **on) for r, n in blocks.items()}
+    fmt = layout.KVFormat.parse(fmt)  # nvfp4_ds_mla stores the two caches in different records
+    caches = {"swa": filled_cache(fmt.swa_record, R * swa_blocks, swa_bs, gen, dialect=swa_dialect, **on)}
+    by_ratio = {r: filled_cache(fmt.comp_record, R * n, block_size // r, gen, **on) for r, n in blocks.items()}
     caches.update({k: by_ratio[k.ratio] for k in spec.kinds if k.has_comp_scope})
     q = torch.randn(batch.num_tokens, heads, 512, generator=gen).bfloat16().to(device)
     sink = torch.randn(heads, generator=gen).to(device)

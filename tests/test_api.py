@@ -33,7 +33,7 @@ def _check_against_reference(mla, plan, kind, q, caches, topk, sink, fmt="fp8_ds
 
 
 @pytest.mark.parametrize("kind", list(V4_KINDS))
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bfloat16", "fp8_e4m3", "mxfp8_ds_mla", "nvfp4_ds_mla"])
 def test_forward_matches_reference_every_kind(kind, fmt):
     gen = torch.Generator().manual_seed(max(kind.ratio, 1) * 7 + len(fmt))
     # decode, MTP pair, a prefill chunk crossing the window, a long request (C128A rows wide)

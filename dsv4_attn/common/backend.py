@@ -412,7 +412,8 @@ def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, 
 
 def support_matrix() -> str:
     """Markdown support matrix rendered from every registered backend's declared capabilities."""
-    fmt_names = {KVFormat.MODEL1_FP8: "MODEL1 fp8", KVFormat.BF16: "bf16", KVFormat.FP8_TENSOR: "fp8 per-tensor"}
+    fmt_names = {KVFormat.MODEL1_FP8: "MODEL1 fp8", KVFormat.BF16: "bf16", KVFormat.FP8_TENSOR: "fp8 per-tensor",
+                 KVFormat.MXFP8: "V4.1 MXFP8", KVFormat.NVFP4: "V4.1 MXFP8 + NVFP4"}
     lines = ["| backend | platforms | KV formats | layer kinds | heads | phases | validated | notes |",
              "|---|---|---|---|---|---|---|---|"]
     for name in _REGISTRY:

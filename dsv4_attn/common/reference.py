@@ -1,7 +1,8 @@
 """The golden model of DSv4 sparse attention: plain torch, written for clarity.
 
 For token t and head h, with key set S = {first swa_lens[t] entries of swa_rows[t]} ∪
-{first comp_lens[t] entries of comp_rows[t]}, -1 entries skipped (spec §8):
+{first comp_lens[t] entries of comp_rows[t]}, -1 entries skipped (docs/semantics.md, "Attention
+with sink"):
 
     s_j = scale * (q[t, h] · k_j)            over all 512 dims, v_j = k_j
     out[t, h] = Σ_j exp(s_j) v_j / (Σ_j exp(s_j) + exp(sink[h]))
@@ -17,7 +18,7 @@ import math
 import torch
 
 from .indices import _check_ints
-from .layout import Fp8Dialect, KVFormat, _check_slots, check_cache, gather_rows
+from .layout import Fp8Dialect, KVFormat, Record, _check_slots, check_cache, gather_rows
 from .spec import HEAD_DIM
 
 _TOKEN_CHUNK = 64  # bounds the float64 [chunk, keys, 512] gather
@@ -30,8 +31,8 @@ def _check_inputs(q, scopes, sink, scale) -> None:
         got = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
         raise ValueError(f"q: got {got}; allowed: a float tensor [T, H, {HEAD_DIM}]")
     T, H, dev = q.shape[0], q.shape[1], q.device
-    for prefix, cache, rows, lens, fmt, dialect in scopes:
-        geo = check_cache(cache, fmt, f"{prefix}_cache", dialect)
+    for prefix, cache, rows, lens, record, dialect in scopes:
+        geo = check_cache(cache, record, f"{prefix}_cache", dialect)
         if cache.device != dev:
             raise ValueError(f"{prefix}_cache: got device {cache.device}; allowed: {dev} (q's device)")
         _check_ints(f"{prefix}_rows", rows, (T, None), dev, _INTS)
@@ -47,13 +48,13 @@ def _check_inputs(q, scopes, sink, scale) -> None:
         raise ValueError(f"scale: got {scale!r}; allowed: a finite float > 0")
 
 
-def _scope_keys(cache, fmt, rows, lens, kv_scale, dialect, name):
+def _scope_keys(cache, record: Record, rows, lens, kv_scale, dialect, name):
     """Dequantized keys [T, K, 512] float32 and a validity mask [T, K] of one scope."""
-    geo = check_cache(cache, fmt, name, dialect)
+    geo = check_cache(cache, record, name, dialect)
     col = torch.arange(rows.shape[1], device=rows.device)[None, :]
     valid = (col < lens[:, None].long()) & (rows >= 0)
     slots = torch.where(valid, rows.long(), torch.full_like(rows, -1, dtype=torch.long))
-    return gather_rows(cache, fmt, geo, slots, kv_scale, dialect), valid
+    return gather_rows(cache, record, geo, slots, kv_scale, dialect), valid
 
 
 def sparse_mla(
@@ -75,19 +76,19 @@ def sparse_mla(
     """Two-scope sparse attention with sink.
 
     q           [T, H, 512] (any float dtype; computed in ``dtype``)
-    swa_cache   cache tensor of format ``fmt`` (see layout.py); swa_rows int [T, W] global slots,
+    swa_cache   cache tensor of ``fmt.swa_record`` (see layout.py); swa_rows int [T, W] global slots,
                 swa_lens int [T]
-    comp_cache  cache of the compressed scope or None (SWA-only layer); comp_rows int [T, K],
-                comp_lens int [T]
+    comp_cache  cache of the compressed scope (``fmt.comp_record``) or None (SWA-only layer);
+                comp_rows int [T, K], comp_lens int [T]
     sink        [H] float (None = no sink, i.e. -inf)
     kv_scale    per-tensor scale of FP8_TENSOR caches (None -> 1.0)
     Returns (out [T, H, 512] ``dtype``, lse [T, H] ``dtype``).
     """
     fmt = KVFormat.parse(fmt)
     swa_dialect, comp_dialect = Fp8Dialect.parse(swa_dialect), Fp8Dialect.parse(comp_dialect)
-    scopes = [("swa", swa_cache, swa_rows, swa_lens, fmt, swa_dialect)]
+    scopes = [("swa", swa_cache, swa_rows, swa_lens, fmt.swa_record, swa_dialect)]
     if comp_cache is not None:
-        scopes.append(("comp", comp_cache, comp_rows, comp_lens, fmt, comp_dialect))
+        scopes.append(("comp", comp_cache, comp_rows, comp_lens, fmt.comp_record, comp_dialect))
     _check_inputs(q, scopes, sink, scale)
     scale_kv = 1.0 if kv_scale is None else float(kv_scale)
     T, H, _ = q.shape
@@ -96,11 +97,11 @@ def sparse_mla(
     sink_d = None if sink is None else sink.to(dtype)
     for t0 in range(0, T, _TOKEN_CHUNK):
         t1 = min(T, t0 + _TOKEN_CHUNK)
-        keys, valid = _scope_keys(swa_cache, fmt, swa_rows[t0:t1], swa_lens[t0:t1], scale_kv, swa_dialect,
-                                  "swa_cache")
+        keys, valid = _scope_keys(swa_cache, fmt.swa_record, swa_rows[t0:t1], swa_lens[t0:t1], scale_kv,
+                                  swa_dialect, "swa_cache")
         if comp_cache is not None:
-            ck, cv = _scope_keys(comp_cache, fmt, comp_rows[t0:t1], comp_lens[t0:t1], scale_kv, comp_dialect,
-                                 "comp_cache")
+            ck, cv = _scope_keys(comp_cache, fmt.comp_record, comp_rows[t0:t1], comp_lens[t0:t1], scale_kv,
+                                 comp_dialect, "comp_cache")
             keys, valid = torch.cat([keys, ck], dim=1), torch.cat([valid, cv], dim=1)
         keys = keys.to(dtype)
         scores = scale * torch.einsum("thd,tkd->thk", q[t0:t1].to(dtype), keys)

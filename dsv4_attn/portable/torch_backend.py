@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..common.backend import Backend, Capabilities, LayerInputs, PlatformSupport
-from ..common.layout import Fp8Dialect, KVFormat, check_cache, gather_rows
+from ..common.layout import Fp8Dialect, KVFormat, Record, check_cache, gather_rows
 from ..common.plan import StepPlan
 
 
@@ -38,31 +38,32 @@ class TorchBackend(Backend):
         if T == 0:
             return
         comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
-        scopes = [(layer.swa_cache, plan.swa_rows, plan.swa_lens, layer.swa_dialect, "swa_cache")]
+        fmt = layer.fmt
+        scopes = [(layer.swa_cache, plan.swa_rows, plan.swa_lens, layer.swa_dialect, fmt.swa_record, "swa_cache")]
         if comp_rows is not None:
-            scopes.append((layer.comp_cache, comp_rows, comp_lens, layer.comp_dialect, "comp_cache"))
-        geos = [check_cache(c, layer.fmt, name, d) for c, _, _, d, name in scopes]
-        keys_per_token = sum(rows.shape[1] for _, rows, _, _, _ in scopes)
+            scopes.append((layer.comp_cache, comp_rows, comp_lens, layer.comp_dialect, fmt.comp_record, "comp_cache"))
+        geos = [check_cache(c, record, name, d) for c, _, _, d, record, name in scopes]
+        keys_per_token = sum(rows.shape[1] for _, rows, *_ in scopes)
         chunk = max(1, self.chunk_bytes // max(1, keys_per_token * (512 + 3 * H) * 4))
         sink = None if layer.sink is None else layer.sink.float()
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
             keys, valid = [], []
-            for (cache, rows, lens, dialect, _), geo in zip(scopes, geos):
-                k, v = _scope(cache, layer.fmt, geo, rows[t0:t1], lens[t0:t1], layer.kv_scale, dialect)
+            for (cache, rows, lens, dialect, record, _), geo in zip(scopes, geos):
+                k, v = _scope(cache, record, geo, rows[t0:t1], lens[t0:t1], layer.kv_scale, dialect)
                 keys.append(k)
                 valid.append(v)
             out[t0:t1] = _attend(layer.q[t0:t1], torch.cat(keys, 1), torch.cat(valid, 1), sink,
                                  layer.softmax_scale).to(out.dtype)
 
 
-def _scope(cache, fmt: KVFormat, geo, rows: torch.Tensor, lens: torch.Tensor, kv_scale: float,
+def _scope(cache, record: Record, geo, rows: torch.Tensor, lens: torch.Tensor, kv_scale: float,
            dialect: Fp8Dialect) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys float32 [C, K, 512] and validity bool [C, K] of one scope (first lens, -1 skipped)."""
     col = torch.arange(rows.shape[1], device=rows.device)[None, :]
     valid = (col < lens[:, None]) & (rows >= 0)
     slots = torch.where(valid, rows, torch.full_like(rows, -1))
-    return gather_rows(cache, fmt, geo, slots, kv_scale, dialect), valid
+    return gather_rows(cache, record, geo, slots, kv_scale, dialect), valid
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor | None,

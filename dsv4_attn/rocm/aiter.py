@@ -300,7 +300,7 @@ class AiterBackend(Backend):
     splits_phases = True
     capabilities = Capabilities(
         platforms=(PlatformSupport("rocm", archs=ARCHS, label="AMD gfx950 (MI355X), gfx942 (MI300X) via AITER"),),
-        formats=tuple(KVFormat),
+        formats=(KVFormat.MODEL1_FP8, KVFormat.BF16, KVFormat.FP8_TENSOR),
         kinds=V4_KINDS,
         phases=(Phase.DECODE,),
         dialects=(Fp8Dialect.OCP, Fp8Dialect.FNUZ),  # arch-native in place; gathered rows re-encoded
