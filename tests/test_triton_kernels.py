@@ -376,3 +376,36 @@ def test_gpu_cache_past_2gib(impl, gen):
     q = torch.randn(batch.num_tokens, 64, 512, generator=gen).bfloat16().to(DEVICE)
     sink = torch.randn(64, generator=gen).to(DEVICE)
     run_and_check(mla, plan, LayerKind.SWA, q, {"swa": cache}, None, sink)
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_e4m3"])
+def test_fnuz_extreme_bytes(device, fmt, gen):
+    """FNUZ e4m3 bytes 0x7F / 0xFF are ±240 (NaN in OCP): caches holding them in the attended rows
+    decode like the reference (torch's float8_e4m3fnuz) in the portable kernel (what AMD runs).
+    Only the compiled run discriminates: Triton's interpreter decodes OCP 0x7F as 480, not NaN."""
+    from dsv4_attn.portable.kernels.ops import KernelConfig, sparse_mla_fwd
+
+    from conftest import e4m3_value
+
+    assert (e4m3_value(0x7F, "fnuz"), e4m3_value(0xFF, "fnuz")) == (240.0, -240.0)
+    T, H, W = 3, 16, 20
+    scale = 0.25 if fmt == "fp8_e4m3" else None
+    swa = _filled_cache(fmt, 4, 16, gen, dialect="fnuz", scale=scale)
+    flat = swa.view(torch.uint8).as_strided((swa.untyped_storage().nbytes(),), (1,), 0)
+    row_bytes = 576 if fmt == "fp8_ds_mla" else 512  # MODEL1 blocks: data rows of 576 B, then scale rows
+    for slot, col, byte in ((3, 5, 0x7F), (7, 100, 0xFF), (18, 447, 0x7F), (30, 0, 0xFF)):
+        flat[slot // 16 * swa.stride(0) + slot % 16 * row_bytes + col] = byte  # NoPE bytes of attended rows
+    rows = torch.arange(T * W, dtype=torch.int32).view(T, W) % 32
+    lens = torch.tensor([W, 11, W], dtype=torch.int32)
+    q = torch.randn(T, H, 512, generator=gen).bfloat16()
+    sink = torch.randn(H, generator=gen)
+    rows, lens, q, sink = (x.to(DEVICE) for x in (rows, lens, q, sink))
+    ref, _ = reference.sparse_mla(q, swa, rows, lens, None, None, None, sink, 512**-0.5, fmt, kv_scale=scale,
+                                  swa_dialect="fnuz")
+    out = torch.full_like(q, float("nan"))
+    sparse_mla_fwd(q, out, fmt, swa, rows, lens, sink=sink, kv_scale=scale or 1.0, swa_fnuz=True,
+                   config=KernelConfig(block_n=16, impl="triton"))
+    assert not out.isnan().any(), "FNUZ 0x7F/0xFF decoded as NaN"
+    err = compare(out, ref)
+    assert err["rel_l2"] < 1e-2 and err["cosine"] > 0.9999, err

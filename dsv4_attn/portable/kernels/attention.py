@@ -124,11 +124,20 @@ def _exp_scale(e, exp_off, DT: tl.constexpr):
 
 
 @triton.jit
+def _e4m3(x, exp_off, DT: tl.constexpr):
+    """e4m3 bytes as DT, read as OCP; FNUZ bytes (exp_off 1) are halved by the caller's scale.
+    FNUZ 0x7F / 0xFF are ±240 but NaN in OCP, so they become ±480 here (±240 once halved)."""
+    f = x.to(tl.float8e4nv, bitcast=True).to(DT)
+    top = (exp_off > 0) & ((x & 0x7F) == 0x7F)
+    return tl.where(top, tl.where(x > 0x7F, -480.0, 480.0).to(DT), f)
+
+
+@triton.jit
 def _dequant(x, e, kv_scale, exp_off, FMT: tl.constexpr, DT: tl.constexpr, TILED: tl.constexpr):
     """One chunk to DT. MODEL1: e4m3 * 2^(byte-127) per 64-wide tile (x [N,k,64] with e [N,k], or
     x [N,64] with e [N]); BF16: as is; FP8_TENSOR: e4m3 * kv_scale."""
     if FMT == 0:
-        f = x.to(tl.float8e4nv, bitcast=True).to(DT)
+        f = _e4m3(x, exp_off, DT)
         if TILED:
             y = f * _exp_scale(e, exp_off, DT)[:, :, None]
         else:
@@ -137,7 +146,7 @@ def _dequant(x, e, kv_scale, exp_off, FMT: tl.constexpr, DT: tl.constexpr, TILED
         y = x.to(DT)
     else:
         sc = kv_scale * tl.where(exp_off > 0, 0.5, 1.0)
-        y = (x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(DT)
+        y = (_e4m3(x, exp_off, tl.float32) * sc).to(DT)
     return y
 
 
