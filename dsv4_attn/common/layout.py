@@ -601,14 +601,24 @@ def gather_rows(
     safe = torch.where(valid, flat, torch.zeros_like(flat)).long()
     block, offset = safe // geo.block_size, safe % geo.block_size
     if record.layout.packed:
-        data, scales = _token_views(cache, record.layout, geo)
-        rows = decode(record, torch.cat([data[block, offset], scales[block, offset]], dim=1), dialect)
+        rows = decode(record, packed_records(cache, record, geo, flat), dialect)
     elif record is Record.FP8_TENSOR:
         rows = cache[block, offset].float() * kv_scale
     else:
         rows = cache[block, offset].float()
     rows = rows.masked_fill(~valid[:, None], 0.0)
     return rows.reshape(*slots.shape, HEAD_DIM)
+
+
+def packed_records(cache: torch.Tensor, record: Record, geo: CacheGeometry, slots: torch.Tensor) -> torch.Tensor:
+    """Unvalidated: the raw records of a packed cache at int slots ``[N]`` as uint8 ``[N,
+    data_bytes + scale_bytes]`` (the token's data bytes, then its scale bytes, as :func:`encode`
+    writes them); a slot outside ``[0, num_slots)`` gives zeros. Reads only the selected tokens."""
+    valid = (slots >= 0) & (slots < geo.num_slots)
+    safe = torch.where(valid, slots, torch.zeros_like(slots)).long()
+    data, scales = _token_views(cache, record.layout, geo)
+    block, offset = safe // geo.block_size, safe % geo.block_size
+    return torch.cat([data[block, offset], scales[block, offset]], dim=1).masked_fill(~valid[:, None], 0)
 
 
 def gather(
