@@ -128,7 +128,9 @@ class SparseMLA:
                     except backend_mod.BackendUnavailableError:
                         chosen = False
                     status = "chosen" if chosen else ("ok" if not reasons else "refused")
-                    cells.append((kind.name, phase.value, status, "; ".join(reasons)))
+                    why = reasons or [backend_mod.get_backend(name).choice(plat, self.spec, self.fmt, kind, phase,
+                                                                           self.dialects)]
+                    cells.append((kind.name, phase.value, status, "; ".join(r for r in why if r)))
             if len({c[2:] for c in cells}) == 1:  # same verdict everywhere: one line
                 cells = [("all", "all") + cells[0][2:]]
             lines.extend(f"{name:<18} {k:<6} {p:<8} {st:<8} {why}" for k, p, st, why in cells)

@@ -209,6 +209,12 @@ class Backend:
             return reasons + on_platform
         return reasons + self.extra_reasons(platform, spec, fmt, kind, phase, dialects)
 
+    def choice(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
+               dialects: "Dialects") -> str:
+        """How the backend would run a combination it serves, when it has options (a vendor
+        entry point, a mode) and why; shown by ``SparseMLA.explain()``. "" = nothing to say."""
+        return ""
+
     def prepare(self, plan: "StepPlan", kind: LayerKind) -> Any:
         """Per-step, per-kind metadata shared by all layers of that kind (None = nothing)."""
         return None
