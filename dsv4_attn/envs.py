@@ -99,10 +99,12 @@ FLASHMLA_LIB = EnvVar("DSV4_ATTN_FLASHMLA_LIB", "",
                       "flash_mla, vllm and sgl_kernel packages", "a file path", _text)
 AITER_EMULATOR = EnvVar("DSV4_ATTN_AITER_EMULATOR", "0",
                         "run the aiter backend against the AITER emulator on any device (results are labelled "
-                        "EMULATED)", "0/off, 1/on (gfx950), an arch (gfx942, gfx950) or arch:flavor",
+                        "EMULATED)", "0/off, 1/on (gfx950), an arch (gfx942, gfx950) or arch:flavor (flavor "
+                        "0.1.20, 0.1.7 or sparse)",
                         _text)
 AITER_PATH = EnvVar("DSV4_ATTN_AITER_PATH", "auto", "which AITER entry point the aiter backend uses",
-                    "auto, sparse_mla_fwd or mla_decode_fwd", _word("auto", "sparse_mla_fwd", "mla_decode_fwd"))
+                    "auto, sparse_mla_fwd, mla_decode_fwd_v4_nm or mla_decode_fwd",
+                    _word("auto", "sparse_mla_fwd", "mla_decode_fwd_v4_nm", "mla_decode_fwd"))
 AITER_PERSISTENT_MAX_BATCH = EnvVar("DSV4_ATTN_AITER_PERSISTENT_MAX_BATCH", "32",
                                     "mla_decode_fwd runs its persistent kernels below this many decode tokens "
                                     "(0 = never)", "an int >= 0", _int_at_least(0))
@@ -115,6 +117,8 @@ OURS = (BACKEND, VLLM, FLASHMLA_LIB, AITER_EMULATOR, AITER_PATH, AITER_PERSISTEN
 FOREIGN = {"TRITON_INTERPRET": "Triton runs kernels in its CPU interpreter (tests on machines without a GPU)",
            "CUDA_VISIBLE_DEVICES": "which NVIDIA GPUs torch sees", "HIP_VISIBLE_DEVICES": "which AMD GPUs torch sees",
            "AITER_ASM_DIR": "where AITER's code objects are read from",
+           "AITER_ENABLE_EXPERIMENTAL": "AITER routes 64/128-head FP8 persistent decode to kernels without a final "
+                                        "LSE: the aiter backend then pads persistent heads to 16 only",
            "FLASHINFER_CUBIN_DIR": "where FlashInfer's TRTLLM-gen cubins are read from"}
 
 

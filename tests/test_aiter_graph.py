@@ -23,28 +23,31 @@ from dsv4_attn.rocm import emulate
 from dsv4_attn.rocm.aiter import AiterBackend
 
 from conftest import compare
-from test_aiter import EXACT, FP8_Q, make_case, reference_for
+from test_aiter import EXACT, FP8, make_case, reference_for
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU for graph capture")]
 
-# (backend kwargs, format, heads, tolerance): persistent (fixed-stride, work plans, fp8 gather),
-# split (ragged, bf16 gather) and sparse_mla_fwd (in place, sink in kernel)
-PATHS = [({"path": "mla_decode_fwd"}, "fp8_ds_mla", 64, FP8_Q),
-         ({"path": "mla_decode_fwd", "persistent_max_batch": 0}, "fp8_ds_mla", 16, EXACT),
-         ({"path": "sparse_mla_fwd"}, "fp8_ds_mla", 64, EXACT)]
+# (emulated AITER flavor, backend kwargs, format, heads, tolerance): mla_decode_fwd persistent
+# (fixed-stride indices, work plans, fp8 gather) and split (ragged, bf16 gather), the v4 nm kernel
+# (MODEL1 records repacked, sink in the kernel) and sparse_mla_fwd (in place, sink in kernel)
+PATHS = [("0.1.20", {"path": "mla_decode_fwd"}, "fp8_ds_mla", 64, FP8),
+         ("0.1.20", {"path": "mla_decode_fwd", "persistent_max_batch": 0}, "fp8_ds_mla", 16, EXACT),
+         ("0.1.20", {"path": "mla_decode_fwd_v4_nm"}, "fp8_ds_mla", 64, FP8),
+         ("sparse", {"path": "sparse_mla_fwd"}, "fp8_ds_mla", 64, EXACT)]
 SHORT = (3, 90, 140, 260, 130, 5)
 LONG = (5000, 7000, 3100, 8000, 6000, 4500)
 
 
 @pytest.fixture(autouse=True)
-def _emulator():
-    yield emulate.enable("gfx950")
+def _no_emulator_leak():
+    yield
     emulate.disable()
 
 
-@pytest.mark.parametrize("kwargs,fmt,heads,tol", PATHS, ids=["persistent", "split", "sparse_mla_fwd"])
-def test_decode_step_captured_and_replayed_with_new_contents(kwargs, fmt, heads, tol):
+@pytest.mark.parametrize("flavor,kwargs,fmt,heads,tol", PATHS, ids=["persistent", "split", "v4_nm", "sparse_mla_fwd"])
+def test_decode_step_captured_and_replayed_with_new_contents(flavor, kwargs, fmt, heads, tol):
+    emulate.enable("gfx950", flavor)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7)
     name = "aiter-graph"

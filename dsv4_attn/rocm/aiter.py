@@ -1,46 +1,49 @@
 """Backend `aiter`: DeepSeek-V4 sparse decode on AMD gfx950 (MI355X) / gfx942 (MI300X) via AITER.
 
 Decode only (``phases = (DECODE,)``): prefill tokens go to `triton` / `torch` through the front
-end. Two AITER paths, chosen by what the installed AITER offers (features are detected with
-``inspect.signature`` and the shipped asm code objects, never from the version string):
+end. Three AITER entry points, tried in this order (``PATHS``; features are probed from the
+installed functions' signatures and the shipped code objects, never from the version string):
 
-``sparse_mla_fwd`` (newer AITER, ``aiter.ops.triton.attention.sparse_mla``; preferred)
-    One call per layer: both scopes (``extra_*``), ragged CSR indices of GLOBAL slots and the
-    sink inside the kernel; caches read in place: MODEL1 (fp8_ds_mla, gfx950 only), BF16
-    (gfx950 for two-scope layers), FP8_TENSOR (gfx942/gfx950, arch-native FP8 dialect). Its
-    optional LSE would INCLUDE the sink; forward needs none, so none is requested.
+``sparse_mla_fwd`` (``aiter.ops.triton.attention.sparse_mla``, gfx950)
+    One call per layer: both scopes (``extra_*``), compacted ragged CSR of GLOBAL slots and the
+    sink in the kernel; caches read in place (MODEL1, BF16, FP8_TENSOR in gfx950's OCP). The
+    keyword set vLLM 0.33 calls; no AITER release has it yet.
 
-``mla_decode_fwd`` (the seed design of vLLM PR #40889 / #40892)
-    No sink and one KV scope per call: the SWA scope and the compressed scope are two calls
-    returning ``(out, lse)`` (``return_lse=True``: natural log), merged with
-    ``common.merge.merge_lse`` and ``apply_sink`` (rows with no key forced to 0: AITER can
-    return NaN there). Page size 1: ``kv_indices`` are row numbers. Modes, per batch size:
+``mla_decode_fwd_v4_nm`` (``aiter.mla``, AITER >= 0.1.18, gfx950 code object ``hsa/gfx950/mla_v4``)
+    AITER's own DeepSeek-V4 decode, MODEL1 caches only: one call for both scopes with the sink in
+    the kernel. Its rows are 512-byte packs (448 e4m3 NoPE, each tile's UE8M0 scale written
+    twice) plus a separate bf16 RoPE tensor, which a MODEL1 cache cannot be read as in place: this
+    step's selected records are repacked byte for byte into a bounded scratch. q is packed the
+    same way (e4m3 with per-64 e8m0 scales; the kernel's fixed 1/sqrt(512) scale folded in).
 
-    persistent  T < ``persistent_max_batch`` (default 32, AITER's own
-                ``AITER_MLA_DECODE_PERSISTENT_MAX_BATCH``: persistent is 1.4-1.6x slower at high
-                concurrency, ROCm/aiter #4144) and a persistent LSE code object exists (gfx950,
-                FP8/FP8 only): fixed-stride ``kv_indices`` with -1 sentinels and a ``topk=`` work
-                plan from ``get_mla_metadata_v1`` (sized once by ``get_mla_metadata_info_v1`` for
-                the max batch, refilled once per step per scope kind, shared by all layers);
-    split       otherwise: non-persistent, ragged CSR, ``num_kv_splits >= 2`` (the LSE is written
-                by AITER's stage-2 reduce only; gfx942's one-split FP8 kernel writes none).
+``mla_decode_fwd`` (``aiter.mla``, ``return_lse=True``)
+    Any format. The code objects read 576-element rows (per-head q stride and KV row fixed at
+    512 + 64), so q is staged zero-padded to 576 and this step's selected rows are gathered
+    (decoded in their own FP8 dialect) into a bounded scratch of 576-wide rows with a zero RoPE
+    tail, as AITER's own tests lay them out. One call per scope, natural-log LSE, merged with
+    ``common.merge.merge_lse`` and ``apply_sink``. Modes per batch size:
 
-    Kernel operands: FP8_TENSOR and BF16 caches are read in place as fixed-stride rows
-    (``[rows, 1, 1, 512]``; slots remapped when blocks are padded); MODEL1 caches are served by
-    gathering ONLY this step's selected rows into a bounded scratch (bf16, exact, in split mode;
-    arch-native FP8 with a power-of-two per-tensor scale in persistent mode). q is staged into
-    scratch: bf16, or arch-native FP8 with a power-of-two per-tensor ``q_scale``. Heads are
-    padded (q zeros, sink -inf) to what the kernels take: split 16 / 128, persistent 16 / 32 /
-    64 / 128. BF16 caches never run persistent (no persistent LSE kernel for BF16).
+    persistent  T < ``persistent_max_batch`` (default 32, AITER's own batch gate, #4144): FP8/FP8
+                operands (power-of-two per-tensor scales), heads padded to a count whose code
+                object writes the LSE (gfx950 16/64/128, gfx942 64; :data:`PERSISTENT_LSE`),
+                fixed-stride compacted indices and a ``topk=`` work plan sized for the
+                persistent batch (``get_mla_metadata_info_v1``), refilled once per step per scope;
+    split       otherwise: BF16/BF16 (FP8 split kernels need >= 128 keys per split, AITER's fp8
+                cap, and write no LSE with one split), heads 16 / 128, ragged CSR, >= 2 splits
+                (the LSE comes from stage 2). Its code objects address rows with 24-bit row
+                numbers and 32-bit byte offsets: the gathered scratch must stay below both.
 
-FP8 dialect: gfx942 reads FNUZ e4m3, gfx950 OCP; scales are ``[1]`` float32 tensors. Caches in
-the other dialect are refused (in place) or re-encoded (gathered MODEL1 rows).
+Every index list is compacted (no -1 or out-of-range entry inside a range: the kernels read
+every index of a range). Rows with no key are masked from the adapter's own counts, whatever
+the kernel reports there. AITER loads kernels on first use, so the first eager decode of a layer
+configuration also runs every kernel variant the batch size could later select (persistent and
+split, single- and multi-split) on a one-token dummy; a first use inside a graph capture raises.
 
 Everything a step touches lives in :mod:`.scratch` buffers (graph-stable, shared by layers).
 The AITER API comes through ONE seam, :func:`load_aiter`: the real library on ROCm, or the
-AITER EMULATOR (:mod:`.emulate`) when ``dsv4_attn.rocm.emulate.enable()`` was called or
-``DSV4_ATTN_AITER_EMULATOR`` is set — then CPU/CUDA devices are accepted and every result is
-labelled emulated (``AiterBackend.label``, ``describe_aiter()["emulated"]``).
+AITER EMULATOR (:mod:`.emulate`, a model of the kernels) when ``emulate.enable()`` was called or
+``DSV4_ATTN_AITER_EMULATOR`` is set; then CPU/CUDA devices are accepted and every result is
+labelled emulated. See docs/rocm.md.
 """
 
 from __future__ import annotations
@@ -51,37 +54,57 @@ import inspect
 import math
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 
+from .. import envs
 from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
-from ..common.layout import Fp8Dialect, KVFormat, check_cache, gather_rows
-from ..common.merge import apply_sink, lse_base2_to_natural, merge_lse
+from ..common.layout import Fp8Dialect, KVFormat, Record, check_cache, gather_rows, packed_records, quantize_model1
+from ..common.merge import apply_sink, merge_lse
 from ..common.plan import StepPlan
 from ..common.platform import Platform, probe
-from ..common.spec import HEAD_DIM, V4_KINDS, LayerKind, ModelSpec
+from ..common.spec import HEAD_DIM, NOPE_DIM, NUM_QUANT_TILES, V4_KINDS, LayerKind, ModelSpec
 from . import emulate
-from .scratch import AiterScratch, ScopeBuffers, ScratchKey, quantize_pow2_, write_indices
+from .scratch import AiterScratch, ScopeBuffers, ScratchKey, compact, quantize_pow2_, write_indices
 
 ARCHS = ("gfx942", "gfx950")
 NATIVE_DIALECT = {"gfx942": Fp8Dialect.FNUZ, "gfx950": Fp8Dialect.OCP}
-PATHS = ("sparse_mla_fwd", "mla_decode_fwd")
-ENV_PATH = "DSV4_ATTN_AITER_PATH"
-ENV_PERSISTENT_MAX_BATCH = "DSV4_ATTN_AITER_PERSISTENT_MAX_BATCH"
-ENV_MAX_DECODE_TOKENS = "DSV4_ATTN_AITER_MAX_DECODE_TOKENS"
-# mla_decode_fwd(return_lse=True) final LSE is natural log (stage-2 ``e_max + log(e_sum)``,
-# reduce.cu ``logf(sum) + max``); kept as a switch because AITER's split statistics are base 2
-# in some kernels (vLLM rocm_aiter_mla.py) and an MI355X run must confirm it (docs/rocm.md).
-DECODE_LSE_IS_BASE2 = False
+PATHS = ("sparse_mla_fwd", "mla_decode_fwd_v4_nm", "mla_decode_fwd")
+# what each path costs or gains, shown by explain() for the path auto picks
+PATH_NOTES = {
+    "sparse_mla_fwd": "caches read in place; both scopes and the sink in one launch",
+    "mla_decode_fwd_v4_nm": "AITER's DSv4 kernel: both scopes and the sink in one launch over this step's MODEL1 "
+                            "records repacked byte for byte; q in e4m3 with per-tile scales",
+    "mla_decode_fwd": "this step's rows gathered into 576-wide rows; one launch per scope, LSE merge and sink "
+                      "in the front end; fp8 q/kv below the persistent batch, bf16 above",
+}
+ROW = 576  # elements per q head / KV row that mla_decode_fwd's code objects read
+NM_ROW = 512  # v4 nm packed row bytes
+NM_HEADS = (16, 32, 64, 128)
+NM_OBJECT = "mla_a8w8_qh64_qseqlen1_gqaratio64_nm.co"
+# split mode (bf16/bf16): heads -> code object; 24-bit rows, 32-bit byte offsets
+SPLIT_OBJECTS = {16: "mla_dec_stage1_bf16_a16w16_subQ16_mqa16.co", 128: "mla_dec_stage1_bf16_a16w16_subQ128_mqa128.co"}
+SPLIT_MAX_ROWS, SPLIT_MAX_BYTES = 1 << 24, 1 << 32
+# persistent FP8/FP8 heads -> the code object AITER 0.1.20 launches with an LSE, where it writes
+# one (gfx950's 32-head *_lse_ps object is its non-LSE twin: docs/rocm.md "Evidence")
+PERSISTENT_LSE = {
+    "gfx950": {16: "mla_a8w8_qh16_qseqlen1_gqaratio16_lse_ps.co", 64: "mla_a8w8_qh16_qseqlen4_gqaratio16_lse_v3_ps.co",
+               128: "mla_a8w8_qh32_qseqlen4_gqaratio32_lse_ps.co"},
+    "gfx942": {64: "mla_a8w8_qh64_qseqlen1_gqaratio64_lse_v3_ps.co"},
+}
+# the kernels fold an in-kernel sink into their running max, where +inf gives inf - inf = NaN;
+# staged as this instead it still zeroes the head (exp(s - 1e30) = 0)
+SINK_MAX = 1e30
+ENV_AITER_EXPERIMENTAL = "AITER_ENABLE_EXPERIMENTAL"  # routes 64/128-head FP8 persistent decode to HK kernels
 _SPARSE_KWARGS = ("out", "attn_sink", "extra_kv", "extra_indptr", "extra_indices", "has_invalid", "kv_scale",
                   "kv_lora_rank", "qk_rope_head_dim")
 _DECODE_PARAMS = ("q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens",
                   "max_seqlen_q", "sm_scale", "num_kv_splits", "num_kv_splits_indptr", "q_scale", "kv_scale",
                   "return_lse")
-_SPLIT_HEADS = (16, 128)
-_PERSISTENT_HEADS = (16, 32, 64, 128)
+_NM_PARAMS = ("q", "qrope", "kv_buffer", "kvrope", "output", "qo_indptr", "kv_indptr", "kv_page_indices",
+              "max_seqlen_q", "sink", "num_kv_splits")
 # keyword aliases across AITER revisions (0.1.7 names the work plan ``work_info``)
 _ALIASES = {"work_info_set": ("work_info_set", "work_info")}
 # keywords older revisions lack; dropped when the installed signature has no such parameter
@@ -93,7 +116,8 @@ _OPTIONAL = frozenset({"page_size", "nhead_kv", "kv_last_page_lens", "dtype_q", 
 @dataclass(frozen=True)
 class AiterAPI:
     """What the backend uses of AITER. ``error`` says why AITER is unusable (then the functions
-    are None). ``asm_objects``: names of the shipped asm code objects for ``arch``."""
+    are None). ``asm_objects``: names of the shipped code objects under ``hsa/<arch>/mla`` and
+    ``hsa/<arch>/mla_v4``."""
 
     version: str | None
     arch: str | None
@@ -101,26 +125,19 @@ class AiterAPI:
     mla_decode_fwd: Callable | None = None
     get_mla_metadata_info_v1: Callable | None = None
     get_mla_metadata_v1: Callable | None = None
+    mla_decode_fwd_v4_nm: Callable | None = None
     sparse_mla_fwd: Callable | None = None
     asm_objects: frozenset = frozenset()
     error: str | None = None
 
 
-_override: Any = None
 _env_emulator: tuple[str, Any] | None = None
 
 
-def set_api_override(api: Any) -> None:
-    """Route the backend to ``api`` (an object with AiterAPI's attributes, e.g. an
-    ``emulate.AiterEmulator``) or back to the real library with None. Used by ``emulate.enable``."""
-    global _override
-    _override = api
-
-
 def _from_object(obj: Any) -> AiterAPI:
-    return AiterAPI(version=obj.version, arch=obj.arch, emulated=bool(getattr(obj, "emulated", False)),
-                    mla_decode_fwd=obj.mla_decode_fwd, get_mla_metadata_info_v1=obj.get_mla_metadata_info_v1,
-                    get_mla_metadata_v1=obj.get_mla_metadata_v1, sparse_mla_fwd=obj.sparse_mla_fwd,
+    return AiterAPI(version=obj.version, arch=obj.arch, emulated=True, mla_decode_fwd=obj.mla_decode_fwd,
+                    get_mla_metadata_info_v1=obj.get_mla_metadata_info_v1, get_mla_metadata_v1=obj.get_mla_metadata_v1,
+                    mla_decode_fwd_v4_nm=obj.mla_decode_fwd_v4_nm, sparse_mla_fwd=obj.sparse_mla_fwd,
                     asm_objects=frozenset(obj.asm_objects))
 
 
@@ -129,8 +146,8 @@ def load_aiter(platform: Platform | None = None) -> AiterAPI:
     ``DSV4_ATTN_AITER_EMULATOR``), else the real library on a ROCm machine, else an AiterAPI whose
     ``error`` says why. Never imports ``aiter`` off ROCm (its import runs rocminfo and raises)."""
     global _env_emulator
-    if _override is not None:
-        return _from_object(_override)
+    if emulate.active() is not None:
+        return _from_object(emulate.active())
     env = os.environ.get(emulate.ENV_EMULATOR, "")
     if env.strip() not in ("", "0"):
         if _env_emulator is None or _env_emulator[0] != env:
@@ -162,20 +179,21 @@ def _load_real(arch: str) -> AiterAPI:
         version = getattr(aiter, "__version__", "unknown")
     return AiterAPI(version, arch, False, getattr(mla, "mla_decode_fwd", None),
                     getattr(aiter, "get_mla_metadata_info_v1", None), getattr(aiter, "get_mla_metadata_v1", None),
-                    sparse_mla_fwd, _asm_objects(aiter.__file__, arch))
+                    getattr(mla, "mla_decode_fwd_v4_nm", None), sparse_mla_fwd, _asm_objects(aiter.__file__, arch))
 
 
 def _asm_objects(aiter_init: str, arch: str) -> frozenset:
-    """Names of the asm code objects under ``hsa/<arch>/mla`` (wheel: ``aiter_meta/hsa``; source
-    tree: ``hsa``; or ``AITER_ASM_DIR``)."""
+    """Names of the code objects under ``hsa/<arch>/mla`` and ``hsa/<arch>/mla_v4`` (wheel:
+    ``aiter_meta/hsa``; source tree: ``hsa``; or ``AITER_ASM_DIR``)."""
     pkg = os.path.dirname(os.path.abspath(aiter_init))
     roots = [os.environ.get("AITER_ASM_DIR", ""), os.path.join(pkg, "..", "aiter_meta", "hsa"),
              os.path.join(pkg, "..", "hsa"), os.path.join(pkg, "hsa")]
     names: set[str] = set()
-    for root in roots:
-        folder = os.path.join(root, arch, "mla") if root else ""
-        if folder and os.path.isdir(folder):
-            names.update(os.listdir(folder))
+    for root in filter(None, roots):
+        for sub in ("mla", "mla_v4"):
+            folder = os.path.join(root, arch, sub)
+            if os.path.isdir(folder):
+                names.update(os.listdir(folder))
     return frozenset(names)
 
 
@@ -202,36 +220,86 @@ def _call(fn: Callable, **kwargs):
     return fn(**use)
 
 
-# ---- features (signature checked, not the version string) -----------------------------------
-def _sparse_missing(api: AiterAPI) -> str | None:
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+# ---- features (signatures and code objects, not the version string) --------------------------
+def _sparse_reasons(api: AiterAPI) -> list[str]:
     if api.sparse_mla_fwd is None:
-        return ("aiter.ops.triton.attention.sparse_mla.sparse_mla_fwd not found (newer AITER only; the PyPI "
-                "0.1.7 wheel lacks it)")
+        return ["aiter.ops.triton.attention.sparse_mla.sparse_mla_fwd not found (no AITER release has it; "
+                "vLLM 0.33 calls it)"]
     missing = [k for k in _SPARSE_KWARGS if k not in _params(api.sparse_mla_fwd)]
-    return f"sparse_mla_fwd lacks keyword(s) {missing}" if missing else None
+    if missing:
+        return [f"sparse_mla_fwd lacks keyword(s) {missing} (the sink and second scope vLLM 0.33 passes)"]
+    if api.arch != "gfx950":
+        return [f"sparse_mla_fwd is gfx950-only (its Gluon kernels; it asserts so), got {api.arch}"]
+    return []
 
 
-def _decode_missing(api: AiterAPI) -> str | None:
+def _nm_reasons(api: AiterAPI, fmt: KVFormat, heads: int) -> list[str]:
+    if api.mla_decode_fwd_v4_nm is None:
+        return ["aiter.mla.mla_decode_fwd_v4_nm not found (AITER >= 0.1.18)"]
+    missing = [k for k in _NM_PARAMS if k not in _params(api.mla_decode_fwd_v4_nm)]
+    if missing:
+        return [f"mla_decode_fwd_v4_nm lacks parameter(s) {missing}"]
+    if NM_OBJECT not in api.asm_objects:
+        return [f"no v4 nm code object ({NM_OBJECT}) under hsa/{api.arch}/mla_v4 (AITER ships it for gfx950)"]
+    if fmt is not KVFormat.MODEL1_FP8:
+        return [f"reads MODEL1 (fp8_ds_mla) records only, got {fmt.value}"]
+    if heads > NM_HEADS[-1]:
+        return [f"{heads} heads; allowed: <= {NM_HEADS[-1]} (padded to {NM_HEADS})"]
+    return []
+
+
+def _decode_reasons(api: AiterAPI) -> list[str]:
     if api.mla_decode_fwd is None:
-        return "aiter.mla.mla_decode_fwd not found"
+        return ["aiter.mla.mla_decode_fwd not found"]
     missing = [k for k in _DECODE_PARAMS if k not in _params(api.mla_decode_fwd)]
     if "return_lse" in missing:
-        return ("mla_decode_fwd has no return_lse (AITER 0.1.7: final_lse is returned unwritten), so the two "
-                "scopes cannot be merged nor the sink applied")
-    return f"mla_decode_fwd lacks parameter(s) {missing}" if missing else None
+        return ["mla_decode_fwd has no return_lse (AITER 0.1.7: final_lse is returned unwritten), so the two "
+                "scopes cannot be merged nor the sink applied"]
+    if missing:
+        return [f"mla_decode_fwd lacks parameter(s) {missing}"]
+    absent = [name for name in SPLIT_OBJECTS.values() if name not in api.asm_objects]
+    return [f"split-mode code object(s) {absent} missing under hsa/{api.arch}/mla"] if absent else []
 
 
-def _persistent_missing(api: AiterAPI) -> str | None:
+def _aiter_experimental() -> bool:
+    """AITER's ``is_experimental_enabled()`` (aiter/jit/core.py): an int other than 0."""
+    try:
+        return int(os.environ.get(ENV_AITER_EXPERIMENTAL, "0")) != 0
+    except ValueError:
+        return False
+
+
+def _persistent_heads(api: AiterAPI, heads: int) -> tuple[int | None, str | None]:
+    """(heads handed to the persistent kernel, None) or (None, why persistent mode is off)."""
     for name in ("get_mla_metadata_info_v1", "get_mla_metadata_v1"):
         if getattr(api, name) is None:
-            return f"aiter.{name} not found"
+            return None, f"aiter.{name} not found"
     if "topk" not in _params(api.get_mla_metadata_v1):
-        return "get_mla_metadata_v1 has no topk (sparse work plans)"
-    if api.arch != "gfx950":
-        return f"{api.arch} has no persistent MLA kernel that returns an LSE (vLLM: gfx942 ships no LSE code object)"
-    if not any("a8w8" in n and "lse" in n and "_ps" in n for n in api.asm_objects):
-        return f"no persistent FP8/FP8 LSE code object (*a8w8*lse*_ps*) under hsa/{api.arch}/mla"
-    return None
+        return None, "get_mla_metadata_v1 has no topk (sparse work plans)"
+    table = {h: n for h, n in PERSISTENT_LSE.get(api.arch, {}).items() if n in api.asm_objects}
+    if _aiter_experimental():
+        table = {h: n for h, n in table.items() if h not in (64, 128)}
+    padded = next((h for h in sorted(table) if h >= heads), None)
+    if padded is None:
+        return None, (f"no persistent FP8 code object that writes an LSE for {heads} heads on {api.arch} (have "
+                      f"{sorted(table) or 'none'}; {ENV_AITER_EXPERIMENTAL} reroutes 64/128 heads to kernels "
+                      "without one)")
+    return padded, None
+
+
+def _split_heads(heads: int) -> int:
+    return 16 if heads <= 16 else 128
+
+
+def _scope_widths(spec: ModelSpec) -> tuple[tuple[str, int], ...]:
+    """Row width of every scope, by name: the window ("swa") and each compressed layer kind of the
+    model. One scratch serves every layer kind (the window scope is shared)."""
+    return (("swa", spec.window),) + tuple((k.name.lower(), spec.comp_width(k)) for k in spec.kinds
+                                           if k.has_comp_scope)
 
 
 def _base_reasons(api: AiterAPI) -> list[str]:
@@ -242,22 +310,6 @@ def _base_reasons(api: AiterAPI) -> list[str]:
     return []
 
 
-def _sparse_reasons(api: AiterAPI, fmt: KVFormat, kind: LayerKind) -> list[str]:
-    missing = _sparse_missing(api)
-    if missing:
-        return [missing]
-    if fmt is KVFormat.MODEL1_FP8 and api.arch != "gfx950":
-        return [f"fp8_ds_mla caches are read by sparse_mla_fwd on gfx950 only (got {api.arch})"]
-    if fmt is KVFormat.BF16 and kind.has_comp_scope and api.arch != "gfx950":
-        return [f"the bf16 two-scope loop of sparse_mla_fwd is gfx950 only (got {api.arch})"]
-    return []
-
-
-def _decode_heads(persistent: bool, heads: int) -> int:
-    """Heads handed to mla_decode_fwd: the smallest supported count >= heads (q padded)."""
-    return next(h for h in (_PERSISTENT_HEADS if persistent else _SPLIT_HEADS) if h >= heads)
-
-
 def describe_aiter(platform: Platform | None = None) -> dict:
     """What ``dsv4-attn probe`` prints for AITER: version, arch, FP8 dialect, which paths are
     enabled (or why not), and whether this is the emulator."""
@@ -265,36 +317,39 @@ def describe_aiter(platform: Platform | None = None) -> dict:
     out = {"found": api.error is None, "emulated": api.emulated, "version": api.version, "arch": api.arch,
            "dialect": NATIVE_DIALECT[api.arch].value if api.arch in NATIVE_DIALECT else None, "error": api.error}
     base = _base_reasons(api)
-    decode = base or ([_decode_missing(api)] if _decode_missing(api) else [])
+    decode = base or _decode_reasons(api)
+    persistent = decode or [r for r in [_persistent_heads(api, 1)[1]] if r]
     out["paths"] = {
-        "sparse_mla_fwd": "; ".join(base or [r for r in [_sparse_missing(api)] if r]) or "enabled",
+        "sparse_mla_fwd": "; ".join(base or _sparse_reasons(api)) or "enabled",
+        "mla_decode_fwd_v4_nm": "; ".join(base or _nm_reasons(api, KVFormat.MODEL1_FP8, 1)) or "enabled (fp8_ds_mla)",
         "mla_decode_fwd (split)": "; ".join(decode) or "enabled",
-        "mla_decode_fwd (persistent)": "; ".join(decode or [r for r in [_persistent_missing(api)] if r]) or "enabled",
+        "mla_decode_fwd (persistent)": "; ".join(persistent) or (
+            f"enabled (heads {sorted(h for h, n in PERSISTENT_LSE[api.arch].items() if n in api.asm_objects)})"),
     }
     return out
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}: got {value!r}; allowed: an int") from None
+def _nm_pack(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MODEL1 records uint8 [N, 584] -> (v4 nm rows uint8 [N, 512], RoPE bf16 [N, 64]): the e4m3
+    NoPE bytes, each tile's UE8M0 byte twice (the kernel reads one per 32 columns), zero pad."""
+    scales = records[:, ROW : ROW + NUM_QUANT_TILES].repeat_interleave(2, dim=1)
+    pad = torch.zeros(records.shape[0], NM_ROW - NOPE_DIM - scales.shape[1], dtype=torch.uint8,
+                      device=records.device)
+    packed = torch.cat([records[:, :NOPE_DIM], scales, pad], dim=1)
+    return packed, records[:, NOPE_DIM:ROW].contiguous().view(torch.bfloat16)
 
 
 # ---- the backend --------------------------------------------------------------------------------
 class AiterBackend(Backend):
-    """AITER decode adapter (see module docstring).
+    """AITER decode adapter (see module docstring). EMULATED / contract-tested only.
 
-    path                  "auto" (sparse_mla_fwd where it serves the format/arch, else
-                          mla_decode_fwd), "sparse_mla_fwd" or "mla_decode_fwd"; env DSV4_ATTN_AITER_PATH
+    path                  "auto" (the first of PATHS that serves the layer) or one of PATHS;
+                          env DSV4_ATTN_AITER_PATH
     persistent_max_batch  mla_decode_fwd runs persistent for T < this many decode tokens
                           (0 = never); env DSV4_ATTN_AITER_PERSISTENT_MAX_BATCH, default 32
     max_decode_tokens     scratch capacity in decode tokens (bounds the gathered-rows scratch);
                           env DSV4_ATTN_AITER_MAX_DECODE_TOKENS, default 1024
-    max_splits            persistent split budget per batch row (get_mla_metadata_v1)
+    max_splits            split budget per batch row (split mode, persistent work plans)
     """
 
     splits_phases = True
@@ -303,28 +358,32 @@ class AiterBackend(Backend):
         formats=(KVFormat.MODEL1_FP8, KVFormat.BF16, KVFormat.FP8_TENSOR),
         kinds=V4_KINDS,
         phases=(Phase.DECODE,),
-        dialects=(Fp8Dialect.OCP, Fp8Dialect.FNUZ),  # arch-native in place; gathered rows re-encoded
-        heads_note="padded to 16/32/64/128 where a kernel needs it",
-        validated="emulated (AITER emulator: CPU CI, H100 CUDA-graph test); not yet run on MI300X/MI355X",
-        notes="decode only; sparse_mla_fwd preferred (gfx950, newer AITER), else mla_decode_fwd + LSE merge",
+        dialects=(Fp8Dialect.OCP, Fp8Dialect.FNUZ),  # gathered rows are decoded in their own dialect
+        heads_note="padded to what each kernel takes: 16/32/64/128",
+        validated="emulated (a model of AITER 0.1.20's kernels: CPU CI, H100 CUDA-graph test); never run on "
+                  "MI300X/MI355X",
+        notes="decode only; sparse_mla_fwd (gfx950, vLLM 0.33's AITER), else mla_decode_fwd_v4_nm (MODEL1, "
+              "gfx950, AITER >= 0.1.18), else mla_decode_fwd + LSE merge",
     )
 
     def __init__(self, path: str | None = None, persistent_max_batch: int | None = None,
                  max_decode_tokens: int | None = None, max_splits: int = 16, name: str = "aiter") -> None:
         self.name = name
-        self.path = path if path is not None else os.environ.get(ENV_PATH, "auto").strip() or "auto"
+        self.path = path if path is not None else envs.AITER_PATH.get()
         if self.path not in ("auto",) + PATHS:
             raise ValueError(f"path: got {self.path!r}; allowed: 'auto', {PATHS}")
         self.persistent_max_batch = (persistent_max_batch if persistent_max_batch is not None
-                                     else _env_int(ENV_PERSISTENT_MAX_BATCH, 32))
+                                     else envs.AITER_PERSISTENT_MAX_BATCH.get())
         self.max_decode_tokens = (max_decode_tokens if max_decode_tokens is not None
-                                  else _env_int(ENV_MAX_DECODE_TOKENS, 1024))
+                                  else envs.AITER_MAX_DECODE_TOKENS.get())
         for arg, value in (("persistent_max_batch", self.persistent_max_batch),
                            ("max_decode_tokens", self.max_decode_tokens), ("max_splits", max_splits)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if arg[0] == "p" else 1):
-                raise ValueError(f"{arg}: got {value!r}; allowed: an int >= {0 if arg[0] == 'p' else 1}")
+            low = 0 if arg == "persistent_max_batch" else (2 if arg == "max_splits" else 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{arg}: got {value!r}; allowed: an int >= {low}")
         self.max_splits = max_splits
         self._scratch: dict[ScratchKey, AiterScratch] = {}
+        self._warmed: set[tuple] = set()
         self._warned_env = False
 
     def label(self) -> str:
@@ -333,15 +392,46 @@ class AiterBackend(Backend):
         return f"{self.name} [EMULATED {api.arch}, AITER {api.version}]" if api.emulated else self.name
 
     # ---- selection --------------------------------------------------------------------------
-    def choose_path(self, api: AiterAPI, fmt: KVFormat, kind: LayerKind) -> tuple[str | None, list[str]]:
-        """(path, []) or (None, reasons) for a format and layer kind."""
+    def _split_rows_reasons(self, spec: ModelSpec) -> list[str]:
+        width = max(w for _, w in _scope_widths(spec))  # the gathered-rows scratch serves every scope
+        rows = self.max_decode_tokens * width
+        if rows < SPLIT_MAX_ROWS and rows * ROW * 2 < SPLIT_MAX_BYTES:
+            return []
+        return [f"split mode gathers up to max_decode_tokens x {width} = {rows} rows of {ROW * 2} B; its code "
+                f"objects address rows with 24-bit numbers and 32-bit byte offsets (allowed: < {SPLIT_MAX_ROWS} "
+                f"rows and < 4 GiB; lower max_decode_tokens or {envs.AITER_MAX_DECODE_TOKENS.name})"]
+
+    def path_reasons(self, api: AiterAPI, spec: ModelSpec | None, fmt: KVFormat, kind: LayerKind, path: str,
+                     dialects=None, heads: int | None = None) -> list[str]:
+        """Why ``path`` cannot serve the layer ([] = it can). ``spec`` None skips the checks of the
+        model's heads and widths, ``dialects`` (SWA, compressed) None those of the caches' FP8
+        encodings; ``heads`` defaults to the spec's."""
+        if heads is None and spec is not None:
+            heads = spec.num_heads
+        if path == "sparse_mla_fwd":
+            why = _sparse_reasons(api)
+            in_place = fmt is not KVFormat.BF16
+        elif path == "mla_decode_fwd_v4_nm":
+            why = _nm_reasons(api, fmt, heads or 1)
+            in_place = True  # MODEL1 bytes copied as they are
+        else:
+            why = _decode_reasons(api) or (self._split_rows_reasons(spec) if spec is not None else [])
+            in_place = False  # gathered rows are decoded in their own dialect
+        if why or not in_place or dialects is None:
+            return why
+        native = NATIVE_DIALECT[api.arch]
+        names = ("swa_dialect", "comp_dialect")[: 2 if kind.has_comp_scope else 1]
+        return [f"{name}: got {d.value}; allowed: {native.value} ({api.arch} reads its native FP8 encoding from "
+                f"{fmt.value} bytes on this path)" for name, d in zip(names, dialects) if d is not native]
+
+    def choose_path(self, api: AiterAPI, spec: ModelSpec | None, fmt: KVFormat, kind: LayerKind, dialects=None,
+                    heads: int | None = None) -> tuple[str | None, list[str]]:
+        """(path, []) or (None, reasons) for a layer."""
         reasons = _base_reasons(api)
         if reasons:
             return None, reasons
-        candidates = PATHS if self.path == "auto" else (self.path,)
-        for path in candidates:
-            why = (_sparse_reasons(api, fmt, kind) if path == "sparse_mla_fwd"
-                   else [r for r in [_decode_missing(api)] if r])
+        for path in PATHS if self.path == "auto" else (self.path,):
+            why = self.path_reasons(api, spec, fmt, kind, path, dialects, heads)
             if not why:
                 return path, []
             reasons += [f"{path}: {r}" for r in why]
@@ -356,10 +446,18 @@ class AiterBackend(Backend):
         if api.emulated and platform.vendor == "rocm" and not self._warned_env:
             self._warned_env = True
             warnings.warn("dsv4_attn: the AITER EMULATOR is switched on on a ROCm machine; results are emulated")
-        path, reasons = self.choose_path(api, fmt, kind)
-        if path is None or not fmt.uses_fp8:
-            return reasons
-        return self._dialect_problems(api, fmt, kind, path, dialects)
+        return self.choose_path(api, spec, fmt, kind, tuple(dialects))[1]
+
+    def choice(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
+               dialects) -> str:
+        """The AITER path auto picks for the layer and why (shown by ``SparseMLA.explain()``)."""
+        api, kind = load_aiter(platform), LayerKind.parse(kind)
+        path, _ = self.choose_path(api, spec, fmt, kind, tuple(dialects))
+        if path is None:
+            return ""
+        skipped = [f"{p} skipped: {'; '.join(self.path_reasons(api, spec, fmt, kind, p, tuple(dialects)))}"
+                   for p in PATHS[: PATHS.index(path)]]
+        return "; ".join([f"path {path} ({PATH_NOTES[path]})"] + skipped)
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
@@ -369,35 +467,16 @@ class AiterBackend(Backend):
         if T > self.max_decode_tokens:
             raise ValueError(f"plan: got {T} decode tokens; allowed: <= max_decode_tokens ({self.max_decode_tokens}) "
                              f"of the aiter backend (raise it: AiterBackend(max_decode_tokens=...) or "
-                             f"{ENV_MAX_DECODE_TOKENS})")
+                             f"{envs.AITER_MAX_DECODE_TOKENS.name})")
         api = load_aiter()
-        path, reasons = self.choose_path(api, layer.fmt, layer.kind)
+        path, reasons = self.choose_path(api, plan.spec, layer.fmt, layer.kind, (layer.swa_dialect, layer.comp_dialect),
+                                         layer.q.shape[1])
         if path is None:
             raise ValueError("aiter: cannot run this layer:\n" + "\n".join(f"  - {r}" for r in reasons))
-        problems = self._dialect_problems(api, layer.fmt, layer.kind, path, (layer.swa_dialect, layer.comp_dialect))
-        if problems:
-            raise ValueError("; ".join(problems))
-        if path == "sparse_mla_fwd":
-            self._forward_sparse(api, plan, layer, out)
-        else:
-            self._forward_decode(api, plan, layer, out)
+        {"sparse_mla_fwd": self._forward_sparse, "mla_decode_fwd_v4_nm": self._forward_nm,
+         "mla_decode_fwd": self._forward_decode}[path](api, plan, layer, out)
 
-    @staticmethod
-    def _dialect_problems(api: AiterAPI, fmt: KVFormat, kind: LayerKind, path: str, dialects) -> list[str]:
-        """Caches read in place must be in the arch's FP8 dialect: FP8_TENSOR always, MODEL1 on
-        sparse_mla_fwd (gathered MODEL1 rows are decoded in their own dialect and re-encoded)."""
-        native = NATIVE_DIALECT[api.arch]
-        if not (fmt is KVFormat.FP8_TENSOR or (fmt is KVFormat.MODEL1_FP8 and path == PATHS[0])):
-            return []
-        names = ("swa_dialect", "comp_dialect")[: 2 if kind.has_comp_scope else 1]
-        return [f"{name}: got {dialect.value}; allowed: {native.value} ({api.arch} reads its native FP8 encoding "
-                f"in place for {fmt.value} caches)" for name, dialect in zip(names, dialects) if dialect is not native]
-
-    def _get_scratch(self, api: AiterAPI, plan: StepPlan, key_args: dict) -> AiterScratch:
-        spec = plan.spec
-        key = ScratchKey(device=plan.device, max_tokens=self.max_decode_tokens,
-                         widths=(("swa", spec.window), ("c4a", spec.c4a_topk), ("c128a", spec.c128a_width)),
-                         max_splits=self.max_splits, **key_args)
+    def _get_scratch(self, api: AiterAPI, key: ScratchKey) -> AiterScratch:
         if key not in self._scratch:
             info = None
             if key.persistent:
@@ -408,28 +487,36 @@ class AiterBackend(Backend):
             self._scratch[key] = AiterScratch.allocate(key, info)
         return self._scratch[key]
 
-    def _scope(self, plan: StepPlan, scr: AiterScratch, name: str, rows: torch.Tensor, lens: torch.Tensor,
-               remap_key: tuple | None, per_layer: bool, api: AiterAPI) -> ScopeBuffers:
-        """Build a scope's indices (and persistent work plan) once per step, or every call for C4A
-        (``per_layer``) whose rows differ per layer while its work plan does not."""
+    def _scopes(self, plan: StepPlan, layer: LayerInputs) -> list[tuple[str, torch.Tensor, torch.Tensor, Any, Any]]:
+        """(scope name, rows, lens, cache, geometry) of the layer's scopes, SWA first."""
+        scopes = [("swa", plan.swa_rows, plan.swa_lens, layer.swa_cache,
+                   check_cache(layer.swa_cache, layer.fmt, "swa_cache", layer.swa_dialect))]
+        if layer.kind.has_comp_scope:
+            rows, lens = plan.comp_scope(layer.kind, layer.topk)
+            scopes.append((layer.kind.name.lower(), rows, lens, layer.comp_cache,
+                           check_cache(layer.comp_cache, layer.fmt, "comp_cache", layer.comp_dialect)))
+        return scopes
+
+    def _indices(self, plan: StepPlan, scr: AiterScratch, name: str, parts, per_layer: bool,
+                 api: AiterAPI) -> ScopeBuffers:
+        """Build a scope's compacted indices and persistent work plan once per step, or every call
+        for top-k kinds (``per_layer``): their rows, and so their key counts (holes are dropped),
+        differ per layer. ``parts``: (rows, lens, capacity) per cache the scope reads."""
         sb = scr.scopes[name]
-        key = (self.name, "aiter-scope", name, scr.key, remap_key)
 
         def build():
-            remap = None if remap_key is None else functools.partial(_remap_rows, *remap_key)
-            write_indices(sb, rows, lens, scr.key.layout, remap, scr.key.gather)
+            keep, pos, counts = compact(list(parts), sb.width)
+            write_indices(sb, keep, pos, counts, torch.cat([p[0] for p in parts], dim=1), scr.key.layout)
+            if scr.key.persistent:  # the plan bakes in each token's key range
+                self._fill_work_plan(api, scr, sb, plan.num_tokens)
             return sb
 
         if per_layer:
-            build()
-        else:
-            plan.cached(key, build)
-        if scr.key.persistent:
-            plan.cached(key + ("work-plan",), lambda: self._fill_work_plan(api, scr, sb, plan.num_tokens))
-        return sb
+            return build()
+        return plan.cached((self.name, "aiter-scope", name, scr.key, tuple(p[2] for p in parts)), build)
 
     @staticmethod
-    def _fill_work_plan(api: AiterAPI, scr: AiterScratch, sb: ScopeBuffers, T: int) -> bool:
+    def _fill_work_plan(api: AiterAPI, scr: AiterScratch, sb: ScopeBuffers, T: int) -> None:
         k = scr.key
         wmd, wi, wis, ri, rfm, rpm = sb.meta
         _call(api.get_mla_metadata_v1, seqlens_qo_indptr=scr.qo_indptr[: T + 1],
@@ -438,24 +525,30 @@ class AiterBackend(Backend):
               work_info_set=wis, work_indptr=wi, reduce_indptr=ri, reduce_final_map=rfm, reduce_partial_map=rpm,
               page_size=1, kv_granularity=16, max_seqlen_qo=1, uni_seqlen_qo=1, fast_mode=True, topk=sb.width,
               max_split_per_batch=k.max_splits, dtype_q=k.q_dtype, dtype_kv=k.kv_dtype)
-        return True
 
-    def _scopes(self, plan: StepPlan, layer: LayerInputs) -> list[tuple[str, torch.Tensor, torch.Tensor, Any, Fp8Dialect]]:
-        """(scope name, rows, lens, cache, dialect) of the layer's scopes, SWA first."""
-        scopes = [("swa", plan.swa_rows, plan.swa_lens, layer.swa_cache, layer.swa_dialect)]
-        if layer.kind.has_comp_scope:
-            rows, lens = plan.comp_scope(layer.kind, layer.topk)
-            scopes.append((layer.kind.name.lower(), rows, lens, layer.comp_cache, layer.comp_dialect))
-        return scopes
+    def _warm(self, key: tuple, runs: list[Callable[[], Any]]) -> None:
+        """Run every kernel variant of a layer configuration once, eagerly, before its first use
+        (AITER loads modules and compiles Triton kernels then, which a graph capture cannot do)."""
+        if key in self._warmed:
+            return
+        if _capturing():
+            raise ValueError(f"aiter: first decode of {key} inside a graph capture; allowed: one eager decode step "
+                             "of every layer configuration before capturing (AITER loads kernels on first use)")
+        for run in runs:
+            run()
+        self._warmed.add(key)
 
     # ---- path 1: sparse_mla_fwd ---------------------------------------------------------------
     def _forward_sparse(self, api: AiterAPI, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
         T, H = plan.num_tokens, layer.q.shape[1]
-        scr = self._get_scratch(api, plan, dict(heads=H, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
-                                                layout="ragged", gather=False, persistent=False, staged=False))
+        key = ScratchKey(path="sparse_mla_fwd", device=plan.device, max_tokens=self.max_decode_tokens, heads=H,
+                         widths=_scope_widths(plan.spec), q_dtype=torch.bfloat16,
+                         kv_dtype=torch.bfloat16, layout="slots")
+        scr = self._get_scratch(api, key)
         built = []
-        for name, rows, lens, cache, _ in self._scopes(plan, layer):
-            sb = self._scope(plan, scr, name, rows, lens, None, name == "c4a", api)
+        for name, rows, lens, cache, geo in self._scopes(plan, layer):
+            sb = self._indices(plan, scr, name, [(rows, lens, geo.num_slots)], layer.kind.uses_topk and name != "swa",
+                               api)
             scale = None
             if layer.fmt is KVFormat.FP8_TENSOR:
                 scale = sb.kv_scale
@@ -463,7 +556,7 @@ class AiterBackend(Backend):
             built.append((sb, cache, scale))
         (swa, swa_cache, swa_scale), extra = built[0], (built[1] if len(built) > 1 else None)
         kwargs = dict(kv_scale=swa_scale, kv_lora_rank=HEAD_DIM, qk_rope_head_dim=0, has_invalid=False, out=out,
-                      attn_sink=layer.sink)
+                      attn_sink=None if layer.sink is None else self._stage_sink(scr, layer.sink, H))
         if extra is not None:
             sb, cache, scale = extra
             kwargs.update(extra_kv=cache, extra_indptr=sb.kv_indptr[: T + 1],
@@ -475,86 +568,159 @@ class AiterBackend(Backend):
             empty &= extra[0].counts[:T] == 0
         out.masked_fill_(empty[:, None, None], 0.0)  # AITER's output for a row with no key is unspecified
 
-    # ---- path 2: mla_decode_fwd, two scopes + LSE merge + sink ----------------------------------
-    def _forward_decode(self, api: AiterAPI, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
+    # ---- path 2: mla_decode_fwd_v4_nm, both scopes + sink in one call -------------------------
+    def _forward_nm(self, api: AiterAPI, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
         T, H = plan.num_tokens, layer.q.shape[1]
+        heads = next(h for h in NM_HEADS if h >= H)
+        # one index scope per layer kind, over its SWA keys then its compressed keys
+        widths = tuple((name, plan.spec.window + (w if name != "swa" else 0)) for name, w in _scope_widths(plan.spec))
         fp8 = NATIVE_DIALECT[api.arch].torch_dtype
-        persistent = (layer.fmt is not KVFormat.BF16 and T < self.persistent_max_batch
-                      and _persistent_missing(api) is None)
-        in_place = layer.fmt is not KVFormat.MODEL1_FP8
-        kv_dtype = (fp8 if persistent or layer.fmt is KVFormat.FP8_TENSOR else torch.bfloat16)
-        heads = _decode_heads(persistent, H)
-        scr = self._get_scratch(api, plan, dict(heads=heads, q_dtype=kv_dtype, kv_dtype=kv_dtype,
-                                                layout="fixed" if persistent else "ragged", gather=not in_place,
-                                                persistent=persistent, staged=True))
-        q = scr.q[:T]
-        if kv_dtype == torch.bfloat16:
-            q[:, :H].copy_(layer.q)
-        else:
-            quantize_pow2_(q[:, :H], layer.q, scr.q_scale)
-        # split mode: >= 2 splits (the LSE comes from the stage-2 reduce), more for small batches
-        splits = self.max_splits if persistent else min(self.max_splits, max(2, math.ceil(512 / T)))
-        if not persistent:
-            torch.arange(0, (T + 1) * splits, splits, out=scr.splits_indptr[: T + 1])
-        results = []
-        for i, (name, rows, lens, cache, dialect) in enumerate(self._scopes(plan, layer)):
-            cache_name = "swa_cache" if name == "swa" else "comp_cache"
-            geo = check_cache(cache, layer.fmt, cache_name, dialect)
-            remap_key = (geo.block_size, geo.block_stride // HEAD_DIM) if in_place else None
-            if in_place and (geo.block_stride % HEAD_DIM or geo.num_blocks * geo.block_stride // HEAD_DIM >= 2**31):
-                raise ValueError(f"{cache_name}: got block stride {geo.block_stride} elements x {geo.num_blocks} "
-                                 f"blocks; allowed: a multiple of {HEAD_DIM} with < 2**31 rows in all (AITER reads "
-                                 "fixed-stride rows with int32 indices)")
-            sb = self._scope(plan, scr, name, rows, lens, remap_key, name == "c4a", api)
-            kv, kv_scale = self._kv_operand(scr, sb, cache, layer, geo, dialect, T, in_place)
-            o = scr.out[i][:T]
-            meta = dict(zip(("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
-                             "reduce_partial_map"), sb.meta)) if persistent else {}
-            _, lse = _call(api.mla_decode_fwd, q=q, kv_buffer=kv, o=o, qo_indptr=scr.qo_indptr[: T + 1],
-                           kv_indptr=sb.kv_indptr[: T + 1], kv_indices=sb.kv_indices[: T * sb.width],
-                           kv_last_page_lens=scr.last_page[:T], max_seqlen_q=1, page_size=1, nhead_kv=1,
-                           sm_scale=layer.softmax_scale,
-                           num_kv_splits=splits,
-                           num_kv_splits_indptr=None if persistent else scr.splits_indptr[: T + 1],
-                           q_scale=scr.q_scale if kv_dtype != torch.bfloat16 else None,
-                           kv_scale=kv_scale, return_lse=True, **meta)
-            lse_buf = scr.lse[i][:T]
-            lse_buf.copy_(lse_base2_to_natural(lse) if DECODE_LSE_IS_BASE2 else lse)
-            results.append((o, lse_buf))
-        merged, lse = results[0] if len(results) == 1 else merge_lse(*results[0], *results[1])
-        sink = None
-        if layer.sink is not None:
-            sink = scr.sink
-            sink[:H].copy_(layer.sink)
-        out.copy_(apply_sink(merged, lse, sink)[:, :H])
+        key = ScratchKey(path="mla_decode_fwd_v4_nm", device=plan.device, max_tokens=self.max_decode_tokens,
+                         heads=heads, widths=widths, q_dtype=fp8, kv_dtype=fp8, layout="ragged", row=NM_ROW)
+        scr = self._get_scratch(api, key)
+        self._warm(("mla_decode_fwd_v4_nm", heads), [lambda: self._nm_dummy(api, heads, plan.device)])
+        scopes = self._scopes(plan, layer)
+        sb = self._indices(plan, scr, layer.kind.name.lower(),
+                           [(rows, lens, geo.num_slots) for _, rows, lens, _, geo in scopes],
+                           layer.kind.uses_topk, api)
+        col = 0
+        for _, rows, _, cache, geo in scopes:  # this step's records, repacked where the indices point
+            K = rows.shape[1]
+            slots = sb.slots[: T * sb.width].view(T, sb.width)[:, col : col + K].reshape(-1)
+            pos = sb.pos[: T * sb.width].view(T, sb.width)[:, col : col + K].reshape(-1)
+            packed, rope = _nm_pack(packed_records(cache, Record.V4_FP8, geo, slots))
+            scr.rows.index_copy_(0, pos, packed)
+            scr.rows_rope.index_copy_(0, pos, rope)
+            col += K
+        # the kernel's softmax scale is fixed at 1/sqrt(512): fold the layer's into q
+        q = layer.q.float() * (layer.softmax_scale * NM_ROW**0.5)
+        packed, rope = _nm_pack(quantize_model1(q.reshape(-1, HEAD_DIM).to(torch.bfloat16)))
+        scr.q[:T, :H].copy_(packed.view(T, H, NM_ROW))
+        scr.q_rope[:T, :H].copy_(rope.view(T, H, -1))
+        scr.q[:T, H:].zero_()
+        scr.q_rope[:T, H:].zero_()
+        n = T * sb.width
+        o = scr.out[0][:T]
+        api.mla_decode_fwd_v4_nm(scr.q[:T].view(fp8), scr.q_rope[:T], scr.rows[:n].view(fp8).view(n, 1, 1, NM_ROW),
+                                 scr.rows_rope[:n].view(n, 1, 1, -1), o, scr.qo_indptr[: T + 1],
+                                 sb.kv_indptr[: T + 1], sb.kv_indices[:n], 1, sink=self._stage_sink(scr, layer.sink, H))
+        keyless = (sb.counts[:T] == 0)[:, None, None]
+        out.copy_(torch.where(keyless, torch.zeros_like(o[:, :H]), o[:, :H]))
 
     @staticmethod
-    def _kv_operand(scr: AiterScratch, sb: ScopeBuffers, cache: torch.Tensor, layer: LayerInputs, geo, dialect,
-                    T: int, in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(kv_buffer [rows, 1, 1, 512], kv_scale [1] or None) for one scope call."""
-        fp8 = scr.key.kv_dtype != torch.bfloat16
-        if in_place:
-            num_rows = ((geo.num_blocks - 1) * geo.block_stride + geo.block_size * HEAD_DIM) // HEAD_DIM
-            rows = cache.as_strided((num_rows, 1, 1, HEAD_DIM), (HEAD_DIM, HEAD_DIM, HEAD_DIM, 1),
-                                    cache.storage_offset())
-            if fp8:
-                sb.kv_scale.fill_(layer.kv_scale)
-            return rows, (sb.kv_scale if fp8 else None)
-        n = T * sb.width
-        values = gather_rows(cache, layer.fmt, geo, sb.slots[:n], 1.0, dialect)  # only this step's rows
-        dst = scr.gather[:n]
-        if fp8:
-            quantize_pow2_(dst, values, sb.kv_scale)
+    def _stage_sink(scr: AiterScratch, sink: torch.Tensor | None, H: int) -> torch.Tensor:
+        """The sink as the kernels take it: padded heads -inf, +inf (output 0) as SINK_MAX."""
+        if sink is None:
+            scr.sink.fill_(-math.inf)
         else:
-            dst.copy_(values)
-        return dst.view(n, 1, 1, HEAD_DIM), (sb.kv_scale if fp8 else None)
+            torch.clamp(sink.float(), max=SINK_MAX, out=scr.sink[:H])
+        return scr.sink
 
+    @staticmethod
+    def _nm_dummy(api: AiterAPI, heads: int, device: torch.device) -> None:
+        """One token, one key: a multi-split call (stage 2 compiled) of the v4 nm kernel."""
+        fp8 = NATIVE_DIALECT[api.arch].torch_dtype
+        i32 = dict(dtype=torch.int32, device=device)
+        api.mla_decode_fwd_v4_nm(torch.zeros(1, heads, NM_ROW, dtype=fp8, device=device),
+                                 torch.zeros(1, heads, 64, dtype=torch.bfloat16, device=device),
+                                 torch.zeros(1, 1, 1, NM_ROW, dtype=fp8, device=device),
+                                 torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16, device=device),
+                                 torch.zeros(1, heads, HEAD_DIM, dtype=torch.bfloat16, device=device),
+                                 torch.arange(2, **i32), torch.arange(2, **i32), torch.zeros(1, **i32), 1,
+                                 sink=torch.full((heads,), -math.inf, device=device), num_kv_splits=2)
 
-def _remap_rows(block_size: int, span: int, rows: torch.Tensor) -> torch.Tensor:
-    """Global slots -> fixed-stride row numbers of a plain cache whose blocks are ``span`` rows
-    apart (``span > block_size`` when other layers' pages are interleaved); -1 stays -1."""
-    if span == block_size:
-        return rows
-    r = rows.long()
-    mapped = (r // block_size) * span + r % block_size
-    return torch.where(r >= 0, mapped, torch.full_like(mapped, -1)).to(torch.int32)
+    # ---- path 3: mla_decode_fwd, two scopes + LSE merge + sink ----------------------------------
+    def _decode_key(self, api: AiterAPI, plan: StepPlan, layer: LayerInputs, persistent_heads: int | None,
+                    T: int) -> ScratchKey:
+        widths = _scope_widths(plan.spec)
+        split = ScratchKey(path="mla_decode_fwd", device=plan.device, max_tokens=self.max_decode_tokens,
+                           heads=_split_heads(layer.q.shape[1]), widths=widths, q_dtype=torch.bfloat16,
+                           kv_dtype=torch.bfloat16, layout="ragged", row=ROW, max_splits=self.max_splits)
+        if persistent_heads is None or T >= self.persistent_max_batch:
+            return split
+        fp8 = NATIVE_DIALECT[api.arch].torch_dtype
+        # persistent mode only runs below persistent_max_batch: its work buffers (and the fp32
+        # partials AITER allocates per call from them) are sized for that, not max_decode_tokens
+        return replace(split, max_tokens=min(self.max_decode_tokens, self.persistent_max_batch - 1),
+                       heads=persistent_heads, q_dtype=fp8, kv_dtype=fp8, layout="fixed", persistent=True)
+
+    def _forward_decode(self, api: AiterAPI, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
+        T, H = plan.num_tokens, layer.q.shape[1]
+        # persistent mode is FP8/FP8: never for bf16 caches (their precision is why they are bf16)
+        fp8_ok = layer.fmt is not KVFormat.BF16 and self.persistent_max_batch > 1
+        persistent_heads = _persistent_heads(api, H)[0] if fp8_ok else None
+        key = self._decode_key(api, plan, layer, persistent_heads, T)
+        variants = [self._decode_key(api, plan, layer, persistent_heads, t) for t in (1, self.persistent_max_batch)]
+        self._warm(("mla_decode_fwd",) + tuple(sorted({(k.heads, k.persistent) for k in variants})),
+                   [functools.partial(self._decode_dummy, api, k) for k in dict.fromkeys(variants)])
+        scr = self._get_scratch(api, key)
+        q = scr.q[:T]
+        if key.persistent:
+            quantize_pow2_(q[:, :H, :HEAD_DIM], layer.q, scr.q_scale)
+        else:
+            q[:, :H, :HEAD_DIM].copy_(layer.q)
+        q[:, H:].zero_()
+        # split mode: >= 2 splits (the LSE comes from the stage-2 reduce), more for small batches
+        splits = self.max_splits if key.persistent else min(self.max_splits, max(2, math.ceil(512 / T)))
+        if not key.persistent:
+            torch.arange(0, (T + 1) * splits, splits, out=scr.splits_indptr[: T + 1])
+        results = []
+        for i, (name, rows, lens, cache, geo) in enumerate(self._scopes(plan, layer)):
+            dialect = layer.swa_dialect if name == "swa" else layer.comp_dialect
+            sb = self._indices(plan, scr, name, [(rows, lens, geo.num_slots)], layer.kind.uses_topk and name != "swa",
+                               api)
+            n = T * sb.width
+            values = gather_rows(cache, layer.fmt, geo, sb.slots[: T * rows.shape[1]], layer.kv_scale, dialect)
+            staged = torch.empty_like(values, dtype=key.kv_dtype)
+            if key.persistent:
+                quantize_pow2_(staged, values, sb.kv_scale)
+            else:
+                staged.copy_(values)
+            # by bytes: index_copy_ has no fp8 kernel on every device
+            scr.rows.view(torch.uint8 if key.persistent else key.kv_dtype)[:, :HEAD_DIM].index_copy_(
+                0, sb.pos[: T * rows.shape[1]], staged.view(torch.uint8) if key.persistent else staged)
+            o = scr.out[i][:T]
+            meta = dict(zip(("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
+                             "reduce_partial_map"), sb.meta)) if key.persistent else {}
+            _, lse = _call(api.mla_decode_fwd, q=q, kv_buffer=scr.rows[:n].view(n, 1, 1, ROW), o=o,
+                           qo_indptr=scr.qo_indptr[: T + 1], kv_indptr=sb.kv_indptr[: T + 1],
+                           kv_indices=sb.kv_indices[:n], kv_last_page_lens=scr.last_page[:T], max_seqlen_q=1,
+                           page_size=1, nhead_kv=1, sm_scale=layer.softmax_scale, num_kv_splits=splits,
+                           num_kv_splits_indptr=None if key.persistent else scr.splits_indptr[: T + 1],
+                           q_scale=scr.q_scale if key.persistent else None,
+                           kv_scale=sb.kv_scale if key.persistent else None, return_lse=True, **meta)
+            # a row with no key has no LSE, whatever the kernel wrote there (+inf, NaN or nothing)
+            lse_buf = scr.lse[i][:T]
+            lse_buf.copy_(torch.where(sb.counts[:T, None] > 0, lse, torch.full_like(lse, -math.inf)))
+            results.append((o, lse_buf))
+        merged, lse = results[0] if len(results) == 1 else merge_lse(*results[0], *results[1])
+        out.copy_(apply_sink(merged[:, :H], lse[:, :H], layer.sink))
+
+    def _decode_dummy(self, api: AiterAPI, key: ScratchKey) -> None:
+        """One token, one zero key: every kernel of a mode (stage 1, stage 2 or reduce, metadata)."""
+        dev, h = key.device, key.heads
+        i32 = dict(dtype=torch.int32, device=dev)
+        one, ar = torch.ones(1, dtype=torch.float32, device=dev), torch.arange(2, **i32)
+        meta = {}
+        if key.persistent:
+            shapes = _call(api.get_mla_metadata_info_v1, batch_size=1, max_seqlen_qo=1, num_head_qo=h,
+                           q_dtype=key.q_dtype, kv_dtype=key.kv_dtype, is_sparse=True, fast_mode=True,
+                           num_kv_splits=key.max_splits, max_split_per_batch=key.max_splits)
+            bufs = [torch.empty(s, dtype=d, device=dev) for s, d in shapes]
+            names = ("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
+                     "reduce_partial_map")
+            meta = dict(zip(names, bufs))
+            _call(api.get_mla_metadata_v1, seqlens_qo_indptr=ar, seqlens_kv_indptr=ar,
+                  kv_last_page_lens=torch.ones(1, **i32), num_heads_per_head_k=h, num_heads_k=1, is_causal=True,
+                  work_metadata_ptrs=bufs[0], work_info_set=bufs[2], work_indptr=bufs[1], reduce_indptr=bufs[3],
+                  reduce_final_map=bufs[4], reduce_partial_map=bufs[5], page_size=1, kv_granularity=16,
+                  max_seqlen_qo=1, uni_seqlen_qo=1, fast_mode=True, topk=1, max_split_per_batch=key.max_splits,
+                  dtype_q=key.q_dtype, dtype_kv=key.kv_dtype)
+        _call(api.mla_decode_fwd, q=torch.zeros(1, h, ROW, dtype=key.q_dtype, device=dev),
+              kv_buffer=torch.zeros(1, 1, 1, ROW, dtype=key.kv_dtype, device=dev),
+              o=torch.zeros(1, h, HEAD_DIM, dtype=torch.bfloat16, device=dev), qo_indptr=ar, kv_indptr=ar,
+              kv_indices=torch.zeros(1, **i32), kv_last_page_lens=torch.ones(1, **i32), max_seqlen_q=1, page_size=1,
+              nhead_kv=1, sm_scale=1.0, num_kv_splits=key.max_splits if key.persistent else 2,
+              num_kv_splits_indptr=None if key.persistent else torch.tensor([0, 2], **i32),
+              q_scale=one if key.persistent else None, kv_scale=one if key.persistent else None,
+              return_lse=True, **meta)

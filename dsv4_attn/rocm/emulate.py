@@ -1,64 +1,121 @@
-"""AITER EMULATOR — a torch stand-in for the AITER calls the `aiter` backend uses. NOT AITER.
+"""AITER EMULATOR — a torch model of the AITER kernels the `aiter` backend calls. NOT AITER.
 
 There is no AMD GPU here, so the `aiter` backend (``dsv4_attn/rocm/aiter.py``) is proven
-against this emulator: it implements the DOCUMENTED semantics of
+against this emulator. It models what the KERNELS do, not what the docs say, as read from AITER
+v0.1.20.post1 (= main ``e4048607``: same ``aiter/mla.py``, ``csrc/py_itfs_cu/asm_mla.cu`` and
+``hsa/*/mla/mla_asm.csv``) and its shipped code objects, disassembled (docs/rocm.md, "Evidence"):
 
-    aiter.mla.mla_decode_fwd              (0.1.7 wheel and newer keyword signatures)
-    aiter.get_mla_metadata_info_v1        (0.1.7 and newer)
-    aiter.get_mla_metadata_v1             (0.1.7 and newer positional orders)
-    aiter.ops.triton.attention.sparse_mla.sparse_mla_fwd   (newer only)
+* ``mla_decode_fwd`` code objects read 576-element rows: the per-head q stride is the constant
+  576 elements (0x240 bytes fp8, 0x480 bf16) and each KV row is 576 elements read from
+  ``index * stride(0)`` of ``kv_buffer`` (the launcher only checks ``q.shape[2] == kv.shape[3]``);
+  V is the row's first 512 elements. 512-wide q or rows are misread, silently.
+* Every index inside a key range is read; there is no -1 sentinel. KV rows are addressed with
+  64-bit products on the gfx950 objects rebuilt in AITER #4452 and with 24-bit row numbers and
+  32-bit byte offsets everywhere else (row ``index & 0xFFFFFF``, offset mod 2^32).
+* FP8 q (a8w8 objects): softmax probabilities are rounded to the arch's fp8 before P·V (AITER's
+  own reference does the same; the denominator keeps the unrounded sum).
+* The final LSE: split mode writes it in the Triton stage-2 reduce (natural log; ``-inf`` and NaN
+  output for rows with no key); a one-split FP8 call skips stage 2 and leaves it unwritten.
+  Persistent mode writes it only from code objects that load the LSE pointer: the gfx950 32-head
+  ``*_lse_ps`` object is byte-identical to the non-LSE one, so its LSE stays unwritten. Rows with
+  no key get ``+inf`` LSE and NaN output there. "Unwritten" memory reads as :data:`STALE`.
+* Split mode with FP8 operands: stage 1 runs ``min(S, ceil(L / block))`` splits of a row (block
+  128 keys at 16 heads, 32 at 128) while stage 2 reads ``min(S, ceil(L / mgc))`` (mgc 64 / 32):
+  an explicit ``num_kv_splits`` above AITER's fp8 cap makes stage 2 read unwritten partials.
+* Per call, persistent ``mla_decode_fwd`` allocates fp32 partials sized by the work buffers
+  (``reduce_partial_map.size(0) * heads * 513`` floats), recorded in ``call_bytes``.
+* Modules load on first use (asm code objects, Triton stage 2 per constexpr set, the reduce and
+  metadata kernels); loading one while a graph is being captured fails. ``simulate_capture``
+  makes CPU tests see a capture.
 
-in plain torch, on CPU and CUDA, with fixed-shape ops only (no host sync: a decode step that
-calls it can be captured in a CUDA graph), and it VALIDATES every argument the adapter passes
-(shapes, dtypes, strides, contiguity, sentinel layout, scale types, kernel availability per
-arch / head count / dtype, stale persistent work plans). A violation raises
-:class:`AiterContractError` naming the argument. Value checks that read device memory are
-skipped while a CUDA graph is being captured.
+``mla_decode_fwd_v4_nm`` (AITER >= 0.1.18, gfx950 code object only) follows AITER's own torch
+golden (``op_tests/test_mla_v4_nm.py``): packed FP8 rows (448 e4m3 NoPE, 14 e8m0 bytes: half-tile
+``j`` of 32 columns is scaled by byte ``448 + j``, so each tile's scale is written twice), bf16
+RoPE in separate tensors, softmax scale fixed at 1/sqrt(512), sink in the kernel (joining the
+first split), split-K partials merged by stage 2, no final LSE. ``sparse_mla_fwd`` (flavor
+"sparse") is the keyword set vLLM 0.33 calls; no AITER release has it (a side branch does,
+gfx950-only, without sink / extra scope).
 
-Sources of the semantics (see ../shared/spec/vendor-apis.md §3): amd-aiter 0.1.7.post2.dev18
-``aiter/mla.py``, ``aiter/ops/attention.py``, ``aiter_meta/csrc/kernels/mla/reduce.cu``;
-ROCm/aiter (2026) ``aiter/mla.py``, ``aiter/ops/attention.py``,
-``aiter/ops/triton/attention/sparse_mla.py``; vLLM PR #40892 ``rocm_aiter_dsv4_decode.py``.
-Modelled hazards (so that tests prove the adapter handles them):
-
-* rows with no key: ``mla_decode_fwd`` / ``sparse_mla_fwd`` write NaN output (and NaN LSE)
-  ("AITER can return NaN output/LSE for those rows", vLLM rocm_aiter_mla_sparse.py);
-* 0.1.7 ``mla_decode_fwd`` has no ``return_lse``; its ``final_lse`` is returned unwritten
-  (NaN here) in the split path and written only for split tiles in the persistent path;
-* gfx942 fp8 one-split decode writes no LSE (NaN here); gfx942 persistent kernels have no LSE
-  code object; gfx950 persistent LSE kernels exist for FP8/FP8 only;
-* persistent mode reads the key ranges from the work plan, so a plan not refilled for the
-  current ``kv_indptr`` is an error ("reads out-of-bounds if left with a stale work plan").
-
-Switch it on for the whole process with ``enable()`` (or ``DSV4_ATTN_AITER_EMULATOR=1``,
-``=gfx942``, ``=gfx950:0.1.7``); every result the backend then produces is labelled emulated.
+Flavors: "0.1.7" (the PyPI wheel: no ``return_lse``), "0.1.20" (the default: a real release),
+"sparse" ("0.1.20" plus ``sparse_mla_fwd``). Every call validates its arguments and raises
+:class:`AiterContractError` naming the one AITER would reject or misread; value checks that read
+device memory are skipped while a CUDA graph is being captured. Switch it on with ``enable()``
+or ``DSV4_ATTN_AITER_EMULATOR`` (``1``, ``gfx942``, ``gfx950:0.1.7``, ``gfx950:sparse``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 ARCHS = ("gfx942", "gfx950")
-FLAVORS = ("0.1.7", "new")
-# compute units: MI300X 304, MI355X 256
-_CU_NUM = {"gfx942": 304, "gfx950": 256}
-_VERSIONS = {"0.1.7": "0.1.7.post2.dev18", "new": "0.1.2x (ROCm/aiter main, 2026)"}
-# asm code objects under hsa/<arch>/mla/ (0.1.7 wheel listing; the lse_ps object is the one
-# vLLM PR #40892 used on gfx950; gfx942 ships no persistent LSE object).
+FLAVORS = ("0.1.7", "0.1.20", "sparse")
+AITER_COMMIT = "e4048607a535ace3a2b51ded31b1c8c2d45c0879"  # main of 2026-08-22 == v0.1.20.post1 for MLA
+_VERSIONS = {"0.1.7": "0.1.7.post2.dev18", "0.1.20": "0.1.20.post1",
+             "sparse": "0.1.20.post1 + sparse_mla_fwd (vLLM 0.33 keywords)"}
+_CU_NUM = {"gfx942": 304, "gfx950": 256}  # MI300X, MI355X
+ROW = 576  # elements per q head / KV row the mla_decode_fwd code objects read
+V_DIM = 512
+NM_ROW_BYTES = 512  # v4 nm packed row: 448 e4m3 NoPE, 14 e8m0 bytes, 50 pad
+NM_ROPE = 64
+DSV4_ROW_BYTES = 584
+STALE = 0.0  # what "unwritten" memory reads as here (AITER allocates it with torch.empty)
+_CHUNK_ELEMS = 1 << 22  # bounds the [keys, heads, 512] temporaries of one chunk
+
+
+@dataclass(frozen=True)
+class CodeObject:
+    """One shipped code object and what its disassembly shows."""
+
+    name: str
+    writes_lse: bool  # loads the final-LSE pointer (kernarg 0x130)
+    wide: bool  # 64-bit row addressing; else 24-bit rows and 32-bit byte offsets
+
+
+def _co(name: str, lse: bool = False, wide: bool = False) -> CodeObject:
+    return CodeObject(name + ".co", lse, wide)
+
+
+# What asm_mla.cu (v0.1.20) launches for one query token, by (persistent, q/kv fp8, heads, lse).
+# Persistent heads not listed here are folded into 16-head pseudo-batches by aiter/mla.py.
+_STAGE1 = {
+    "gfx950": {
+        (False, False, 16, False): _co("mla_dec_stage1_bf16_a16w16_subQ16_mqa16"),
+        (False, False, 128, False): _co("mla_dec_stage1_bf16_a16w16_subQ128_mqa128"),
+        (False, True, 16, False): _co("mla_a8w8_qh16_qseqlen1_gqaratio16", wide=True),
+        (False, True, 128, False): _co("mla_a8w8_qh128_m32x4_n16x2_msk1"),
+        (True, True, 16, True): _co("mla_a8w8_qh16_qseqlen1_gqaratio16_lse_ps", True, True),
+        (True, True, 32, True): _co("mla_a8w8_qh32_qseqlen1_gqaratio32_lse_ps"),  # no LSE store
+        (True, True, 64, True): _co("mla_a8w8_qh16_qseqlen4_gqaratio16_lse_v3_ps", True, True),
+        (True, True, 128, True): _co("mla_a8w8_qh32_qseqlen4_gqaratio32_lse_ps", True, True),
+        (True, True, 16, False): _co("mla_a8w8_qh16_qseqlen1_gqaratio16_ps", wide=True),
+        (True, True, 32, False): _co("mla_a8w8_qh32_qseqlen1_gqaratio32_ps"),
+        (True, True, 64, False): _co("mla_a8w8_qh16_qseqlen4_gqaratio16_v3_ps", wide=True),
+        (True, True, 128, False): _co("mla_a8w8_qh32_qseqlen4_gqaratio32_ps", wide=True),
+    },
+    "gfx942": {
+        (False, False, 16, False): _co("mla_dec_stage1_bf16_a16w16_subQ16_mqa16"),
+        (False, False, 128, False): _co("mla_dec_stage1_bf16_a16w16_subQ128_mqa128"),
+        (False, True, 16, False): _co("mla_a8w8_qh16_qseqlen1_gqaratio16"),
+        (False, True, 128, False): _co("mla_a8w8_qh128_m32x4_n16x2_msk1"),
+        (True, True, 64, True): _co("mla_a8w8_qh64_qseqlen1_gqaratio64_lse_v3_ps", True),
+        (True, True, 16, False): _co("mla_a8w8_qh16_qseqlen1_gqaratio16_ps"),
+        (True, True, 64, False): _co("mla_a8w8_qh64_qseqlen1_gqaratio64_v3_ps"),
+        (True, True, 128, False): _co("mla_a8w8_qh128_m32x4_n16x2_msk0_ps"),
+    },
+}
+_NATIVE_PERSISTENT = {"gfx950": (16, 32, 64, 128), "gfx942": (16, 64, 128)}
+V4_NM_OBJECT = "mla_a8w8_qh64_qseqlen1_gqaratio64_nm.co"  # hsa/gfx950/mla_v4 only
+_V4_NM_HEADS = (16, 32, 64, 128)
+# 0.1.7 wheel listing (aiter_meta/hsa/<arch>/mla): no LSE object
 _ASM_017 = ("mla_a16w16_qh16_m16x4_n16x1_coex0_mask1_ps.co", "mla_a16w8_qh16_m16x4_n16x1_coex0_mask1_ps.co",
             "mla_a8w8_qh128_m32x4_n16x2_msk1.co", "mla_a8w8_qh16_qseqlen1_gqaratio16.co",
             "mla_a8w8_qh16_qseqlen1_gqaratio16_ps.co", "mla_dec_stage1_bf16_a16w16_subQ128_mqa128.co",
             "mla_dec_stage1_bf16_a16w16_subQ16_mqa16.co")
-_ASM_LSE_PS = "mla_a8w8_qh16_qseqlen1_gqaratio16_lse_ps.co"
-# one-split heads of the non-persistent stage 1 (0.1.7 get_mgc; subQ16/subQ128, qh16/qh128 objects)
-SPLIT_HEADS = (16, 128)
-# gfx950 persistent FP8/FP8 native heads (newer aiter/mla.py "Natively support cases")
-PERSISTENT_HEADS = (16, 32, 64, 128)
-DSV4_ROW_BYTES = 584
-_CHUNK = 2048  # keys per chunk in the emulated attention (bounds temporaries)
+_FP8_BLOCK = {8: 64, 16: 128, 24: 128, 32: 128, 48: 64, 64: 64, 128: 32}  # get_meta_param's get_block_n_fp8
 
 
 class AiterContractError(ValueError):
@@ -101,65 +158,180 @@ def _check_scale(arg: str, s, device) -> None:
         _fail(arg, f"{_desc(s)} on {s.device}", f"float32 with one element on {device}")
 
 
-def _segment_attention(q: torch.Tensor, rows: Callable[[torch.Tensor], torch.Tensor], key_idx: torch.Tensor,
-                       key_batch: torch.Tensor, key_valid: torch.Tensor, scale: float,
-                       sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``q`` [B, H, D] (float32) over flat keys.
+def _mgc(heads: int, fp8: bool) -> int:
+    """Stage 2's keys per split (aiter/mla.py, one query token)."""
+    if heads == 128 and fp8:
+        return 32
+    return 64 if heads in (8, 16) else 16
 
-    Key i (of N) belongs to batch row ``key_batch[i]``, reads row ``rows(key_idx[i])`` and counts
-    iff ``key_valid[i]``. Fixed-shape chunked ops only (graph capturable). Returns
-    ``out`` float32 [B, H, Dv] (NaN for rows with no key, as AITER can return) and ``lse``
-    float32 [B, H] natural log WITHOUT the sink (NaN for rows with no key). With ``sink`` the
-    output is normalized by ``Σexp(s) + exp(sink)``.
-    """
-    B, H, _ = q.shape
-    N = key_idx.numel()
-    dev = q.device
-    m = torch.full((B, H), -math.inf, device=dev)
-    chunks = [(c0, min(N, c0 + _CHUNK)) for c0 in range(0, N, _CHUNK)]
+
+def meta_splits(bs: int, total_kv: int, heads: int, fp8: bool, cu_num: int, tg_factor: int = 1,
+                ignore_total_kv: bool = False) -> int:
+    """``aiter.mla.get_meta_param``'s split count for ``num_kv_splits=None`` (one query token)."""
+    occ = bs * tg_factor
+    avg = total_kv / max(bs, 1)
+    scores = [occ * i / (-(-occ * i // cu_num) * cu_num) * (1.0 if ignore_total_kv else avg / (avg + 84.1 * i))
+              for i in range(1, 17)]
+    splits = 1 + max(range(16), key=lambda i: scores[i])
+    if fp8 and not ignore_total_kv:
+        block = _FP8_BLOCK[heads]
+        splits = min(splits, -(-total_kv // (max(bs, 1) * block)))
+        if splits > 1:
+            splits = min(splits, int(abs(avg - 1) // block) + 1)
+    return max(splits, 1)
+
+
+def _storage_from(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s storage from its first element to the end, 1-D in t's dtype (what a kernel handed
+    ``t.data_ptr()`` can address)."""
+    n = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    return t.as_strided((n,), (1,), t.storage_offset())
+
+
+def _read_windows(flat: torch.Tensor, starts: torch.Tensor, width: int, what: str) -> torch.Tensor:
+    """Rows of ``width`` elements of ``flat`` starting at element offsets ``starts`` (int64 [N])."""
+    limit = flat.numel() - width
+    if not _capturing() and starts.numel():
+        lo, hi = int(starts.min()), int(starts.max())
+        if lo < 0 or hi > limit:
+            _fail(what, f"a read of elements [{hi}, {hi + width}) ({flat.element_size() * hi} bytes in)",
+                  f"reads inside the tensor's storage ({flat.numel()} elements): every index inside a "
+                  "key range is read (no -1 sentinel, no bounds check)")
+    return flat.unfold(0, width, 1)[starts.clamp(0, max(limit, 0))]
+
+
+def _row_starts(idx: torch.Tensor, row_bytes: int, elem: int, wide: bool) -> torch.Tensor:
+    """Element offsets of KV rows ``idx`` (int32 as the kernel reads them: unsigned)."""
+    r = idx.long() & 0xFFFFFFFF
+    if wide:
+        return r * row_bytes // elem
+    return ((r & 0xFFFFFF) * row_bytes & 0xFFFFFFFF) // elem
+
+
+def _attend(q: torch.Tensor, rows: Callable[[torch.Tensor], torch.Tensor], key_idx: torch.Tensor,
+            key_seg: torch.Tensor, key_ok: torch.Tensor, seg_row: torch.Tensor, scale: float,
+            p_dtype: torch.dtype | None = None, seg_sink: torch.Tensor | None = None):
+    """Softmax attention of queries ``q`` float32 [R, H, D] over flat keys, per segment.
+
+    Key i reads ``rows(key_idx[i])`` (float32 [n, >= 512]: scores over the first D elements, V =
+    the first 512) into segment ``key_seg[i]`` (int64, of S) and counts iff ``key_ok[i]``; segment
+    s attends with query row ``seg_row[s]``. ``p_dtype``: probabilities rounded to it before P·V
+    (denominator unrounded). ``seg_sink`` float32 [S, H] joins the running max, the denominator
+    and the LSE. Returns ``out`` float32 [S, H, 512] and ``lse`` float32 [S, H] (natural log;
+    both NaN where a segment has neither a key nor a finite sink) and ``has`` bool [S] (the
+    segment has a key). Eager calls pad each segment's keys into a batch (fast); under a graph
+    capture it runs with fixed shapes and no host sync, one chunk of keys at a time."""
+    S, H = seg_row.numel(), q.shape[1]
+    m = torch.full((S, H), -math.inf, device=q.device) if seg_sink is None else seg_sink.clone()  # running max
+    part = _attend_flat if _capturing() else _attend_padded
+    acc, denom, m, count = part(q[seg_row], rows, key_idx, key_seg, key_ok, scale, p_dtype, m)
+    m_ref = torch.where(m == -math.inf, torch.zeros_like(m), m)  # a +inf sink: inf - inf = NaN, as in a kernel
+    if seg_sink is not None:
+        denom = denom + torch.exp(seg_sink - m_ref)
+    mass = denom > 0  # keys, or a finite sink (then a keyless segment gives 0 and the sink's LSE)
+    lse = torch.where(mass, torch.log(denom) + m_ref, torch.full_like(denom, math.nan))
+    out = torch.where(mass[..., None], acc / denom[..., None], torch.full_like(acc, math.nan))
+    return out, lse, count > 0
+
+
+def _probabilities(s, m_ref, p_dtype):
+    """(p for the denominator, p for P·V: rounded to ``p_dtype`` when given)."""
+    p = torch.exp(s - m_ref)
+    return p, (p.to(p_dtype).float() if p_dtype is not None else p)
+
+
+def _attend_padded(qs, rows, key_idx, key_seg, key_ok, scale, p_dtype, m):
+    """:func:`_attend`'s sums with each segment's keys padded into one batch (host syncs)."""
+    S, H, D = qs.shape
+    kept = key_ok.nonzero().squeeze(1)
+    seg, order = torch.sort(key_seg[kept], stable=True)
+    idx = key_idx[kept][order]
+    count = torch.bincount(seg, minlength=S)
+    width = max(int(count.max()) if seg.numel() else 0, 1)
+    slot = torch.arange(seg.numel(), device=qs.device) - (torch.cumsum(count, 0) - count)[seg]
+    dense = torch.zeros(S, width, dtype=torch.long, device=qs.device)
+    used = torch.zeros(S, width, dtype=torch.bool, device=qs.device)
+    dense[seg, slot] = idx.long()
+    used[seg, slot] = True
+    acc, denom = torch.zeros(S, H, V_DIM, device=qs.device), torch.zeros(S, H, device=qs.device)
+    step = max(1, _CHUNK_ELEMS // (width * (ROW + H)))
+    for s0 in range(0, S, step):
+        d, u = dense[s0 : s0 + step], used[s0 : s0 + step]
+        k = rows(torch.where(u, d, torch.zeros_like(d)).reshape(-1)).view(d.shape[0], width, -1)
+        s = torch.einsum("shd,sld->shl", qs[s0 : s0 + step], k[..., :D]) * scale
+        s = s.masked_fill(~u[:, None, :], -math.inf)
+        m[s0 : s0 + step] = torch.maximum(m[s0 : s0 + step], s.amax(dim=2))
+        m_ref = m[s0 : s0 + step]
+        p, pv = _probabilities(s, torch.where(m_ref == -math.inf, torch.zeros_like(m_ref), m_ref)[..., None], p_dtype)
+        denom[s0 : s0 + step] = p.sum(dim=2)
+        acc[s0 : s0 + step] = torch.einsum("shl,sld->shd", pv, k[..., :V_DIM])
+    return acc, denom, m, count
+
+
+def _attend_flat(qs, rows, key_idx, key_seg, key_ok, scale, p_dtype, m):
+    """:func:`_attend`'s sums over chunks of the flat key list: fixed shapes, no host sync."""
+    S, H, D = qs.shape
+    N, step = key_idx.numel(), max(64, _CHUNK_ELEMS // (H * V_DIM))
+    chunks = [(c0, min(N, c0 + step)) for c0 in range(0, N, step)]
 
     def scores(c0, c1):
-        idx = torch.where(key_valid[c0:c1], key_idx[c0:c1], torch.zeros_like(key_idx[c0:c1]))
-        k = rows(idx)
-        s = torch.einsum("nhd,nd->nh", q[key_batch[c0:c1]], k[:, : q.shape[2]]) * scale
-        return k, s.masked_fill(~key_valid[c0:c1, None], -math.inf)
+        ok = key_ok[c0:c1]
+        k = rows(torch.where(ok, key_idx[c0:c1], torch.zeros_like(key_idx[c0:c1])))
+        s = torch.einsum("nhd,nd->nh", qs[key_seg[c0:c1]], k[:, :D]) * scale
+        return k, s.masked_fill(~ok[:, None], -math.inf)
 
     for c0, c1 in chunks:
-        _, s = scores(c0, c1)
-        m.scatter_reduce_(0, key_batch[c0:c1, None].expand(-1, H), s, reduce="amax")
-    m_ref = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    denom = torch.zeros(B, H, device=dev)
-    acc = None
+        m.scatter_reduce_(0, key_seg[c0:c1, None].expand(-1, H), scores(c0, c1)[1], reduce="amax")
+    m_ref = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    denom, acc = torch.zeros(S, H, device=qs.device), torch.zeros(S, H, V_DIM, device=qs.device)
+    count = torch.zeros(S, device=qs.device)
     for c0, c1 in chunks:
         k, s = scores(c0, c1)
-        p = torch.exp(s - m_ref[key_batch[c0:c1]])
-        denom.index_add_(0, key_batch[c0:c1], p)
-        contrib = p[:, :, None] * k[:, None, :]
-        if acc is None:
-            acc = torch.zeros(B, H, k.shape[1], device=dev)
-        acc.index_add_(0, key_batch[c0:c1], contrib)
-    if acc is None:
-        acc = torch.zeros(B, H, q.shape[2], device=dev)
-    keys = denom > 0
-    lse = torch.where(keys, torch.log(denom) + m_ref, torch.full_like(denom, math.nan))
-    full = denom + (torch.exp(sink[None, :].float() - m_ref) if sink is not None else 0.0)
-    out = torch.where(keys[..., None], acc / full[..., None], torch.full_like(acc, math.nan))
-    return out, lse
+        seg = key_seg[c0:c1]
+        p, pv = _probabilities(s, m_ref[seg], p_dtype)
+        denom.index_add_(0, seg, p)
+        count.index_add_(0, seg, key_ok[c0:c1].float())
+        acc.index_add_(0, seg, pv[:, :, None] * k[:, None, :V_DIM])
+    return acc, denom, m, count
+
+
+def _ranges(indptr: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row of each flat position, position inside its row) for a CSR ``indptr`` over ``n`` entries."""
+    pos = torch.arange(n, device=indptr.device)
+    B = indptr.numel() - 1
+    row = (torch.searchsorted(indptr.long(), pos, right=True) - 1).clamp(0, max(B - 1, 0))
+    return row, pos - indptr.long()[row]
+
+
+def stage2_merge(part_out: torch.Tensor, part_lse: torch.Tensor, count: torch.Tensor):
+    """AITER's Triton stage 2 (``_fwd_kernel_stage2_asm``): merge the first ``count[b]`` of
+    ``part_out`` [B, S, H, 512] / ``part_lse`` [B, S, H] (natural log). A NaN partial poisons its
+    row; ``count`` 0 gives NaN output and -inf LSE. Returns (out [B, H, 512], lse [B, H])."""
+    S = part_out.shape[1]
+    use = (torch.arange(S, device=part_out.device)[None, :] < count[:, None])[:, :, None]
+    lse = torch.where(use, part_lse, torch.full_like(part_lse, -math.inf))
+    top = lse.amax(dim=1, keepdim=True)
+    top = torch.where(torch.isfinite(top) | torch.isnan(top), top, torch.zeros_like(top))
+    w = torch.where(use, torch.exp(lse - top), torch.zeros_like(lse))
+    total = w.sum(dim=1)
+    acc = torch.where(use[..., None], w[..., None] * part_out, torch.zeros_like(part_out)).sum(dim=1)
+    return acc / total[..., None], top[:, 0] + torch.log(total)
 
 
 class AiterEmulator:
     """One emulated AITER installation: ``arch`` gfx942 (FNUZ fp8) or gfx950 (OCP fp8) and
-    ``flavor`` "0.1.7" (the PyPI wheel) or "new" (ROCm/aiter main, 2026).
+    ``flavor`` (see the module docstring).
 
     Attributes mirror what the adapter's ``load_aiter()`` seam exposes: ``version``, ``arch``,
     ``mla_decode_fwd``, ``get_mla_metadata_info_v1``, ``get_mla_metadata_v1``,
-    ``sparse_mla_fwd`` (None in 0.1.7), ``asm_objects`` (code object names for the arch).
-    ``calls`` logs ``(function, mode)`` of every call for tests.
+    ``mla_decode_fwd_v4_nm`` and ``sparse_mla_fwd`` (None where the flavor lacks them),
+    ``asm_objects``. ``calls`` logs ``(function, detail)`` of every call, ``call_bytes`` the fp32
+    partials each persistent call allocates, ``loaded`` the modules loaded so far.
     """
 
     emulated = True
 
-    def __init__(self, arch: str = "gfx950", flavor: str = "new") -> None:
+    def __init__(self, arch: str = "gfx950", flavor: str = "0.1.20") -> None:
         if arch not in ARCHS:
             raise ValueError(f"arch: got {arch!r}; allowed: {ARCHS}")
         if flavor not in FLAVORS:
@@ -169,24 +341,32 @@ class AiterEmulator:
         self.cu_num = _CU_NUM[arch]
         self.fp8 = torch.float8_e4m3fnuz if arch == "gfx942" else torch.float8_e4m3fn
         self.calls: list[tuple[str, str]] = []
+        self.call_bytes: list[int] = []
+        self.loaded: set[str] = set()
+        self.simulate_capture = False
         self._plans: dict[int, dict] = {}  # work_info_set data_ptr -> static facts of its plan
-        names = set(_ASM_017)
-        if flavor == "new" and arch == "gfx950":
-            names.add(_ASM_LSE_PS)
+        legacy = flavor == "0.1.7"
+        names = set(_ASM_017) if legacy else {o.name for o in _STAGE1[arch].values()}
+        if not legacy and arch == "gfx950":
+            names.add(V4_NM_OBJECT)
         self.asm_objects = frozenset(names)
-        if flavor == "0.1.7":
-            self.mla_decode_fwd = self._mla_decode_fwd_017
-            self.get_mla_metadata_info_v1 = self._info_017
-            self.get_mla_metadata_v1 = self._metadata_017
-            self.sparse_mla_fwd = None
-        else:
-            self.mla_decode_fwd = self._mla_decode_fwd_new
-            self.get_mla_metadata_info_v1 = self._info_new
-            self.get_mla_metadata_v1 = self._metadata_new
-            self.sparse_mla_fwd = self._sparse_mla_fwd
+        self.mla_decode_fwd = self._mla_decode_fwd_017 if legacy else self._mla_decode_fwd_new
+        self.get_mla_metadata_info_v1 = self._info_017 if legacy else self._info_new
+        self.get_mla_metadata_v1 = self._metadata_017 if legacy else self._metadata_new
+        self.mla_decode_fwd_v4_nm = None if legacy else self._mla_decode_fwd_v4_nm
+        self.sparse_mla_fwd = self._sparse_mla_fwd if flavor == "sparse" else None
 
     def __repr__(self) -> str:
         return f"AiterEmulator(arch={self.arch!r}, flavor={self.flavor!r})"
+
+    # ---- module loading ---------------------------------------------------------------------
+    def _load(self, module: str) -> None:
+        if module in self.loaded:
+            return
+        if self.simulate_capture or _capturing():
+            _fail("graph capture", f"a first use of {module} while capturing (AITER loads modules and "
+                  "compiles Triton kernels on first use)", "every kernel variant run once before capture")
+        self.loaded.add(module)
 
     # ---- exact public signatures (bound methods; inspect.signature drops self) -------------
     def _mla_decode_fwd_017(self, q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
@@ -194,7 +374,7 @@ class AiterEmulator:
                             num_kv_splits_indptr=None, work_meta_data=None, work_indptr=None, work_info_set=None,
                             reduce_indptr=None, reduce_final_map=None, reduce_partial_map=None, q_scale=None,
                             kv_scale=None):
-        return self._decode(locals(), page_size=1, nhead_kv=1, return_lse=False, legacy=True)
+        return self._decode(locals(), page_size=1, nhead_kv=1, return_lse=False)
 
     def _mla_decode_fwd_new(self, q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
                             max_seqlen_q, page_size=1, nhead_kv=1, sm_scale=None, logit_cap=0.0,
@@ -206,12 +386,12 @@ class AiterEmulator:
         if intra_batch_mode or return_logits or g_kv_indptr is not None or cp_world_size != 1:
             _fail("intra_batch_mode/return_logits/g_kv_indptr/cp_world_size", "non-default values",
                   "defaults (not emulated; the adapter never uses them)")
-        return self._decode(locals(), page_size=page_size, nhead_kv=nhead_kv, return_lse=return_lse, legacy=False)
+        return self._decode(locals(), page_size=page_size, nhead_kv=nhead_kv, return_lse=return_lse)
 
     def _info_017(self, batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype, is_sparse, fast_mode=True):
         if num_head_qo % 16:
             _fail("num_head_qo", num_head_qo, "a multiple of 16 (0.1.7)")
-        return self._info(batch_size, max_seqlen_qo, num_head_qo, is_sparse, fast_mode, self.cu_num, -1)
+        return self._info(batch_size, max_seqlen_qo, num_head_qo, q_dtype, is_sparse, fast_mode, -1)
 
     def _info_new(self, batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype, is_sparse, fast_mode=True,
                   num_kv_splits=32, intra_batch_mode=False, max_split_per_batch=-1):
@@ -219,7 +399,7 @@ class AiterEmulator:
             _fail("num_head_qo", num_head_qo, "a multiple of 8")
         if intra_batch_mode:
             _fail("intra_batch_mode", True, "False (not emulated)")
-        return self._info(batch_size, max_seqlen_qo, num_head_qo, is_sparse, fast_mode, self.cu_num,
+        return self._info(batch_size, max_seqlen_qo, num_head_qo, q_dtype, is_sparse, fast_mode,
                           max_split_per_batch)
 
     def _metadata_017(self, seqlens_qo_indptr, seqlens_kv_indptr, num_heads_per_head_k, num_heads_k, is_causal,
@@ -240,6 +420,12 @@ class AiterEmulator:
                        work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map,
                        reduce_partial_map, page_size, topk)
 
+    def _mla_decode_fwd_v4_nm(self, q, qrope, kv_buffer, kvrope, output, qo_indptr, kv_indptr, kv_page_indices,
+                              max_seqlen_q, *, sink, split_indptr=None, sm_scale=None, out_16_nosplit=0,
+                              num_kv_splits=None, logits=None, attn_lse=None, kv_last_page_lens=None):
+        return self._v4_nm(q, qrope, kv_buffer, kvrope, output, qo_indptr, kv_indptr, kv_page_indices,
+                           max_seqlen_q, sink, split_indptr, num_kv_splits, logits, attn_lse)
+
     def _sparse_mla_fwd(self, q, kv_buffer, kv_indptr, kv_indices, softmax_scale, *, kv_scale=None,
                         kv_lora_rank=512, qk_rope_head_dim=64, kv_splits=None, skip_reduce=False, has_invalid=False,
                         dot_precision="bf16", q_scale=None, out=None, return_lse=False, attn_sink=None,
@@ -251,18 +437,23 @@ class AiterEmulator:
                             inv_rope_positions is not None or out_mxfp8 is not None)
 
     # ---- persistent metadata --------------------------------------------------------------
-    @staticmethod
-    def _info(batch_size, max_seqlen_qo, num_head_qo, is_sparse, fast_mode, cu_num, max_split_per_batch):
-        """Buffer shapes as aiter/ops/attention.py computes them (one 16-head qo tile per batch row
-        for max_seqlen_qo * heads <= 128, which covers single-token decode)."""
-        tiles = max(1, math.ceil(max_seqlen_qo * num_head_qo / 128))
+    def _info(self, batch_size, max_seqlen_qo, num_head_qo, q_dtype, is_sparse, fast_mode, max_split_per_batch):
+        """Buffer shapes as aiter/ops/attention.py (v0.1.20) computes them for one query token:
+        FP8 16/64/128 heads take one 128-row tile per token, other counts ceil(heads / 16)."""
+        max_splits = self.cu_num
+        packed = num_head_qo * (1 if is_sparse else max_seqlen_qo)
+        one_tile = q_dtype == self.fp8 and num_head_qo in (16, 64, 128)
+        tiles = -(-packed // 128) if one_tile else -(-packed // 16)
         batch = batch_size * max_seqlen_qo if is_sparse else batch_size
         tile_cnt = batch * tiles
-        max_work = tile_cnt + cu_num - 1 if fast_mode else tile_cnt * cu_num
-        max_split_tiles = (min(batch + cu_num - 1, (cu_num - 1) * 2) * tiles if fast_mode else tile_cnt * cu_num)
+        if fast_mode:
+            max_work = (batch + max_splits - 1) * tiles
+            max_split_tiles = min(batch + max_splits - 1, (max_splits - 1) * 2) * tiles
+        else:
+            max_work = max_split_tiles = tile_cnt * max_splits
         if max_split_per_batch > 0:
-            max_split_tiles = max(max_split_tiles, tile_cnt + min(cu_num, max_split_per_batch * batch))
-        return ((2, torch.uint64), (cu_num + 1, torch.int32), ((max_work, 8), torch.int32),
+            max_split_tiles = max(max_split_tiles, tile_cnt + min(max_splits, max_split_per_batch * batch))
+        return ((2, torch.uint64), (max_splits + 1, torch.int32), ((max_work, 8), torch.int32),
                 (tile_cnt + 1, torch.int32), ((tile_cnt, 2), torch.int32), (max_split_tiles, torch.int32))
 
     def _metadata(self, qo_indptr, kv_indptr, last_page, heads_per_k, heads_k, ptrs, work_indptr, work_info,
@@ -271,8 +462,9 @@ class AiterEmulator:
 
         The emulated plan has one work item per batch row and no split: work_info row b =
         [b, -1, q_start, q_end, kv_start, kv_end, 0, 0]; every reduce range is empty. The real
-        planner splits long rows across CUs, which changes speed, not results.
+        planner splits long rows across CUs, which changes speed and the fp8 rounding of P.
         """
+        self._load("get_mla_metadata_v1")
         dev = qo_indptr.device
         _check_tensor("seqlens_qo_indptr", qo_indptr, torch.int32, 1, contiguous=True)
         _check_tensor("seqlens_kv_indptr", kv_indptr, torch.int32, 1, dev, contiguous=True)
@@ -323,17 +515,20 @@ class AiterEmulator:
         self.calls.append(("get_mla_metadata_v1", f"topk={topk}"))
 
     # ---- mla_decode_fwd -------------------------------------------------------------------
-    def _decode_heads_ok(self, nhead: int, q_dtype, kv_dtype, persistent: bool, legacy: bool) -> bool:
-        if not persistent:
-            return nhead in SPLIT_HEADS
-        fp8 = q_dtype == self.fp8 and kv_dtype == self.fp8
-        if nhead == 16 or (nhead == 128 and kv_dtype == self.fp8):
-            return True
-        if not legacy and self.arch == "gfx950" and fp8 and nhead in PERSISTENT_HEADS:
-            return True
-        return nhead in range(32, 513 if legacy else 129, 16)  # folded into 16-head pseudo-batches
+    def stage1_object(self, heads: int, fp8: bool, persistent: bool, lse: bool) -> CodeObject:
+        """The code object asm_mla.cu launches (aiter/mla.py folds other persistent head counts of
+        32..128 into 16-head pseudo-batches); AiterContractError where it finds none."""
+        if persistent and heads not in _NATIVE_PERSISTENT[self.arch] and heads in range(32, 129, 16):
+            heads = 16
+        obj = _STAGE1[self.arch].get((persistent, fp8, heads, lse and persistent))
+        if obj is None:
+            _fail("q", f"{heads} heads, {'fp8' if fp8 else 'bf16'} q/kv, {'persistent' if persistent else 'split'}"
+                  f"{', LSE' if lse and persistent else ''} on {self.arch}",
+                  "a shipped code object (asm_mla.cu: 'cannot get heuristic kernel'); modelled: split 16/128 "
+                  f"heads bf16 or fp8, persistent fp8 {sorted({k[2] for k in _STAGE1[self.arch] if k[0]})}")
+        return obj
 
-    def _decode(self, a: dict, page_size: int, nhead_kv: int, return_lse: bool, legacy: bool):
+    def _decode(self, a: dict, page_size: int, nhead_kv: int, return_lse: bool):
         q, kv, o = a["q"], a["kv_buffer"], a["o"]
         _check_tensor("q", q, (torch.bfloat16, self.fp8), 3, contiguous=True)
         dev = q.device
@@ -341,11 +536,13 @@ class AiterEmulator:
         _check_tensor("kv_buffer", kv, (torch.bfloat16, self.fp8), 4, dev)
         if kv.shape[1] != page_size or page_size != 1 or kv.shape[2] != nhead_kv or nhead_kv != 1:
             _fail("kv_buffer", _desc(kv), "[num_page, page_size=1, nhead_kv=1, D] (page size 1, one KV head)")
-        if kv.shape[3] != D or kv.stride(3) != 1 or kv.stride(0) != D:
-            _fail("kv_buffer", _desc(kv), f"fixed-stride rows of D={D} elements (stride(0) == D, last dim contiguous)")
+        if kv.shape[3] != D:
+            _fail("kv_buffer", _desc(kv), f"head_size == q.shape[2] = {D} (asm_mla.cu AITER_CHECK)")
+        if kv.stride(3) != 1:
+            _fail("kv_buffer", _desc(kv), "rows contiguous in the last dim")
         _check_tensor("o", o, torch.bfloat16, 3, dev, contiguous=True)
-        if o.shape[0] != T or o.shape[1] != H or o.shape[2] > D:
-            _fail("o", _desc(o), f"[{T}, {H}, <= {D}]")
+        if tuple(o.shape) != (T, H, V_DIM):
+            _fail("o", _desc(o), f"[{T}, {H}, {V_DIM}] (the code objects write 512-wide V)")
         qo_indptr, kv_indptr, kv_indices, last = (a["qo_indptr"], a["kv_indptr"], a["kv_indices"],
                                                   a["kv_last_page_lens"])
         for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
@@ -359,87 +556,101 @@ class AiterEmulator:
                   "1 query token per batch row (the adapter flattens tokens; MTP tokens are separate rows)")
         if a["logit_cap"] > 0:
             _fail("logit_cap", a["logit_cap"], "<= 0")
-        if q.dtype == self.fp8:
+        fp8 = q.dtype == self.fp8
+        if fp8 != (kv.dtype == self.fp8):
+            _fail("q/kv_buffer dtypes", f"{q.dtype} / {kv.dtype}", "both bf16 or both the arch's fp8 (a16w8 is "
+                  "not modelled)")
+        if fp8:
             _check_scale("q_scale", a["q_scale"], dev)
-        if kv.dtype == self.fp8:
             _check_scale("kv_scale", a["kv_scale"], dev)
-        if q.dtype != kv.dtype and not (q.dtype == torch.bfloat16 and H == 16):
-            _fail("q/kv_buffer dtypes", f"{q.dtype} / {kv.dtype}", "equal dtypes (a16w8 exists for 16 heads only)")
         meta_names = ("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
                       "reduce_partial_map")
         meta = [a[n] for n in meta_names]
         persistent = a["work_meta_data"] is not None
         if persistent and any(m is None for m in meta):
             _fail("work_* / reduce_*", "some of the six persistent buffers missing", "all six together")
-        if not self._decode_heads_ok(H, q.dtype, kv.dtype, persistent, legacy):
-            _fail("q", f"{H} heads with q {q.dtype}, kv {kv.dtype} on {self.arch} "
-                  f"({'persistent' if persistent else 'non-persistent'})",
-                  f"non-persistent heads {SPLIT_HEADS}; persistent 16, 128 (fp8 kv) or folded 32..128 step 16"
-                  + ("; gfx950 FP8/FP8 native 32/64" if not legacy else ""))
+        if persistent and not fp8:
+            _fail("q", f"bf16 q/kv in persistent mode on {self.arch}", "FP8/FP8 (bf16 persistent is not modelled)")
+        obj = self.stage1_object(H, fp8, persistent, return_lse)
+        self._load(obj.name)
         if not _capturing():
-            self._check_values(qo_indptr, kv_indptr, kv_indices, last, kv.shape[0], persistent)
+            self._check_values(qo_indptr, kv_indptr, last)
+        qf = self._q_rows(q, a["q_scale"] if fp8 else None)
+        kv_flat = _storage_from(kv)
+        row_bytes, elem = kv.stride(0) * kv.element_size(), kv.element_size()
+        kscale = a["kv_scale"].float() if fp8 else None
+
+        def rows(idx):
+            k = _read_windows(kv_flat, _row_starts(idx, row_bytes, elem, obj.wide), ROW, "kv_indices/kv_buffer")
+            return k.float() * kscale if kscale is not None else k.float()
+
+        scale = self._sm_scale(a, D)
+        p_dtype = self.fp8 if fp8 else None
         if persistent:
-            return self._decode_persistent(a, q, kv, o, meta, return_lse, legacy)
-        return self._decode_split(a, q, kv, o, return_lse, legacy)
+            out, lse, mode = self._decode_persistent(a, qf, rows, meta, obj, scale, p_dtype)
+        else:
+            out, lse, mode = self._decode_split(a, qf, rows, fp8, scale, p_dtype, return_lse)
+        self.calls.append(("mla_decode_fwd", f"{mode} {obj.name}"))
+        o.copy_(out)
+        if self.flavor == "0.1.7" or not return_lse:
+            lse = torch.full_like(lse, STALE)  # final_lse: torch.empty, never written
+        return o, lse
 
     @staticmethod
-    def _check_values(qo_indptr, kv_indptr, kv_indices, last, num_rows, persistent) -> None:
+    def _check_values(qo_indptr, kv_indptr, last) -> None:
         B = qo_indptr.numel() - 1
         if not torch.equal(qo_indptr.cpu(), torch.arange(B + 1, dtype=torch.int32)):
             _fail("qo_indptr", qo_indptr.tolist()[:8], "arange(B + 1) (one query token per batch row)")
         if not bool((last == 1).all()):
             _fail("kv_last_page_lens", last.tolist()[:8], "all 1 (page size 1)")
-        lens = kv_indptr[1:] - kv_indptr[:-1]
-        if int(kv_indptr[0]) != 0 or bool((lens < 0).any()):
+        if int(kv_indptr[0]) != 0 or bool(((kv_indptr[1:] - kv_indptr[:-1]) < 0).any()):
             _fail("kv_indptr", kv_indptr.tolist()[:8], "0 then non-decreasing")
-        if not persistent:
-            n = int(kv_indptr[-1])
-            if n > kv_indices.numel():
-                _fail("kv_indptr", f"last value {n} > kv_indices size {kv_indices.numel()}", "<= kv_indices.numel()")
-            used = kv_indices[:n]
-            if n and (int(used.min()) < 0 or int(used.max()) >= num_rows):
-                _fail("kv_indices", f"values in [{int(used.min())}, {int(used.max())}] inside kv_indptr ranges",
-                      f"0..{num_rows - 1}: the non-persistent kernel has no -1 sentinel (ragged CSR)")
-        elif kv_indices.numel() and (int(kv_indices.min()) < -1 or int(kv_indices.max()) >= num_rows):
-            _fail("kv_indices", f"values in [{int(kv_indices.min())}, {int(kv_indices.max())}]",
-                  f"-1 (sentinel) or 0..{num_rows - 1}")
 
-    def _kv_rows(self, kv: torch.Tensor, kv_scale) -> Callable[[torch.Tensor], torch.Tensor]:
-        flat = kv.reshape(kv.shape[0], kv.shape[3])
-        scale = kv_scale.float() if kv.dtype == self.fp8 else None
-        return lambda idx: flat[idx.long()].float() * scale if scale is not None else flat[idx.long()].float()
+    def _q_rows(self, q: torch.Tensor, q_scale) -> torch.Tensor:
+        """float32 [T, H, 576]: head h of token t read from ``t * stride(0) + h * 576``."""
+        T, H, _ = q.shape
+        starts = (torch.arange(T, device=q.device)[:, None] * q.stride(0)
+                  + torch.arange(H, device=q.device)[None, :] * ROW).reshape(-1)
+        rows = _read_windows(_storage_from(q), starts, ROW, "q").float().view(T, H, ROW)
+        return rows * q_scale.float() if q_scale is not None else rows
 
-    def _q_float(self, q, q_scale) -> torch.Tensor:
-        return q.float() * q_scale.float() if q.dtype == self.fp8 else q.float()
-
-    def _decode_split(self, a, q, kv, o, return_lse, legacy):
-        """Non-persistent: batch b reads kv_indices[kv_indptr[b]:kv_indptr[b+1]] (ragged CSR)."""
-        B, dev = q.shape[0], q.device
-        splits, splits_indptr = a["num_kv_splits"], a["num_kv_splits_indptr"]
-        if splits is not None:
-            if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
-                _fail("num_kv_splits", repr(splits), "an int >= 1 or None")
-            if splits_indptr is not None:
-                _check_tensor("num_kv_splits_indptr", splits_indptr, torch.int32, 1, dev, contiguous=True)
-                if splits_indptr.numel() != B + 1:
-                    _fail("num_kv_splits_indptr", _desc(splits_indptr), f"[{B + 1}]")
+    def _decode_split(self, a, qf, rows, fp8, scale, p_dtype, return_lse):
+        """Stage 1 over S splits of each row's ragged CSR range, then stage 2 (see module docstring)."""
+        B, H, dev = qf.shape[0], qf.shape[1], qf.device
+        S, splits_indptr = a["num_kv_splits"], a["num_kv_splits_indptr"]
         kv_indptr, kv_indices = a["kv_indptr"], a["kv_indices"]
-        pos = torch.arange(kv_indices.numel(), device=dev)
-        key_batch = (torch.searchsorted(kv_indptr.long(), pos, right=True) - 1).clamp(0, max(B - 1, 0))
-        valid = pos < kv_indptr[-1].long()
-        out, lse = _segment_attention(self._q_float(q, a["q_scale"]), self._kv_rows(kv, a["kv_scale"]),
-                                      kv_indices, key_batch, valid, self._sm_scale(a, q), None)
-        o.copy_(out[..., : o.shape[2]])
-        self.calls.append(("mla_decode_fwd", f"split{splits}"))
-        one_split_no_lse = splits == 1 and q.dtype == self.fp8 and self.arch == "gfx942"
-        if legacy or not return_lse or one_split_no_lse:
-            return o, torch.full_like(lse, math.nan)  # final_lse never written (0.1.7 / gfx942 one-split fp8)
-        return o, lse
+        if S is None:
+            S = meta_splits(B, kv_indices.numel(), H, fp8, self.cu_num)
+        elif isinstance(S, bool) or not isinstance(S, int) or S < 1:
+            _fail("num_kv_splits", repr(S), "an int >= 1 or None")
+        if splits_indptr is not None:
+            _check_tensor("num_kv_splits_indptr", splits_indptr, torch.int32, 1, dev, contiguous=True)
+            if not _capturing() and not torch.equal(splits_indptr.cpu(), torch.arange(B + 1, dtype=torch.int32) * S):
+                _fail("num_kv_splits_indptr", splits_indptr.tolist()[:8], f"arange(B + 1) * {S} (uniform splits)")
+        mgc = _mgc(H, fp8)
+        self._load(f"stage2(mgc={mgc}, lse={return_lse})")
+        lens = (kv_indptr[1:] - kv_indptr[:-1]).long()
+        block = _FP8_BLOCK[H] if fp8 else mgc
+        written = torch.minimum(torch.full_like(lens, S), -(-lens // block))
+        chunk = -(-lens // written.clamp(min=1))
+        n = kv_indices.numel()
+        row, j = _ranges(kv_indptr, n)
+        valid = torch.arange(n, device=dev) < kv_indptr[-1].long()
+        seg = row * S + (j // chunk[row].clamp(min=1)).clamp(max=S - 1)
+        out, lse, _ = _attend(qf, rows, kv_indices, seg, valid, torch.arange(B, device=dev).repeat_interleave(S),
+                              scale, p_dtype)
+        if S == 1 and fp8:  # one pass: the kernel writes o directly; stage 2 (and the final LSE) skipped
+            return out, torch.full((B, H), STALE, device=dev), "split1"
+        part_out, part_lse = out.view(B, S, H, V_DIM), lse.view(B, S, H)
+        unwritten = (torch.arange(S, device=dev)[None, :] >= written[:, None])[:, :, None]
+        part_lse = torch.where(unwritten, torch.full_like(part_lse, math.nan), part_lse)
+        merged, final = stage2_merge(part_out, part_lse, torch.minimum(torch.full_like(lens, S), -(-lens // mgc)))
+        return merged, final, f"split{S}"
 
-    def _decode_persistent(self, a, q, kv, o, meta, return_lse, legacy):
-        """Persistent: key ranges come from the work plan; with ``topk`` (sparse plan) batch b reads
-        the fixed-stride row kv_indices[b*topk : b*topk + len_b], skipping -1 sentinels."""
-        B, H, dev = q.shape[0], q.shape[1], q.device
+    def _decode_persistent(self, a, qf, rows, meta, obj, scale, p_dtype):
+        """Key ranges come from the work plan; with ``topk`` (sparse plan) batch row b reads the
+        fixed-stride row ``kv_indices[b*topk : b*topk + min(len_b, topk)]``, every entry."""
+        B, H, dev = qf.shape[0], qf.shape[1], qf.device
         work_info = meta[2]
         plan = self._plans.get(work_info.data_ptr())
         if plan is None:
@@ -447,48 +658,132 @@ class AiterEmulator:
         if plan["heads"] != H or plan["batch"] != B:
             _fail("work_info_set", f"a plan for {plan['batch']} rows x {plan['heads']} heads",
                   f"a plan for this call's {B} rows x {H} heads")
-        if return_lse and not (self.arch == "gfx950" and q.dtype == self.fp8 and kv.dtype == self.fp8):
-            _fail("return_lse", f"True with q {q.dtype}, kv {kv.dtype} on {self.arch} (persistent)",
-                  "persistent LSE kernels exist for FP8/FP8 on gfx950 only")
         kv_indptr, kv_indices = a["kv_indptr"], a["kv_indices"]
         starts, ends = work_info[:B, 4].long(), work_info[:B, 5].long()
         if not _capturing() and not (torch.equal(starts, kv_indptr[:-1].long()) and
                                      torch.equal(ends, kv_indptr[1:].long())):
             _fail("work_info_set", "a stale work plan (filled for other kv_indptr values)",
                   "get_mla_metadata_v1 re-run after every kv_indptr update (stale plans read out of bounds)")
+        self._load("mla_reduce_v1")
         topk = plan["topk"]
         if topk > 0:
             if kv_indices.numel() < B * topk:
                 _fail("kv_indices", _desc(kv_indices), f">= B * topk = {B * topk} entries (fixed stride)")
-            lens = (ends - starts).clamp(min=0)
-            if not _capturing() and bool((lens > topk).any()):
-                _fail("kv_indptr", "a row longer than topk", f"rows of <= topk = {topk} keys")
             col = torch.arange(topk, device=dev)
-            idx = kv_indices[: B * topk].view(B, topk)
-            valid = (col[None, :] < lens[:, None]) & (idx >= 0)
-            key_batch = torch.arange(B, device=dev).repeat_interleave(topk)
-            keys, valid = idx.reshape(-1), valid.reshape(-1)
-        else:  # dense persistent plan: ragged ranges from the plan, no sentinels
-            pos = torch.arange(kv_indices.numel(), device=dev)
-            key_batch = (torch.searchsorted(kv_indptr.long(), pos, right=True) - 1).clamp(0, max(B - 1, 0))
-            valid = (pos >= starts[key_batch]) & (pos < ends[key_batch])
+            lens = (ends - starts).clamp(0, topk)
+            keys = kv_indices[: B * topk]
+            valid = (col[None, :] < lens[:, None]).reshape(-1)
+            seg = torch.arange(B, device=dev).repeat_interleave(topk)
+        else:  # dense persistent plan: ragged ranges from the plan
             keys = kv_indices
-        out, lse = _segment_attention(self._q_float(q, a["q_scale"]), self._kv_rows(kv, a["kv_scale"]), keys,
-                                      key_batch, valid, self._sm_scale(a, q), None)
-        o.copy_(out[..., : o.shape[2]])
-        self.calls.append(("mla_decode_fwd", f"persistent topk={topk}"))
-        if legacy or not return_lse:
-            return o, torch.full_like(lse, math.nan)  # 0.1.7: final_lse written for split tiles only
-        return o, lse
+            seg, j = _ranges(kv_indptr, kv_indices.numel())
+            valid = j < (ends - starts)[seg]
+        out, lse, has = _attend(qf, rows, keys, seg, valid, torch.arange(B, device=dev), scale, p_dtype)
+        self.call_bytes.append(meta[5].numel() * H * (V_DIM + 1) * 4)
+        mode = f"persistent topk={topk}"
+        if not obj.writes_lse:
+            return out, torch.full_like(lse, STALE), mode
+        return out, torch.where(has[:, None], lse, torch.full_like(lse, math.inf)), mode
 
     @staticmethod
-    def _sm_scale(a, q) -> float:
+    def _sm_scale(a, D: int) -> float:
         s = a["sm_scale"]
         if s is None:
-            return q.shape[2] ** -0.5
+            return D ** -0.5
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0:
             _fail("sm_scale", repr(s), "a python float > 0")
         return float(s)
+
+    # ---- mla_decode_fwd_v4_nm -------------------------------------------------------------
+    def _nm_rows(self, packed: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """float32 [..., 512] of packed v4 nm rows (uint8/fp8 [..., 512]) and their bf16 RoPE [..., 64]."""
+        raw = packed.view(torch.uint8)
+        nope = raw[..., :448].contiguous().view(self.fp8).float()
+        exps = raw[..., 448:462].float()
+        scales = torch.where(exps == 255, torch.full_like(exps, math.nan), torch.exp2(exps - 127.0))
+        nope = (nope.unflatten(-1, (14, 32)) * scales[..., None]).flatten(-2)
+        return torch.cat([nope, rope.float()], dim=-1)
+
+    def _v4_nm(self, q, qrope, kv, kvrope, output, qo_indptr, kv_indptr, kv_indices, max_seqlen_q, sink,
+               split_indptr, num_kv_splits, logits, attn_lse):
+        if self.arch != "gfx950":
+            _fail("mla_decode_fwd_v4_nm", f"arch {self.arch}", "gfx950 (the only shipped v4 nm code object: "
+                  f"hsa/gfx950/mla_v4/{V4_NM_OBJECT})")
+        _check_tensor("q", q, self.fp8, 3, contiguous=True)
+        dev = q.device
+        T, H, _ = q.shape
+        _check_tensor("sink", sink, torch.float32, 1, dev, contiguous=True)
+        _check_tensor("qrope", qrope, torch.bfloat16, 3, dev, contiguous=True)
+        _check_tensor("kv_buffer", kv, self.fp8, 4, dev, contiguous=True)
+        _check_tensor("kvrope", kvrope, torch.bfloat16, 4, dev, contiguous=True)
+        _check_tensor("output", output, torch.bfloat16, 3, dev, contiguous=True)
+        P = kv.shape[0]
+        if q.shape[2] != NM_ROW_BYTES or kv.shape[1:] != (1, 1, NM_ROW_BYTES):
+            _fail("q/kv_buffer", f"{_desc(q)}, {_desc(kv)}", f"[T, H, {NM_ROW_BYTES}] and [P, 1, 1, {NM_ROW_BYTES}] "
+                  "packed rows (page size 1)")
+        if qrope.shape != (T, H, NM_ROPE) or kvrope.shape != (P, 1, 1, NM_ROPE):
+            _fail("qrope/kvrope", f"{_desc(qrope)}, {_desc(kvrope)}", f"[{T}, {H}, 64] and [{P}, 1, 1, 64]")
+        if sink.numel() != H:
+            _fail("sink", _desc(sink), f"[{H}] (num_heads)")
+        if tuple(output.shape) != (T, H, V_DIM):
+            _fail("output", _desc(output), f"[{T}, {H}, {V_DIM}]")
+        if max_seqlen_q != 1 or H not in _V4_NM_HEADS:
+            _fail("q", f"{H} heads, max_seqlen_q {max_seqlen_q}", f"heads {_V4_NM_HEADS} with one query token "
+                  "(asm_mla_v4.cu's fp8 whitelist)")
+        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_page_indices", kv_indices)):
+            _check_tensor(name, t, torch.int32, 1, dev, contiguous=True)
+        if qo_indptr.numel() != T + 1 or kv_indptr.numel() != T + 1:
+            _fail("qo_indptr/kv_indptr", f"{_desc(qo_indptr)}, {_desc(kv_indptr)}", f"[{T + 1}] (one token a row)")
+        if not _capturing():
+            self._check_values(qo_indptr, kv_indptr, torch.ones(1, dtype=torch.int32, device=dev))
+        S = num_kv_splits
+        if S is None:
+            S = meta_splits(T, kv_indices.numel(), H, True, self.cu_num, tg_factor=-(-H // 64), ignore_total_kv=True)
+        if isinstance(S, bool) or not isinstance(S, int) or S < 1:
+            _fail("num_kv_splits", repr(S), "an int >= 1 or None")
+        if split_indptr is not None:
+            _check_tensor("split_indptr", split_indptr, torch.int32, 1, dev, contiguous=True)
+            if not _capturing() and not torch.equal(split_indptr.cpu(), torch.arange(T + 1, dtype=torch.int32) * S):
+                _fail("split_indptr", split_indptr.tolist()[:8], f"arange(T + 1) * {S} (uniform splits)")
+        for name, buf, shape in (("logits", logits if S > 1 else None, (T, S, H, V_DIM)),
+                                 ("attn_lse", attn_lse, (T, S, H, 1))):
+            if buf is not None and tuple(buf.shape) != shape:
+                _fail(name, _desc(buf), f"None or {shape} float32 (kernel-native layout)")
+        self._load(V4_NM_OBJECT)
+        qf = self._nm_rows(q, qrope)
+        n = kv_indices.numel()
+        row, j = _ranges(kv_indptr, n)
+        valid = torch.arange(n, device=dev) < kv_indptr[-1].long()
+        lens = (kv_indptr[1:] - kv_indptr[:-1]).long()
+        chunk = (-(-lens // S) + 31) // 32 * 32  # splits of whole 32-key passes; the kernel exports the count
+        written = torch.minimum(torch.full_like(lens, S), -(-lens // chunk.clamp(min=1)))
+        seg = row * S + (j // chunk[row].clamp(min=1)).clamp(max=S - 1)
+        kv_u8, kv_rope = kv.view(P, NM_ROW_BYTES), kvrope.view(P, NM_ROPE)
+
+        def rows(idx):
+            starts = (idx.long() & 0xFFFFFFFF)
+            if not _capturing() and starts.numel() and int(starts.max()) >= P:
+                _fail("kv_page_indices", f"max {int(starts.max())} (kv_buffer has {P} rows)",
+                      "row ids inside kv_buffer: every index inside a range is read")
+            starts = starts.clamp(max=P - 1)
+            return self._nm_rows(kv_u8[starts], kv_rope[starts])
+
+        first = (torch.arange(T * S, device=dev) % S == 0)[:, None]
+        seg_sink = torch.where(first, sink.float()[None, :], torch.full((T * S, H), -math.inf, device=dev))
+        out, lse, _ = _attend(qf, rows, kv_indices, seg, valid, torch.arange(T, device=dev).repeat_interleave(S),
+                              NM_ROW_BYTES ** -0.5, None, seg_sink)
+        self.calls.append(("mla_decode_fwd_v4_nm", f"split{S}"))
+        if S == 1:
+            output.copy_(out)  # keyless rows: 0 with a finite sink, NaN without
+            return output.view(T, 1, H, V_DIM), lse.view(T, 1, H, 1)
+        self._load("stage2(v4_nm)")
+        unwritten = (torch.arange(S, device=dev)[None, :] >= written[:, None])[:, :, None]
+        part_lse = torch.where(unwritten, torch.full_like(lse.view(T, S, H), math.nan), lse.view(T, S, H))
+        merged, _ = stage2_merge(out.view(T, S, H, V_DIM), part_lse, written)
+        output.copy_(merged)
+        logits = out.view(T, S, H, V_DIM) if logits is None else logits.copy_(out.view(T, S, H, V_DIM))
+        attn_lse = part_lse[..., None] if attn_lse is None else attn_lse.copy_(part_lse[..., None])
+        return logits, attn_lse
 
     # ---- sparse_mla_fwd -------------------------------------------------------------------
     def _classify(self, q, kv, scale, what: str) -> str:
@@ -505,10 +800,8 @@ class AiterEmulator:
             _fail(what, _desc(kv), f"[nb, block, {q.shape[2]}] (bf16 / fp8_scalar) or [nb, block, 584] uint8")
         if kv.dtype == torch.bfloat16:
             return "bf16"
-        if kv.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) and kv.dtype != self.fp8:
-            _fail(what, f"{kv.dtype}", f"{self.fp8}: the kernel reads {self.arch}'s native fp8 encoding")
         if kv.dtype not in (self.fp8, torch.uint8):
-            _fail(what, f"{kv.dtype}", "bfloat16, uint8 [.., 584] or the arch's fp8")
+            _fail(what, f"{kv.dtype}", f"bfloat16, uint8 [.., 584] or {self.fp8} (gfx950's OCP e4m3)")
         if scale is None:
             _fail(f"{what} scale", "None", "a [1] float32 kv_scale for an fp8_scalar cache")
         _check_scale(f"{what} scale", scale, q.device)
@@ -542,6 +835,8 @@ class AiterEmulator:
     def _sparse(self, q, kv, kv_indptr, kv_indices, softmax_scale, kv_scale, kv_lora_rank, qk_rope_head_dim,
                 skip_reduce, has_invalid, dot_precision, out, return_lse, attn_sink, extra_kv, extra_indptr,
                 extra_indices, extra_kv_scale, epilogue):
+        if self.arch != "gfx950":
+            _fail("sparse_mla_fwd", f"arch {self.arch}", "gfx950 (sparse_mla.py asserts it: gfx950 Gluon kernels)")
         _check_tensor("q", q, torch.bfloat16, 3, device=None)
         if q.stride(2) != 1:
             _fail("q", _desc(q), "last dim contiguous")
@@ -560,11 +855,7 @@ class AiterEmulator:
             x_fmt = self._classify(q, extra_kv, x_scale if fmt == "fp8_scalar" else None, "extra_kv")
             if (fmt == "fp8_scalar") != (x_fmt == "fp8_scalar"):
                 _fail("extra_kv", x_fmt, f"a cache of the two-loop family of kv_buffer ({fmt})")
-        packed = fmt == "fp8_dsv4_mla" or (has_extra and fmt != "fp8_scalar")
-        if packed and self.arch != "gfx950":
-            _fail("kv_buffer", f"{fmt}{' two-loop' if has_extra else ''} on {self.arch}",
-                  "gfx950 (fp8_dsv4_mla caches and the bf16 two-loop are gfx950-only)")
-        if packed and return_lse:
+        if (fmt == "fp8_dsv4_mla" or has_extra) and return_lse:
             _fail("return_lse", True, "False for dsv4 / two-loop caches")
         if fmt != "fp8_dsv4_mla":
             if d_qk != kv_lora_rank + qk_rope_head_dim or kv_lora_rank & (kv_lora_rank - 1):
@@ -589,6 +880,7 @@ class AiterEmulator:
                 _fail("out", _desc(out), f"[{C}, {H}, >= {kv_lora_rank}] bf16, last dim contiguous")
         else:
             out = torch.empty(C, H, 512, dtype=torch.bfloat16, device=dev)
+        self._load(f"sparse_mla_fwd({fmt}{'+' + x_fmt if x_fmt else ''})")
         segments = [(kv, fmt, kv_scale, kv_indptr, kv_indices)]
         if has_extra:
             segments.append((extra_kv, x_fmt, x_scale, extra_indptr, extra_indices))
@@ -597,11 +889,10 @@ class AiterEmulator:
             num_slots = cache.shape[0] * cache.shape[1]
             if not _capturing():
                 self._check_sparse_values(ip, ix, num_slots, has_invalid, "extra_" if seg else "")
-            pos = torch.arange(ix.numel(), device=dev)
-            b = (torch.searchsorted(ip.long(), pos, right=True) - 1).clamp(0, max(C - 1, 0))
+            b, _ = _ranges(ip, ix.numel())
             idx_all.append(ix)
             batch_all.append(b)
-            valid_all.append((pos < ip[-1].long()) & (ix >= 0))
+            valid_all.append((torch.arange(ix.numel(), device=dev) < ip[-1].long()) & (ix >= 0))
             readers.append(self._cache_rows(cache, f, sc))
 
         def rows(idx):  # dispatch flat key positions to their segment's cache (tag in the index)
@@ -615,16 +906,16 @@ class AiterEmulator:
 
         tagged = torch.cat([ix.long() + (s << 40) for s, ix in enumerate(idx_all)])
         valid = torch.cat(valid_all)
-        tagged = torch.where(valid, tagged, torch.zeros_like(tagged))
-        o, lse = _segment_attention(q.float(), rows, tagged, torch.cat(batch_all), valid, float(softmax_scale),
-                                    attn_sink)
+        sink = None if attn_sink is None else attn_sink.float()[None, :].expand(C, H)
+        o, lse, has = _attend(q.float(), rows, tagged, torch.cat(batch_all), valid, torch.arange(C, device=dev),
+                              float(softmax_scale), None, sink)
+        o = torch.where(has[:, None, None], o, torch.full_like(o, math.nan))  # keyless rows: unspecified
         out[:, :, :kv_lora_rank].copy_(o[..., :kv_lora_rank])
         self.calls.append(("sparse_mla_fwd", f"{fmt}{'+' + x_fmt if x_fmt else ''}"))
         if not return_lse:
             return out, None
         # sparse_mla_fwd's LSE INCLUDES the sink (a virtual key); a fully masked row reports -inf
-        with_sink = lse if attn_sink is None else torch.logaddexp(lse, attn_sink.float()[None, :])
-        return out, torch.where(torch.isnan(lse), torch.full_like(lse, -math.inf), with_sink)
+        return out, torch.where(torch.isnan(lse), torch.full_like(lse, -math.inf), lse)
 
     @staticmethod
     def _check_sparse_values(ip, ix, num_slots, has_invalid, pre) -> None:
@@ -641,34 +932,37 @@ class AiterEmulator:
 
 # ---- process-wide switch ---------------------------------------------------------------------
 ENV_EMULATOR = "DSV4_ATTN_AITER_EMULATOR"
+_active: AiterEmulator | None = None
 
 
 def parse_env(value: str) -> AiterEmulator | None:
-    """``DSV4_ATTN_AITER_EMULATOR``: unset/"0" = off; "1" = gfx950 newer AITER; "gfx942";
-    "gfx950:0.1.7" (arch[:flavor])."""
+    """``DSV4_ATTN_AITER_EMULATOR``: unset/"0" = off; "1" = gfx950 AITER 0.1.20; "gfx942";
+    "gfx950:0.1.7" / "gfx950:sparse" (arch[:flavor])."""
     value = (value or "").strip().lower()
     if value in ("", "0", "false", "off"):
         return None
     if value in ("1", "true", "on"):
         return AiterEmulator()
     arch, _, flavor = value.partition(":")
-    return AiterEmulator(arch, flavor or "new")
+    return AiterEmulator(arch, flavor or "0.1.20")
 
 
-def enable(arch: str = "gfx950", flavor: str = "new") -> AiterEmulator:
+def enable(arch: str = "gfx950", flavor: str = "0.1.20") -> AiterEmulator:
     """Make the `aiter` backend run against a fresh emulator (process-wide); returns it.
 
     The backend then accepts CPU/CUDA devices in place of a ROCm GPU and labels everything
     emulated. Undo with :func:`disable`.
     """
-    from . import aiter
-
-    emulator = AiterEmulator(arch, flavor)
-    aiter.set_api_override(emulator)
-    return emulator
+    global _active
+    _active = AiterEmulator(arch, flavor)
+    return _active
 
 
 def disable() -> None:
-    from . import aiter
+    global _active
+    _active = None
 
-    aiter.set_api_override(None)
+
+def active() -> AiterEmulator | None:
+    """The emulator switched on by :func:`enable`, or None."""
+    return _active

@@ -1,27 +1,30 @@
 """Graph-stable scratch for the AITER decode paths.
 
-Everything a decode step hands to AITER lives in buffers allocated ONCE, when a
-:class:`AiterScratch` is built for the largest decode batch (``max_tokens`` tokens), and is
-rewritten in place every step (``copy_``, ``fill_``, ``out=`` ops, ``scatter_``): the index
-CSR of each scope, the persistent work plan, the staged query, the gathered rows of MODEL1
-caches, the per-scope output and LSE. Nothing here reads a device value on the host, so a
-decode step can be captured in a CUDA/HIP graph and replayed with new batch contents (same
-token count). Temporaries of intermediate torch ops (and AITER's own per-call partial
-buffers) come from the graph's private pool while capturing, so replays allocate nothing.
+Everything a decode step hands to AITER lives in buffers allocated ONCE, when an
+:class:`AiterScratch` is built for the largest decode batch it serves (``max_tokens`` tokens),
+and is rewritten in place every step (``copy_``, ``fill_``, ``out=`` ops, ``scatter_``): the
+index lists of each scope, the persistent work plan, the staged query, the gathered rows, the
+per-scope output and LSE. Nothing here reads a device value on the host, so a decode step can be
+captured in a CUDA/HIP graph and replayed with new batch contents (same token count).
+Temporaries of intermediate torch ops (and AITER's own per-call partial buffers) come from the
+graph's private pool while capturing, so replays allocate nothing.
 
-A scratch is keyed by :class:`ScratchKey` and shared by every layer of the model: the SWA
+A scratch is keyed by :class:`ScratchKey` and shared by every layer with that key: the SWA
 scope is built once per step, the C128A scope once per step, and the C4A scope once per C4A
 layer (each layer has its own indexer top-k), while its persistent work plan (which only
 depends on the per-token key COUNTS, identical for all C4A layers) is built once per step.
 
-Index layouts (spec/vendor-apis.md §3.2-3.3, anchors C15):
+Index lists are COMPACTED: a token's keys are the entries of its row that are inside the
+scope's first ``lens`` columns and inside ``[0, capacity)`` of their cache, in row order, with no
+-1 or out-of-range entry inside any token's range (AITER's kernels read every index in a range):
 
-* ragged CSR (non-persistent ``mla_decode_fwd``, ``sparse_mla_fwd``): ``kv_indptr [T+1]`` =
-  cumsum of valid keys per token, ``kv_indices`` = the valid keys compacted in order; the tail
-  past ``kv_indptr[T]`` is -1 and never read;
-* fixed stride with -1 sentinels (persistent ``mla_decode_fwd`` with a ``topk=`` plan):
-  ``kv_indices [T*K]`` = each token's row of K entries, -1 where invalid; ``kv_indptr`` =
-  cumsum of the row lengths (the plan's bound).
+* ``"slots"``  ragged CSR of cache slots (``sparse_mla_fwd`` reads the caches in place);
+* ``"ragged"`` ragged CSR of gathered-row positions (``mla_decode_fwd`` split mode, v4 nm);
+* ``"fixed"``  token t's positions at ``kv_indices[t*width : t*width + count_t]`` and
+  ``kv_indptr = cumsum(counts)`` (``mla_decode_fwd`` persistent mode with a ``topk=`` plan).
+
+Gathered rows of token t sit at positions ``t*width + j`` (j < its key count), so the three
+layouts share one gather.
 """
 
 from __future__ import annotations
@@ -32,21 +35,24 @@ from typing import Callable
 import torch
 
 SCOPES = ("swa", "c4a", "c128a")
+LAYOUTS = ("slots", "ragged", "fixed")
 
 
 @dataclass(frozen=True)
 class ScratchKey:
     """What fixes the shapes of a scratch. Layers with the same key share one scratch.
 
+    path       the AITER entry point ("sparse_mla_fwd", "mla_decode_fwd_v4_nm", "mla_decode_fwd")
     heads      query heads handed to AITER (padded to what the kernel needs)
-    widths     row width per scope name ("swa" W, "c4a" top-k, "c128a" C128A width)
-    q_dtype / kv_dtype   dtypes handed to the kernel (bf16, or the arch's fp8)
-    layout     "ragged" or "fixed" (see module docstring)
-    gather     True when rows are gathered into scratch (MODEL1 caches on the mla_decode_fwd path)
+    widths     row width per scope name (v4 nm: per layer kind, its SWA + compressed width)
+    q_dtype / kv_dtype   dtypes handed to the kernel
+    layout     one of :data:`LAYOUTS`
+    row        elements per gathered row (576 for mla_decode_fwd, 512 packed bytes for v4 nm;
+               0 = nothing gathered)
     persistent True when the six persistent work buffers are needed
-    staged     True when q, per-scope out/LSE and the sink are staged in scratch (mla_decode_fwd)
     """
 
+    path: str
     device: torch.device
     max_tokens: int
     heads: int
@@ -54,9 +60,8 @@ class ScratchKey:
     q_dtype: torch.dtype
     kv_dtype: torch.dtype
     layout: str
-    gather: bool
-    persistent: bool
-    staged: bool = True
+    row: int = 0
+    persistent: bool = False
     max_splits: int = 16
 
     def width(self, scope: str) -> int:
@@ -69,8 +74,10 @@ class ScopeBuffers:
 
     kv_indptr    int32 [max_tokens + 1] (entry 0 stays 0)
     kv_indices   int32 [max_tokens * width + 1] (the last entry is a dump slot for scatters)
-    slots        int32 [max_tokens * width + 1]: cache slots in kv_indices' order (gather mode)
-    counts       int64 [max_tokens]: valid keys per token of the last build
+    slots        int32 [max_tokens * width]: the rows' slots, -1 where not a key (gather paths)
+    pos          int64 [max_tokens * width]: the rows' gather positions (:func:`compact`)
+    counts       int64 [max_tokens]: keys per token of the last build
+    kv_scale     float32 [1] (fp8 operands)
     meta         the six persistent work buffers (persistent mode) or None
     """
 
@@ -78,6 +85,7 @@ class ScopeBuffers:
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     slots: torch.Tensor
+    pos: torch.Tensor
     counts: torch.Tensor
     kv_scale: torch.Tensor
     meta: list[torch.Tensor] | None = None
@@ -85,116 +93,126 @@ class ScopeBuffers:
 
 @dataclass
 class AiterScratch:
-    """All buffers of one :class:`ScratchKey` (see module docstring).
+    """All buffers of one :class:`ScratchKey` (see module docstring); staging buffers are None
+    on the paths that do not use them.
 
     qo_indptr  int32 [max_tokens + 1] = arange (one query token per AITER batch row)
     last_page  int32 [max_tokens] = 1 (page size 1)
-    splits_indptr int32 [max_tokens + 1] (non-persistent split offsets)
-    q          [max_tokens, heads, 512] q_dtype, padded heads stay 0; q_scale float32 [1]
-    sink       float32 [heads], padded heads -inf
-    out        two [max_tokens, heads, 512] bf16 buffers (first / second scope call)
-    lse        two float32 [max_tokens, heads]
-    gather     [max_tokens * max width, 512] kv_dtype (gather mode) or None; shared by all
-               scopes because the two scope calls of a layer run in stream order
+    splits_indptr int32 [max_tokens + 1] (split-mode offsets)
+    q          mla_decode_fwd: [max_tokens, heads, 576] q_dtype (RoPE tail and padded heads 0);
+               v4 nm: packed uint8 [max_tokens, heads, 512]
+    q_rope     v4 nm: bf16 [max_tokens, heads, 64]
+    q_scale    float32 [1]
+    sink       float32 [heads] as the kernels take it (padded heads -inf)
+    out        mla_decode_fwd: two [max_tokens, heads, 512] bf16 (first / second scope call);
+               v4 nm: one
+    lse        two float32 [max_tokens, heads] (mla_decode_fwd)
+    rows       gathered rows [max_tokens * max width + 1, row] (the last row is a scatter dump):
+               mla_decode_fwd kv_dtype with a zero tail past 512; v4 nm packed uint8
+    rows_rope  v4 nm: bf16 [max_tokens * width + 1, 64]
     """
 
     key: ScratchKey
     qo_indptr: torch.Tensor
     last_page: torch.Tensor
     splits_indptr: torch.Tensor
-    q: torch.Tensor
     q_scale: torch.Tensor
-    sink: torch.Tensor
-    out: list[torch.Tensor]
-    lse: list[torch.Tensor]
-    gather: torch.Tensor | None
     scopes: dict[str, ScopeBuffers] = field(default_factory=dict)
+    q: torch.Tensor | None = None
+    q_rope: torch.Tensor | None = None
+    sink: torch.Tensor | None = None
+    out: list[torch.Tensor] = field(default_factory=list)
+    lse: list[torch.Tensor] = field(default_factory=list)
+    rows: torch.Tensor | None = None
+    rows_rope: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, key: ScratchKey, info_v1: Callable[..., tuple] | None) -> "AiterScratch":
-        """Allocate every buffer once. ``info_v1(heads, q_dtype, kv_dtype, max_tokens)`` returns
-        AITER's six (shape, dtype) pairs of the persistent work buffers (persistent keys only)."""
+    def allocate(cls, key: ScratchKey, info_v1: Callable[[], tuple] | None) -> "AiterScratch":
+        """Allocate every buffer once. ``info_v1()`` returns AITER's six (shape, dtype) pairs of
+        the persistent work buffers (persistent keys only)."""
         dev, n, h = key.device, key.max_tokens, key.heads
         i32 = dict(dtype=torch.int32, device=dev)
         scopes = {}
         for name, width in key.widths:
-            meta = None
-            if key.persistent:
-                meta = [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in info_v1()]
             scopes[name] = ScopeBuffers(
                 width=width,
                 kv_indptr=torch.zeros(n + 1, **i32),
                 kv_indices=torch.full((n * width + 1,), -1, **i32),
-                slots=torch.full((n * width + 1,), -1, **i32),
+                slots=torch.full((n * width,), -1, **i32),
+                pos=torch.zeros(n * width, dtype=torch.int64, device=dev),
                 counts=torch.zeros(n, dtype=torch.int64, device=dev),
                 kv_scale=torch.ones(1, dtype=torch.float32, device=dev),
-                meta=meta,
+                meta=[torch.empty(s, dtype=d, device=dev) for s, d in info_v1()] if key.persistent else None,
             )
-        max_width = max(w for _, w in key.widths)
-        n = n if key.staged else 0  # sparse_mla_fwd reads q and writes out in place
-        return cls(
-            key=key,
-            qo_indptr=torch.arange(key.max_tokens + 1, **i32),
-            last_page=torch.ones(key.max_tokens, **i32),
-            splits_indptr=torch.zeros(key.max_tokens + 1, **i32),
-            q=torch.zeros(n, h, 512, dtype=key.q_dtype, device=dev),
-            q_scale=torch.ones(1, dtype=torch.float32, device=dev),
-            sink=torch.full((h,), float("-inf"), dtype=torch.float32, device=dev),
-            out=[torch.zeros(n, h, 512, dtype=torch.bfloat16, device=dev) for _ in range(2)],
-            lse=[torch.zeros(n, h, dtype=torch.float32, device=dev) for _ in range(2)],
-            gather=(torch.zeros(n * max_width, 512, dtype=key.kv_dtype, device=dev) if key.gather else None),
-            scopes=scopes,
-        )
+        scr = cls(key=key, qo_indptr=torch.arange(n + 1, **i32), last_page=torch.ones(n, **i32),
+                  splits_indptr=torch.zeros(n + 1, **i32), q_scale=torch.ones(1, dtype=torch.float32, device=dev),
+                  scopes=scopes)
+        scr.sink = torch.full((h,), float("-inf"), dtype=torch.float32, device=dev)
+        if key.path == "sparse_mla_fwd":
+            return scr  # reads q and writes out in place, reads the caches in place
+        nm = key.path == "mla_decode_fwd_v4_nm"
+        max_rows = n * max(w for _, w in key.widths) + 1
+        scr.q = torch.zeros(n, h, key.row, dtype=torch.uint8 if nm else key.q_dtype, device=dev)
+        scr.out = [torch.zeros(n, h, 512, dtype=torch.bfloat16, device=dev) for _ in range(1 if nm else 2)]
+        scr.lse = [] if nm else [torch.zeros(n, h, dtype=torch.float32, device=dev) for _ in range(2)]
+        scr.rows = torch.zeros(max_rows, key.row, dtype=torch.uint8 if nm else key.kv_dtype, device=dev)
+        if nm:
+            scr.q_rope = torch.zeros(n, h, 64, dtype=torch.bfloat16, device=dev)
+            scr.rows_rope = torch.zeros(max_rows, 64, dtype=torch.bfloat16, device=dev)
+        return scr
 
     def pointers(self) -> list[int]:
         """Data pointers of every buffer (graph tests check they never move)."""
-        ts = [self.qo_indptr, self.last_page, self.splits_indptr, self.q, self.q_scale, self.sink, *self.out,
-              *self.lse] + ([self.gather] if self.gather is not None else [])
+        ts = [self.qo_indptr, self.last_page, self.splits_indptr, self.q_scale, *self.out, *self.lse]
+        ts += [t for t in (self.q, self.q_rope, self.sink, self.rows, self.rows_rope) if t is not None]
         for s in self.scopes.values():
-            ts += [s.kv_indptr, s.kv_indices, s.slots, s.counts, s.kv_scale] + (s.meta or [])
+            ts += [s.kv_indptr, s.kv_indices, s.slots, s.pos, s.counts, s.kv_scale] + (s.meta or [])
         return [t.data_ptr() for t in ts]
 
 
-def write_indices(scope: ScopeBuffers, rows: torch.Tensor, lens: torch.Tensor, layout: str,
-                  remap: Callable[[torch.Tensor], torch.Tensor] | None, gather: bool) -> None:
-    """Write one scope's CSR for ``rows`` int32 [T, K] (global slots, -1 unused) whose first
-    ``lens[t]`` columns are token t's keys. In place, fixed shapes, no host sync.
+def compact(parts: list[tuple[torch.Tensor, torch.Tensor, int]], width: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                      torch.Tensor]:
+    """Which entries of a token's rows are keys, and where they go.
 
-    ``remap`` turns slots into the row numbers the kernel reads (plain caches with a padded
-    block pitch); with ``gather`` the kernel reads gathered scratch rows instead, so
-    ``kv_indices`` holds scratch positions and ``slots`` the cache slots to gather.
+    ``parts``: (rows int32 [T, K_i] of slots, lens [T], cache capacity) per scope, in order; entry
+    (t, c) of part i is a key iff ``c < lens[t]`` and ``0 <= rows[t, c] < capacity``. Returns
+    ``keep`` bool [T, sum K_i], ``pos`` int64 [T, sum K_i] (``t*width + j`` for the token's j-th
+    key over all parts, ``T*width`` = the dump position otherwise) and ``counts`` int64 [T].
     """
-    T, K = rows.shape
-    if K > scope.width:
-        raise ValueError(f"rows: got width {K}; allowed: <= {scope.width} (the scratch was sized for it)")
-    col = torch.arange(K, device=rows.device)[None, :]
-    keep = (col < lens[:, None].long()) & (rows >= 0)
-    target = remap(rows) if remap is not None else rows
+    keeps = []
+    for rows, lens, capacity in parts:
+        col = torch.arange(rows.shape[1], device=rows.device)[None, :]
+        keeps.append((col < lens[:, None].long()) & (rows >= 0) & (rows.long() < capacity))
+    keep = torch.cat(keeps, dim=1)
+    T, K = keep.shape
+    if K > width:
+        raise ValueError(f"rows: got {K} columns; allowed: <= {width} (the scratch was sized for it)")
+    base = torch.arange(T, device=keep.device)[:, None] * width
+    pos = torch.where(keep, base + keep.long().cumsum(dim=1) - 1, torch.full_like(base, T * width))
+    return keep, pos, keep.sum(dim=1)
+
+
+def write_indices(scope: ScopeBuffers, keep: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor,
+                  slots: torch.Tensor, layout: str) -> None:
+    """Write a scope's ``kv_indptr`` / ``kv_indices`` in ``layout`` (see module docstring) and its
+    ``slots`` / ``pos`` from :func:`compact`'s result; ``slots`` int32 [T, K] are the rows' cache
+    slots. In place, fixed shapes, no host sync."""
+    T, K = keep.shape
     cap = T * scope.width
+    scope.slots[: T * K].copy_(torch.where(keep, slots, torch.full_like(slots, -1)).reshape(-1))
+    scope.pos[: T * K].copy_(pos.reshape(-1))
+    ind = scope.kv_indices
     if layout == "fixed":
-        # row t occupies [t*width, t*width + K); -1 sentinels where invalid; indptr = cumsum(lens)
-        view = scope.slots[:cap].view(T, scope.width)
-        view.fill_(-1)
-        view[:, :K].copy_(torch.where(keep, rows, torch.full_like(rows, -1)))
-        kv = scope.kv_indices[:cap].view(T, scope.width)
-        if gather:
-            pos = torch.arange(cap, device=rows.device, dtype=torch.int32).view(T, scope.width)
-            kv.copy_(torch.where(view >= 0, pos, torch.full_like(pos, -1)))
-        else:
-            kv.fill_(-1)
-            kv[:, :K].copy_(torch.where(keep, target, torch.full_like(target, -1)))
-        counts = lens.long().clamp(max=K)
+        grid = torch.arange(cap, device=keep.device).view(T, scope.width)
+        inside = grid % scope.width < counts[:, None]
+        ind[:cap].copy_(torch.where(inside, grid, torch.full_like(grid, -1)).view(-1))
     else:
-        counts = keep.sum(dim=1)
         start = torch.cumsum(counts, 0) - counts
-        dest = torch.where(keep, start[:, None] + keep.long().cumsum(dim=1) - 1, torch.full_like(col, cap))
-        scope.slots[: cap + 1].fill_(-1)
-        scope.slots.scatter_(0, dest.reshape(-1), rows.reshape(-1))
-        if gather:
-            torch.arange(cap, out=scope.kv_indices[:cap])
-        else:
-            scope.kv_indices[: cap + 1].fill_(-1)
-            scope.kv_indices.scatter_(0, dest.reshape(-1), target.reshape(-1).to(torch.int32))
+        dest = torch.where(keep, pos - (torch.arange(T, device=keep.device)[:, None] * scope.width) + start[:, None],
+                           torch.full_like(pos, cap))
+        value = slots.long() if layout == "slots" else pos
+        ind[: cap + 1].fill_(-1)
+        ind.scatter_(0, dest.reshape(-1), value.reshape(-1).to(torch.int32))
     scope.counts[:T].copy_(counts)
     torch.cumsum(counts, 0, dtype=torch.int32, out=scope.kv_indptr[1 : T + 1])
 
