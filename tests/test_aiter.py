@@ -273,32 +273,33 @@ def test_persistent_heads_padded_to_an_lse_writing_code_object(gen):
         unregister_backend("aiter-test")
 
 
-def test_fp8_split_cap_and_persistent_buffer_sizes(gen):
-    """Defect 5: FP8 split kernels run one split per 128 keys (16 heads) while stage 2 reads one
-    per 64: explicit splits make it read unwritten partials, so split mode runs bf16; persistent
-    work buffers (and the fp32 partials AITER allocates per call from them) are sized for the
-    persistent batch, not max_decode_tokens."""
+def test_persistent_buffers_sized_for_the_persistent_batch_and_split_mode_bf16(gen):
+    """Defect 5: persistent work buffers (and the fp32 partials AITER allocates per call from
+    them) are sized for the persistent batch, not max_decode_tokens; FP8 split kernels run one
+    split per 128 keys (16 heads) while stage 2 reads one per 64, so split mode runs bf16."""
     em = emulate.enable("gfx950")
-    _backend(path="mla_decode_fwd", persistent_max_batch=0)
-    case = make_case(gen, "fp8_e4m3", 16, seq_lens=(3, 90, 120, 100, 110), kv_scale=0.5)  # 64 < keys <= 128
-    try:
-        mla = dsv4.SparseMLA(case["spec"], "fp8_e4m3", backend="aiter-test")
-        plan = mla.plan(case["batch"])
-        _check(run_layer(mla, plan, case, LayerKind.SWA), plan, case, LayerKind.SWA, EXACT)
-    finally:
-        unregister_backend("aiter-test")
     heads = 128
-    backend = AiterBackend(name="aiter-test", path="mla_decode_fwd", max_decode_tokens=1024)
-    register_backend("aiter-test", backend)
+    register_backend("aiter-test", AiterBackend(name="aiter-test", path="mla_decode_fwd", max_decode_tokens=1024))
     case = make_case(gen, "fp8_ds_mla", heads)
     try:
         mla = dsv4.SparseMLA(case["spec"], "fp8_ds_mla", backend="aiter-test")
         plan = mla.plan(case["batch"])
         em.call_bytes.clear()
-        _check(run_layer(mla, plan, case, LayerKind.SWA), plan, case, LayerKind.SWA, FP8)
+        out = run_layer(mla, plan, case, LayerKind.SWA)
         # AITER sizes reduce_partial_map for the batch it is given: 31 tokens here, not 1024
         bound = (31 + em.cu_num) * heads * 513 * 4
         assert em.call_bytes and max(em.call_bytes) <= bound, (max(em.call_bytes), bound)
+        _check(out, plan, case, LayerKind.SWA, FP8)
+    finally:
+        unregister_backend("aiter-test")
+    _backend(path="mla_decode_fwd", persistent_max_batch=0)
+    case = make_case(gen, "fp8_e4m3", 16, seq_lens=(3, 90, 120, 100, 110), kv_scale=0.5)  # 64 < keys <= 128
+    try:
+        mla = dsv4.SparseMLA(case["spec"], "fp8_e4m3", backend="aiter-test")
+        plan = mla.plan(case["batch"])
+        em.calls.clear()
+        _check(run_layer(mla, plan, case, LayerKind.SWA), plan, case, LayerKind.SWA, EXACT)
+        assert all(m.endswith("subQ16_mqa16.co") for f, m in em.calls if f == "mla_decode_fwd"), em.calls
     finally:
         unregister_backend("aiter-test")
 
