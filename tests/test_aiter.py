@@ -368,7 +368,7 @@ def test_path_preference_and_explain():
         emulate.enable("gfx950", flavor)
         text = dsv4.SparseMLA(spec, fmt, backend="aiter").explain()
         line = next(ln for ln in text.splitlines() if ln.startswith("aiter ") and "decode" in ln)
-        assert f"path {path}" in line, text
+        assert f"path {path}" in line and line.endswith("EMULATED: a model of AITER's kernels, not AITER"), text
         if path != "sparse_mla_fwd":
             assert "sparse_mla_fwd skipped: aiter.ops.triton.attention.sparse_mla.sparse_mla_fwd not found" in line
         if path == "mla_decode_fwd":

@@ -457,7 +457,9 @@ class AiterBackend(Backend):
             return ""
         skipped = [f"{p} skipped: {'; '.join(self.path_reasons(api, spec, fmt, kind, p, tuple(dialects)))}"
                    for p in PATHS[: PATHS.index(path)]]
-        return "; ".join([f"path {path} ({PATH_NOTES[path]})"] + skipped)
+        status = ("EMULATED: a model of AITER's kernels, not AITER" if api.emulated
+                  else "this adapter has not yet been validated on MI300X/MI355X hardware (docs/rocm.md)")
+        return "; ".join([f"path {path} ({PATH_NOTES[path]})"] + skipped + [status])
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
