@@ -17,7 +17,7 @@ v0.1.20.post1 (= main ``e4048607``: same ``aiter/mla.py``, ``csrc/py_itfs_cu/asm
 * The final LSE: split mode writes it in the Triton stage-2 reduce (natural log; ``-inf`` and NaN
   output for rows with no key); a one-split FP8 call skips stage 2 and leaves it unwritten.
   Persistent mode writes it only from code objects that load the LSE pointer: the gfx950 32-head
-  ``*_lse_ps`` object is byte-identical to the non-LSE one, so its LSE stays unwritten. Rows with
+  ``*_lse_ps`` object has the non-LSE one's code (.text), so its LSE stays unwritten. Rows with
   no key get ``+inf`` LSE and NaN output there. "Unwritten" memory reads as :data:`STALE`.
 * Split mode with FP8 operands: stage 1 runs ``min(S, ceil(L / block))`` splits of a row (block
   128 keys at 16 heads, 32 at 128) while stage 2 reads ``min(S, ceil(L / mgc))`` (mgc 64 / 32):
@@ -597,11 +597,11 @@ class AiterEmulator:
         return o, lse
 
     @staticmethod
-    def _check_values(qo_indptr, kv_indptr, last) -> None:
+    def _check_values(qo_indptr, kv_indptr, last=None) -> None:
         B = qo_indptr.numel() - 1
         if not torch.equal(qo_indptr.cpu(), torch.arange(B + 1, dtype=torch.int32)):
             _fail("qo_indptr", qo_indptr.tolist()[:8], "arange(B + 1) (one query token per batch row)")
-        if not bool((last == 1).all()):
+        if last is not None and not bool((last == 1).all()):
             _fail("kv_last_page_lens", last.tolist()[:8], "all 1 (page size 1)")
         if int(kv_indptr[0]) != 0 or bool(((kv_indptr[1:] - kv_indptr[:-1]) < 0).any()):
             _fail("kv_indptr", kv_indptr.tolist()[:8], "0 then non-decreasing")
@@ -735,7 +735,7 @@ class AiterEmulator:
         if qo_indptr.numel() != T + 1 or kv_indptr.numel() != T + 1:
             _fail("qo_indptr/kv_indptr", f"{_desc(qo_indptr)}, {_desc(kv_indptr)}", f"[{T + 1}] (one token a row)")
         if not _capturing():
-            self._check_values(qo_indptr, kv_indptr, torch.ones(1, dtype=torch.int32, device=dev))
+            self._check_values(qo_indptr, kv_indptr)
         S = num_kv_splits
         if S is None:
             S = meta_splits(T, kv_indices.numel(), H, True, self.cu_num, tg_factor=-(-H // 64), ignore_total_kv=True)
