@@ -52,9 +52,9 @@ def make_case(gen, fmt, heads, query_lens=(1, 1, 1, 2, 1), seq_lens=(3, 130, 700
     batch = dsv4.StepBatch.from_lists(list(query_lens), list(seq_lens), tables["swa"], swa_bs,
                                       {4: tables[4], 128: tables[128]}, block_size, max_model_len,
                                       num_decode_tokens=real, num_tokens=real + num_pad)
-    batch = dsv4.StepBatch(batch.query_start_loc.to(device), batch.seq_lens.to(device), batch.num_decode_tokens + num_pad,
-                           batch.swa_block_table.to(device), swa_bs, {k: v.to(device) for k, v in
-                                                                       batch.comp_block_tables.items()},
+    batch = dsv4.StepBatch(batch.query_start_loc.to(device), batch.seq_lens.to(device),
+                           batch.num_decode_tokens + num_pad, batch.swa_block_table.to(device), swa_bs,
+                           {k: v.to(device) for k, v in batch.comp_block_tables.items()},
                            block_size, max_model_len, real + num_pad)
     T = batch.num_tokens
     n4 = (batch.positions.cpu() + 1) // 4
@@ -152,7 +152,7 @@ def test_parity_through_emulator(gen, arch, flavor, kwargs, fmt, heads, dialects
     case = make_case(gen, fmt, heads, swa_dialect=dialects[0], comp_dialect=dialects[1],
                      kv_scale=0.5 if fmt == "fp8_e4m3" else 1.0)
     mla = dsv4.SparseMLA(case["spec"], fmt, backend="aiter-test", swa_dialect=dialects[0], comp_dialect=dialects[1])
-    plan = mla.plan(case["batch"])  # no validate(): the padding token sits in the decode range, as in graph-padded batches
+    plan = mla.plan(case["batch"])  # no validate(): the padding token sits in the decode range (graph padding)
     fn, mode, obj = expect
     try:
         run_layer(mla, plan, case, LayerKind.SWA)  # the first use also runs the warm-up variants
@@ -363,8 +363,8 @@ def test_path_preference_and_explain():
     """auto: sparse_mla_fwd, else mla_decode_fwd_v4_nm (MODEL1), else mla_decode_fwd; explain()
     names the path and why the preferred ones were skipped."""
     spec = dsv4.ModelSpec(num_heads=64)
-    for flavor, fmt, path in (("sparse", "fp8_ds_mla", "sparse_mla_fwd"), ("0.1.20", "fp8_ds_mla", "mla_decode_fwd_v4_nm"),
-                              ("0.1.20", "bfloat16", "mla_decode_fwd")):
+    for flavor, fmt, path in (("sparse", "fp8_ds_mla", "sparse_mla_fwd"), ("0.1.20", "fp8_ds_mla",
+                              "mla_decode_fwd_v4_nm"), ("0.1.20", "bfloat16", "mla_decode_fwd")):
         emulate.enable("gfx950", flavor)
         text = dsv4.SparseMLA(spec, fmt, backend="aiter").explain()
         line = next(ln for ln in text.splitlines() if ln.startswith("aiter ") and "decode" in ln)
@@ -403,7 +403,7 @@ def test_work_plans_built_once_per_step_and_scratch_is_stable(gen):
         mla = dsv4.SparseMLA(case["spec"], "fp8_ds_mla", backend="aiter-test")
         run_layer(mla, mla.plan(case["batch"]), case, LayerKind.SWA)  # warm-up
         pointers = None
-        for step in range(2):
+        for _ in range(2):  # two steps
             plan = mla.plan(case["batch"])
             em.calls.clear()
             for kind in (LayerKind.C4A, LayerKind.C128A, LayerKind.SWA, LayerKind.C4A, LayerKind.C128A):
@@ -514,4 +514,5 @@ def test_packaged_parity_matrix_through_emulator(arch, flavor):
     assert len(passed) >= 60 and all(cells[n]["emulated"] for n in passed)
     for name, cell in cells.items():
         if cell["status"] == "skip":
-            assert any("decode only" in r or "prefill tokens only" in r for r in cell["reasons"]), (name, cell["reasons"])
+            assert any("decode only" in r or "prefill tokens only" in r for r in cell["reasons"]), \
+                (name, cell["reasons"])

@@ -54,8 +54,9 @@ import inspect
 import math
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -445,7 +446,8 @@ class AiterBackend(Backend):
         api = load_aiter(platform)
         if api.emulated and platform.vendor == "rocm" and not self._warned_env:
             self._warned_env = True
-            warnings.warn("dsv4_attn: the AITER EMULATOR is switched on on a ROCm machine; results are emulated")
+            warnings.warn("dsv4_attn: the AITER EMULATOR is switched on on a ROCm machine; results are emulated",
+                          stacklevel=2)
         return self.choose_path(api, spec, fmt, kind, tuple(dialects))[1]
 
     def choice(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,

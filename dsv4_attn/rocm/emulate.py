@@ -46,8 +46,8 @@ or ``DSV4_ATTN_AITER_EMULATOR`` (``1``, ``gfx942``, ``gfx950:0.1.7``, ``gfx950:s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -29,8 +29,8 @@ layouts share one gather.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -127,7 +127,7 @@ class AiterScratch:
     rows_rope: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, key: ScratchKey, info_v1: Callable[[], tuple] | None) -> "AiterScratch":
+    def allocate(cls, key: ScratchKey, info_v1: Callable[[], tuple] | None) -> AiterScratch:
         """Allocate every buffer once. ``info_v1()`` returns AITER's six (shape, dtype) pairs of
         the persistent work buffers (persistent keys only)."""
         dev, n, h = key.device, key.max_tokens, key.heads

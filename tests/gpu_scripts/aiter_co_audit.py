@@ -66,7 +66,8 @@ def main() -> None:
     p.add_argument("repo", type=Path)
     p.add_argument("commit", nargs="?", default="e4048607a535ace3a2b51ded31b1c8c2d45c0879")
     args = p.parse_args()
-    print(f"| arch | code object | LSE store | KV rows | q stride 576 | .text == non-LSE twin |\n|---|---|---|---|---|---|")
+    print("| arch | code object | LSE store | KV rows | q stride 576 | .text == non-LSE twin |")
+    print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for arch, names in OBJECTS.items():
             for name in names:
