@@ -22,9 +22,9 @@ import torch
 from .common import backend as backend_mod
 from .common.backend import Backend, LayerInputs, Phase
 from .common.batch import StepBatch
-from .common.indices import check_local_topk
+from .common.indices import check_local_topk, validate_local_topk
 from .common.layout import Fp8Dialect, KVFormat, check_cache
-from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan
+from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan, check_step
 from .common.platform import Platform, platform_for_device, triton_interpreting
 from .common.spec import HEAD_DIM, MAX_HEADS, LayerKind, ModelSpec
 
@@ -77,7 +77,7 @@ class SparseMLA:
             raise ValueError(f"front_end: got {front_end!r}; allowed: one of {_FRONT_ENDS}")
         self._front_end_choice = front_end
         self._explicit = backend
-        self._device = torch.device(device) if device is not None else None
+        self._device = _parse_device(device)
         self._front_end: FrontEnd | None = (_make_front_end(front_end, self._device)
                                             if self._device is not None else None)
         self._buffers: PlanBuffers | None = None
@@ -147,12 +147,14 @@ class SparseMLA:
             raise ValueError(f"batch: got {type(batch).__name__}; allowed: a StepBatch")
         if batch.num_reqs > self.max_reqs:
             raise ValueError(f"batch: got {batch.num_reqs} requests; allowed: <= max_reqs ({self.max_reqs})")
-        if validate:
-            batch.validate()
         if self._buffers is None:
             self._device = self._device or batch.device
             self._buffers = PlanBuffers.allocate(self.spec, self.max_tokens, self._device)
             self._front_end = self._front_end or _make_front_end(self._front_end_choice, self._device)
+        check_step(self.spec, batch, self._buffers)
+        if validate:
+            batch.validate()
+        # only now: a refused step leaves the previous plan (and its buffers) valid
         self._generation += 1
         return build_plan(self.spec, batch, self._buffers, self, self._generation, self._front_end)
 
@@ -183,7 +185,11 @@ class SparseMLA:
                    ``c4a_topk=`` is accepted as its V4 name.
         sink       float32 [H] (None = no sink)
         out        bf16 [T, H, 512] contiguous, written in place (allocated when None)
-        validate   also check slot ranges against the caches (reads device tensors: a sync)
+        validate   also check the step's values against the caches (reads device tensors: a
+                   sync): every used block id inside its cache, c4a_topk entries inside each
+                   token's valid prefix -1 or visible, no NaN sink. Without it any out-of-range
+                   block id, slot or top-k entry is skipped like -1 (never read), and NaN in a
+                   selected key or the sink comes out as NaN (docs/bad-input.md).
         Returns out.
         """
         topk_name = "topk"
@@ -254,6 +260,9 @@ class SparseMLA:
                 )
         elif layer.comp_cache is not None:
             raise ValueError("comp_cache: got a tensor for a window-only (SWA) layer; allowed: None")
+        self._check_addressable("swa_cache", swa_geo)
+        if comp_geo is not None:
+            self._check_addressable("comp_cache", comp_geo)
         if swa_geo.block_size != plan.batch.swa_block_size:
             raise ValueError(f"swa_cache: got block size {swa_geo.block_size}; allowed: "
                              f"batch.swa_block_size = {plan.batch.swa_block_size}")
@@ -261,7 +270,7 @@ class SparseMLA:
             if layer.topk is None:
                 raise ValueError(f"{topk_name}: got None; allowed: int32 [T, K] local top-k for {layer.kind.name} "
                                  "layers")
-            check_local_topk(layer.topk, T, q.device, topk_name)
+            check_local_topk(layer.topk, T, q.device, topk_name, self.spec.comp_width(layer.kind))
         elif layer.topk is not None:
             what = "attends every compressed entry" if layer.kind.attends_all else "is window-only"
             raise ValueError(f"{topk_name}: got a tensor for a {layer.kind.name} layer, which {what}; allowed: None")
@@ -283,7 +292,7 @@ class SparseMLA:
                        if isinstance(out, torch.Tensor) else type(out).__name__)
                 raise ValueError(f"out: got {got}; allowed: contiguous torch.bfloat16 {tuple(q.shape)} on {q.device}")
         if validate:
-            self._check_slots(plan, layer, swa_geo.num_slots, None if comp_geo is None else comp_geo.num_slots)
+            self._check_values(plan, layer, swa_geo, comp_geo, topk_name)
 
     @staticmethod
     def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -291,20 +300,48 @@ class SparseMLA:
             raise ValueError(f"{name}: got device {t.device}; allowed: {device} (q's device)")
 
     @staticmethod
-    def _check_slots(plan: StepPlan, layer: LayerInputs, swa_slots: int, comp_slots: int | None) -> None:
-        checks = [("swa_cache", plan.swa_rows, swa_slots)]
-        if comp_slots is not None:
-            rows, _ = plan.comp_scope(layer.kind, layer.topk)
-            checks.append(("comp_cache", rows, comp_slots))
-        for name, rows, num_slots in checks:
-            if rows.numel() and int(rows.max()) >= num_slots:
-                raise ValueError(
-                    f"{name}: too small for this step: a row holds slot {int(rows.max())}; allowed: slots < "
-                    f"num_blocks * block_size = {num_slots} (block table and cache disagree)"
-                )
+    def _check_addressable(name: str, geo) -> None:
+        # slots are int32 everywhere (rows, kernels' in-kernel translations): a bigger cache
+        # would wrap them into other rows' slots
+        if geo.num_slots > 2**31:
+            raise ValueError(f"{name}: got {geo.num_blocks} blocks x {geo.block_size} = {geo.num_slots} slots; "
+                             "allowed: at most 2**31 (slots are int32)")
+
+    @staticmethod
+    def _check_values(plan: StepPlan, layer: LayerInputs, swa_geo, comp_geo, topk_name: str) -> None:
+        """validate=True: the step's block ids against the caches, the top-k entries, the sink."""
+        blocks = {"swa": swa_geo.num_blocks}
+        if comp_geo is not None:
+            blocks[layer.kind.ratio] = comp_geo.num_blocks
+        plan.batch.validate(blocks)
+        if layer.topk is not None:
+            validate_local_topk(plan.tokens, layer.topk, layer.kind.ratio, topk_name)
+        if layer.sink is not None and bool(layer.sink.isnan().any()):
+            h = int(layer.sink.isnan().nonzero()[0])
+            raise ValueError(f"sink: got NaN at head {h}; allowed: a float or ±inf per head (a NaN sink "
+                             "makes that head's output NaN)")
 
 
 _FRONT_ENDS = ("auto", "torch", "triton")
+
+
+def _parse_device(device) -> torch.device | None:
+    """``device`` as a torch.device that exists on this machine (None stays None)."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: got {device!r}; allowed: None, 'cpu', 'cuda', 'cuda:N' or a torch.device "
+                         f"({exc})") from None
+    module = getattr(torch, dev.type, None)
+    if dev.type != "cpu" and not (hasattr(module, "is_available") and module.is_available()):
+        raise ValueError(f"device: got {device!r}; allowed: a device this machine has ({dev.type} is not "
+                         "available here)")
+    count = getattr(module, "device_count", None)
+    if dev.index is not None and count is not None and dev.index >= count():
+        raise ValueError(f"device: got {device!r}; allowed: {dev.type}:0 .. {dev.type}:{count() - 1}")
+    return dev
 
 
 def _make_front_end(choice: str, device: torch.device) -> FrontEnd:

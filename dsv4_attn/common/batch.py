@@ -4,6 +4,11 @@ Tokens are laid out request by request (decodes first, as vLLM reorders them); t
 request r sits at ``pos = seq_lens[r] - query_len[r] + (t - query_start_loc[r])``. Tokens at
 index >= ``query_start_loc[-1]`` (up to ``num_tokens``) are padding, e.g. a CUDA-graph batch
 padded to its capture size: they are invalid and get empty rows everywhere.
+
+Engines keep these tensors as persistent buffers and rewrite them in place between steps, so
+nothing derived from their CONTENTS is cached here: positions, requests and validity are
+computed anew at every access, and ``SparseMLA.plan()`` re-runs the host checks (and, when
+``num_tokens`` was not given, re-reads it) at every call.
 """
 
 from __future__ import annotations
@@ -26,6 +31,39 @@ def _check_int_tensor(name: str, t, dim: int, device: torch.device | None = None
         raise ValueError(f"{name}: got device {t.device}; allowed: {device} (the batch's device)")
 
 
+def _check_table(name: str, table: torch.Tensor, lengths: torch.Tensor, block_size: int,
+                 num_blocks: int | None, cache: str) -> None:
+    """Block ids of the used columns (``cdiv(lengths[r], block_size)`` per request r) lie in
+    ``[0, num_blocks)`` (``num_blocks`` None: unbounded) with slots that fit int32."""
+    need = (lengths + block_size - 1) // block_size
+    if need.numel() and int(need.max()) > table.shape[1]:
+        r = int(need.argmax())
+        raise ValueError(
+            f"{name}: got {table.shape[1]} columns; allowed: >= {int(need[r])} "
+            f"(request {r} needs cdiv({int(lengths[r])}, {block_size}) blocks)"
+        )
+    used = torch.arange(table.shape[1])[None, :] < need[:, None]
+    rows = table[: lengths.shape[0]].cpu().long()  # unused columns may hold anything: no kernel reads them
+
+    def first(bad: torch.Tensor) -> str:
+        r, c = (int(i) for i in bad.nonzero()[0])
+        return f"block id {int(rows[r, c])} at request {r}, column {c}"
+
+    if bool((rows.lt(0) & used).any()):
+        raise ValueError(f"{name}: got {first(rows.lt(0) & used)} (a used column); allowed: block ids >= 0")
+    if num_blocks is not None and bool((rows.ge(num_blocks) & used).any()):
+        raise ValueError(
+            f"{cache}: too small for this step: {name} holds {first(rows.ge(num_blocks) & used)}; "
+            f"allowed: block ids < {num_blocks}, the cache's num_blocks (block table and cache disagree)"
+        )
+    too_big = rows.ge(2**31 // block_size) & used  # (id + 1) * block_size > 2**31
+    if bool(too_big.any()):
+        raise ValueError(
+            f"{name}: got {first(too_big)}; allowed: block ids whose slots "
+            f"(block * {block_size} + offset) fit int32, the kernels' index type"
+        )
+
+
 @dataclass
 class StepBatch:
     """One engine step.
@@ -41,8 +79,8 @@ class StepBatch:
     block_size        int          UNCOMPRESSED tokens per compressed-cache block (256 in vLLM);
                       the compressed cache of ratio r holds block_size // r entries per block
     max_model_len     int          longest sequence the engine serves
-    num_tokens        int | None   T including padding tokens; default query_start_loc[-1]
-                      (reading it from a GPU tensor syncs: engines pass it)
+    num_tokens        int | None   T including padding tokens; default query_start_loc[-1],
+                      re-read at every plan() (reading it from a GPU tensor syncs: engines pass it)
     """
 
     query_start_loc: torch.Tensor
@@ -56,12 +94,24 @@ class StepBatch:
     num_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        self._num_tokens_given = self.num_tokens is not None
+        self.check()
+
+    # ---- validation -------------------------------------------------------------------
+    def check(self) -> "StepBatch":
+        """Host checks of dtypes, ranks, devices and scalar ranges (run at construction and by
+        every ``plan()``). When ``num_tokens`` was not given it is re-read from
+        ``query_start_loc[-1]`` here (a device sync on GPU: engines pass it)."""
+        if not self._num_tokens_given:
+            self.num_tokens = None
         self._check_shapes()
         if self.num_tokens is None:
             self.num_tokens = int(self.query_start_loc[-1])
-        self._derived: dict[str, torch.Tensor] | None = None
+            if self.num_decode_tokens > self.num_tokens:
+                raise ValueError(f"num_decode_tokens: got {self.num_decode_tokens}; allowed: <= num_tokens "
+                                 f"({self.num_tokens} = query_start_loc[-1])")
+        return self
 
-    # ---- validation -------------------------------------------------------------------
     def _check_shapes(self) -> None:
         """Host-only checks (no device sync): dtypes, ranks, devices, scalar ranges."""
         _check_int_tensor("query_start_loc", self.query_start_loc, 1)
@@ -109,8 +159,15 @@ class StepBatch:
             if nd > nt:
                 raise ValueError(f"num_decode_tokens: got {nd}; allowed: <= num_tokens ({nt})")
 
-    def validate(self) -> "StepBatch":
-        """Value checks that read device tensors (a sync on GPU): call outside the hot path."""
+    def validate(self, cache_blocks: dict | None = None) -> "StepBatch":
+        """Value checks that read device tensors (a sync on GPU): call outside the hot path.
+
+        Every block id a token reads (the used columns: ``cdiv(entries, block_size)`` of each
+        request) must be >= 0 with int32 slots. ``cache_blocks`` maps "swa" and compressed
+        ratios to the ``num_blocks`` of the caches those tables index; used ids must then also
+        be below them (``SparseMLA.forward(validate=True)`` passes its caches' geometry).
+        """
+        cache_blocks = cache_blocks or {}
         qsl = self.query_start_loc.long().cpu()
         seq = self.seq_lens.long().cpu()
         if qsl[0] != 0:
@@ -135,31 +192,13 @@ class StepBatch:
             )
         if seq.numel() and int(seq.max()) > self.max_model_len:
             raise ValueError(f"seq_lens: got max {int(seq.max())}; allowed: <= max_model_len ({self.max_model_len})")
-        self._check_table("swa_block_table", self.swa_block_table, seq, self.swa_block_size)
+        _check_table("swa_block_table", self.swa_block_table, seq, self.swa_block_size, cache_blocks.get("swa"),
+                     "swa_cache")
         for ratio, table in self.comp_block_tables.items():
             entries = torch.div(seq, ratio, rounding_mode="floor")
-            self._check_table(f"comp_block_tables[{ratio}]", table, entries, self.block_size // ratio)
+            _check_table(f"comp_block_tables[{ratio}]", table, entries, self.block_size // ratio,
+                         cache_blocks.get(ratio), "comp_cache")
         return self
-
-    @staticmethod
-    def _check_table(name: str, table: torch.Tensor, lengths: torch.Tensor, block_size: int) -> None:
-        need = (lengths + block_size - 1) // block_size
-        if need.numel() and int(need.max()) > table.shape[1]:
-            r = int(need.argmax())
-            raise ValueError(
-                f"{name}: got {table.shape[1]} columns; allowed: >= {int(need[r])} "
-                f"(request {r} needs cdiv({int(lengths[r])}, {block_size}) blocks)"
-            )
-        used = torch.arange(table.shape[1])[None, :] < need[:, None]
-        rows = table[: lengths.shape[0]].cpu().long()
-        if bool((rows.lt(0) & used).any()):
-            raise ValueError(f"{name}: got a negative block id in a used column; allowed: block ids >= 0")
-        used_ids = rows[used]  # unused columns may hold anything: no kernel reads them
-        if used_ids.numel() and (int(used_ids.max()) + 1) * block_size > 2**31:
-            raise ValueError(
-                f"{name}: got block id {int(used_ids.max())}; allowed: block ids whose slots "
-                f"(block * {block_size} + offset) fit int32, the kernels' index type"
-            )
 
     # ---- derived per-token tensors ------------------------------------------------------
     @property
@@ -186,39 +225,36 @@ class StepBatch:
             )
         return self.comp_block_tables[kind.ratio]
 
-    def _derive(self) -> dict[str, torch.Tensor]:
-        if self._derived is None:
-            t = torch.arange(self.num_tokens, device=self.device, dtype=torch.int64)
-            qsl = self.query_start_loc.long()
-            req = torch.searchsorted(qsl, t, right=True) - 1
-            valid = t < qsl[-1]
-            req = req.clamp(0, max(self.num_reqs - 1, 0))
-            if self.num_reqs == 0:
-                pos = torch.zeros_like(t)
-            else:
-                prefix = self.seq_lens.long() - (qsl[1:] - qsl[:-1])
-                pos = prefix[req] + (t - qsl[req])
-            self._derived = {
-                "positions": torch.where(valid, pos, torch.zeros_like(pos)),
-                "token_to_req": torch.where(valid, req, torch.full_like(req, -1)).to(torch.int32),
-                "token_valid": valid,
-            }
-        return self._derived
+    def token_facts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions int64 [T], token_to_req int32 [T], token_valid bool [T]) computed now from
+        the tensors' current contents (never cached: engines rewrite them in place)."""
+        t = torch.arange(self.num_tokens, device=self.device, dtype=torch.int64)
+        qsl = self.query_start_loc.long()
+        req = torch.searchsorted(qsl, t, right=True) - 1
+        valid = t < qsl[-1]
+        req = req.clamp(0, max(self.num_reqs - 1, 0))
+        if self.num_reqs == 0:
+            pos = torch.zeros_like(t)
+        else:
+            prefix = self.seq_lens.long() - (qsl[1:] - qsl[:-1])
+            pos = prefix[req] + (t - qsl[req])
+        return (torch.where(valid, pos, torch.zeros_like(pos)),
+                torch.where(valid, req, torch.full_like(req, -1)).to(torch.int32), valid)
 
     @property
     def positions(self) -> torch.Tensor:
         """int64 [T]: position of each token in its sequence (0 for padding tokens)."""
-        return self._derive()["positions"]
+        return self.token_facts()[0]
 
     @property
     def token_to_req(self) -> torch.Tensor:
         """int32 [T]: request index of each token (-1 for padding tokens)."""
-        return self._derive()["token_to_req"]
+        return self.token_facts()[1]
 
     @property
     def token_valid(self) -> torch.Tensor:
         """bool [T]: False for padding tokens."""
-        return self._derive()["token_valid"]
+        return self.token_facts()[2]
 
     @classmethod
     def from_lists(

@@ -102,9 +102,8 @@ class TorchFrontEnd:
 
     def step_rows(self, batch: StepBatch, buffers: PlanBuffers, num_tokens: int) -> None:
         T = num_tokens
-        buffers.positions[:T].copy_(batch.positions)
-        buffers.token_to_req[:T].copy_(batch.token_to_req)
-        buffers.token_valid[:T].copy_(batch.token_valid)
+        for buf, fact in zip((buffers.positions, buffers.token_to_req, buffers.token_valid), batch.token_facts()):
+            buf[:T].copy_(fact)
         tokens = Tokens(buffers.positions[:T], buffers.token_to_req[:T], buffers.token_valid[:T])
         swa_rows_for(tokens, batch.swa_block_table, batch.swa_block_size, buffers.spec.window,
                      out=(buffers.swa_rows[:T], buffers.swa_lens[:T]))
@@ -183,7 +182,7 @@ class StepPlan:
                 raise ValueError(f"comp_block_tables: the batch has no ratio-{kind.ratio} table; allowed: "
                                  f"provide comp_block_tables[{kind.ratio}] to run {kind.name} layers")
             return self.all_rows[kind.ratio]
-        check_local_topk(topk, self.num_tokens, self.device)
+        check_local_topk(topk, self.num_tokens, self.device, width=self.spec.comp_width(kind))
         return self.front_end.topk_rows(self.tokens, kind, self.batch.comp_block_table(kind),
                                         self.batch.comp_block_size(kind), topk[: self.num_tokens])
 
@@ -205,15 +204,13 @@ class StepPlan:
                         self.front_end)
 
 
-def build_plan(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers, owner: Any, generation: int,
-               front_end: FrontEnd | None = None) -> StepPlan:
-    """Fill ``buffers`` for ``batch`` with ``front_end`` (default torch; no host sync given
-    batch.num_tokens) and view them."""
-    front_end = front_end or TorchFrontEnd()
-    T = batch.num_tokens
-    if T > buffers.max_tokens:
-        raise ValueError(f"batch.num_tokens: got {T}; allowed: <= max_tokens ({buffers.max_tokens}) of this "
-                         "SparseMLA (raise max_tokens)")
+def check_step(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers) -> None:
+    """Every check a step must pass before ``build_plan`` writes the buffers (host only): a
+    refused step leaves the previous plan valid."""
+    batch.check()
+    if batch.num_tokens > buffers.max_tokens:
+        raise ValueError(f"batch.num_tokens: got {batch.num_tokens}; allowed: <= max_tokens ({buffers.max_tokens}) "
+                         "of this SparseMLA (raise max_tokens)")
     if batch.max_model_len > spec.max_model_len:
         raise ValueError(f"batch.max_model_len: got {batch.max_model_len}; allowed: <= spec.max_model_len "
                          f"({spec.max_model_len}), which fixes the row width of the \"all\" layers (C128A)")
@@ -224,6 +221,14 @@ def build_plan(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers, owner: A
     if unknown:
         raise ValueError(f"batch.comp_block_tables: got ratio(s) {unknown}; allowed: the model's compression "
                          f"ratios {list(spec.comp_ratios)}")
+
+
+def build_plan(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers, owner: Any, generation: int,
+               front_end: FrontEnd | None = None) -> StepPlan:
+    """Fill ``buffers`` for ``batch`` (which passed :func:`check_step`) with ``front_end``
+    (default torch; no host sync given batch.num_tokens) and view them."""
+    front_end = front_end or TorchFrontEnd()
+    T = batch.num_tokens
     front_end.step_rows(batch, buffers, T)
     all_rows = {k.ratio: tuple(t[:T] for t in buffers.rows_of(k)) for k in buffers.all_kinds(batch)}
     return StepPlan(spec, batch, owner, generation, 0, T, batch.num_decode_tokens, buffers.positions[:T],
