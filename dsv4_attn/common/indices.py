@@ -4,7 +4,11 @@ Every builder returns ``(rows, lens)``: ``rows`` int32 ``[T, width]`` of GLOBAL 
 (``block_table[req, p // bs] * bs + p % bs``) whose first ``lens[t]`` columns are the keys of
 token t and whose every other column is -1; ``lens`` int32 ``[T]``. Padding tokens (see
 StepBatch) get ``lens == 0`` and all -1 rows. Slots are computed in int64 and stored as int32
-(the vendor kernels' index type); a slot >= 2**31 is a ValueError at validation time.
+(the vendor kernels' index type). Entries that cannot be read are -1, never an out-of-bounds
+lookup or an int32 wrap: a missing block-table column, a negative block id, a slot >= 2**31
+(``StepBatch.validate`` raises for them instead). Block ids past the end of a cache give slots
+past its end; every consumer (kernel, backend, reference) skips slots outside
+``[0, num_blocks * block_size)`` exactly like -1 (docs/bad-input.md).
 
 ``out=(rows, lens)`` writes into caller buffers (plan buffers sized for the max batch) so a
 step can be captured in a CUDA graph and replayed with new contents.
@@ -25,12 +29,20 @@ _LEN_DTYPES = (torch.int32, torch.int64)
 
 def _lookup_slots(table: torch.Tensor, req: torch.Tensor, logical: torch.Tensor, block_size: int,
                   valid: torch.Tensor) -> torch.Tensor:
-    """Global slots (int64) of logical positions ``logical`` [T, W] of requests ``req`` [T]."""
-    col = torch.div(logical, block_size, rounding_mode="floor").clamp(0, table.shape[1] - 1)
-    safe_req = req.clamp(min=0).long()[:, None].expand_as(col)
-    block = table[safe_req, col].long()
+    """Global slots (int64, -1 where invalid) of logical positions ``logical`` [T, W] of requests
+    ``req`` [T]. A position whose block-table column does not exist, whose block id is negative
+    or whose slot does not fit int32 is invalid too (never an out-of-bounds read, never a wrap);
+    block ids past the cache are left for the consumer, which knows the cache."""
+    rows, cols = table.shape
+    if rows == 0 or cols == 0:  # nothing to look up (e.g. a step of padding tokens only)
+        return torch.full_like(logical, -1, dtype=torch.int64)
+    col = torch.div(logical, block_size, rounding_mode="floor")
+    ok = valid & (col < cols)
+    safe_req = req.long().clamp(0, rows - 1)[:, None].expand_as(col)
+    block = table[safe_req, torch.where(ok, col, torch.zeros_like(col))].long()
     slots = block * block_size + logical.remainder(block_size)
-    return torch.where(valid, slots, torch.full_like(slots, -1))
+    ok &= (block >= 0) & (slots < 2**31)
+    return torch.where(ok, slots, torch.full_like(slots, -1))
 
 
 def _check_ints(name: str, t, shape: tuple, device: torch.device | None = None,
@@ -74,7 +86,7 @@ class Tokens(NamedTuple):
 
     @classmethod
     def of(cls, batch: StepBatch) -> "Tokens":
-        return cls(batch.positions, batch.token_to_req, batch.token_valid)
+        return cls(*batch.token_facts())
 
 
 def swa_rows(batch: StepBatch, window: int = 128, out: IndexPair | None = None) -> IndexPair:
@@ -99,12 +111,19 @@ def swa_rows_for(tokens: Tokens, table: torch.Tensor, block_size: int, window: i
     return _emit(rows, lens, out)
 
 
-def check_local_topk(local_topk, num_tokens: int, device: torch.device, name: str = "topk") -> None:
+def check_local_topk(local_topk, num_tokens: int, device: torch.device, name: str = "topk",
+                     width: int | None = None) -> None:
+    """``local_topk`` (the argument ``name``) is int32/int64 ``[T' >= num_tokens, width]`` on
+    ``device`` (``width`` None: any; the model's top-k width otherwise, so a narrower row never
+    silently drops keys)."""
+    want = "K" if width is None else str(width)
     if not isinstance(local_topk, torch.Tensor) or local_topk.dtype not in (torch.int32, torch.int64) \
-            or local_topk.dim() != 2 or local_topk.shape[0] < num_tokens:
+            or local_topk.dim() != 2 or local_topk.shape[0] < num_tokens \
+            or (width is not None and local_topk.shape[1] != width):
         got = (f"{local_topk.dtype} {tuple(local_topk.shape)}" if isinstance(local_topk, torch.Tensor)
                else type(local_topk).__name__)
-        raise ValueError(f"{name}: got {got}; allowed: int32 [T >= {num_tokens}, K] local compressed positions")
+        raise ValueError(f"{name}: got {got}; allowed: int32 [T >= {num_tokens}, {want}] local compressed "
+                         "positions" + ("" if width is None else f" ({width} = the model's top-k width)"))
     if local_topk.device != device:
         raise ValueError(f"{name}: got device {local_topk.device}; allowed: {device}")
 
@@ -124,6 +143,24 @@ def topk_rows(batch: StepBatch, kind: LayerKind, local_topk: torch.Tensor,
     check_local_topk(local_topk, batch.num_tokens, batch.device, name)
     return comp_rows_for(Tokens.of(batch), kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
                          local_topk[: batch.num_tokens], out)
+
+
+def validate_local_topk(tokens: Tokens, local_topk: torch.Tensor, ratio: int, name: str = "topk") -> None:
+    """Raise a ValueError for the first entry of a token's valid prefix (its first
+    ``min((pos+1)//ratio, K)`` lanes) that is neither -1 nor a visible entry ``0 <= e <
+    (pos+1)//ratio``. Without this check such entries are skipped like -1. Reads device tensors."""
+    pos, valid_tok = tokens.positions.cpu(), tokens.valid.cpu()
+    local = local_topk[: pos.shape[0]].long().cpu()
+    visible = torch.div(pos + 1, ratio, rounding_mode="floor")
+    lens = torch.where(valid_tok, visible.clamp(max=local.shape[1]), torch.zeros_like(pos))
+    col = torch.arange(local.shape[1])[None, :]
+    bad = (col < lens[:, None]) & ((local < -1) | (local >= visible[:, None]))
+    if bool(bad.any()):
+        t, c = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{name}: got {int(local[t, c])} at token {t}, lane {c} (inside its first {int(lens[t])} lanes); "
+            f"allowed: -1 or a visible compressed position 0..{int(visible[t]) - 1} (position {int(pos[t])})"
+        )
 
 
 def c4a_rows(batch: StepBatch, local_topk: torch.Tensor, out: IndexPair | None = None) -> IndexPair:

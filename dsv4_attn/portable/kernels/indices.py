@@ -15,6 +15,9 @@ without any host synchronisation (no ``searchsorted`` / ``.item()``), into calle
              n = min((pos+1)//4, K)
   slot(p) = table[r, p // bs] * bs + p % bs  (int64 arithmetic, stored int32)
 Padding tokens (t >= qsl[R]): position 0, request -1, invalid, rows all -1, lens 0.
+An entry whose block-table column does not exist, whose block id is negative or whose slot
+does not fit int32 is -1 (never an out-of-bounds read of the table, never an int32 wrap), as in
+``common.indices``; block ids past a cache are skipped by the attention kernels.
 """
 
 from __future__ import annotations
@@ -65,9 +68,10 @@ def _step_rows_kernel(
     logical = start + j
     ok = (j < WINDOW) & (logical <= pos) & valid
     col = logical // swa_bs
-    col = tl.minimum(col, swa_cols - 1)
+    ok = ok & (col < swa_cols)
     blk = tl.load(SWA_TABLE + req64 * stride_swa_t + col, mask=ok, other=0).to(tl.int64)
     slot = blk * swa_bs + (logical - col * swa_bs)
+    ok = ok & (blk >= 0) & (slot < 2147483648)
     tl.store(SWA_ROWS + t.to(tl.int64) * stride_swa_r + j, tl.where(ok, slot, -1).to(tl.int32), mask=j < WINDOW)
     tl.store(SWA_LENS + t, tl.where(valid, tl.minimum(pos + 1, WINDOW), 0).to(tl.int32))
 
@@ -75,10 +79,11 @@ def _step_rows_kernel(
         n = tl.where(valid, tl.minimum((pos + 1) // C_RATIO, c_width), 0)
         for c0 in range(0, c_width, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
-            okc = c < n
-            ccol = tl.minimum(c // c_bs, c_cols - 1)
+            ccol = c // c_bs
+            okc = (c < n) & (ccol < c_cols)
             cblk = tl.load(C_TABLE + req64 * stride_c_t + ccol, mask=okc, other=0).to(tl.int64)
             cslot = cblk * c_bs + (c - ccol * c_bs)
+            okc = okc & (cblk >= 0) & (cslot < 2147483648)
             tl.store(C_ROWS + t.to(tl.int64) * stride_c_r + c, tl.where(okc, cslot, -1).to(tl.int32),
                      mask=c < c_width)
         tl.store(C_LENS + t, n.to(tl.int32))
@@ -141,9 +146,11 @@ def _c4a_rows_kernel(
         c = k0 + tl.arange(0, BLOCK_K)
         local = tl.load(LOCAL + t.to(tl.int64) * stride_l + c, mask=c < K, other=-1).to(tl.int64)
         ok = (c < n) & (local >= 0) & (local < visible)
-        col = tl.minimum(local // bs, table_cols - 1)
+        col = tl.where(ok, local, 0) // bs
+        ok = ok & (col < table_cols)
         blk = tl.load(TABLE + req * stride_t + col, mask=ok, other=0).to(tl.int64)
         slot = blk * bs + (local - col * bs)
+        ok = ok & (blk >= 0) & (slot < 2147483648)
         tl.store(ROWS + t.to(tl.int64) * K + c, tl.where(ok, slot, -1).to(tl.int32), mask=c < K)
     tl.store(LENS + t, n.to(tl.int32))
 
