@@ -85,7 +85,8 @@ def apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None) 
     """Scale ``out [T, H, D]`` by ``sigmoid(lse - sink)``; ``lse [T, H]`` natural log without
     the sink, ``sink [H]`` (None = no sink). Empty rows (non-finite lse) -> 0, NaN-free.
 
-    sink = -inf leaves out unchanged; sink = +inf zeroes it. Returns float32.
+    sink = -inf leaves out unchanged; sink = +inf zeroes it; a NaN sink gives NaN on the rows with
+    keys (as the reference: garbage in is never turned into zeros). Returns float32.
     """
     _check_pair("out/lse", out, lse)
     lse = _empty_to_neg_inf(lse.float())
@@ -96,7 +97,9 @@ def apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None) 
         _check_sink(sink, lse)
         factor = torch.sigmoid(lse - sink.float())
     factor = torch.where(empty, torch.zeros_like(factor), factor)
-    return torch.where(factor[..., None] > 0, out.float() * factor[..., None], torch.zeros_like(out, dtype=torch.float32))
+    # factor 0 (empty row, +inf sink) -> 0 even where out holds NaN; a NaN factor stays NaN
+    return torch.where(factor[..., None] == 0, torch.zeros_like(out, dtype=torch.float32),
+                       out.float() * factor[..., None])
 
 
 def remove_sink_from_lse(lse_with_sink: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:

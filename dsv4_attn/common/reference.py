@@ -9,6 +9,14 @@ with sink"):
     lse[t, h] = log Σ_j exp(s_j)              natural log, WITHOUT the sink
 
 A token with no valid key outputs 0 and lse -inf. No deduplication between the scopes.
+
+Bad input (docs/bad-input.md) -- this function DEFINES the answer every backend must give:
+* an entry outside ``[0, num_blocks * block_size)`` of its cache (-1, any other negative, the
+  slot count, anything past it) is skipped exactly like -1; ``validate=True`` (the default
+  here) raises a ValueError for entries other than -1 instead;
+* NaN is never hidden: a NaN (or a NaN score from infinities) in a selected key row makes the
+  token's output and lse NaN (every head: the key enters every head's softmax), a NaN sink makes
+  its head's output NaN; rows with no valid key still output 0 whatever the sink.
 """
 
 from __future__ import annotations
@@ -25,8 +33,9 @@ _TOKEN_CHUNK = 64  # bounds the float64 [chunk, keys, 512] gather
 _INTS = (torch.int32, torch.int64)
 
 
-def _check_inputs(q, scopes, sink, scale) -> None:
-    """Shapes, dtypes, devices and slot ranges (entries inside lens) of every argument."""
+def _check_inputs(q, scopes, sink, scale, validate: bool) -> None:
+    """Shapes, dtypes and devices of every argument; with ``validate`` also the slot ranges
+    (entries inside lens)."""
     if not isinstance(q, torch.Tensor) or not q.is_floating_point() or q.dim() != 3 or q.shape[2] != HEAD_DIM:
         got = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
         raise ValueError(f"q: got {got}; allowed: a float tensor [T, H, {HEAD_DIM}]")
@@ -37,8 +46,9 @@ def _check_inputs(q, scopes, sink, scale) -> None:
             raise ValueError(f"{prefix}_cache: got device {cache.device}; allowed: {dev} (q's device)")
         _check_ints(f"{prefix}_rows", rows, (T, None), dev, _INTS)
         _check_ints(f"{prefix}_lens", lens, (T,), dev, _INTS)
-        col = torch.arange(rows.shape[1], device=dev)[None, :]
-        _check_slots(torch.where(col < lens[:, None], rows, -1), f"{prefix}_rows", dev, geo.num_slots)
+        if validate:
+            col = torch.arange(rows.shape[1], device=dev)[None, :]
+            _check_slots(torch.where(col < lens[:, None], rows, -1), f"{prefix}_rows", dev, geo.num_slots)
     if sink is not None and not (isinstance(sink, torch.Tensor) and sink.is_floating_point()
                                  and sink.shape == (H,) and sink.device == dev):
         got = f"{sink.dtype} {tuple(sink.shape)} on {sink.device}" if isinstance(sink, torch.Tensor) \
@@ -49,10 +59,11 @@ def _check_inputs(q, scopes, sink, scale) -> None:
 
 
 def _scope_keys(cache, record: Record, rows, lens, kv_scale, dialect, name):
-    """Dequantized keys [T, K, 512] float32 and a validity mask [T, K] of one scope."""
+    """Dequantized keys [T, K, 512] float32 and a validity mask [T, K] of one scope: the first
+    ``lens`` entries that are slots of the cache (anything else is skipped, never read)."""
     geo = check_cache(cache, record, name, dialect)
     col = torch.arange(rows.shape[1], device=rows.device)[None, :]
-    valid = (col < lens[:, None].long()) & (rows >= 0)
+    valid = (col < lens[:, None].long()) & (rows >= 0) & (rows < geo.num_slots)
     slots = torch.where(valid, rows.long(), torch.full_like(rows, -1, dtype=torch.long))
     return gather_rows(cache, record, geo, slots, kv_scale, dialect), valid
 
@@ -72,6 +83,7 @@ def sparse_mla(
     kv_scale: float | None = None,
     swa_dialect: Fp8Dialect | str = Fp8Dialect.OCP,
     comp_dialect: Fp8Dialect | str = Fp8Dialect.OCP,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two-scope sparse attention with sink.
 
@@ -82,6 +94,8 @@ def sparse_mla(
                 comp_rows int [T, K], comp_lens int [T]
     sink        [H] float (None = no sink, i.e. -inf)
     kv_scale    per-tensor scale of FP8_TENSOR caches (None -> 1.0)
+    validate    raise for row entries (inside lens) outside -1 .. num_slots-1; False: skip them
+                like -1 (the masked answer, what every backend gives without validation)
     Returns (out [T, H, 512] ``dtype``, lse [T, H] ``dtype``).
     """
     fmt = KVFormat.parse(fmt)
@@ -89,7 +103,7 @@ def sparse_mla(
     scopes = [("swa", swa_cache, swa_rows, swa_lens, fmt.swa_record, swa_dialect)]
     if comp_cache is not None:
         scopes.append(("comp", comp_cache, comp_rows, comp_lens, fmt.comp_record, comp_dialect))
-    _check_inputs(q, scopes, sink, scale)
+    _check_inputs(q, scopes, sink, scale, validate)
     scale_kv = 1.0 if kv_scale is None else float(kv_scale)
     T, H, _ = q.shape
     out = torch.zeros(T, H, q.shape[-1], dtype=dtype, device=q.device)
@@ -106,13 +120,13 @@ def sparse_mla(
         keys = keys.to(dtype)
         scores = scale * torch.einsum("thd,tkd->thk", q[t0:t1].to(dtype), keys)
         scores = scores.masked_fill(~valid[:, None, :], -math.inf)
-        chunk_lse = torch.logsumexp(scores, dim=-1)  # -inf for empty rows
-        has_keys = torch.isfinite(chunk_lse)
+        chunk_lse = torch.logsumexp(scores, dim=-1)  # -inf for empty rows, NaN for NaN keys
+        has_keys = valid.any(dim=1)[:, None].expand_as(chunk_lse)
         safe_lse = torch.where(has_keys, chunk_lse, torch.zeros_like(chunk_lse))
         probs = torch.exp(scores - safe_lse[..., None])  # normalized over the keys
         o = torch.einsum("thk,tkd->thd", probs, keys)
         if sink_d is not None:
             o = o * torch.sigmoid(chunk_lse - sink_d)[..., None]
         out[t0:t1] = torch.where(has_keys[..., None], o, torch.zeros_like(o))
-        lse[t0:t1] = chunk_lse
+        lse[t0:t1] = torch.where(has_keys, chunk_lse, torch.full_like(chunk_lse, -math.inf))
     return out, lse

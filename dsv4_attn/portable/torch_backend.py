@@ -6,6 +6,9 @@ sink in the denominator. Peak extra memory per chunk of C tokens with K = W + K_
 and H heads is about ``C * K * (512 + 3 * H) * 4`` bytes (gathered keys, then scores,
 probabilities and a temporary); C is chosen so that this stays under ``chunk_bytes``
 (default 256 MiB), with at least one token per chunk.
+
+Bad input gives the reference's answer (docs/bad-input.md): slots outside the cache are skipped
+like -1 (never gathered), NaN in a selected key or the sink comes out as NaN, not as zeros.
 """
 
 from __future__ import annotations
@@ -59,9 +62,10 @@ class TorchBackend(Backend):
 
 def _scope(cache, record: Record, geo, rows: torch.Tensor, lens: torch.Tensor, kv_scale: float,
            dialect: Fp8Dialect) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys float32 [C, K, 512] and validity bool [C, K] of one scope (first lens, -1 skipped)."""
+    """Keys float32 [C, K, 512] and validity bool [C, K] of one scope: the first lens entries that
+    are slots of the cache (-1 and any other out-of-range entry skipped, never gathered)."""
     col = torch.arange(rows.shape[1], device=rows.device)[None, :]
-    valid = (col < lens[:, None]) & (rows >= 0)
+    valid = (col < lens[:, None]) & (rows >= 0) & (rows < geo.num_slots)
     slots = torch.where(valid, rows, torch.full_like(rows, -1))
     return gather_rows(cache, record, geo, slots, kv_scale, dialect), valid
 
@@ -71,15 +75,12 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torc
     """q [C, H, 512], keys [C, K, 512] f32, valid [C, K] -> out float32 [C, H, 512]."""
     scores = torch.bmm(q.float(), keys.transpose(1, 2)).mul_(scale)
     scores.masked_fill_(~valid[:, None, :], -math.inf)
-    row_max = scores.amax(dim=-1, keepdim=True)
-    if sink is not None:
-        row_max = torch.maximum(row_max, sink[None, :, None])
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    has_keys = valid.any(dim=1)[:, None, None]
+    # the max over the keys only: finite on rows with keys (NaN if a key is NaN, which must show)
+    row_max = torch.where(has_keys, scores.amax(dim=-1, keepdim=True), torch.zeros(1, device=q.device))
     probs = torch.exp(scores - row_max)
     denom = probs.sum(dim=-1, keepdim=True)
-    if sink is not None:
+    if sink is not None:  # +inf sink: denom inf -> 0 out; NaN sink: NaN out
         denom = denom + torch.exp(sink[None, :, None] - row_max)
-    out = torch.bmm(probs, keys)
-    # Rows with no key, or an infinite sink that swamps them, have denom 0 or inf: output 0.
-    safe = (denom > 0) & torch.isfinite(denom)
-    return torch.where(safe, out / torch.where(safe, denom, torch.ones_like(denom)), torch.zeros_like(out))
+    out = torch.bmm(probs, keys) / denom
+    return torch.where(has_keys, out, torch.zeros_like(out))
