@@ -14,8 +14,13 @@ rows, in tiles of ``BLOCK_N`` keys, with ONE online softmax over both scopes:
 * C4A local top-k entries are translated to global slots inside the kernel through the
   ratio-4 block table (no extra launch per C4A layer);
 * every slot -> byte offset product is int64 (caches larger than 2^31 bytes work);
+* any entry that does not name a row of its cache is skipped exactly like -1, never read
+  (``RANGE_CHECKS``, one compare per key; docs/bad-input.md): a slot outside ``[0, slots)``, a
+  C4A entry outside ``[0, visible)`` or past the block table's columns, a block id outside
+  ``[0, blocks)``; lens are clamped to ``[0, row width]``. ``RANGE_CHECKS=False`` exists only
+  to measure what the checks cost (``dsv4-attn bench --guard-cost``);
 * the sink is applied once at the end: ``o = acc / (l + exp(sink - m))``; rows with no valid
-  key write 0 (and lse -inf).
+  key write 0 (and lse -inf); NaN in a selected key or the sink is not hidden (NaN out).
 
 When the tokens are too few to fill the GPU the key tiles of a token are split over ``SPLIT``
 programs writing fp32 partials ``(acc, m, l)``; a small combine kernel merges them, applies the
@@ -42,12 +47,14 @@ COMP_C4A_LOCAL = 2  # compressed rows are C4A local positions: translate in the 
 
 
 @triton.jit
-def _tile_slots(g, lo_b, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs,
-                COMP: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile_slots(g, lo_b, hi, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row, bt_cols, b_bs,
+                b_blocks, COMP: tl.constexpr, RANGE_CHECKS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Slots [BLOCK_N] (0 where invalid), validity, and scope flag of global tile ``g``.
 
     Tiles [0, lo_b) are SWA tiles of scope A, tiles [lo_b, ...) compressed tiles of scope B;
-    ``g >= hi`` gives an all-invalid tile (the prefetch past the last tile)."""
+    ``g >= hi`` gives an all-invalid tile (the prefetch past the last tile). With RANGE_CHECKS an
+    entry naming no row of its cache is invalid (slot outside [0, a_slots) / [0, b_slots); C4A:
+    block-table column >= bt_cols or block id outside [0, b_blocks))."""
     live = g < hi
     is_a = g < lo_b
     j = tl.arange(0, BLOCK_N)
@@ -55,6 +62,8 @@ def _tile_slots(g, lo_b, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs
     ina = (ja < len_a) & is_a & live
     sa = tl.load(a_rows + ja, mask=ina, other=-1)
     valid = ina & (sa >= 0)
+    if RANGE_CHECKS:
+        valid = valid & (sa < a_slots)
     slots = sa
     if COMP != 0:
         jb = (g - lo_b) * BLOCK_N + j
@@ -62,12 +71,18 @@ def _tile_slots(g, lo_b, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs
         if COMP == 1:
             sb = tl.load(b_rows + jb, mask=inb, other=-1)
             vb = inb & (sb >= 0)
+            if RANGE_CHECKS:
+                vb = vb & (sb < b_slots)
         else:
             local = tl.load(b_rows + jb, mask=inb, other=-1)
             vb = inb & (local >= 0) & (local < visible)
             local = tl.where(vb, local, 0)
             col = local // b_bs
+            if RANGE_CHECKS:
+                vb = vb & (col < bt_cols)
             blk = tl.load(bt_row + col, mask=vb, other=0)
+            if RANGE_CHECKS:
+                vb = vb & (blk >= 0) & (blk < b_blocks)
             sb = blk * b_bs + (local - col * b_bs)
         valid = tl.where(is_a, valid, vb)
         slots = tl.where(is_a, sa, sb)
@@ -209,12 +224,13 @@ def sparse_mla_fwd_kernel(
     O, stride_ot, stride_oh,
     LSE, stride_lt,
     SINK,
-    # scope A: SWA rows (global slots) into cache A
-    A_U8, A_16, a_stride0, a_bs, A_ROWS, stride_ar, A_LENS,
+    # scope A: SWA rows (global slots) into cache A of a_slots slots; rows a_width wide
+    A_U8, A_16, a_stride0, a_bs, a_slots, A_ROWS, stride_ar, A_LENS, a_width,
     # scope B: compressed rows (global slots, or C4A local positions) into cache B
-    B_U8, B_16, b_stride0, b_bs, B_ROWS, stride_br, B_LENS,
-    # C4A translation: ratio-4 block table, token -> request, positions
-    BT, stride_bt, TOK2REQ, POS, b_width,
+    B_U8, B_16, b_stride0, b_bs, b_slots, B_ROWS, stride_br, B_LENS,
+    # C4A translation: ratio-4 block table (bt_cols columns of ids < b_blocks), token -> request,
+    # positions; b_width = compressed row width
+    BT, stride_bt, bt_cols, b_blocks, TOK2REQ, POS, b_width,
     # split partials: PO fp32 [T, SPLIT, H, 512], PML fp32 [T, SPLIT, H, 2]
     PO, PML,
     # per-program scratch for P (DT [grid, 2, BLOCK_H, BLOCK_N]) and alpha (fp32 [grid, 2, BLOCK_H])
@@ -223,7 +239,7 @@ def sparse_mla_fwd_kernel(
     FMT: tl.constexpr, COMP: tl.constexpr, C4A_RATIO: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
     IS_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
-    P_SCRATCH: tl.constexpr,
+    P_SCRATCH: tl.constexpr, RANGE_CHECKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_hb = tl.cdiv(num_heads, BLOCK_H)
@@ -264,6 +280,9 @@ def sparse_mla_fwd_kernel(
         visible = ((pos + 1) // C4A_RATIO).to(tl.int32)
         len_b = tl.where(req >= 0, tl.minimum(visible, b_width), 0)
         req = tl.maximum(req, 0)
+    if RANGE_CHECKS:  # a length never reaches past its row (nor below 0)
+        len_a = tl.minimum(tl.maximum(len_a, 0), a_width)
+        len_b = tl.minimum(tl.maximum(len_b, 0), b_width)
     tiles_a = tl.cdiv(len_a, BLOCK_N)
     tiles = tiles_a + tl.cdiv(len_b, BLOCK_N)
     if IS_SPLIT:
@@ -281,11 +300,11 @@ def sparse_mla_fwd_kernel(
 
     # slots of the first tile; each iteration prefetches the next tile's slots (index loads and
     # the C4A block-table lookup leave the critical path)
-    slots, valid, is_a = _tile_slots(lo, tiles_a, hi, a_rows, len_a, b_rows, len_b, visible, bt_row, b_bs,
-                                     COMP, BLOCK_N)
+    slots, valid, is_a = _tile_slots(lo, tiles_a, hi, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row,
+                                     bt_cols, b_bs, b_blocks, COMP, RANGE_CHECKS, BLOCK_N)
     for g in range(lo, hi):
-        slots_n, valid_n, is_a_n = _tile_slots(g + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, visible, bt_row,
-                                               b_bs, COMP, BLOCK_N)
+        slots_n, valid_n, is_a_n = _tile_slots(g + 1, tiles_a, hi, a_rows, len_a, a_slots, b_rows, len_b, b_slots,
+                                               visible, bt_row, bt_cols, b_bs, b_blocks, COMP, RANGE_CHECKS, BLOCK_N)
         if COMP == 0:
             raw = _load_kv_raw(A_U8, A_16, a_stride0, a_bs, slots, valid, FMT, BLOCK_N)
             exp_off = a_exp_off
@@ -307,7 +326,7 @@ def sparse_mla_fwd_kernel(
         if HAS_SINK:
             sink2 = tl.load(SINK + h, mask=hmask, other=float("-inf")) * 1.4426950408889634
             denom = l_i + tl.exp2(sink2 - m_i)
-        has = l_i > 0.0
+        has = l_i != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
         inv = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
         o_row = O + t64 * stride_ot + h.to(tl.int64) * stride_oh
         _store_rows(o_row, 0, (acc_a * inv[:, None]).to(O.dtype.element_ty), hmask, 256)
@@ -353,7 +372,7 @@ def combine_kernel(
     if HAS_SINK:
         sink2 = tl.load(SINK + h, mask=hmask, other=float("-inf")) * 1.4426950408889634
         denom = l_sum + tl.exp2(sink2 - m_max)
-    has = l_sum > 0.0
+    has = l_sum != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
     inv = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for i in range(SPLIT):

@@ -19,9 +19,12 @@ Pitfall (ptxas C7515, every wgmma serialized): an asynchronous P·V left running
 next mbarrier wait; it is retired at the end of each tile instead.
 
 fp16 operands: e4m3 values and their power-of-two scales are exact in fp16 for every scale byte
-the cache writers produce (>= 2^-22); q is RMS-normed (|q| <= sqrt(512)) and carries the
-softmax scale; bf16 RoPE values round to fp16's 11-bit mantissa (finer than bf16's 8).
-Accumulation is fp32 throughout.
+the cache writers produce (>= 2^-22); q (RMS-normed, |q| <= sqrt(512) times its gain) and the
+bf16 RoPE values convert to fp16 exactly (fp16 has the finer mantissa) within fp16's range. The
+softmax scale multiplies the fp32 scores; accumulation is fp32 throughout.
+
+Index entries that name no row of their cache are skipped without being read, as in the
+portable kernel (``RANGE_CHECKS``; docs/bad-input.md).
 """
 
 from __future__ import annotations
@@ -70,16 +73,35 @@ def _split_slot(slots, bs, shift, POW2: gl.constexpr):
 
 
 @gluon.jit
-def _idx_resolve(g, lo_b, val, inr, visible, bt_row, b_bs, B_SHIFT: gl.constexpr, COMP: gl.constexpr):
+def _idx_resolve(g, lo_b, val, inr, a_slots, b_slots, visible, bt_row, bt_cols, b_bs, b_blocks,
+                 B_SHIFT: gl.constexpr, COMP: gl.constexpr, RANGE_CHECKS: gl.constexpr):
     """Index pipeline, stage 2: entries -> (slots, valid); C4A local positions -> global slots
-    through the ratio-4 block table row (invalid: -1, >= visible, or past the row's length)."""
-    valid = inr & (val >= 0)
+    through the ratio-4 block table row (invalid: -1, >= visible, or past the row's length).
+    With RANGE_CHECKS an entry naming no row of its cache is invalid too: a slot outside
+    [0, a_slots) / [0, b_slots), a C4A block-table column >= bt_cols or a block id outside
+    [0, b_blocks)."""
+    if RANGE_CHECKS:
+        # 0 <= val < this tile's bound in ONE unsigned compare (compressed entries of C4A layers
+        # are local positions: visible ones only)
+        if COMP == 0:
+            cap = a_slots
+        else:
+            cap = gl.where(g < lo_b, a_slots, visible if COMP == 2 else b_slots)
+        valid = inr & (val.to(gl.uint32, bitcast=True) < cap.to(gl.uint32))
+    else:
+        valid = inr & (val >= 0)
     slots = val
     if COMP == 2:
-        vb = valid & (val < visible)
+        vb = valid
+        if not RANGE_CHECKS:
+            vb = vb & (val < visible)
         local = gl.where(vb, val, 0)
         col, off = _split_slot(local, b_bs, B_SHIFT, B_SHIFT >= 0)
+        if RANGE_CHECKS:
+            vb = vb & (col < bt_cols)
         blk = gl.load(bt_row + col, mask=vb & (g >= lo_b), other=0)
+        if RANGE_CHECKS:
+            vb = vb & (blk.to(gl.uint32, bitcast=True) < b_blocks.to(gl.uint32))  # 0 <= blk < b_blocks
         sb = blk * b_bs + off
         valid = gl.where(g < lo_b, valid, vb)
         slots = gl.where(g < lo_b, val, sb)
@@ -138,9 +160,10 @@ def _dequant(x, e, B0: gl.constexpr, exp_off, BN: gl.constexpr):
 
 
 @gluon.jit
-def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_rows, len_a, B_U8, b_stride0, b_bs, b_rows,
-              len_b, bt_row, visible, lo, hi, tiles_a, a_exp_off, b_exp_off, A_SHIFT: gl.constexpr,
-              B_SHIFT: gl.constexpr, COMP: gl.constexpr, BN: gl.constexpr):
+def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_rows, len_a, B_U8, b_stride0,
+              b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a, a_exp_off, b_exp_off,
+              A_SHIFT: gl.constexpr, B_SHIFT: gl.constexpr, COMP: gl.constexpr, BN: gl.constexpr,
+              RANGE_CHECKS: gl.constexpr):
     """Producer warpgroup: for each key tile, load its rows (e4m3 bytes and scale words into
     registers, RoPE values with cp.async into the stage's RoPE buffer), wait until the consumers
     have released K[stage], dequantize into it and signal ``kready``. The index pipeline and an
@@ -151,7 +174,8 @@ def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_rows
     Lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [BN, 64] bf16
     Lrow: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
     v, r = _idx_load(lo, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
-    slots_c, valid_c = _idx_resolve(lo, tiles_a, v, r, visible, bt_row, b_bs, B_SHIFT, COMP)
+    slots_c, valid_c = _idx_resolve(lo, tiles_a, v, r, a_slots, b_slots, visible, bt_row, bt_cols, b_bs, b_blocks,
+                                    B_SHIFT, COMP, RANGE_CHECKS)
     row_c, srow_c = _row_ptrs(lo, slots_c, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs, A_SHIFT, B_SHIFT)
     v_c, r_c = _idx_load(lo + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
     for g in range(lo, hi):
@@ -179,7 +203,8 @@ def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_rows
         async_copy.async_copy_global_to_shared(rope.index(stage), rptr, mask=valid_r)
         async_copy.commit_group()
         # next tile's rows through the block table (and into L2) while this tile's bytes are in flight
-        slots_c, valid_c = _idx_resolve(g + 1, tiles_a, v_c, r_c, visible, bt_row, b_bs, B_SHIFT, COMP)
+        slots_c, valid_c = _idx_resolve(g + 1, tiles_a, v_c, r_c, a_slots, b_slots, visible, bt_row, bt_cols, b_bs,
+                                        b_blocks, B_SHIFT, COMP, RANGE_CHECKS)
         v_c, r_c = _idx_load(g + 2, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
         row_c, srow_c = _row_ptrs(g + 1, slots_c, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs,
                                   A_SHIFT, B_SHIFT)
@@ -217,7 +242,10 @@ def _consumer(q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, strid
     d_q = gl.arange(0, 512, layout=gl.SliceLayout(0, Lq))
     q = gl.load(Q + t64 * stride_qt + gl.expand_dims(h_q.to(gl.int64) * stride_qh, 1) + gl.expand_dims(d_q, 0),
                 mask=gl.expand_dims(h_q < num_heads, 1), other=0.0)
-    q_smem.store((q * qk_scale).to(gl.float16))  # the softmax scale (with log2 e) folded into q
+    # q as it is (bf16 -> fp16 is exact for |q| in [2^-14, 65504]); the softmax scale (with
+    # log2 e) is applied to the fp32 scores: folding it into fp16 q rounded every element and
+    # cost the LSE up to ~3e-5 (docs/bad-input.md)
+    q_smem.store(q.to(gl.float16))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -231,7 +259,7 @@ def _consumer(q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, strid
         mbarrier.wait(kready.index(stage), (i // 2) & 1)
         k_cur = k_smem.index(stage)
         s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,)) * qk_scale
         valid_s = vflag.index(stage).load(Lsc) != 0
         s = gl.where(gl.expand_dims(valid_s, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -258,13 +286,14 @@ def sparse_mla_fwd_hopper(
     O, stride_ot, stride_oh,
     LSE, stride_lt,
     SINK,
-    A_U8, a_stride0, a_bs, A_ROWS, stride_ar, A_LENS,
-    B_U8, b_stride0, b_bs, B_ROWS, stride_br, B_LENS,
-    BT, stride_bt, TOK2REQ, POS, b_width,
+    A_U8, a_stride0, a_bs, a_slots, A_ROWS, stride_ar, A_LENS, a_width,
+    B_U8, b_stride0, b_bs, b_slots, B_ROWS, stride_br, B_LENS,
+    BT, stride_bt, bt_cols, b_blocks, TOK2REQ, POS, b_width,
     PO, PML,
     num_heads, qk_scale, split, a_exp_off, b_exp_off,
     COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
     IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64, A_SHIFT: gl.constexpr = -1, B_SHIFT: gl.constexpr = -1,
+    RANGE_CHECKS: gl.constexpr = True,
 ):
     BH: gl.constexpr = BLOCK_H
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -306,9 +335,12 @@ def sparse_mla_fwd_hopper(
     if COMP == 2:
         req = gl.load(TOK2REQ + t)
         pos = gl.load(POS + t)
-        visible = ((pos + 1) // C4A_RATIO).to(gl.int32)
+        visible = gl.maximum(((pos + 1) // C4A_RATIO).to(gl.int32), 0)
         len_b = gl.where(req >= 0, gl.minimum(visible, b_width), 0)
         req = gl.maximum(req, 0)
+    if RANGE_CHECKS:  # a length never reaches past its row (nor below 0)
+        len_a = gl.minimum(gl.maximum(len_a, 0), a_width)
+        len_b = gl.minimum(gl.maximum(len_b, 0), b_width)
     tiles_a = gl.cdiv(len_a, BN)
     tiles = tiles_a + gl.cdiv(len_b, BN)
     if IS_SPLIT:
@@ -325,9 +357,9 @@ def sparse_mla_fwd_hopper(
     acc, m_i, l_i = gl.warp_specialize([
         (_consumer, (q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, stride_qh, t64, hb, num_heads,
                      qk_scale, lo, hi, BH, BN)),
-        (_producer, (k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_rows, len_a, B_U8, b_stride0, b_bs,
-                     b_rows, len_b, bt_row, visible, lo, hi, tiles_a, a_exp_off, b_exp_off, A_SHIFT, B_SHIFT,
-                     COMP, BN)),
+        (_producer, (k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_rows, len_a, B_U8,
+                     b_stride0, b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a,
+                     a_exp_off, b_exp_off, A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS)),
     ], [4], [PRODUCER_REGS])
 
     # ---- epilogue ------------------------------------------------------------------------------
@@ -346,7 +378,7 @@ def sparse_mla_fwd_hopper(
         if HAS_SINK:
             sink2 = gl.load(SINK + h_o, mask=hmask_o, other=float("-inf")) * 1.4426950408889634
             denom = l_o + gl.exp2(sink2 - m_o)
-        has = l_o > 0.0
+        has = l_o != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
         inv = gl.where(has, 1.0 / gl.where(has, denom, 1.0), 0.0)
         o = acc * gl.expand_dims(inv, 1)
         # 16-byte coalesced stores (the MMA layout would give 4-byte ones)

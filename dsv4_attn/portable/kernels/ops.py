@@ -37,6 +37,9 @@ class KernelConfig:
     p_scratch: int = 1  # 1: P/alpha round-trip through a per-program scratch (see attention.py)
     impl: str = "auto"  # auto | gluon (Hopper kernel, MODEL1 only) | triton (portable kernel)
     g_block_n: int = 64  # Gluon kernel: keys per tile
+    # 0 compiles the kernels WITHOUT their index range checks, so out-of-range entries are read
+    # out of bounds: only for measuring the checks' cost (dsv4-attn bench --guard-cost)
+    range_checks: int = 1
 
     def dt(self):
         name = self.dot_dtype
@@ -50,18 +53,18 @@ _TORCH_DT = {K.tl.float16: torch.float16, K.tl.bfloat16: torch.bfloat16, K.tl.fl
 _FMT_CODE = {"fp8_ds_mla": K.FMT_MODEL1, "bfloat16": K.FMT_BF16, "fp8_e4m3": K.FMT_FP8}
 
 
-def _cache_views(cache: torch.Tensor, fmt_code: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(byte view, 16-bit view, block stride in the kernel's element unit, block size)."""
+def _cache_views(cache: torch.Tensor, fmt_code: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """(byte view, 16-bit view, block stride in the kernel's element unit, block size, blocks)."""
     nb, bs, row = cache.shape
     stride0 = cache.stride(0) if nb > 1 else max(cache.stride(0), bs * row)
     if fmt_code == K.FMT_BF16:
-        return cache, cache, stride0, bs
+        return cache, cache, stride0, bs, nb
     u8 = cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
     if fmt_code == K.FMT_MODEL1:
         # same bytes seen as bf16 for the RoPE part (byte offsets used there are even)
         b16 = u8.view(torch.bfloat16)
-        return u8, b16, stride0, bs
-    return u8, u8, stride0, bs
+        return u8, b16, stride0, bs, nb
+    return u8, u8, stride0, bs, nb
 
 
 def _log2_or_minus1(block_size: int) -> int:
@@ -139,18 +142,23 @@ def sparse_mla_fwd(
     int32 [T], positions int64 [T])`` of the layer's ratio ``topk_ratio`` (translated in the
     kernel; lens = min((pos+1)//topk_ratio, K)).
     ``lse`` optional float32 [T, H] (natural log, sink excluded, -inf for empty rows).
+
+    Any entry naming no row of its cache is skipped like -1 without being read: a slot outside
+    ``[0, num_blocks * block_size)``, a local top-k entry outside ``[0, (pos+1)//topk_ratio)``,
+    past the block table's columns or whose block id is outside ``[0, num_blocks)``; lens beyond
+    the row width count as the width. Caches hold at most 2**31 slots (the callers check).
     """
     T, H, _ = q.shape
     if T == 0:
         return out
     fmt_code = _FMT_CODE[fmt]
-    a_u8, a_16, a_s0, a_bs = _cache_views(swa_cache, fmt_code)
+    a_u8, a_16, a_s0, a_bs, a_nb = _cache_views(swa_cache, fmt_code)
     if comp_cache is not None:
-        b_u8, b_16, b_s0, b_bs = _cache_views(comp_cache, fmt_code)
+        b_u8, b_16, b_s0, b_bs, b_nb = _cache_views(comp_cache, fmt_code)
         comp_mode = K.COMP_C4A_LOCAL if c4a is not None else K.COMP_GLOBAL
         b_width = comp_rows.shape[1]
     else:
-        b_u8, b_16, b_s0, b_bs = a_u8, a_16, a_s0, a_bs
+        b_u8, b_16, b_s0, b_bs, b_nb = a_u8, a_16, a_s0, a_bs, a_nb
         comp_mode = K.COMP_NONE
         b_width = 0
         comp_rows, comp_lens = swa_rows, swa_lens
@@ -160,6 +168,7 @@ def sparse_mla_fwd(
         bt, tok2req, pos = c4a
     else:
         bt, tok2req, pos = swa_rows, swa_lens, swa_lens
+    ranges = (a_nb * a_bs, swa_rows.shape[1], b_nb * b_bs, bt.shape[1], b_nb)  # the range checks' bounds
     gluon = use_gluon(q.device, fmt_code, config, (swa_cache, comp_cache))
     block_h = 64 if (H >= 64 or gluon) else max(16, triton.next_power_of_2(H))
     n_hb = triton.cdiv(H, block_h)
@@ -186,20 +195,20 @@ def sparse_mla_fwd(
             q, q.stride(0), q.stride(1),
             out, out.stride(0), out.stride(1),
             lse_t, stride_lt, sink_t,
-            a_u8, a_s0, a_bs, swa_rows, swa_rows.stride(0), swa_lens,
-            b_u8, b_s0, b_bs, comp_rows, comp_rows.stride(0), comp_lens,
-            bt, bt.stride(0), tok2req, pos, b_width,
+            a_u8, a_s0, a_bs, ranges[0], swa_rows, swa_rows.stride(0), swa_lens, ranges[1],
+            b_u8, b_s0, b_bs, ranges[2], comp_rows, comp_rows.stride(0), comp_lens,
+            bt, bt.stride(0), ranges[3], ranges[4], tok2req, pos, b_width,
             po, pml,
             H, scale * LOG2E, split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
             COMP=comp_mode, C4A_RATIO=topk_ratio, HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
             IS_SPLIT=split > 1, BN=bn, A_SHIFT=_log2_or_minus1(a_bs), B_SHIFT=_log2_or_minus1(b_bs),
-            num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG,
+            RANGE_CHECKS=bool(config.range_checks), num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG,
         )
     else:
         _launch_portable(q, out, lse_t, stride_lt, sink_t, a_u8, a_16, a_s0, a_bs, swa_rows, swa_lens, b_u8, b_16,
                          b_s0, b_bs, comp_rows, comp_lens, bt, tok2req, pos, b_width, po, pml, H, scale, kv_scale,
                          split, swa_fnuz, comp_fnuz, fmt_code, comp_mode, sink, write_lse, block_h, bn, grid, config,
-                         topk_ratio)
+                         topk_ratio, ranges)
     if split > 1:
         bh_c = min(16, block_h)
         bd = 128
@@ -214,7 +223,7 @@ def sparse_mla_fwd(
 def _launch_portable(q, out, lse_t, stride_lt, sink_t, a_u8, a_16, a_s0, a_bs, swa_rows, swa_lens, b_u8, b_16, b_s0,
                      b_bs, comp_rows, comp_lens, bt, tok2req, pos, b_width, po, pml, H, scale, kv_scale, split,
                      swa_fnuz, comp_fnuz, fmt_code, comp_mode, sink, write_lse, block_h, bn, grid, config,
-                     topk_ratio):
+                     topk_ratio, ranges):
     dt = config.dt()
     p_scratch = bool(config.p_scratch)
     if p_scratch:
@@ -226,13 +235,13 @@ def _launch_portable(q, out, lse_t, stride_lt, sink_t, a_u8, a_16, a_s0, a_bs, s
         q, q.stride(0), q.stride(1),
         out, out.stride(0), out.stride(1),
         lse_t, stride_lt, sink_t,
-        a_u8, a_16, a_s0, a_bs, swa_rows, swa_rows.stride(0), swa_lens,
-        b_u8, b_16, b_s0, b_bs, comp_rows, comp_rows.stride(0), comp_lens,
-        bt, bt.stride(0), tok2req, pos, b_width,
+        a_u8, a_16, a_s0, a_bs, ranges[0], swa_rows, swa_rows.stride(0), swa_lens, ranges[1],
+        b_u8, b_16, b_s0, b_bs, ranges[2], comp_rows, comp_rows.stride(0), comp_lens,
+        bt, bt.stride(0), ranges[3], ranges[4], tok2req, pos, b_width,
         po, pml, scr_p, scr_a,
         H, scale * LOG2E, float(kv_scale), split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
         FMT=fmt_code, COMP=comp_mode, C4A_RATIO=topk_ratio,
         HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
         IS_SPLIT=split > 1, BLOCK_H=block_h, BLOCK_N=bn, DT=dt, P_SCRATCH=p_scratch,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        RANGE_CHECKS=bool(config.range_checks), num_warps=config.num_warps, num_stages=config.num_stages,
     )
