@@ -8,7 +8,8 @@ itself has never run here.
 The kernel reads plain-row caches (bfloat16, or fp8 e4m3 with one per-tensor scale) and takes
 ONE merged index row per token: columns [0, 128) are SWA slots in ascending position order, the
 rest compressed slots padded with -1 to a multiple of 4 (16-byte rows), all as STORAGE offsets
-``block * (stride(0) // 512) + offset`` (``common.indices.merged_rows``). ``sparse_topk_lens``
+``block * (stride(0) // 512) + offset`` (``common.indices.merged_rows``; slots outside a cache
+become -1 first, docs/bad-input.md). ``sparse_topk_lens``
 counts the SWA region as 128 + the compressed length. Tokens are flattened to ``B = T`` requests
 of one query token with ``seq_lens = position + 1``, so the kernel's SWA window
 ``clamp(seq_len - (q_len - 1 - q_off), 0, 128)`` is exactly ``min(pos + 1, 128)`` and no host
@@ -142,6 +143,12 @@ def storage_offsets(rows: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
     return torch.where(rows < 0, torch.full_like(offsets, -1), offsets).to(torch.int32)
 
 
+def inside_cache(rows: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
+    """rows int32 [T, K] with every slot outside ``[0, num_slots)`` of the cache set to -1 (the
+    kernel reads every entry that is not -1). A new tensor."""
+    return torch.where((rows >= 0) & (rows < geo.num_slots), rows, torch.full_like(rows, -1))
+
+
 class FlashInferTRTLLMBackend(Backend):
     name = "flashinfer-trtllm"
     splits_phases = True  # decode and prefill tokens are separate launches
@@ -220,12 +227,14 @@ class FlashInferTRTLLMBackend(Backend):
 
         def build():
             comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
-            comp = None if comp_rows is None else storage_offsets(comp_rows, comp_geo)
-            return merged_rows(storage_offsets(plan.swa_rows, swa_geo), plan.swa_lens, comp, comp_lens)
+            comp = None if comp_rows is None else storage_offsets(inside_cache(comp_rows, comp_geo), comp_geo)
+            return merged_rows(storage_offsets(inside_cache(plan.swa_rows, swa_geo), swa_geo), plan.swa_lens, comp,
+                               comp_lens)
 
         if layer.kind.uses_topk:  # the indexer's top-k differs per layer
             return build()
-        spans = (swa_geo.block_size, swa_geo.block_stride, comp_geo.block_size, comp_geo.block_stride)
+        spans = (swa_geo.block_size, swa_geo.block_stride, swa_geo.num_blocks, comp_geo.block_size,
+                 comp_geo.block_stride, comp_geo.num_blocks)
         return plan.cached(("flashinfer", "rows", layer.kind, spans), build)
 
     @staticmethod

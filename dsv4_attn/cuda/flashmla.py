@@ -10,7 +10,8 @@ a CUDA-graph capture when the step is captured) and reused by the others (vendor
 Prefill tokens go to ``sparse_prefill_fwd``, which wants bf16 rows ``kv [s_kv, 1, 512]``. Per
 chunk of tokens the adapter gathers the DISTINCT rows the chunk's tokens select (never a
 request's whole history), dequantizes them into a bf16 workspace and rewrites the indices to
-workspace rows. Bounds (see docs/nvidia.md): the workspace holds at most ``workspace_bytes``
+workspace rows. Entries outside the caches are -1 in what the kernels get (docs/bad-input.md).
+Bounds (see docs/nvidia.md): the workspace holds at most ``workspace_bytes``
 (default 256 MiB; a chunk whose distinct rows would exceed it is halved), a chunk has at most
 ``index_keys`` (token, key) pairs (default 2**24: ~0.6 GiB of index temporaries), and rows are
 dequantized ``_GATHER_ROWS`` at a time (~0.5 GiB of float32 temporaries). The distinct-row count
@@ -288,6 +289,14 @@ def _pad_cols(rows: torch.Tensor, multiple: int) -> torch.Tensor:
     return rows if pad == 0 else F.pad(rows, (0, pad), value=-1)
 
 
+def _kernel_rows(rows: torch.Tensor, num_slots: int, multiple: int) -> torch.Tensor:
+    """The decode kernel's index rows: slots outside ``[0, num_slots)`` of the cache they index
+    become -1 (FlashMLA's decode kernel reads every entry that is not -1), padded with -1
+    columns to a multiple of ``multiple``. int32 [T, round_up(K, multiple)], a new tensor."""
+    inside = (rows >= 0) & (rows < num_slots)
+    return _pad_cols(torch.where(inside, rows, torch.full_like(rows, -1)), multiple)
+
+
 @dataclass
 class _HeadStaging:
     """Per-step buffers for layers whose q is not 64/128 contiguous heads: q zero-padded,
@@ -365,12 +374,16 @@ class FlashMLABackend(Backend):
 
     def _decode(self, ops: FlashMLAOps, plan: StepPlan, layer: LayerInputs, q, sink, out) -> None:
         swa_kv = _kernel_cache(layer.swa_cache, "swa_cache")
-        swa_idx = plan.cached(("flashmla", "swa_idx"), lambda: _pad_cols(plan.swa_rows, DECODE_TOPK_BLOCK))
+        swa_slots = swa_kv.shape[0] * swa_kv.shape[1]
+        swa_idx = plan.cached(("flashmla", "swa_idx", swa_slots),
+                              lambda: _kernel_rows(plan.swa_rows, swa_slots, DECODE_TOPK_BLOCK))
         comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
         if comp_rows is not None:
             comp_kv = _kernel_cache(layer.comp_cache, "comp_cache")
-            comp_idx = (plan.cached(("flashmla", "all_idx", layer.kind), lambda: _pad_cols(comp_rows, EXTRA_TOPK_BLOCK))
-                        if layer.kind.attends_all else _pad_cols(comp_rows, EXTRA_TOPK_BLOCK))
+            comp_slots = comp_kv.shape[0] * comp_kv.shape[1]
+            comp_idx = (plan.cached(("flashmla", "all_idx", layer.kind, comp_slots),
+                                    lambda: _kernel_rows(comp_rows, comp_slots, EXTRA_TOPK_BLOCK))
+                        if layer.kind.attends_all else _kernel_rows(comp_rows, comp_slots, EXTRA_TOPK_BLOCK))
         shape = (q.shape[1], swa_kv.shape[1], swa_idx.shape[1], None if comp_rows is None else comp_kv.shape[1],
                  None if comp_rows is None else comp_idx.shape[1])
         for t0 in range(0, plan.num_tokens, DECODE_MAX_ROWS):
@@ -399,7 +412,7 @@ class FlashMLABackend(Backend):
         for cache, geo, rows, lens in scopes:
             r, n = rows[t0:t1], lens[t0:t1]
             col = torch.arange(r.shape[1], device=r.device)[None, :]
-            keys = torch.where((col < n[:, None]) & (r >= 0), r, torch.full_like(r, -1))
+            keys = torch.where((col < n[:, None]) & (r >= 0) & (r < geo.num_slots), r, torch.full_like(r, -1))
             uniq, inverse = torch.unique(keys, return_inverse=True)  # syncs: the distinct count sizes the workspace
             parts.append((cache, geo, keys, uniq, inverse))
         rows_needed = sum(p[3].numel() for p in parts)
