@@ -9,6 +9,11 @@ pair per run, the L2 flushed before every run, median of ``--reps`` runs.
 Bytes of a case = every valid KV row once (584 B MODEL1, 1024 B BF16, 512 B FP8) + q + out;
 FLOPs = 4 · H · valid keys · 512 per token (Q·Kᵀ and P·V).
 
+``--guard-cost`` also times each Triton kernel this GPU runs (Gluon on sm_90 for fp8_ds_mla, the
+portable one everywhere) compiled with and without its index range checks (out-of-range entries
+skipped, never read: docs/bad-input.md) on the same case, interleaved A-B-B-A, and prints the
+checks' cost in percent (target < 1 %) and whether both builds gave the same bits.
+
 FlashMLA is timed through ``SparseMLA(..., backend="flashmla")`` when that backend is usable
 (so its adapter is timed too); otherwise through the raw op ``torch.ops._flashmla_C`` from
 ``$DSV4_ATTN_FLASHMLA_LIB`` or ``.flashmla/_flashmla_C.abi3.so`` (noted in the output: raw
@@ -482,6 +487,34 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
     return result
 
 
+def guard_variants(fmt: KVFormat) -> dict[str, tuple[str, str]]:
+    """{kernel: (backend with range checks, backend without)} for every Triton kernel this GPU
+    runs on ``fmt`` (registered as bench variants)."""
+    impls = ["triton"]
+    if fmt is KVFormat.MODEL1_FP8 and torch.cuda.get_device_capability() == (9, 0):
+        impls.insert(0, "gluon")
+    return {impl: (register_variant(f"{impl}-checked=impl={impl}"),
+                   register_variant(f"{impl}-unchecked=impl={impl},range_checks=0")) for impl in impls}
+
+
+def guard_cost(case: Case, variants: dict[str, tuple[str, str]], args, flush) -> dict:
+    """Per kernel: median µs with and without the range checks, timed A-B-B-A on ``case``, the
+    checks' cost in percent, and whether both builds wrote the same bits."""
+    res = {}
+    for impl, (checked, unchecked) in variants.items():
+        runs = {name: api_runner(case, name) for name in (checked, unchecked)}
+        times = {checked: [], unchecked: []}
+        for name in (checked, unchecked, unchecked, checked):
+            times[name].append(time_callable(runs[name][0], args.reps, flush, not args.no_graph)[0])
+        for run, _, _ in runs.values():
+            run()
+        torch.cuda.synchronize()
+        with_us, without_us = (statistics.mean(times[n]) * 1e6 for n in (checked, unchecked))
+        res[impl] = {"us_checked": with_us, "us_unchecked": without_us, "cost_pct": (with_us / without_us - 1) * 100,
+                     "same_bits": bool(torch.equal(runs[checked][1], runs[unchecked][1]))}
+    return res
+
+
 def _fmt_row(res: dict, name: str) -> str:
     r = res["backends"][name]
     cells = []
@@ -575,6 +608,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replays")
     p.add_argument("--no-flashmla", action="store_true")
+    p.add_argument("--guard-cost", action="store_true",
+                   help="also time each Triton kernel with and without its index range checks (same case, "
+                        "A-B-B-A) and print the checks' cost")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None, help="plot time vs batch (ours, FlashMLA, floor) here")
     args = p.parse_args(argv)
@@ -587,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         args.backend = default_backends()
     for spec_str in args.variant:
         args.backend.append(register_variant(spec_str))
+    guards = guard_variants(fmt) if args.guard_cost else {}
     props = torch.cuda.get_device_properties(device)
     t0 = time.time()
     ceilings = measure_ceilings(device)
@@ -615,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
             case = (make_decode_case(DECODE_CONFIGS[name], b, sq, device, fmt) if phase == "decode"
                     else make_prefill_case(PREFILL_CONFIGS[name], device, fmt))
             res = run_case(case, args.backend, args, ceilings, flush)
+            if guards:
+                res["guard_cost"] = guard_cost(case, guards, args, flush)
         except Exception as exc:
             print(f"{phase} {name} b={b} s_q={sq}: FAILED {type(exc).__name__}: {exc}", file=sys.stderr)
             results.append({"case": f"{name} b={b} s_q={sq}", "phase": phase, "error": f"{type(exc).__name__}: {exc}"})
@@ -625,6 +664,9 @@ def main(argv: list[str] | None = None) -> int:
         for label in ("flashmla", "flashmla_raw"):
             if "unavailable" in res.get(label, {}):
                 print(f"  {label}: {res[label]['unavailable'][:160]}")
+        for impl, g in res.get("guard_cost", {}).items():
+            print(f"  range checks, {impl} kernel: {g['us_checked']:.1f} us with, {g['us_unchecked']:.1f} us without: "
+                  f"{g['cost_pct']:+.2f} % (same bits: {g['same_bits']})")
         del case
         torch.cuda.empty_cache()
     meta["seconds"] = time.time() - t0
