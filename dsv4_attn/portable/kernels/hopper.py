@@ -78,10 +78,10 @@ def _idx_resolve(g, lo_b, val, inr, a_slots, b_slots, visible, bt_row, bt_cols, 
     """Index pipeline, stage 2: entries -> (slots, valid); C4A local positions -> global slots
     through the ratio-4 block table row (invalid: -1, >= visible, or past the row's length).
     With RANGE_CHECKS an entry naming no row of its cache is invalid too: a slot outside
-    [0, a_slots) / [0, b_slots), a C4A block-table column >= bt_cols or a block id outside
+    [0, a_slots) / [0, b_slots), a top-k entry's block-table column >= bt_cols or a block id outside
     [0, b_blocks)."""
     if RANGE_CHECKS:
-        # 0 <= val < this tile's bound in ONE unsigned compare (compressed entries of C4A layers
+        # 0 <= val < this tile's bound in ONE unsigned compare (compressed entries of top-k layers
         # are local positions: visible ones only)
         if COMP == 0:
             cap = a_slots
@@ -259,12 +259,13 @@ def _consumer(q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, strid
         mbarrier.wait(kready.index(stage), (i // 2) & 1)
         k_cur = k_smem.index(stage)
         s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,)) * qk_scale
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))  # q·k unscaled
         valid_s = vflag.index(stage).load(Lsc) != 0
         s = gl.where(gl.expand_dims(valid_s, 0), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        # m in scaled (base-2) units; the scale enters p through one fused multiply-add per score
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         p_smem.store(p.to(gl.float16))
