@@ -141,7 +141,8 @@ class SparseMLA:
         """Build the step's shared metadata into the preallocated buffers (no host sync).
 
         ``validate=True`` also runs the value checks that read device tensors (StepBatch.validate).
-        The returned plan is valid until the next ``plan()`` call.
+        The returned plan is valid until the next successful ``plan()`` call (a refused one
+        leaves it valid). Every call re-reads the batch's tensors: engines update them in place.
         """
         if not isinstance(batch, StepBatch):
             raise ValueError(f"batch: got {type(batch).__name__}; allowed: a StepBatch")

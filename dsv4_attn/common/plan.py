@@ -6,8 +6,9 @@ maximum batch, and returns a StepPlan whose tensors are views of those buffers. 
 
 * a decode step can be captured in a CUDA/HIP graph and replayed after ``plan()`` rewrote the
   buffers with the next step's contents (same num_tokens);
-* a plan is valid until the next ``plan()`` call of the same SparseMLA: using an older plan
-  raises (its buffers now hold another step).
+* a plan is valid until the next successful ``plan()`` call of the same SparseMLA: using an
+  older plan raises (its buffers now hold another step). A refused ``plan()`` writes nothing
+  (:func:`check_step` runs first).
 
 Backends cache per-step metadata in the plan with ``plan.cached(key, builder)`` (FlashMLA's
 tile-scheduler metadata, AITER work buffers, FlashInfer merged rows), keyed per layer kind.

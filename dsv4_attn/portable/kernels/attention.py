@@ -16,7 +16,7 @@ rows, in tiles of ``BLOCK_N`` keys, with ONE online softmax over both scopes:
 * every slot -> byte offset product is int64 (caches larger than 2^31 bytes work);
 * any entry that does not name a row of its cache is skipped exactly like -1, never read
   (``RANGE_CHECKS``, one compare per key; docs/bad-input.md): a slot outside ``[0, slots)``, a
-  C4A entry outside ``[0, visible)`` or past the block table's columns, a block id outside
+  local top-k entry outside ``[0, visible)`` or past the block table's columns, a block id outside
   ``[0, blocks)``; lens are clamped to ``[0, row width]``. ``RANGE_CHECKS=False`` exists only
   to measure what the checks cost (``dsv4-attn bench --guard-cost``);
 * the sink is applied once at the end: ``o = acc / (l + exp(sink - m))``; rows with no valid
@@ -53,7 +53,7 @@ def _tile_slots(g, lo_b, hi, a_rows, len_a, a_slots, b_rows, len_b, b_slots, vis
 
     Tiles [0, lo_b) are SWA tiles of scope A, tiles [lo_b, ...) compressed tiles of scope B;
     ``g >= hi`` gives an all-invalid tile (the prefetch past the last tile). With RANGE_CHECKS an
-    entry naming no row of its cache is invalid (slot outside [0, a_slots) / [0, b_slots); C4A:
+    entry naming no row of its cache is invalid (slot outside [0, a_slots) / [0, b_slots); local top-k:
     block-table column >= bt_cols or block id outside [0, b_blocks))."""
     live = g < hi
     is_a = g < lo_b
@@ -228,7 +228,7 @@ def sparse_mla_fwd_kernel(
     A_U8, A_16, a_stride0, a_bs, a_slots, A_ROWS, stride_ar, A_LENS, a_width,
     # scope B: compressed rows (global slots, or C4A local positions) into cache B
     B_U8, B_16, b_stride0, b_bs, b_slots, B_ROWS, stride_br, B_LENS,
-    # C4A translation: ratio-4 block table (bt_cols columns of ids < b_blocks), token -> request,
+    # top-k translation: the ratio's block table (bt_cols columns of ids < b_blocks), token -> request,
     # positions; b_width = compressed row width
     BT, stride_bt, bt_cols, b_blocks, TOK2REQ, POS, b_width,
     # split partials: PO fp32 [T, SPLIT, H, 512], PML fp32 [T, SPLIT, H, 2]
