@@ -3,6 +3,7 @@
 - ``compare(out, ref)``: the three error numbers every numeric test reports.
 - ``gen``: a seeded torch.Generator per test (seed derived from the test's name, so a test's
   inputs are reproducible and independent of which other tests ran).
+- ``within_flashmla_lse_tolerance(lse, ref)``: FlashMLA's own LSE tolerance, per element.
 - ``e4m3_value(byte, dialect)``: an fp8 e4m3 byte's value decoded from the bit fields by hand
   (independent of torch's float8 dtypes, for byte-level and dequantization checks).
 
@@ -41,6 +42,17 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     else:
         cosine = 1.0 if ref_norm == out_norm == 0 else 0.0
     return {"max_abs": diff.abs().max().item() if diff.numel() else 0.0, "rel_l2": rel, "cosine": cosine}
+
+
+def within_flashmla_lse_tolerance(lse: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """bool per element: |lse - ref| < 1e-6 or |lse - ref| / (|ref| + 1e-6) < 8/65536 (FlashMLA's
+    sparse decode test: tests/kernelkit/compare.py check_is_allclose in deepseek-ai/FlashMLA), or
+    both the same infinity."""
+    lse, ref = lse.double().cpu(), ref.double().cpu()
+    same_inf = torch.isinf(ref) & (lse == ref)
+    fin = torch.isfinite(ref) & torch.isfinite(lse)
+    err = torch.where(fin, (lse - ref).abs(), torch.zeros_like(ref))
+    return same_inf | (fin & ((err < 1e-6) | (err / (ref.abs() + 1e-6) < 8 / 65536)))
 
 
 @pytest.fixture
