@@ -77,7 +77,7 @@ def main() -> int:
                                lse=lse, config=KernelConfig(impl=impl, split=split))
                 torch.cuda.synchronize()
                 ok = within_flashmla_lse_tolerance(lse, want)
-                fin = torch.isfinite(want)
+                fin = torch.isfinite(want).cpu()
                 worst = float((lse.double().cpu() - want.double().cpu())[fin].abs().max())
                 st = stats[impl]
                 st[0], st[1], st[2] = st[0] + ok.numel(), st[1] + int((~ok).sum()), max(st[2], worst)
