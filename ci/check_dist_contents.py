@@ -33,8 +33,8 @@ def wheel_problems(path: Path) -> list[str]:
         elif not all(m in whl.read(licenses[0]).decode() for m in LICENSE_MARKS):
             problems.append("wheel's LICENSE is not the Apache-2.0 text")
         metadata = whl.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    problems += [f"wheel METADATA lacks {line!r}" for line in ("License-Expression: Apache-2.0", "License-File: LICENSE")
-                 if line not in metadata.splitlines()]
+    wanted = ("License-Expression: Apache-2.0", "License-File: LICENSE")
+    problems += [f"wheel METADATA lacks {line!r}" for line in wanted if line not in metadata.splitlines()]
     problems += [f"wheel carries a test file: {n}" for n in sorted(names) if n.startswith("tests/")]
     return problems
 
