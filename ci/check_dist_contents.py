@@ -17,7 +17,8 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WHEEL_FILES = ("dsv4_attn/__init__.py", "dsv4_attn/data/parity.yaml", "dsv4_attn/py.typed")
+WHEEL_FILES = ("dsv4_attn/__init__.py", "dsv4_attn/parity/__init__.py", "dsv4_attn/data/parity.yaml",
+               "dsv4_attn/py.typed")
 SDIST_FILES = ("LICENSE", "README.md", "pyproject.toml", "tests/conftest.py", "tests/data/flashmla_golden_small.pt",
                "ci/parity.yaml", ".ci/run")
 LICENSE_MARKS = ("Apache License", "Version 2.0, January 2004")
