@@ -46,7 +46,7 @@ class CaseInputs:
     sink: torch.Tensor | None
     digest: str = ""
 
-    def to(self, device: torch.device) -> "CaseInputs":
+    def to(self, device: torch.device) -> CaseInputs:
         if torch.device(device) == self.q.device:
             return self
         b = self.batch
