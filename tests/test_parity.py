@@ -16,9 +16,12 @@ import torch
 
 from dsv4_attn import parity
 from dsv4_attn.common import backend as bm
-from dsv4_attn.common import indices
+from dsv4_attn.common import indices, layout
 from dsv4_attn.common.backend import Backend, Phase
+from dsv4_attn.common.layout import KVFormat
 from dsv4_attn.common.spec import LayerKind
+from dsv4_attn.parity.inputs import cache_to, flat_bytes
+from dsv4_attn.parity.report import finite_json
 from dsv4_attn.portable.torch_backend import TorchBackend
 
 REPO = Path(__file__).resolve().parent.parent
@@ -208,7 +211,7 @@ def test_tolerance_overrides_match_backend_and_format(tiny_path):
     case = matrix.cases[0]
     assert matrix.tolerance(case, "torch").rel_l2 == 1e-2
     assert matrix.tolerance(case, "loose").rel_l2 == 1e-2  # the override is for bfloat16 only
-    assert matrix.tolerance(dataclasses.replace(case, fmt=parity.KVFormat.BF16), "loose").rel_l2 == 0.5
+    assert matrix.tolerance(dataclasses.replace(case, fmt=KVFormat.BF16), "loose").rel_l2 == 0.5
 
 
 def test_resolve_backends():
@@ -228,7 +231,7 @@ def test_inputs_are_deterministic_and_per_case():
     a, b = parity.make_inputs(case), parity.make_inputs(case)
     assert a.digest == b.digest
     assert torch.equal(a.q, b.q) and torch.equal(a.c4a_topk, b.c4a_topk)
-    assert torch.equal(parity._flat_bytes(a.comp_cache), parity._flat_bytes(b.comp_cache))
+    assert torch.equal(flat_bytes(a.comp_cache), flat_bytes(b.comp_cache))
     other = parity.make_inputs(_case("core.c4a.h16.bfloat16.mixed.short"))
     assert other.digest != a.digest
 
@@ -274,11 +277,11 @@ def test_page_stride_and_byte_offset(tmp_path):
     case = parity.load_matrix(tmp_path / "m.yaml").select("tiny.c128a.*.mixed.*")[0]
     assert case.name.endswith(".stride2.off1000000")
     inputs = parity.make_inputs(case)
-    page = parity.layout.model1_page_bytes(64)
+    page = layout.model1_page_bytes(64)
     assert inputs.swa_cache.stride(0) == 2 * page
     rows, _ = indices.swa_rows(inputs.batch, 128)
     assert int(rows[rows >= 0].min()) // 64 * 2 * page >= 1_000_000
-    moved = parity._cache_to(inputs.swa_cache, "cpu")
+    moved = cache_to(inputs.swa_cache, "cpu")
     assert moved.stride() == inputs.swa_cache.stride() and torch.equal(moved, inputs.swa_cache)
 
 
@@ -337,7 +340,7 @@ def test_report_summary_and_markdown(report):
     md = parity.render_report(report)
     assert "| tiny.c4a.h16.fp8_ds_mla.mixed.short | pass" in md and "**FAIL**" in md
     assert "needs a quantum computer" in md and "prefill on torch" in md
-    json.dumps(parity._finite_json(report), allow_nan=False)
+    json.dumps(finite_json(report), allow_nan=False)
 
 
 # ---- merge ----------------------------------------------------------------------------------------

@@ -23,14 +23,17 @@ def test_readme_support_matrix_is_rendered_from_capabilities():
 
 
 def test_ci_runs_the_readme_commands():
-    """.ci/run's own extraction (awk over the markers) finds the README's install and test lines."""
+    """.ci/run's own extraction (awk over the markers) finds the README's install and test blocks:
+    torch (CPU build, in the supported range) before the package, then the package with its test
+    tools; the test block runs the suite, the vLLM shim tests and the packaging check."""
     script = (ROOT / ".ci" / "run").read_text()
-    extract = script.split("readme_command() {", 1)[1].split("\n}", 1)[0]
+    extract = script.split("readme_block() {", 1)[1].split("\n}", 1)[0]
     got = {}
     for marker in ("install-command", "test-command"):
-        res = subprocess.run(["bash", "-c", f"cd {ROOT} && readme_command() {{ {extract}\n}}; readme_command {marker}"],
+        res = subprocess.run(["bash", "-c", f"cd {ROOT} && readme_block() {{ {extract}\n}}; readme_block {marker}"],
                              capture_output=True, text=True, check=True)
-        got[marker] = res.stdout.strip()
-    assert got["install-command"] == 'pip install -e ".[test]"'
-    assert got["test-command"].startswith("python -m pytest -q tests") and "ci/vllm-tests.sh" in got["test-command"]
+        got[marker] = res.stdout.strip().splitlines()
+    assert got["install-command"] == ["pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+                                      'pip install -e ".[test]"']
+    assert got["test-command"] == ["python -m pytest -q tests", "bash ci/vllm-tests.sh", "bash ci/wheel-check.sh"]
     assert "dsv4-attn parity" in README and "dsv4-attn probe" in README

@@ -1,0 +1,169 @@
+"""Running the matrix: every selected case on every backend, with a progress bar, into one report.
+
+Also which backends run by default, which are emulated (labelled so in the table and the JSON),
+and the versions and host facts every report records.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import os
+import platform as _pyplatform
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from ..common import backend as backend_mod
+from ..common.platform import platform_for_device, probe
+from .inputs import make_inputs
+from .judge import CaseReference, run_cell
+from .matrix import Case, Matrix
+from .report import SCHEMA
+
+
+def progress_bar(total: int, enabled: bool) -> tqdm:
+    """tqdm on stderr: cases done, elapsed time and ETA. In a log (stderr not a terminal) it
+    redraws about every tenth of the run instead of several times a second."""
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, unit="case", file=sys.stderr, disable=not enabled or total == 0, dynamic_ncols=tty,
+                mininterval=0.1 if tty else 0, miniters=None if tty else max(1, total // 10))
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_backends(matrix: Matrix, device: torch.device) -> list[str]:
+    """The matrix's backend list for this device kind (``all`` = every registered backend)."""
+    key = "cpu" if device.type == "cpu" else "gpu"
+    names = matrix.backends.get(key, "all") if isinstance(matrix.backends, dict) else matrix.backends
+    return resolve_backends(names)
+
+
+def resolve_backends(names) -> list[str]:
+    """Backend names from a list / comma-separated string; ``all`` = every registered backend.
+    Raises ValueError for a name the registry does not know."""
+    if isinstance(names, str):
+        names = [names]
+    flat = [n.strip() for item in names for n in str(item).split(",") if n.strip()]
+    known = backend_mod.backend_names()
+    out: list[str] = []
+    for n in flat:
+        for name in (known if n == "all" else [n]):
+            if name not in known:
+                raise ValueError(f"--backends: got {name!r}; allowed: 'all' or any of {known}")
+            if name not in out:
+                out.append(name)
+    return out
+
+
+def emulated_backends(backends: list[str]) -> set[str]:
+    """Backends whose results come from an emulator (labelled in the table and the JSON): AITER
+    when its emulator is on (``--emulate-aiter``, ``dsv4_attn.rocm.emulate.enable()`` or
+    ``DSV4_ATTN_AITER_EMULATOR``), and any backend instance that declares ``emulated = True``."""
+    names = {n for n in backends if getattr(backend_mod.get_backend(n), "emulated", False)}
+    if "aiter" in backends:
+        try:
+            from ..rocm.aiter import load_aiter  # vendor-free: never imports aiter off ROCm
+
+            if load_aiter().emulated:
+                names.add("aiter")
+        except Exception:  # no aiter module in this build: its cells are skipped with the reason
+            pass
+    return names
+
+
+def backend_labels(backends: list[str]) -> dict[str, str]:
+    """A backend's own description for result files (``label()`` when it has one, e.g. AITER's
+    "aiter [EMULATED gfx950, AITER ...]"), else its name."""
+    out = {}
+    for name in backends:
+        label = getattr(backend_mod.get_backend(name), "label", None)
+        try:
+            out[name] = str(label()) if callable(label) else name
+        except Exception as exc:
+            out[name] = f"{name} (label() raised {type(exc).__name__})"
+    return out
+
+
+def run(matrix: Matrix, backends: list[str], device: torch.device | str | None = None,
+        cases: list[Case] | None = None, progress: bool = True, emulated: set[str] | None = None) -> dict:
+    """Run every case on every backend; the full report (see docs/parity.md for its schema)."""
+    device = torch.device(device) if device is not None else default_device()
+    cases = matrix.cases if cases is None else cases
+    emulated = emulated_backends(backends) if emulated is None else emulated
+    t0 = time.monotonic()
+    bar = progress_bar(len(cases), progress)
+    records = []
+    try:
+        for case in cases:
+            cpu = make_inputs(case)
+            dev = cpu.to(device)
+            ref = CaseReference(dev)
+            cells = {}
+            for name in backends:
+                cells[name] = run_cell(name, dev, ref, matrix.tolerance(case, name), name in emulated,
+                                       matrix.output_full_max, matrix.output_sample)
+            records.append({**case.describe(), "input_sha256": cpu.digest, "cells": cells})
+            bar.set_postfix_str(case.name[-40:], refresh=False)
+            bar.update(1)
+    finally:
+        bar.close()
+    return {
+        "schema": SCHEMA,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "elapsed_s": round(time.monotonic() - t0, 1),
+        "matrix": {"path": matrix.path, "sha256": matrix.sha256, "seed": matrix.seed,
+                   "cases_in_matrix": len(matrix.cases), "cases_run": len(cases)},
+        "device": str(device),
+        "machine": _machine_label(device),
+        "backends": backends,
+        "emulated": sorted(emulated & set(backends)),
+        "backend_labels": backend_labels(backends),
+        "platform": platform_for_device(device).as_dict(),
+        "environment": environment(),
+        "summary": _summary(records, backends),
+        "cases": records,
+    }
+
+
+def environment() -> dict:
+    """Versions and host facts recorded in every report."""
+    from .. import __version__
+
+    versions = {"dsv4_attn": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
+                "torch_cuda": torch.version.cuda, "torch_hip": getattr(torch.version, "hip", None),
+                "numpy": _dist_version("numpy"), "pyyaml": _dist_version("pyyaml")}
+    for key, info in probe().libraries.items():
+        versions[key] = info.version if info.found else None
+    return {"versions": versions, "os": _pyplatform.platform(), "cpu": _pyplatform.processor() or
+            _pyplatform.machine(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+
+
+def _dist_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _machine_label(device: torch.device) -> str:
+    """The device's arch (cpu, sm90, gfx950, ...): merged columns are named backend@label."""
+    return platform_for_device(device).arch
+
+
+def _summary(records: list[dict], backends: list[str]) -> dict:
+    out = {}
+    for name in backends:
+        counts = {"pass": 0, "fail": 0, "error": 0, "skip": 0}
+        for rec in records:
+            counts[rec["cells"][name]["status"]] += 1
+        out[name] = counts
+    return out
+
+
+def failed(report: dict) -> bool:
+    return any(c["fail"] or c["error"] for c in report["summary"].values())
