@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import itertools
 import json
 import math
@@ -230,7 +231,7 @@ def test_inputs_are_deterministic_and_per_case():
     case = _case("core.c4a.h16.fp8_ds_mla.mixed.short")
     a, b = parity.make_inputs(case), parity.make_inputs(case)
     assert a.digest == b.digest
-    assert torch.equal(a.q, b.q) and torch.equal(a.c4a_topk, b.c4a_topk)
+    assert torch.equal(a.q, b.q) and torch.equal(a.topk, b.topk)
     assert torch.equal(flat_bytes(a.comp_cache), flat_bytes(b.comp_cache))
     other = parity.make_inputs(_case("core.c4a.h16.bfloat16.mixed.short"))
     assert other.digest != a.digest
@@ -254,9 +255,9 @@ def test_edge_case_has_the_promised_edges():
     assert int((~valid).sum()) == 2  # padding tokens
     _, swa_lens = indices.swa_rows(batch, 128)
     assert swa_lens[~valid].eq(0).all()
-    rows, lens = indices.c4a_rows(batch, inputs.c4a_topk)
+    rows, lens = indices.c4a_rows(batch, inputs.topk)
     assert bool((lens[valid] == 0).any())  # a real token with no compressed entry yet
-    topk = inputs.c4a_topk
+    topk = inputs.topk
     past = torch.arange(topk.shape[1])[None, :] >= lens[:, None]
     assert bool(((topk >= 0) & past).any()) and bool(((topk == -1) & past).any())  # garbage lanes
     assert case.held_heads == 64 and inputs.q.shape[1] == 64 and not inputs.q[:, 16:].any()
@@ -283,6 +284,46 @@ def test_page_stride_and_byte_offset(tmp_path):
     assert int(rows[rows >= 0].min()) // 64 * 2 * page >= 1_000_000
     moved = cache_to(inputs.swa_cache, "cpu")
     assert moved.stride() == inputs.swa_cache.stride() and torch.equal(moved, inputs.swa_cache)
+
+
+def test_default_matrix_has_the_v41_sweeps():
+    cases = [c for c in parity.load_matrix().cases if c.sweep.startswith("v41")]
+    v41 = {(c.kind.name, c.heads, c.fmt.value, c.mix, c.length) for c in cases if c.sweep == "v41"}
+    assert v41 == set(itertools.product(["SWA", "C1A", "C2A"], [16, 64, 128],
+                                        ["fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla", "bfloat16"],
+                                        ["decode", "prefill", "mixed", "mtp"], ["short", "long", "edge"]))
+    assert {(c.swa_block_size, c.block_size) for c in cases} == {(32, 128), (32, 64)}  # vLLM's V4.1 pages
+    shared = [c for c in cases if c.shared]
+    assert shared and all(c.kind.uses_topk for c in shared)
+    assert {c.spec.kinds for c in cases} == {(LayerKind.SWA,), (LayerKind.SWA, LayerKind.C1A),
+                                            (LayerKind.SWA, LayerKind.C2A)}
+
+
+def test_shared_case_reads_two_layers_from_one_cache():
+    inputs = parity.make_inputs(next(c for c in parity.load_matrix().cases if c.shared and c.length == "long"))
+    assert inputs.other_topk is not None and not torch.equal(inputs.other_topk, inputs.topk)
+    for topk in (inputs.topk, inputs.other_topk):  # every entry either layer reads has its own row
+        rows, lens = indices.topk_rows(inputs.batch, inputs.case.kind, topk)
+        used = rows[torch.arange(rows.shape[1])[None, :] < lens[:, None]]
+        assert int((used >= 0).sum()) > 0 and bool((used >= 0).all())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_v41_cells_on_triton_under_the_interpreter(keep_threads):
+    """Every V4.1 kind on every record the triton backend declares, decode / prefill / mixed / MTP
+    (16 heads, short lengths: the interpreter is slow), plus a shared-cache case."""
+    matrix = parity.load_matrix()
+    cases = matrix.select("v41.*.h16.*.short*,v41-shared.c2a.h64.fp8_ds_mla.mixed.edge*")
+    torch.set_num_threads(1)
+    report = parity.run(matrix, ["triton"], "cpu", cases=cases, progress=False)
+    declared = bm.get_backend("triton").capabilities.formats
+    for rec in report["cases"]:
+        cell = rec["cells"]["triton"]
+        if KVFormat.parse(rec["format"]) in declared:
+            assert cell["status"] == "pass", (rec["name"], cell)
+        else:
+            assert cell["status"] == "skip" and "caches only" in " ".join(cell["reasons"]), (rec["name"], cell)
+    assert any(rec["cells"]["triton"]["status"] == "pass" for rec in report["cases"] if rec["shared"])
 
 
 # ---- running: the wrong backends must be flagged ------------------------------------------------

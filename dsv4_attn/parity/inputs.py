@@ -1,8 +1,9 @@
 """A case's inputs: generated on the CPU from the case's seed, so every machine sees the same bytes.
 
 Random bf16 rows inserted into caches of the case's format through ``common.layout.insert``,
-permuted block tables, random q, sinks with +-inf on the edge cases, C4A top-k rows with garbage
-past the valid prefix, garbage in every cache slot no row references; the sha256 of all of it
+permuted block tables, random q, sinks with +-inf on the edge cases, top-k rows with garbage past
+the valid prefix (and, for ``shared`` cases, a second layer's top-k over the same compressed
+cache), garbage in every cache slot no row references; the sha256 of all of it
 (``CaseInputs.digest``) proves two machines ran the same case.
 """
 
@@ -16,8 +17,8 @@ import torch
 
 from ..common import layout
 from ..common.batch import StepBatch
-from ..common.layout import Fp8Dialect, KVFormat
-from ..common.spec import HEAD_DIM, LayerKind, ModelSpec, cdiv
+from ..common.layout import Fp8Dialect, KVFormat, Record
+from ..common.spec import HEAD_DIM, ModelSpec, cdiv
 from .matrix import Case
 
 _FILLER_BLOCKS = 2  # physical blocks shared by every logical block no row references
@@ -31,8 +32,9 @@ class CaseInputs:
     batch      StepBatch of the case
     q          bf16 [T, held_heads, 512] (padded heads 0)
     swa_cache  cache of the case's format (SWA dialect); comp_cache: the kind's compressed cache or None
-    c4a_topk   int32 [T, c4a_topk] local top-k (C4A only): a valid prefix of distinct visible
+    topk       int32 [T, topk] local top-k (top-k kinds only): a valid prefix of distinct visible
                entries, garbage (-1, stale or huge values) after it
+    other_topk the top-k of another layer sharing the compressed cache (``shared`` cases), or None
     sink       float32 [held_heads] (padded heads -inf) or None
     digest     sha256 of every input byte (computed on the CPU copy)
     """
@@ -42,8 +44,9 @@ class CaseInputs:
     q: torch.Tensor
     swa_cache: torch.Tensor
     comp_cache: torch.Tensor | None
-    c4a_topk: torch.Tensor | None
+    topk: torch.Tensor | None
     sink: torch.Tensor | None
+    other_topk: torch.Tensor | None = None
     digest: str = ""
 
     def to(self, device: torch.device) -> CaseInputs:
@@ -60,7 +63,7 @@ class CaseInputs:
 
         return replace(self, batch=batch, q=self.q.to(device), swa_cache=cache_to(self.swa_cache, device),
                        comp_cache=None if self.comp_cache is None else cache_to(self.comp_cache, device),
-                       c4a_topk=move(self.c4a_topk), sink=move(self.sink))
+                       topk=move(self.topk), sink=move(self.sink), other_topk=move(self.other_topk))
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -83,26 +86,27 @@ def make_inputs(case: Case) -> CaseInputs:
     q = torch.randn(T, case.held_heads, HEAD_DIM, generator=gen).bfloat16()
     q[:, case.heads:] = 0  # padded heads are zero-filled, as vLLM does
     sink = _sinks(case, gen)
-    topk = _local_topk(case, req, pos, gen) if case.kind is LayerKind.C4A else None
+    topk = _local_topk(case, req, pos, gen) if case.kind.uses_topk else None
+    other = _local_topk(case, req, pos, gen) if case.shared else None
     swa_req, swa_pos = _window_refs(case, req, pos)
     swa_table, swa_cache = _scope_cache(case, gen, swa_req, swa_pos, _cols(case.seq_lens, 1, case.swa_block_size),
-                                        case.swa_block_size, case.swa_dialect)
+                                        case.swa_block_size, case.fmt.swa_record, case.swa_dialect)
     comp_tables, comp_cache = {}, None
     if case.kind.has_comp_scope:
         if case.block_size % case.kind.ratio:
             raise ValueError(f"case {case.name}: block_size: got {case.block_size!r}; "
                              f"allowed: a multiple of {case.kind.ratio}")
         bs_c = case.block_size // case.kind.ratio
-        c_req, c_pos = _comp_refs(case, spec, req, pos, topk)
+        c_req, c_pos = _comp_refs(case, spec, req, pos, topk if other is None else torch.cat([topk, other], 1))
         table, comp_cache = _scope_cache(case, gen, c_req, c_pos, _cols(case.seq_lens, case.kind.ratio, bs_c), bs_c,
-                                         case.comp_dialect)
+                                         case.fmt.comp_record, case.comp_dialect)
         comp_tables[case.kind.ratio] = table
     qsl = torch.zeros(R + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(case.query_lens, dtype=torch.int32).cumsum(0)
     batch = StepBatch(qsl, torch.tensor(case.seq_lens, dtype=torch.int32), case.num_decode_tokens, swa_table,
                       case.swa_block_size, comp_tables, case.block_size, case.max_model_len, T)
     batch.validate()
-    inputs = CaseInputs(case, batch, q, swa_cache, comp_cache, topk, sink)
+    inputs = CaseInputs(case, batch, q, swa_cache, comp_cache, topk, sink, other)
     inputs.digest = _input_digest(inputs)
     return inputs
 
@@ -129,16 +133,16 @@ def _sinks(case: Case, gen: torch.Generator) -> torch.Tensor | None:
 
 
 def _local_topk(case: Case, req: torch.Tensor, pos: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """int32 [T, K]: per real token a prefix of min((pos+1)//4, K) distinct visible entries in
+    """int32 [T, K]: per real token a prefix of min((pos+1)//ratio, K) distinct visible entries in
     random order; every other lane garbage: -1, small values that look valid (stale lanes) or
     values far past what is visible."""
-    K, T = case.c4a_topk, case.num_tokens
+    K, T = case.topk, case.num_tokens
     topk = torch.randint(0, 1 << 20, (T, K), generator=gen, dtype=torch.int64)
     pick = torch.rand(T, K, generator=gen)
     topk = torch.where(pick < 0.3, torch.full_like(topk, -1), topk)
     topk = torch.where(pick > 0.7, topk % 64, topk)
     for t, p in enumerate(pos.tolist()):
-        n = (p + 1) // LayerKind.C4A.ratio
+        n = (p + 1) // case.kind.ratio
         if n:
             topk[t, : min(n, K)] = torch.randperm(n, generator=gen)[:K]
     return topk.to(torch.int32)
@@ -155,16 +159,16 @@ def _window_refs(case: Case, req: torch.Tensor, pos: torch.Tensor) -> tuple[torc
 
 def _comp_refs(case: Case, spec: ModelSpec, req: torch.Tensor, pos: torch.Tensor,
                topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(request, compressed entry) of every compressed key a real token reads."""
+    """(request, compressed entry) of every compressed key a real token reads (``topk``: the local
+    top-k rows of every layer reading this cache, side by side, for top-k kinds)."""
     visible = (pos + 1) // case.kind.ratio
-    if case.kind is LayerKind.C4A:
-        local = topk[: pos.shape[0]].long()
-        lens = visible.clamp(max=local.shape[1])
+    if case.kind.uses_topk:
+        local, width = topk[: pos.shape[0]].long(), case.topk
     else:
-        width = spec.c128a_width
+        width = spec.all_width(case.kind.ratio)
         local = torch.arange(width)[None, :].expand(pos.shape[0], width)
-        lens = visible.clamp(max=width)
-    keep = torch.arange(local.shape[1])[None, :] < lens[:, None]
+    # column j belongs to the row of layer j // width, whose valid prefix is min(visible, width)
+    keep = torch.arange(local.shape[1])[None, :] % width < visible.clamp(max=width)[:, None]
     return req[:, None].expand_as(local)[keep], local[keep]
 
 
@@ -174,8 +178,9 @@ def _cols(seq_lens, ratio: int, block_size: int) -> list[int]:
 
 
 def _scope_cache(case: Case, gen: torch.Generator, req: torch.Tensor, logical: torch.Tensor, cols: list[int],
-                 block_size: int, dialect: Fp8Dialect) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block table int32 [R, max(cols)] and cache of one scope whose rows ``(req, logical)`` are read.
+                 block_size: int, record: Record, dialect: Fp8Dialect) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block table int32 [R, max(cols)] and cache (in ``record``) of one scope whose rows
+    ``(req, logical)`` are read.
 
     Only what is read gets its own physical block: every (request, logical block) some row reads
     maps to a distinct block (a seeded permutation of the pool), every other column to one of a
@@ -184,7 +189,7 @@ def _scope_cache(case: Case, gen: torch.Generator, req: torch.Tensor, logical: t
     ``byte_offset`` the pool starts at the first block past that byte offset (the blocks before
     it stay zero), so slot byte offsets pass 2**31.
     """
-    one = layout.new_cache(case.fmt, 1, block_size, dialect=dialect)
+    one = layout.new_cache(record, 1, block_size, dialect=dialect)
     stride = one.stride(0) * case.page_stride  # elements
     offset = cdiv(case.byte_offset, stride * one.element_size())
     width = max(max(cols, default=0), 1)
@@ -196,24 +201,24 @@ def _scope_cache(case: Case, gen: torch.Generator, req: torch.Tensor, logical: t
     table = perm[n + torch.randint(_FILLER_BLOCKS, (len(cols), width), generator=gen)]
     table[touched // width, touched % width] = perm[:n]
     slots = torch.unique(table[req, block] * block_size + logical % block_size)
-    cache = layout.new_cache(case.fmt, offset + pool, block_size, block_stride=stride, dialect=dialect)
-    garbage = _garbage_pages(case, gen, block_size, stride, dialect)
+    cache = layout.new_cache(record, offset + pool, block_size, block_stride=stride, dialect=dialect)
+    garbage = _garbage_pages(case, gen, block_size, stride, record, dialect)
     flat_bytes(cache).view(offset + pool, -1)[offset:] = garbage[torch.arange(pool) % garbage.shape[0]]
     scale = case.kv_scale if case.fmt is KVFormat.FP8_TENSOR else None
-    layout.insert(cache, case.fmt, slots, _random_rows(gen, slots.numel()), scale=scale, dialect=dialect)
+    layout.insert(cache, record, slots, _random_rows(gen, slots.numel()), scale=scale, dialect=dialect)
     return table.to(torch.int32), cache
 
 
-def _garbage_pages(case: Case, gen: torch.Generator, block_size: int, stride: int,
+def _garbage_pages(case: Case, gen: torch.Generator, block_size: int, stride: int, record: Record,
                    dialect: Fp8Dialect) -> torch.Tensor:
     """uint8 [_GARBAGE_PAGES, block bytes]: pages of valid random rows; the bytes past the page
     (other layers' pages when page_stride > 1) are random bytes."""
     n = _GARBAGE_PAGES
-    pages = layout.new_cache(case.fmt, n, block_size, block_stride=stride, dialect=dialect)
+    pages = layout.new_cache(record, n, block_size, block_stride=stride, dialect=dialect)
     flat = flat_bytes(pages).view(n, -1)
     flat.copy_(torch.randint(0, 256, flat.shape, generator=gen, dtype=torch.uint8))
     scale = case.kv_scale if case.fmt is KVFormat.FP8_TENSOR else None
-    layout.insert(pages, case.fmt, torch.arange(n * block_size), _random_rows(gen, n * block_size),
+    layout.insert(pages, record, torch.arange(n * block_size), _random_rows(gen, n * block_size),
                   scale=scale, dialect=dialect)
     return flat.clone()
 
@@ -229,7 +234,7 @@ def _input_digest(inputs: CaseInputs) -> str:
     b = inputs.batch
     tensors = [b.query_start_loc, b.seq_lens, b.swa_block_table, *[b.comp_block_tables[r] for r in
                                                                    sorted(b.comp_block_tables)],
-               inputs.q, inputs.c4a_topk, inputs.sink]
+               inputs.q, inputs.topk, inputs.sink, inputs.other_topk]
     for t in tensors:
         if t is not None:
             h.update(tensor_bytes(t))

@@ -21,7 +21,6 @@ from ..common import indices, reference
 from ..common.backend import BackendUnavailableError, Phase
 from ..common.layout import KVFormat
 from ..common.platform import platform_for_device
-from ..common.spec import LayerKind
 from .inputs import CaseInputs, tensor_bytes
 from .matrix import Case, Tolerance
 from .report import output_record
@@ -48,10 +47,10 @@ def _reference_out(inputs: CaseInputs) -> torch.Tensor:
     spec = case.spec
     swa_rows, swa_lens = indices.swa_rows(batch, spec.window)
     comp_rows = comp_lens = None
-    if case.kind is LayerKind.C4A:
-        comp_rows, comp_lens = indices.c4a_rows(batch, inputs.c4a_topk)
-    elif case.kind is LayerKind.C128A:
-        comp_rows, comp_lens = indices.c128a_rows(batch, spec.c128a_width)
+    if case.kind.uses_topk:
+        comp_rows, comp_lens = indices.topk_rows(batch, case.kind, inputs.topk)
+    elif case.kind.attends_all:
+        comp_rows, comp_lens = indices.all_rows(batch, case.kind, spec.all_width(case.kind.ratio))
     out, _ = reference.sparse_mla(inputs.q, inputs.swa_cache, swa_rows, swa_lens, inputs.comp_cache, comp_rows,
                                   comp_lens, inputs.sink, spec.scale, case.fmt, torch.float64,
                                   case.kv_scale if case.fmt is KVFormat.FP8_TENSOR else None,
@@ -118,10 +117,16 @@ def _sparse_mla(name: str, case: Case, device: torch.device):
 
 
 def _forward(mla, inputs: CaseInputs, out: torch.Tensor) -> None:
+    """One plan; for ``shared`` cases another layer reads the same compressed cache with its own
+    top-k first (into a scratch output), so state a backend wrongly keeps per cache or per kind
+    shows up in the judged layer."""
     case = inputs.case
     plan = mla.plan(inputs.batch, validate=True)
-    mla.forward(plan, case.kind, inputs.q, inputs.swa_cache, inputs.comp_cache, c4a_topk=inputs.c4a_topk,
-                sink=inputs.sink, out=out, kv_scale=case.kv_scale, validate=True)
+    layers = ([inputs.other_topk] if inputs.other_topk is not None else []) + [inputs.topk]
+    for topk in layers:
+        dest = out if topk is inputs.topk else torch.empty_like(out)
+        mla.forward(plan, case.kind, inputs.q, inputs.swa_cache, inputs.comp_cache, topk=topk, sink=inputs.sink,
+                    out=dest, kv_scale=case.kv_scale, validate=True)
     if out.device.type == "cuda":
         torch.cuda.synchronize(out.device)
 

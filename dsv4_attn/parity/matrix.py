@@ -71,7 +71,7 @@ class Case:
     padding: int
     swa_block_size: int
     block_size: int
-    c4a_topk: int
+    topk: int
     max_model_len: int
     window: int
     sink: str
@@ -80,11 +80,14 @@ class Case:
     comp_dialect: Fp8Dialect
     page_stride: int
     byte_offset: int
+    shared: bool = False
 
     @property
     def spec(self) -> ModelSpec:
-        return ModelSpec(num_heads=self.heads, c4a_topk=self.c4a_topk, max_model_len=self.max_model_len,
-                         window=self.window)
+        """A model of this case's layer (and a window-only one beside it)."""
+        layers = (LayerKind.SWA,) if self.kind is LayerKind.SWA else (LayerKind.SWA, self.kind)
+        return ModelSpec(num_heads=self.heads, topk=self.topk, max_model_len=self.max_model_len,
+                         window=self.window, layers=layers)
 
     @property
     def num_tokens(self) -> int:
@@ -107,10 +110,10 @@ class Case:
             "length": self.length, "query_lens": list(self.query_lens), "seq_lens": list(self.seq_lens),
             "num_tokens": self.num_tokens, "num_decode_tokens": self.num_decode_tokens,
             "padding": self.padding, "swa_block_size": self.swa_block_size, "block_size": self.block_size,
-            "c4a_topk": self.c4a_topk, "max_model_len": self.max_model_len, "window": self.window,
+            "topk": self.topk, "max_model_len": self.max_model_len, "window": self.window,
             "sink": self.sink, "kv_scale": self.kv_scale, "swa_dialect": self.swa_dialect.value,
             "comp_dialect": self.comp_dialect.value, "page_stride": self.page_stride,
-            "byte_offset": self.byte_offset,
+            "byte_offset": self.byte_offset, "shared": self.shared,
         }
 
 
@@ -152,10 +155,10 @@ class Matrix:
 
 
 _AXES = ("kind", "heads", "format", "mix", "length", "swa_block_size", "block_size", "swa_dialect",
-         "comp_dialect", "page_stride", "byte_offset")
+         "comp_dialect", "page_stride", "byte_offset", "shared")
 _EXTRA_TAGS = {"swa_block_size": "swabs{}", "block_size": "bs{}", "swa_dialect": "swa-{}",
-               "comp_dialect": "comp-{}", "page_stride": "stride{}", "byte_offset": "off{}"}
-_MODEL_KEYS = ("c4a_topk", "max_model_len", "window")
+               "comp_dialect": "comp-{}", "page_stride": "stride{}", "byte_offset": "off{}", "shared": "shared"}
+_MODEL_KEYS = ("topk", "c4a_topk", "max_model_len", "window")  # c4a_topk: V4's name of topk
 
 
 def _fail(where: str, got, allowed: str):
@@ -178,14 +181,15 @@ def _int(value, where: str, lo: int = 0) -> int:
 
 
 def _model(base: dict, override, where: str) -> dict:
-    """``base`` updated with a matrix's / sweep's ``model`` mapping (keys c4a_topk, max_model_len, window)."""
+    """``base`` updated with a matrix's / sweep's ``model`` mapping (keys topk -- or its V4 name
+    c4a_topk --, max_model_len, window)."""
     if override is None:
         return dict(base)
-    if not isinstance(override, dict) or set(override) - set(_MODEL_KEYS):
-        _fail(where, override, f"a mapping with keys among {', '.join(_MODEL_KEYS)}")
+    if not isinstance(override, dict) or set(override) - set(_MODEL_KEYS) or {"topk", "c4a_topk"} <= set(override):
+        _fail(where, override, f"a mapping with keys among {', '.join(_MODEL_KEYS)} (topk or c4a_topk, not both)")
     for key, value in override.items():
         _int(value, f"{where}.{key}", 1)
-    return {**base, **override}
+    return {**base, **{("topk" if k == "c4a_topk" else k): v for k, v in override.items()}}
 
 
 def _read_yaml(path: Path, hops: int = 0) -> tuple[Path, bytes, dict]:
@@ -213,9 +217,9 @@ def load_matrix(path: str | os.PathLike | None = None, full: bool = False) -> Ma
     if doc.get("version") != 1:
         _fail("version", doc.get("version"), "1")
     seed = _int(_need(doc, "seed", "matrix"), "seed")
-    model = _model({"c4a_topk": 512, "max_model_len": 65536, "window": 128}, doc.get("model"), "model")
+    model = _model({"topk": 512, "max_model_len": 65536, "window": 128}, doc.get("model"), "model")
     defaults = {"swa_block_size": 64, "block_size": 256, "swa_dialect": "ocp", "comp_dialect": "ocp",
-                "page_stride": 1, "byte_offset": 0, **(doc.get("defaults") or {})}
+                "page_stride": 1, "byte_offset": 0, "shared": False, **(doc.get("defaults") or {})}
     tol = _need(doc, "tolerances", "matrix", dict)
     default_tol = Tolerance(**{k: float(_need(_need(tol, "default", "tolerances", dict), k, "tolerances.default"))
                                for k in _METRICS})
@@ -258,7 +262,7 @@ def _expand_sweep(sweep: dict, index: int, seed: int, model: dict, defaults: dic
     out = []
     for values in itertools.product(*(axes[k] for k in _AXES)):
         point = dict(zip(_AXES, values))
-        tags = [_EXTRA_TAGS[k].format(point[k]) for k in _EXTRA_TAGS if k in sweep]
+        tags = [_EXTRA_TAGS[k].format(point[k]) for k in _EXTRA_TAGS if k in sweep and point[k] is not False]
         kind = LayerKind.parse(point["kind"])
         fmt = KVFormat.parse(point["format"])
         case_name = ".".join([name, kind.name.lower(), f"h{point['heads']}", fmt.value, str(point["mix"]),
@@ -286,6 +290,10 @@ def _make_case(name: str, seed: int, sweep: str, kind: LayerKind, fmt: KVFormat,
     decode = _int(shape.get("decode", 0), f"batches.{mix}.{length}.decode")
     if decode > len(q_lens) or any(q < 1 for q in q_lens[:decode]):
         _fail(f"batches.{mix}.{length}.decode", decode, "<= number of requests, each decode request with >= 1 token")
+    shared = point["shared"]
+    if not isinstance(shared, bool) or (shared and not kind.uses_topk):
+        _fail(f"case {name}: shared", shared, "false, or true for a top-k kind (a second layer's top-k over the "
+                                              "same compressed cache runs first)")
     case_seed = zlib.crc32(f"{seed}/{name}".encode()) & 0x7FFFFFFF
     return Case(
         name=name, seed=case_seed, sweep=sweep, kind=kind, heads=heads, held_heads=held, fmt=fmt, mix=mix,
@@ -293,11 +301,11 @@ def _make_case(name: str, seed: int, sweep: str, kind: LayerKind, fmt: KVFormat,
         padding=_int(shape.get("padding", 0), f"batches.{mix}.{length}.padding"),
         swa_block_size=_int(point["swa_block_size"], f"case {name}: swa_block_size", 1),
         block_size=_int(point["block_size"], f"case {name}: block_size", 1),
-        c4a_topk=model["c4a_topk"], max_model_len=model["max_model_len"], window=model["window"], sink=sink,
+        topk=model["topk"], max_model_len=model["max_model_len"], window=model["window"], sink=sink,
         kv_scale=kv_scale, swa_dialect=Fp8Dialect.parse(point["swa_dialect"]),
         comp_dialect=Fp8Dialect.parse(point["comp_dialect"]),
         page_stride=_int(point["page_stride"], f"case {name}: page_stride", 1),
-        byte_offset=_int(point["byte_offset"], f"case {name}: byte_offset"),
+        byte_offset=_int(point["byte_offset"], f"case {name}: byte_offset"), shared=shared,
     )
 
 
