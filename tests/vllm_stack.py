@@ -149,7 +149,7 @@ def as_sm90_cpu(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(shim, "vllm_platform", lambda: "cuda")
 
 
-def _init_process_state() -> None:
+def init_process_state() -> None:
     """vLLM's one-rank distributed state (gloo) and workspace manager, once per process."""
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import model_parallel_is_initialized
@@ -163,21 +163,22 @@ def _init_process_state() -> None:
         init_workspace_manager(torch.device("cpu"))
 
 
-def vllm_config(model_dir: Path, backend: str | None = shim.BACKEND_NAME, speculative: bool = True, **cache):
-    """A real VllmConfig of the small model: FlashMLA's class family, the given cache settings,
-    MTP with NUM_SPEC_TOKENS draft tokens, and the hybrid KV-cache manager on as on CUDA."""
+def vllm_config(model_dir: Path, backend: str | None = shim.BACKEND_NAME, speculative: bool = True,
+                max_model_len: int = MAX_MODEL_LEN, max_tokens: int = MAX_TOKENS, max_seqs: int = MAX_SEQS, **cache):
+    """A real VllmConfig of the model in ``model_dir``: FlashMLA's class family, the given cache
+    settings, MTP with NUM_SPEC_TOKENS draft tokens, and the hybrid KV-cache manager on as on CUDA."""
     from vllm.config import (AttentionConfig, CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, SpeculativeConfig, VllmConfig)
 
     shim.register()  # vLLM loads plugins before it parses the backend name
-    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="bfloat16")
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len, dtype="bfloat16")
     spec = SpeculativeConfig(method="mtp", num_speculative_tokens=NUM_SPEC_TOKENS, target_model_config=model,
                              target_parallel_config=ParallelConfig()) if speculative else None
     config = VllmConfig(
         model_config=model, device_config=DeviceConfig(device="cpu"), speculative_config=spec,
         cache_config=CacheConfig(**{"block_size": 256, **cache}), attention_config=AttentionConfig(backend=backend),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
-                                         max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False))
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs,
+                                         max_model_len=max_model_len, is_encoder_decoder=False))
     config.scheduler_config.disable_hybrid_kv_cache_manager = False  # what VllmConfig decides on CUDA
     return config
 
@@ -209,7 +210,7 @@ class VllmStack:
         self.gen = gen
         self.config = config = vllm_config(model_dir)
         with set_current_vllm_config(config):
-            _init_process_state()
+            init_process_state()
             cls = cuda_model._select_dsv4_attn_cls(config)  # the plugin's hook picks our class
             self.topk = torch.empty(MAX_TOKENS, TOPK, dtype=torch.int32)
             self.layers = [cls(config, prefix=f"model.layers.{i}.attn", topk_indices_buffer=self.topk)

@@ -706,7 +706,7 @@ class StepPlanner:
         empty = torch.zeros(0, 1, dtype=torch.int32)
         batch = StepBatch.from_lists([], [], empty, 64, comp_block_tables={LayerKind.C128A.ratio: empty} if c128a
                                      else {}, block_size=self.block_size, max_model_len=self.spec.max_model_len,
-                                     device=device)
+                                     num_tokens=0, device=device)
         mla.plan(batch)
 
     def _warn_unreserved(self, what: str) -> None:
