@@ -36,9 +36,9 @@ MAX_REQS, MAX_TOKENS, NUM_BLOCKS = 8, 32, 96
 SWA_BS, BS = 64, 256  # SWA block (tokens); compressed-cache block (uncompressed tokens)
 # (layer prefix, ratio, SWA-cache group): vLLM 0.33 puts DeepSeek-V4's SWA caches into two
 # groups and every compressed cache into one (tests/test_vllm_shim.py builds the real ones).
-LAYERS = [("model.layers.0.attn", 1, "swa_a"), ("model.layers.1.attn", 4, "swa_b"),
-          ("model.layers.2.attn", 128, "swa_a"), ("model.layers.3.attn", 4, "swa_b")]
-MTP = ("model.layers.4.attn", 1, "swa_b")
+LAYERS = [("model.layers.0.attn", LayerKind.SWA, "swa_a"), ("model.layers.1.attn", LayerKind.C4A, "swa_b"),
+          ("model.layers.2.attn", LayerKind.C128A, "swa_a"), ("model.layers.3.attn", LayerKind.C4A, "swa_b")]
+MTP = ("model.layers.4.attn", LayerKind.SWA, "swa_b")
 
 
 class Engine:
@@ -54,7 +54,7 @@ class Engine:
         self.tables = {g: torch.zeros(MAX_REQS, -(-MAX_MODEL_LEN // bs), **i32)
                        for g, bs in (("swa_a", SWA_BS), ("swa_b", SWA_BS), ("comp", BS))}
         self.topk = torch.full((MAX_TOKENS, TOPK), -1, **i32)
-        spec = ModelSpec(num_heads=HEADS, c4a_topk=TOPK, max_model_len=MAX_MODEL_LEN)
+        spec = ModelSpec(num_heads=HEADS, topk=TOPK, max_model_len=MAX_MODEL_LEN)
         groups = {}
         self.planner = shim.StepPlanner(spec, MAX_TOKENS, MAX_REQS, Fp8Dialect.OCP, BS,
                                         predict=lambda layers: shim.plan_groups(layers, groups.__getitem__)[1])
@@ -65,17 +65,16 @@ class Engine:
             groups[layer.prefix] = "comp"
             self.planner.add_layer(layer)
 
-    def _layer(self, prefix: str, ratio: int, swa_group: str, draft: bool) -> SimpleNamespace:
-        kind = LayerKind.parse(ratio)
+    def _layer(self, prefix: str, kind: LayerKind, swa_group: str, draft: bool) -> SimpleNamespace:
         sink = torch.full((HEADS,), -math.inf)
         sink[: HEADS - 8] = torch.randn(HEADS - 8, generator=self.gen)  # the last 8 heads: padding
         return SimpleNamespace(
             prefix=prefix, dsv4_kind=kind, is_draft_layer=draft, swa_group=swa_group,
             swa_cache_layer=SimpleNamespace(prefix=f"{prefix}.swa_cache",
                                             kv_cache=layout.new_cache("fp8_ds_mla", NUM_BLOCKS, SWA_BS, self.device)),
-            kv_cache=(layout.new_cache("fp8_ds_mla", NUM_BLOCKS, BS // ratio, self.device) if kind.has_comp_scope
-                      else torch.tensor([], device=self.device)),
-            topk_indices_buffer=self.topk if kind is LayerKind.C4A else None,
+            kv_cache=(layout.new_cache("fp8_ds_mla", NUM_BLOCKS, BS // kind.ratio, self.device)
+                      if kind.has_comp_scope else torch.tensor([], device=self.device)),
+            topk_indices_buffer=self.topk if kind.uses_topk else None,
             attn_sink=sink.to(self.device))
 
     # ---- a batch, written into the persistent buffers ------------------------------------------
@@ -137,11 +136,11 @@ class Engine:
     # ---- the reference -----------------------------------------------------------------------------
     def expected(self, layer, q: torch.Tensor, toks: list, seq_shift: int = 0) -> torch.Tensor:
         """float64 [T, HEADS, 512] from rows written out here (positions shifted by ``seq_shift``)."""
-        T = q.shape[0]
-        ratio = layer.dsv4_kind.ratio
+        T, kind = q.shape[0], layer.dsv4_kind
+        ratio = kind.ratio
         tables = {g: t.cpu() for g, t in self.tables.items()}
         topk = self.topk.cpu()
-        width = {1: 1, 4: TOPK, 128: -(-MAX_MODEL_LEN // 128)}[ratio]
+        width = TOPK if kind.uses_topk else -(-MAX_MODEL_LEN // max(ratio, 1))
         swa, comp = torch.full((T, W), -1, dtype=torch.int32), torch.full((T, width), -1, dtype=torch.int32)
         swa_lens, comp_lens = torch.zeros(T, dtype=torch.int32), torch.zeros(T, dtype=torch.int32)
         for t, (r, p) in enumerate(toks):
@@ -149,9 +148,9 @@ class Engine:
             window = [int(tables[layer.swa_group][r, k // SWA_BS]) * SWA_BS + k % SWA_BS
                       for k in range(max(0, p - W + 1), p + 1)]
             swa[t, : len(window)], swa_lens[t] = torch.tensor(window, dtype=torch.int32), len(window)
-            entries = ([int(c) for c in topk[t, : min((p + 1) // 4, TOPK)]] if ratio == 4
-                       else list(range((p + 1) // 128)) if ratio == 128 else [])
-            cbs = BS // ratio
+            entries = ([int(c) for c in topk[t, : min((p + 1) // ratio, TOPK)]] if kind.uses_topk
+                       else list(range((p + 1) // ratio)) if kind.attends_all else [])
+            cbs = BS // max(ratio, 1)
             keys = [int(tables["comp"][r, e // cbs]) * cbs + e % cbs for e in entries]
             if keys:
                 comp[t, : len(keys)] = torch.tensor(keys, dtype=torch.int32)

@@ -492,8 +492,8 @@ def test_heads_and_backend_choice(built_stack, model_dir, monkeypatch):
         build_layer(vllm_stack.vllm_config(model_dir, speculative=False))
     monkeypatch.setenv("DSV4_ATTN_BACKEND", "torch")
     layer = build_layer(vllm_stack.vllm_config(model_dir, speculative=False), index=2)
-    assert {layer.dsv4_planner.slots[0].backend_for(k, p) for k in (1, 4, 128) for p in ("decode", "prefill")} \
-        == {"torch"}
+    assert {layer.dsv4_planner.slots[0].backend_for(k, p) for k in ("swa", "c4a", "c128a")
+            for p in ("decode", "prefill")} == {"torch"}
 
 
 def test_rocm_hook_on_a_stand_in_module():

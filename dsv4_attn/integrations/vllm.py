@@ -41,7 +41,7 @@ comp_block_tables[ratio]       ``DeepseekV4FlashMLAMetadata.block_table`` of the
 block_size                     ``DeepseekV4FlashMLAMetadata.block_size`` (256, in UNCOMPRESSED
                                tokens; ratio-r blocks hold 256 // r entries)
 num_tokens                     ``q.shape[0]`` (padded token count)
-c4a_topk (per C4A layer)       the model's shared ``topk_indices_buffer`` [max_tokens, index_topk]
+topk (per C4A layer)           the model's shared ``topk_indices_buffer`` [max_tokens, index_topk]
                                of LOCAL compressed positions, just written by this layer's indexer
 =============================  ==============================================================
 
@@ -538,7 +538,7 @@ def planner_for(layer, vllm_config) -> "StepPlanner":
     topk = layer.topk_indices_buffer
     spec = ModelSpec(
         num_heads=layer.n_local_heads,
-        c4a_topk=topk.shape[-1] if topk is not None else vllm_config.model_config.hf_config.index_topk,
+        topk=topk.shape[-1] if topk is not None else vllm_config.model_config.hf_config.index_topk,
         max_model_len=layer.max_model_len,
         window=layer.window_size,
         softmax_scale=layer.scale,
@@ -612,7 +612,7 @@ class StepPlanner:
             q = F.pad(q, (0, 0, 0, output.shape[1] - q.shape[1]))
         mla.forward(plan, kind, q, layer.swa_cache_layer.kv_cache,
                     layer.kv_cache if kind.has_comp_scope else None,
-                    c4a_topk=layer.topk_indices_buffer if kind is LayerKind.C4A else None,
+                    topk=layer.topk_indices_buffer if kind.uses_topk else None,
                     sink=layer.attn_sink, out=output)
 
     def _target_plan(self, layer, attn_metadata: dict, num_tokens: int) -> tuple[SparseMLA, StepPlan]:
@@ -646,7 +646,7 @@ class StepPlanner:
             self._warn_unreserved(f"plan slot {len(self.slots)}")
             self.slots.append(self._new_slot())
         mla = self.slots[index]
-        if group.has_c128a and self.reserved_bytes is not None and _buffer_bytes(mla, c128a_only=True) == 0:
+        if group.has_c128a and self.reserved_bytes is not None and _buffer_bytes(mla, all_rows_only=True) == 0:
             self._warn_unreserved(f"the C128A rows of plan slot {index}")
         return mla
 
@@ -735,12 +735,13 @@ def _metadata(attn_metadata: dict, prefix: str, layer):
     return attn_metadata[prefix]
 
 
-def _buffer_bytes(mla: SparseMLA, c128a_only: bool = False) -> int:
-    """Bytes of ``mla``'s plan buffers (0 before its first plan)."""
+def _buffer_bytes(mla: SparseMLA, all_rows_only: bool = False) -> int:
+    """Bytes of ``mla``'s plan buffers (0 before its first plan); ``all_rows_only``: just the
+    rows of "all" kinds (C128A)."""
     buffers = mla._buffers
     if buffers is None:
         return 0
-    tensors = [buffers.c128a_rows, buffers.c128a_lens]
-    if not c128a_only:
+    tensors = [t for pair in buffers.all_rows.values() for t in pair]
+    if not all_rows_only:
         tensors += [buffers.positions, buffers.token_to_req, buffers.token_valid, buffers.swa_rows, buffers.swa_lens]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return sum(t.numel() * t.element_size() for t in tensors)
