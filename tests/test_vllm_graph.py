@@ -178,17 +178,23 @@ def check(out: torch.Tensor, ref: torch.Tensor, num_real: int) -> dict:
 
 
 # ---- the steps (eager on any device; captured on a GPU) ----------------------------------------
+class Forward:
+    """A forward pass, as vLLM's ForwardContext: the planner keeps a step's plans while it lives."""
+
+
 def decode_step(engine: Engine, md: dict, qs: list, outs: list) -> None:
+    forward = Forward()
     for layer, q, out in zip(engine.layers, qs, outs):
-        engine.planner.attend(layer, md, q, out)
+        engine.planner.attend(layer, md, q, out, forward)
 
 
 def draft_loop(engine: Engine, md: dict, qs: list, outs: list) -> None:
     """Two draft steps over the MTP layer; between them vLLM advances every (padded) request's
     sequence length in place (update_draft_inputs), inside the same graph."""
-    engine.planner.attend(engine.mtp, md, qs[0], outs[0])
-    engine.seq_lens.add_(1)
-    engine.planner.attend(engine.mtp, md, qs[1], outs[1])
+    for k in range(2):
+        if k:
+            engine.seq_lens.add_(1)
+        engine.planner.attend(engine.mtp, md, qs[k], outs[k], Forward())
 
 
 BATCHES = [  # (query lens, seq lens) of the real requests; the graphs are captured for MAX_REQS

@@ -16,6 +16,7 @@ random inputs here.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tomllib
 import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -299,19 +301,28 @@ def test_cache_writers_agree(gen):
 
 
 # ---- the shim vs vLLM's own forward_mqa ---------------------------------------------------------
-def run_both(stack, layer, step, num_tokens=None):
-    """(shim output, vLLM output) of ``layer`` for ``step``; both poisoned with NaN first."""
+def run_all(stack, layers, step, num_tokens=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(shim output, vLLM output)] of ``layers`` in one forward pass over ``step``, layer by
+    layer as vLLM's model runs them; every output poisoned with NaN first."""
     from vllm.forward_context import set_forward_context
 
     T = step.num_tokens if num_tokens is None else num_tokens
-    q = stack.random_q(layer, T)
-    ours = torch.full((T, layer.padded_heads, 512), float("nan"), dtype=torch.bfloat16)
-    theirs = ours.clone()
+    results = []
     with set_forward_context(step.attn_metadata, stack.config):
-        layer.forward_mqa(q, None, step.positions[:T], ours)
-        flashmla_layer_class().forward_mqa(layer, q, None, step.positions[:T], theirs)
-    assert not ours.isnan().any(), "the shim left output elements unwritten"
-    return ours, theirs
+        for layer in layers:
+            q = stack.random_q(layer, T)
+            ours = torch.full((T, layer.padded_heads, 512), float("nan"), dtype=torch.bfloat16)
+            theirs = ours.clone()
+            layer.forward_mqa(q, None, step.positions[:T], ours)
+            flashmla_layer_class().forward_mqa(layer, q, None, step.positions[:T], theirs)
+            assert not ours.isnan().any(), "the shim left output elements unwritten"
+            results.append((ours, theirs))
+    return results
+
+
+def run_both(stack, layer, step, num_tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shim output, vLLM output) of one layer in a forward pass of its own."""
+    return run_all(stack, [layer], step, num_tokens)[0]
 
 
 def assert_agree(ours, theirs, real_tokens: int):
@@ -329,11 +340,10 @@ def test_mixed_step_matches_vllm(stack):
     swa_md = step.attn_metadata[stack.layers[0].swa_cache_layer.prefix]
     assert (swa_md.num_decodes, swa_md.num_decode_tokens, swa_md.num_prefills) == (2, 3, 2)
     built = planner.plans_built
-    for layer in stack.layers:
-        ours, theirs = run_both(stack, layer, step)
+    for ours, theirs in run_all(stack, stack.layers, step):
         assert_agree(ours, theirs, step.num_tokens - 2)
         assert ours[-2:].abs().max() == 0  # padding tokens: no keys, zero output
-    assert planner.plans_built - built == len(stack.predicted_groups)
+    assert planner.plans_built - built == len(stack.predicted_groups)  # one per plan group, not per layer
 
 
 def test_full_graph_padding_matches_vllm(stack):
@@ -342,8 +352,7 @@ def test_full_graph_padding_matches_vllm(stack):
     q = 1 + NUM_SPEC_TOKENS
     step = stack.step([q, q, q], [90, 300, 4], pad_tokens=2 * q, pad_reqs=2, full_graph=True)
     real = 3 * q
-    for layer in stack.layers:
-        ours, theirs = run_both(stack, layer, step)
+    for ours, theirs in run_all(stack, stack.layers, step):
         assert_agree(ours, theirs, real)
         assert ours[real:].abs().max() == 0
 
@@ -382,6 +391,22 @@ def test_step_batch_maps_each_vllm_field(stack):
     assert layer.dsv4_planner.step_batch(swa_md, {}, step.num_tokens).comp_block_tables == {}
 
 
+def test_no_plan_outlives_its_forward(stack):
+    """vLLM's CUDA-graph memory profile builds a throwaway KV cache and metadata builders,
+    captures, then frees them (v1/worker/gpu/cudagraph_utils.py): once a forward is over, the
+    planner keeps none of its metadata -- views of those builders' buffers -- alive."""
+    step = stack.step([1, 5], [70, 300])
+    layer = stack.layers[2]  # C128A: its metadata views vLLM's C128A builder buffers
+    metadata = weakref.ref(step.attn_metadata[layer.prefix])
+    swa_table = weakref.ref(step.block_tables[stack.group_of[layer.swa_cache_layer.prefix]])  # the plan's batch
+    built = layer.dsv4_planner.plans_built
+    run_both(stack, layer, step)
+    assert layer.dsv4_planner.plans_built == built + 1
+    del step
+    gc.collect()
+    assert metadata() is None and swa_table() is None
+
+
 # ---- profiling: every plan buffer inside vLLM's budget -----------------------------------------
 def test_profiling_reserves_every_plan_buffer(stack, caplog):
     """The dummy run (attn_metadata None) allocates every slot and C128A row set that later steps
@@ -409,8 +434,8 @@ def test_profiling_reserves_every_plan_buffer(stack, caplog):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="vllm.dsv4_attn"):
             step = stack.step([1, 9], [200, 160], pad_tokens=3)
-            for layer in stack.layers:
-                assert_agree(*run_both(stack, layer, step), step.num_tokens - 3)
+            for ours, theirs in run_all(stack, stack.layers, step):
+                assert_agree(ours, theirs, step.num_tokens - 3)
             stack.run_draft_loop([90, 40], lambda s: run_both(stack, stack.mtp, s, num_tokens=2))
         assert caplog.records == []  # no "allocating ... after vLLM's memory profile"
         assert sum(shim._buffer_bytes(m) for m in planner.slots + [planner.draft_slot]) == reserved
@@ -440,8 +465,8 @@ def test_unpredicted_plan_buffers_are_allocated_loudly(stack, caplog):
                                         torch.empty(2, 64, 512, dtype=torch.bfloat16))
             assert "could not predict vLLM's KV-cache groups (ValueError: KV cache layout" in caplog.text
             step = stack.step([1], [150])
-            for layer in stack.layers:
-                assert_agree(*run_both(stack, layer, step), 1)
+            for ours, theirs in run_all(stack, stack.layers, step):
+                assert_agree(ours, theirs, 1)
         assert "allocating plan slot 1 after vLLM's memory profile" in caplog.text
         assert "allocating the C128A rows of plan slot 2" in caplog.text
     finally:

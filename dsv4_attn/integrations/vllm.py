@@ -57,6 +57,7 @@ import importlib.abc
 import logging
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -397,7 +398,8 @@ class DSv4AttnLayerMixin:
                     output: torch.Tensor) -> None:
         from vllm.forward_context import get_forward_context
 
-        attn_metadata = get_forward_context().attn_metadata
+        forward = get_forward_context()
+        attn_metadata = forward.attn_metadata
         if attn_metadata is None:  # profiling / dummy run
             self.dsv4_planner.reserve(q.device)
             output.zero_()
@@ -405,7 +407,7 @@ class DSv4AttnLayerMixin:
         if not isinstance(attn_metadata, dict):
             raise ValueError(f"attn_metadata: got {type(attn_metadata).__name__}; allowed: one dict per "
                              "step (micro-batching is not supported by dsv4_attn)")
-        self.dsv4_planner.attend(self, attn_metadata, q, output)
+        self.dsv4_planner.attend(self, attn_metadata, q, output, forward)
 
 
 class DSv4AttnRocmLayerMixin(DSv4AttnLayerMixin):
@@ -558,8 +560,11 @@ def planner_for(layer, vllm_config) -> "StepPlanner":
 class StepPlanner:
     """The StepPlans of every layer of one model setup (spec, token budget, dialect, block size).
 
-    A step is one ``attn_metadata`` dict (vLLM builds a new one per forward and hands it to every
-    layer of that forward). Target layers: at the step's first layer the layers are split into
+    A step is one forward pass: vLLM's ForwardContext (a new one per forward, holding that
+    forward's ``attn_metadata`` dict), weakly referenced, so that no plan -- and none of vLLM's
+    buffers a plan's batch points to -- outlives its forward (vLLM's CUDA-graph memory profile
+    tears down a throwaway KV cache and its builders, and must get their memory back). Target
+    layers: at the step's first layer the layers are split into
     plan groups (:func:`plan_groups`, keyed by the identities of the metadata objects, which
     vLLM builds once per KV-cache group and step); each group's plan is built by its first layer
     and reused by the others. Draft (MTP) layers -- vLLM's ``is_draft_layer`` -- plan at every
@@ -583,8 +588,8 @@ class StepPlanner:
         self.draft_slot: SparseMLA | None = None
         self.plans_built = 0
         self.reserved_bytes: int | None = None  # set by reserve()
-        self._step: dict | None = None
-        self._step_tokens = 0
+        self._forward: weakref.ref | None = None  # the step's forward pass
+        self._step_key: tuple[int, int] | None = None  # (id(attn_metadata), num tokens) within it
         self._layer_plan: dict[str, int] = {}
         self._groups: list[PlanGroup] = []
         self._plans: dict[int, tuple[SparseMLA, StepPlan]] = {}
@@ -597,17 +602,18 @@ class StepPlanner:
         self.layers.append(layer)
 
     # ---- per layer call ------------------------------------------------------------------------
-    def attend(self, layer, attn_metadata: dict, q: torch.Tensor, output: torch.Tensor) -> None:
+    def attend(self, layer, attn_metadata: dict, q: torch.Tensor, output: torch.Tensor, forward) -> None:
         """One layer's attention for the step ``attn_metadata`` (vLLM's per-layer-name metadata
         dict): q bf16 [T, H, 512] (H may be below output's head count: zero-padded here), output
         bf16 [T, padded_heads, 512] written in place. ``layer``: a layer set up by this planner
         (``prefix``, ``swa_cache_layer``, ``dsv4_kind``, ``kv_cache``, ``topk_indices_buffer``,
-        ``attn_sink``, ``is_draft_layer``)."""
+        ``attn_sink``, ``is_draft_layer``). ``forward``: a weak-referenceable object that lives as
+        long as the forward pass and no longer (vLLM's ForwardContext)."""
         kind = layer.dsv4_kind
         if getattr(layer, "is_draft_layer", False):
             mla, plan = self._draft_plan(layer, attn_metadata, q.shape[0])
         else:
-            mla, plan = self._target_plan(layer, attn_metadata, q.shape[0])
+            mla, plan = self._target_plan(layer, attn_metadata, q.shape[0], forward)
         if q.shape[1] < output.shape[1]:  # FlashInfer-SM120 base: q arrives at the live head count
             q = F.pad(q, (0, 0, 0, output.shape[1] - q.shape[1]))
         mla.forward(plan, kind, q, layer.swa_cache_layer.kv_cache,
@@ -615,15 +621,16 @@ class StepPlanner:
                     topk=layer.topk_indices_buffer if kind.uses_topk else None,
                     sink=layer.attn_sink, out=output)
 
-    def _target_plan(self, layer, attn_metadata: dict, num_tokens: int) -> tuple[SparseMLA, StepPlan]:
+    def _target_plan(self, layer, attn_metadata: dict, num_tokens: int, forward) -> tuple[SparseMLA, StepPlan]:
         _metadata(attn_metadata, layer.swa_cache_layer.prefix, layer)
         if layer.dsv4_kind.has_comp_scope:
             _metadata(attn_metadata, layer.prefix, layer)
-        if attn_metadata is not self._step or num_tokens != self._step_tokens:  # a new step
+        key = (id(attn_metadata), num_tokens)  # the dict lives while we plan from it: its id is unique
+        if self._forward is None or self._forward() is not forward or key != self._step_key:  # a new step
             live = [t for t in self.layers
                     if not getattr(t, "is_draft_layer", False) and _has_metadata(t, attn_metadata)]
             self._layer_plan, self._groups = plan_groups(live, lambda prefix: id(attn_metadata[prefix]))
-            self._step, self._step_tokens, self._plans = attn_metadata, num_tokens, {}
+            self._forward, self._step_key, self._plans = weakref.ref(forward, self._forward_ended), key, {}
         index = self._layer_plan[layer.prefix]
         if index not in self._plans:
             group = self._groups[index]
@@ -631,6 +638,11 @@ class StepPlanner:
             batch = self.step_batch(attn_metadata[group.swa_prefix], comp, num_tokens)
             self._plans[index] = self._plan(self._slot(index, group), batch)
         return self._plans[index]
+
+    def _forward_ended(self, ref: weakref.ref) -> None:
+        """The step's forward pass is gone: drop its plans (they point into vLLM's buffers)."""
+        if ref is self._forward:
+            self._forward, self._step_key, self._plans = None, None, {}
 
     def _draft_plan(self, layer, attn_metadata: dict, num_tokens: int) -> tuple[SparseMLA, StepPlan]:
         kind = layer.dsv4_kind
