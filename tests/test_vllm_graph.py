@@ -254,6 +254,23 @@ def run_draft_loop(engine: Engine, replay: SimpleNamespace | None = None) -> lis
     return errors
 
 
+def test_plan_groups_follow_the_kv_cache_groups():
+    """Per SWA-cache group one plan per compressed group of each ratio; two C4A caches in
+    different groups (not vLLM 0.33's V4 grouping, where one group holds them all) need two."""
+    def layer(prefix, kind):
+        return SimpleNamespace(prefix=prefix, dsv4_kind=kind, swa_cache_layer=SimpleNamespace(prefix=f"{prefix}.swa"))
+
+    layers = [layer("a", LayerKind.SWA), layer("b", LayerKind.C4A), layer("c", LayerKind.C4A),
+              layer("d", LayerKind.C128A), layer("e", LayerKind.C4A), layer("f", LayerKind.C128A)]
+    group_of = {"a.swa": "S1", "b.swa": "S1", "c.swa": "S1", "d.swa": "S2", "e.swa": "S2", "f.swa": "S1",
+                "b": "C1", "c": "C2", "d": "C3", "e": "C1", "f": "C3"}
+    index, groups = shim.plan_groups(layers, group_of.__getitem__)
+    assert groups == [shim.PlanGroup("a.swa", ((4, "b"), (128, "f"))), shim.PlanGroup("a.swa", ((4, "c"),)),
+                      shim.PlanGroup("d.swa", ((128, "d"), (4, "e")))]
+    assert index == {"a": 0, "b": 0, "c": 1, "d": 2, "e": 2, "f": 0}
+    assert [g.has_c128a for g in groups] == [True, False, True]
+
+
 def test_vllm_shaped_decode_steps_eager(gen):
     """The batches of the graph test (2 tokens per request, as in MTP verification), eagerly on
     the CPU; one-token steps run in the draft loop below."""

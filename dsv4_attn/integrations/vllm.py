@@ -498,24 +498,25 @@ def plan_groups(layers, group_of: Callable[[str], Any]) -> tuple[dict[str, int],
     names the KV-cache group of a cache (its metadata object at run time, vLLM's group index
     when predicting); ``layers`` have ``prefix``, ``swa_cache_layer.prefix`` and ``dsv4_kind``.
     """
-    per_swa: dict[Any, tuple[str, dict[int, list[tuple[Any, str]]]]] = {}
+    per_swa: dict[Any, tuple[str, dict[int, list[tuple[Any, str]]]]] = {}  # SWA group -> ratio -> comp groups
     for layer in layers:
         swa_prefix = layer.swa_cache_layer.prefix
-        _, comps = per_swa.setdefault(group_of(swa_prefix), (swa_prefix, {4: [], 128: []}))
-        ratio = layer.dsv4_kind.ratio
-        if ratio > 1 and all(gid != group_of(layer.prefix) for gid, _ in comps[ratio]):
-            comps[ratio].append((group_of(layer.prefix), layer.prefix))
+        _, comps = per_swa.setdefault(group_of(swa_prefix), (swa_prefix, {}))
+        if layer.dsv4_kind.has_comp_scope:
+            seen = comps.setdefault(layer.dsv4_kind.ratio, [])
+            if all(gid != group_of(layer.prefix) for gid, _ in seen):
+                seen.append((group_of(layer.prefix), layer.prefix))
     groups: list[PlanGroup] = []
     first: dict[Any, int] = {}
     for swa_gid, (swa_prefix, comps) in per_swa.items():
         first[swa_gid] = len(groups)
-        for j in range(max(1, *(len(c) for c in comps.values()))):
+        for j in range(max([1] + [len(c) for c in comps.values()])):
             groups.append(PlanGroup(swa_prefix, tuple((r, c[j][1]) for r, c in comps.items() if j < len(c))))
     index = {}
     for layer in layers:
-        swa_gid, ratio = group_of(layer.swa_cache_layer.prefix), layer.dsv4_kind.ratio
-        comps = per_swa[swa_gid][1].get(ratio, [])
-        j = [gid for gid, _ in comps].index(group_of(layer.prefix)) if ratio > 1 else 0
+        swa_gid, j = group_of(layer.swa_cache_layer.prefix), 0
+        if layer.dsv4_kind.has_comp_scope:
+            j = [gid for gid, _ in per_swa[swa_gid][1][layer.dsv4_kind.ratio]].index(group_of(layer.prefix))
         index[layer.prefix] = first[swa_gid] + j
     return index, groups
 
