@@ -204,54 +204,44 @@ BATCHES = [  # (query lens, seq lens) of the real requests; the graphs are captu
 ]
 
 
-def run_decode(engine: Engine, q_len: int, replay: SimpleNamespace | None = None) -> list[dict]:
-    """Every batch of BATCHES, ``q_len`` tokens per request, through ``replay`` (a captured
-    graph with its static queries and outputs) or eagerly; returns the errors."""
+def run_batches(engine: Engine, step, q_len: int, num_outputs: int, extra: int = 0,
+                replay: SimpleNamespace | None = None):
+    """Every batch of BATCHES, ``q_len`` tokens per request, through ``step`` eagerly or through
+    ``replay`` (a captured graph with its static queries and outputs): fresh queries, outputs
+    poisoned with NaN. Yields (real tokens, queries, outputs) after each batch."""
     T = MAX_REQS * q_len
     if replay is None:
-        qs = [engine.queries(T) for _ in engine.layers]
-        outs = [torch.empty(T, HEADS, 512, dtype=torch.bfloat16, device=engine.device) for _ in engine.layers]
+        qs = [engine.queries(T) for _ in range(num_outputs)]
+        outs = [torch.empty(T, HEADS, 512, dtype=torch.bfloat16, device=engine.device) for _ in range(num_outputs)]
     else:
         qs, outs = replay.qs, replay.outs
-    errors = []
     for query_lens, seq_lens in BATCHES:
-        toks = engine.load([q_len] * len(query_lens), [s + q_len - 1 for s in seq_lens], MAX_REQS)
+        toks = engine.load([q_len] * len(query_lens), [s + q_len - 1 for s in seq_lens], MAX_REQS, extra)
         for q in qs:
             q.copy_(engine.queries(T))
         for out in outs:
             out.fill_(float("nan"))
         if replay is None:
-            decode_step(engine, engine.metadata(MAX_REQS, T), qs, outs)
+            step(engine, engine.metadata(MAX_REQS, T), qs, outs)
         else:
             replay.graph.replay()
             torch.cuda.synchronize()
-        for layer, q, out in zip(engine.layers, qs, outs):
-            errors.append(check(out.cpu(), engine.expected(layer, q, toks), len(toks)))
-    return errors
+        yield toks, qs, outs
+
+
+def run_decode(engine: Engine, q_len: int, replay: SimpleNamespace | None = None) -> list[dict]:
+    """The decode step over every layer on every batch; the errors against the reference."""
+    return [check(out.cpu(), engine.expected(layer, q, toks), len(toks))
+            for toks, qs, outs in run_batches(engine, decode_step, q_len, len(LAYERS), replay=replay)
+            for layer, q, out in zip(engine.layers, qs, outs)]
 
 
 def run_draft_loop(engine: Engine, replay: SimpleNamespace | None = None) -> list[dict]:
-    """Every batch of BATCHES through the two-step draft loop, one token per request."""
-    if replay is None:
-        qs = [engine.queries(MAX_REQS) for _ in range(2)]
-        outs = [torch.empty(MAX_REQS, HEADS, 512, dtype=torch.bfloat16, device=engine.device) for _ in range(2)]
-    else:
-        qs, outs = replay.qs, replay.outs
-    errors = []
-    for query_lens, seq_lens in BATCHES:
-        toks = engine.load(query_lens, seq_lens, MAX_REQS, extra=1)
-        for q in qs:
-            q.copy_(engine.queries(MAX_REQS))
-        for out in outs:
-            out.fill_(float("nan"))
-        if replay is None:
-            draft_loop(engine, engine.metadata(MAX_REQS, MAX_REQS), qs, outs)
-        else:
-            replay.graph.replay()
-            torch.cuda.synchronize()
-        for k in range(2):  # draft step k attends at the positions advanced k times
-            errors.append(check(outs[k].cpu(), engine.expected(engine.mtp, qs[k], toks, seq_shift=k), len(toks)))
-    return errors
+    """The two-step draft loop on every batch (one token per request); draft step k attends at
+    the positions advanced k times."""
+    return [check(outs[k].cpu(), engine.expected(engine.mtp, qs[k], toks, seq_shift=k), len(toks))
+            for toks, qs, outs in run_batches(engine, draft_loop, 1, 2, extra=1, replay=replay)
+            for k in range(2)]
 
 
 def test_plan_groups_follow_the_kv_cache_groups():
