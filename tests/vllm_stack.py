@@ -292,9 +292,11 @@ class VllmStack:
             for_cudagraph_capture=full_graph)
         step = Step(attn_metadata, positions, qsl, seq, tables, slots)
         self.write_keys(step, query_lens, seq_lens, draft)
-        for t, (_, p) in enumerate(toks):  # the indexer's row: LOCAL positions, a valid prefix, then -1
+        # The indexer's rows: LOCAL positions, a valid prefix, then -1; padding tokens' rows all -1,
+        # as vLLM writes them for position 0 (its global top-k kernel masks lanes by row value only).
+        self.topk.fill_(-1)
+        for t, (_, p) in enumerate(toks):
             n = min((p + 1) // 4, TOPK)
-            self.topk[t] = -1
             self.topk[t, :n] = torch.randperm((p + 1) // 4, generator=gen)[:n].int()
         return step
 
