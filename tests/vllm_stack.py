@@ -219,7 +219,7 @@ class VllmStack:
             # layer the draft model added is flagged (DraftModelSpeculator.load_model).
             target_names = set(get_layers_from_vllm_config(config, AttentionLayerBase))
             self.mtp = cls(config, prefix=f"model.layers.{len(LAYER_TYPES)}.attn",
-                           topk_indices_buffer=torch.empty_like(self.topk))
+                           topk_indices_buffer=torch.full_like(self.topk, -1))
             layers = get_layers_from_vllm_config(config, AttentionLayerBase)
             self.draft_names = set(layers) - target_names
             for name in self.draft_names:
