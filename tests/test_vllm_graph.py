@@ -261,9 +261,10 @@ def test_plan_groups_follow_the_kv_cache_groups():
     assert [g.has_c128a for g in groups] == [True, False, True]
 
 
-def test_vllm_shaped_decode_steps_eager(gen):
+def test_vllm_shaped_decode_steps_eager(gen, monkeypatch):
     """The batches of the graph test (2 tokens per request, as in MTP verification), eagerly on
-    the CPU; one-token steps run in the draft loop below."""
+    the CPU (torch backend, also on a GPU machine); one-token steps run in the draft loop below."""
+    monkeypatch.setenv("DSV4_ATTN_BACKEND", "torch")
     engine = Engine(torch.device("cpu"), gen)
     engine.planner.reserve(engine.device)
     errors = run_decode(engine, 2)
@@ -271,7 +272,8 @@ def test_vllm_shaped_decode_steps_eager(gen):
     assert engine.planner.plans_built == len(BATCHES) * 2  # one plan per SWA group and step
 
 
-def test_vllm_shaped_draft_loop_eager(gen):
+def test_vllm_shaped_draft_loop_eager(gen, monkeypatch):
+    monkeypatch.setenv("DSV4_ATTN_BACKEND", "torch")
     engine = Engine(torch.device("cpu"), gen)
     engine.planner.reserve(engine.device)
     assert len(run_draft_loop(engine)) == 2 * len(BATCHES)
