@@ -22,12 +22,12 @@ import os
 import pickle
 import subprocess
 import sys
-import tomllib
 import types
 import weakref
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 if not torch.cuda.is_available():
@@ -38,13 +38,14 @@ if not torch.cuda.is_available():
 vllm = pytest.importorskip("vllm", reason="vllm is not importable here: run `bash ci/vllm-tests.sh` "
                                           "(docs/vllm.md) for the vLLM shim tests")
 
+import vllm_stack  # noqa: E402
+from vllm_stack import HEADS, NUM_SPEC_TOKENS, VllmStack  # noqa: E402
+
 from dsv4_attn.common import layout  # noqa: E402
 from dsv4_attn.common.backend import BackendUnavailableError  # noqa: E402
 from dsv4_attn.integrations import vllm as shim  # noqa: E402
 
-import vllm_stack  # noqa: E402
 from conftest import compare  # noqa: E402
-from vllm_stack import HEADS, NUM_SPEC_TOKENS, VllmStack  # noqa: E402
 
 if not shim.is_tested_version(vllm.__version__):
     pytest.skip(f"vllm {vllm.__version__} is installed; these tests target vLLM {shim.TESTED_VLLM_SERIES}.x",

@@ -167,8 +167,16 @@ def vllm_config(model_dir: Path, backend: str | None = shim.BACKEND_NAME, specul
                 max_model_len: int = MAX_MODEL_LEN, max_tokens: int = MAX_TOKENS, max_seqs: int = MAX_SEQS, **cache):
     """A real VllmConfig of the model in ``model_dir``: FlashMLA's class family, the given cache
     settings, MTP with NUM_SPEC_TOKENS draft tokens, and the hybrid KV-cache manager on as on CUDA."""
-    from vllm.config import (AttentionConfig, CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, SpeculativeConfig, VllmConfig)
+    from vllm.config import (
+        AttentionConfig,
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
 
     shim.register()  # vLLM loads plugins before it parses the backend name
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len, dtype="bfloat16")
@@ -357,8 +365,10 @@ class VllmStack:
         from vllm.config.compilation import CUDAGraphMode
         from vllm.models.deepseek_v4.common.ops.cache_utils import quantize_and_insert_k_cache
         from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
-        from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import (TargetDependentARSpeculator,
-                                                                                   update_draft_inputs)
+        from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import (
+            TargetDependentARSpeculator,
+            update_draft_inputs,
+        )
 
         R = len(seq_lens)
         step = self.step([1] * R, seq_lens, draft=True)

@@ -58,8 +58,9 @@ import logging
 import os
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -256,7 +257,7 @@ def layer_class_for(vllm_config, vllm_cls: type, rocm: bool = False) -> type:
     return _subclass(vllm_cls, rocm)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _subclass(base: type, rocm: bool) -> type:
     mixin = DSv4AttnRocmLayerMixin if rocm else DSv4AttnLayerMixin
     name = "DSv4Attn" + base.__name__.removeprefix("DeepseekV4")
@@ -316,7 +317,7 @@ def _patch_v41_model(module) -> None:
     module._select_dsv4_attn_cls = _select_dsv4_attn_cls
 
 
-_hooks: dict[str, "_PatchAfterImport"] = {}
+_hooks: dict[str, _PatchAfterImport] = {}
 
 
 def _after_import(name: str, patch: Callable[[Any], None]) -> None:
@@ -533,10 +534,10 @@ def predicted_plan_groups(vllm_config, layers) -> list[PlanGroup]:
 
 
 # ---- one plan per KV-cache group and step, shared by the layers -------------------------------
-_planners: dict[tuple, "StepPlanner"] = {}
+_planners: dict[tuple, StepPlanner] = {}
 
 
-def planner_for(layer, vllm_config) -> "StepPlanner":
+def planner_for(layer, vllm_config) -> StepPlanner:
     """The planner shared by every layer with the same setup (created, and logged, once)."""
     topk = layer.topk_indices_buffer
     spec = ModelSpec(

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: vllm_sta
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
 import vllm_stack  # noqa: E402
+
 from dsv4_attn.integrations import vllm as shim  # noqa: E402
 
 SHAPES = {"V4-Flash": dict(num_hidden_layers=43, num_attention_heads=64, index_topk=512, o_groups=8),
