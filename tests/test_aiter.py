@@ -500,7 +500,8 @@ def test_packaged_parity_matrix_through_emulator(arch, flavor):
 
     emulate.enable(arch, flavor)
     matrix = parity.load_matrix()
-    cases = [c for c in matrix.cases if c.name.split(".")[0] != "core" or ".h64." in c.name]
+    # V4's sweeps (the V4.1 sweeps hold kinds and records this backend declares it does not serve)
+    cases = [c for c in matrix.cases if not c.sweep.startswith("v41") and (c.sweep != "core" or c.heads == 64)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the CLI does on CPU
     try:
