@@ -20,6 +20,7 @@ import math
 import torch
 
 from .common import backend as backend_mod
+from .common import choices
 from .common.backend import Backend, LayerInputs, Phase
 from .common.batch import StepBatch
 from .common.indices import check_local_topk, validate_local_topk
@@ -98,14 +99,19 @@ class SparseMLA:
     def platform(self) -> Platform:
         return platform_for_device(self._device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
-    def backend_for(self, kind: LayerKind | str | int, phase: Phase | str) -> str:
-        """Name of the backend that runs ``kind`` / ``phase`` now (raises with reasons if none)."""
+    def backend_for(self, kind: LayerKind | str | int, phase: Phase | str, num_tokens: int | None = None) -> str:
+        """Name of the backend that runs ``kind`` / ``phase`` now (raises with reasons if none);
+        with ``num_tokens`` (the phase's tokens in one launch) auto selection follows the measured
+        choices table where it covers the launch (common/choices.py)."""
         kind, phase = self.spec.check_kind(kind), Phase(phase)
         requested, source = backend_mod.requested_backend(self._explicit)
-        key = (requested, kind, phase)
+        order = None
+        if requested == "auto" and num_tokens:
+            order = tuple(backend_mod.auto_order(self.platform, self.spec, self.fmt, kind, phase, num_tokens)[0])
+        key = (requested, kind, phase, order)
         if key not in self._selected:
             self._selected[key] = backend_mod.select(self.platform, self.spec, self.fmt, kind, phase,
-                                                     requested, source, self.dialects)
+                                                     requested, source, self.dialects, num_tokens)
         return self._selected[key]
 
     def explain(self) -> str:
@@ -134,7 +140,21 @@ class SparseMLA:
             if len({c[2:] for c in cells}) == 1:  # same verdict everywhere: one line
                 cells = [("all", "all") + cells[0][2:]]
             lines.extend(f"{name:<18} {k:<6} {p:<8} {st:<8} {why}" for k, p, st, why in cells)
-        return "\n".join(lines)
+        return "\n".join(lines + self._measured_lines(plat, requested))
+
+    def _measured_lines(self, plat: Platform, requested: str) -> list[str]:
+        """The measured choices (common/choices.py) that reorder auto selection for this model, by
+        token range; "chosen" above is the choice for a launch no measurement covers."""
+        entries, where = choices.table_for(plat.arch)
+        kinds = {k.name for k in self.spec.kinds}
+        mine = [e for e in entries if e.kind in kinds and e.fmt == self.fmt.value
+                and e.heads == choices.heads_bucket(self.spec.num_heads)]
+        if not mine or requested != "auto":
+            return []
+        out = [f"measured choices ({where}; auto tries this order first for launches in range):"]
+        out += [f"  {e.kind:<6} {e.phase:<8} tokens {e.tokens[0]}-{e.tokens[1] - 1}: {' > '.join(e.order)}  "
+                f"[{e.evidence}]" for e in mine]
+        return out
 
     # ---- per step ---------------------------------------------------------------------------
     def plan(self, batch: StepBatch, validate: bool = False) -> StepPlan:
@@ -207,7 +227,7 @@ class SparseMLA:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         T, nd = plan.num_tokens, plan.num_decode_tokens
         phases = [(p, a, b) for p, a, b in ((Phase.DECODE, 0, nd), (Phase.PREFILL, nd, T)) if b > a]
-        names = {p: self.backend_for(kind, p) for p, _, _ in phases}
+        names = {p: self.backend_for(kind, p, b - a) for p, a, b in phases}
         backends = {p: self._backend(n) for p, n in names.items()}
         if len(set(names.values())) == 1 and not backends[phases[0][0]].splits_phases:
             backends[phases[0][0]].forward(plan, layer, out)

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .common import choices
 from .common.batch import StepBatch
 from .common.layout import KVFormat, model1_page_bytes
 from .common.spec import LayerKind, ModelSpec
@@ -459,7 +460,7 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
             rows[name]["vs_first"] = _compare(out, ref_out)
     flops, nbytes, keys = case_work(case, plan0)
     floor = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["bf16_flops_per_s"])
-    result = {"case": case.label, "phase": case.phase, **case.extra, "s_q_per_req": case.s_q,
+    result = {"case": case.label, "phase": case.phase, "kind": case.kind.name, **case.extra, "s_q_per_req": case.s_q,
               "heads": case.q.shape[1], "tokens": case.q.shape[0], "valid_keys": keys, "flops": flops,
               "bytes": nbytes, "floor_us": floor * 1e6, "backends": rows}
     if not args.no_flashmla:
@@ -612,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time each Triton kernel with and without its index range checks (same case, "
                         "A-B-B-A) and print the checks' cost")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--write-choices", default=None, metavar="PATH",
+                   help="write a measured-choices table (fastest backend per shape, common/choices.py) from this "
+                        "run's backends here; use it with DSV4_ATTN_CHOICES=PATH or ship it in dsv4_attn/data/choices/")
     p.add_argument("--png", default=None, help="plot time vs batch (ours, FlashMLA, floor) here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -673,6 +677,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
+    if args.write_choices:
+        from .common.platform import probe
+
+        table = choices.from_bench({"meta": meta, "results": results}, probe().arch)
+        with open(args.write_choices, "w") as f:
+            json.dump(table, f, indent=1)
+        print(f"wrote {len(table['entries'])} measured choices for {table['arch']} to {args.write_choices}")
     if args.png:
         try:
             plot([r for r in results if "error" not in r], args.png, args.backend[0])
