@@ -124,7 +124,7 @@ def register() -> None:
     """``sglang.srt.plugins`` entry point (every SGLang process, before argument parsing; idempotent).
 
     On a tested SGLang: adds ``dsv4_attn`` to the ``--attention-backend`` choices (and a registry
-    entry that refuses non-DeepSeek-V4 models), watches ``ServerArgs`` for that flag, and wraps the
+    entry that refuses non-DeepSeek-V4 models), watches ``ServerArgs.resolve_once`` for that flag, and wraps the
     DeepSeek-V4 backend factories when ``DSV4_ATTN_SGLANG`` is set. On another SGLang it does
     nothing unless ``DSV4_ATTN_SGLANG`` is set, and then makes creating the DeepSeek-V4 backend
     raise with the version found.
@@ -142,7 +142,7 @@ def register() -> None:
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
     ATTENTION_BACKENDS[BACKEND_NAME] = _not_a_deepseek_v4_model
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.__post_init__", _after_server_args, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.resolve_once", _before_resolution, HookType.BEFORE)
     if envs.SGLANG.raw is not None:
         install_factory_hooks()
 
@@ -153,8 +153,9 @@ def _not_a_deepseek_v4_model(model_runner):
                      "V4.1 models only (SGLang resolves their attention backend to dsv4, which the plugin serves)")
 
 
-def _after_server_args(result, server_args, *args, **kwargs):
-    """``--attention-backend dsv4_attn``: the plugin is on in this process and the ones it starts."""
+def _before_resolution(server_args, *args, **kwargs):
+    """``--attention-backend dsv4_attn`` (seen before SGLang resolves the arguments, which the
+    launchers do before starting any process): the plugin is on here and in the processes started."""
     if BACKEND_NAME in (getattr(server_args, name, None) for name in
                         ("attention_backend", "prefill_attention_backend", "decode_attention_backend")):
         if envs.SGLANG.raw is not None and not env_enabled():
@@ -162,7 +163,6 @@ def _after_server_args(result, server_args, *args, **kwargs):
                              f"allowed: 1 or unset with that flag")
         os.environ[ENV_ENABLE] = "1"
         install_factory_hooks()
-    return result
 
 
 def install_factory_hooks() -> None:
