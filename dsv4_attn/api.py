@@ -25,8 +25,9 @@ from .common.backend import Backend, LayerInputs, Phase
 from .common.batch import StepBatch
 from .common.indices import check_local_topk, validate_local_topk
 from .common.layout import Fp8Dialect, KVFormat, check_cache
-from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan, check_step
+from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan, build_rows_plan, check_step
 from .common.platform import Platform, platform_for_device, triton_interpreting
+from .common.rows import StepRows
 from .common.spec import HEAD_DIM, MAX_HEADS, LayerKind, ModelSpec
 
 
@@ -157,27 +158,48 @@ class SparseMLA:
         return out
 
     # ---- per step ---------------------------------------------------------------------------
-    def plan(self, batch: StepBatch, validate: bool = False) -> StepPlan:
+    def plan(self, batch: StepBatch | StepRows, validate: bool = False) -> StepPlan:
         """Build the step's shared metadata into the preallocated buffers (no host sync).
 
-        ``validate=True`` also runs the value checks that read device tensors (StepBatch.validate).
+        ``batch`` is a StepBatch (block tables: the rows are built here) or a StepRows
+        (ready-made rows: viewed, not copied; see ``dsv4_attn.common.rows``).
+        ``validate=True`` also runs the value checks that read device tensors (``validate()``).
         The returned plan is valid until the next successful ``plan()`` call (a refused one
         leaves it valid). Every call re-reads the batch's tensors: engines update them in place.
         """
+        if isinstance(batch, StepRows):
+            return self._plan_rows(batch, validate)
         if not isinstance(batch, StepBatch):
-            raise ValueError(f"batch: got {type(batch).__name__}; allowed: a StepBatch")
+            raise ValueError(f"batch: got {type(batch).__name__}; allowed: a StepBatch or a StepRows")
         if batch.num_reqs > self.max_reqs:
             raise ValueError(f"batch: got {batch.num_reqs} requests; allowed: <= max_reqs ({self.max_reqs})")
-        if self._buffers is None:
-            self._device = self._device or batch.device
-            self._buffers = PlanBuffers.allocate(self.spec, self.max_tokens, self._device)
-            self._front_end = self._front_end or _make_front_end(self._front_end_choice, self._device)
+        self._ensure_buffers(batch.device)
         check_step(self.spec, batch, self._buffers)
         if validate:
             batch.validate()
         # only now: a refused step leaves the previous plan (and its buffers) valid
         self._generation += 1
         return build_plan(self.spec, batch, self._buffers, self, self._generation, self._front_end)
+
+    def _plan_rows(self, rows: StepRows, validate: bool) -> StepPlan:
+        rows.check()
+        rows.check_model(self.spec)
+        if rows.num_tokens > self.max_tokens:
+            raise ValueError(f"batch.num_tokens: got {rows.num_tokens}; allowed: <= max_tokens ({self.max_tokens}) "
+                             "of this SparseMLA (raise max_tokens)")
+        if self._device is not None and rows.device != self._device:
+            raise ValueError(f"batch: got device {rows.device}; allowed: {self._device} (the SparseMLA's device)")
+        if validate:
+            rows.validate()
+        self._ensure_buffers(rows.device)
+        self._generation += 1
+        return build_rows_plan(self.spec, rows, self._buffers, self, self._generation, self._front_end)
+
+    def _ensure_buffers(self, device: torch.device) -> None:
+        if self._buffers is None:
+            self._device = self._device or device
+            self._buffers = PlanBuffers.allocate(self.spec, self.max_tokens, self._device)
+            self._front_end = self._front_end or _make_front_end(self._front_end_choice, self._device)
 
     def forward(
         self,
@@ -202,7 +224,8 @@ class SparseMLA:
         swa_cache  this layer's SWA cache; comp_cache the compressed cache it reads (of ratio
                    kind.ratio; layers sharing a compressed cache pass the same tensor)
         topk       int32 [T, K] the indexer's LOCAL top-k (compressed entry numbers of the
-                   token's request, -1 unused) for top-k kinds (C4A, C1A, C2A); None otherwise.
+                   token's request, -1 unused) for top-k kinds (C4A, C1A, C2A); None otherwise,
+                   and None when the plan holds the kind's global rows (a StepRows' GlobalRows).
                    ``c4a_topk=`` is accepted as its V4 name.
         sink       float32 [H] (None = no sink)
         out        bf16 [T, H, 512] contiguous, written in place (allocated when None)
@@ -273,8 +296,8 @@ class SparseMLA:
                                  f"{layer.kind.name} layers")
             comp_geo = check_cache(layer.comp_cache, self.fmt.comp_record, "comp_cache", self.comp_dialect)
             self._check_device("comp_cache", layer.comp_cache, q.device)
-            want_bs = plan.batch.comp_block_size(layer.kind)
-            if comp_geo.block_size != want_bs:
+            want_bs = plan.batch.comp_block_size(layer.kind)  # None: global rows fit any block size
+            if want_bs is not None and comp_geo.block_size != want_bs:
                 raise ValueError(
                     f"comp_cache: got block size {comp_geo.block_size}; allowed: batch.block_size // "
                     f"{layer.kind.ratio} = {want_bs}"
@@ -284,10 +307,14 @@ class SparseMLA:
         self._check_addressable("swa_cache", swa_geo)
         if comp_geo is not None:
             self._check_addressable("comp_cache", comp_geo)
-        if swa_geo.block_size != plan.batch.swa_block_size:
+        if plan.batch.swa_block_size is not None and swa_geo.block_size != plan.batch.swa_block_size:
             raise ValueError(f"swa_cache: got block size {swa_geo.block_size}; allowed: "
                              f"batch.swa_block_size = {plan.batch.swa_block_size}")
-        if layer.kind.uses_topk:
+        if layer.kind.uses_topk and not plan.translates_topk(layer.kind):
+            if layer.topk is not None:
+                raise ValueError(f"{topk_name}: got a tensor for a {layer.kind.name} layer whose global rows the plan "
+                                 f"holds (StepRows.comp[{layer.kind.ratio}] is GlobalRows); allowed: None")
+        elif layer.kind.uses_topk:
             if layer.topk is None:
                 raise ValueError(f"{topk_name}: got None; allowed: int32 [T, K] local top-k for {layer.kind.name} "
                                  "layers")
@@ -330,11 +357,15 @@ class SparseMLA:
 
     @staticmethod
     def _check_values(plan: StepPlan, layer: LayerInputs, swa_geo, comp_geo, topk_name: str) -> None:
-        """validate=True: the step's block ids against the caches, the top-k entries, the sink."""
-        blocks = {"swa": swa_geo.num_blocks}
+        """validate=True: the step's block ids (StepBatch) or slots (StepRows) against the caches,
+        the top-k entries, the sink."""
+        geos = {"swa": swa_geo}
         if comp_geo is not None:
-            blocks[layer.kind.ratio] = comp_geo.num_blocks
-        plan.batch.validate(blocks)
+            geos[layer.kind.ratio] = comp_geo
+        if isinstance(plan.batch, StepRows):
+            plan.batch.validate({key: geo.num_slots for key, geo in geos.items()})
+        else:
+            plan.batch.validate({key: geo.num_blocks for key, geo in geos.items()})
         if layer.topk is not None:
             validate_local_topk(plan.tokens, layer.topk, layer.kind.ratio, topk_name)
         if layer.sink is not None and bool(layer.sink.isnan().any()):

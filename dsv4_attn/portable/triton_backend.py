@@ -71,13 +71,13 @@ class TritonBackend(Backend):
         self._check_model1_stride("swa_cache", layer.swa_cache, fmt, swa_geo.block_stride)
         comp_rows = comp_lens = c4a = None
         comp_cache = None
-        if layer.kind.attends_all:
-            comp_cache = layer.comp_cache
-            comp_rows, comp_lens = plan.comp_scope(layer.kind)
-        elif layer.kind.uses_topk:  # local top-k translated inside the kernel
+        if plan.translates_topk(layer.kind):  # local top-k translated inside the kernel
             comp_cache = layer.comp_cache
             comp_rows = layer.topk[:T]
             c4a = (plan.batch.comp_block_table(layer.kind), plan.token_to_req, plan.positions)
+        elif layer.kind.has_comp_scope:  # global rows: "all" kinds, or a StepRows' GlobalRows
+            comp_cache = layer.comp_cache
+            comp_rows, comp_lens = plan.comp_scope(layer.kind)
         if comp_cache is not None:
             geo = check_cache(comp_cache, fmt, "comp_cache", layer.comp_dialect)
             self._check_model1_stride("comp_cache", comp_cache, fmt, geo.block_stride)
