@@ -141,6 +141,13 @@ def fake_flashinfer(monkeypatch, request):
     return fake
 
 
+def _attended(indices, seq_lens, lens):
+    """bool [T, N]: the columns the kernel attends (the first seq_len SWA columns, the compressed
+    columns up to lens)."""
+    col = torch.arange(indices.shape[1])[None, :]
+    return torch.where(col < 128, col < seq_lens[:, None].long(), col < lens[:, None].long())
+
+
 def _mla(case):
     return SparseMLA(case.spec, case.fmt, backend="flashinfer-trtllm")
 
@@ -220,9 +227,7 @@ def test_merged_rows_give_the_reference_result(gen, kind):
     rows, lens, seq_lens = fi.FlashInferTRTLLMBackend._rows(plan, layer, swa_geo, comp_geo)
     assert rows.shape[1] == 128 + round_up(plan.comp_scope(kind, layer.topk)[0].shape[1], 4)
     assert seq_lens.tolist() == (plan.positions + 1).clamp(max=128).tolist()  # clean tables: every window slot
-    col = torch.arange(rows.shape[1])
-    attended = torch.where(col < 128, col[None, :] < seq_lens[:, None], (col[None, :] < lens[:, None]) & (col >= 128))
-    assert bool((rows[attended] >= 0).all()), "a -1 inside what the kernel attends"
+    assert bool((rows[_attended(rows, seq_lens, lens)] >= 0).all()), "a -1 inside what the kernel attends"
     got, _ = reference.sparse_mla(case.q, case.caches["swa"], rows[:, :128], seq_lens, case.caches[kind],
                                   rows[:, 128:], lens - 128, case.sink, case.spec.scale, "bfloat16")
     want, _ = reference.sparse_mla(case.q, case.caches["swa"], plan.swa_rows, plan.swa_lens, case.caches[kind],
@@ -256,10 +261,7 @@ def test_minus_one_never_inside_the_attended_lengths(fake_flashinfer, gen):
                                       "bfloat16", validate=False)
         assert_close(dict(compare(out, ref), written=not bool(out.isnan().any())))
         decode = fake_flashinfer.calls[-2]  # then the prefill launch of request 3
-        col = torch.arange(decode["indices"].shape[1])
-        attended = torch.where(col < 128, col[None, :] < decode["seq_lens"][:, None],
-                               (col[None, :] < decode["lens"][:, None]) & (col >= 128))
-        holes = attended & (decode["indices"] < 0)
+        holes = _attended(decode["indices"], decode["seq_lens"], decode["lens"]) & (decode["indices"] < 0)
         assert holes.nonzero()[:, 0].unique().tolist() in ([], [2]), holes.nonzero()  # only request 2's empty window
     swa_slots = case.caches["swa"].shape[0] * case.caches["swa"].shape[1]
     inside = (plan.swa_rows >= 0) & (plan.swa_rows < swa_slots) & (torch.arange(128)[None, :] < plan.swa_lens[:, None])

@@ -206,6 +206,18 @@ def _mla(case, **kw):
     return SparseMLA(case.spec, case.fmt, backend="flashmla", **kw)
 
 
+def _every_kind_matches_reference(case, pad_tokens: int) -> None:
+    """Every kind of the case's model through `flashmla`, +inf / -inf sinks on heads 0 / 1."""
+    case.sink[0], case.sink[1] = math.inf, -math.inf
+    mla = _mla(case)
+    plan = mla.plan(case.batch, validate=True)
+    for kind in case.spec.kinds:
+        m = run_layer(mla, plan, case, kind)
+        assert_close(m)
+        assert m["out"][:, 0].abs().max() == 0  # +inf sink zeroes the head
+        assert m["out"][-pad_tokens:].abs().max() == 0  # padding tokens have no keys
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU contract tests
 # ---------------------------------------------------------------------------------------------
@@ -215,14 +227,7 @@ def test_every_kind_decode_prefill_mtp_padding_matches_reference(fake_flashmla, 
     # prefill request whose first tokens see no compressed entry yet, then 2 padding tokens
     case = make_case(gen, [1, 1, 1, 2, 9, 5], [1, 3, 300, 131, 140, 7], heads=heads, topk=96,
                      num_decode_tokens=5, pad_tokens=2, empty_topk_tokens=(2,))
-    case.sink[0], case.sink[1] = math.inf, -math.inf
-    mla = _mla(case)
-    plan = mla.plan(case.batch, validate=True)
-    for kind in V4_KINDS:
-        m = run_layer(mla, plan, case, kind)
-        assert_close(m)
-        assert m["out"][:, 0].abs().max() == 0  # +inf sink zeroes the head
-        assert m["out"][-2:].abs().max() == 0  # padding tokens have no keys
+    _every_kind_matches_reference(case, pad_tokens=2)
     # decode went through sparse_decode_fwd with heads padded to 64/128, prefill through prefill
     assert {c["h"] for c in fake_flashmla.decode_calls} == {flashmla.padded_heads(heads)}
     assert len(fake_flashmla.prefill_calls) == 3
@@ -311,13 +316,7 @@ V41_QUERY_LENS, V41_SEQ_LENS = [1, 1, 1, 2, 9, 3], [1, 3, 300, 131, 140, 3]
 def test_v41_kinds_on_the_v4_record(fake_flashmla, gen, heads, block_size):
     case = make_case(gen, V41_QUERY_LENS, V41_SEQ_LENS, kinds=V41, heads=heads, topk=96, block_size=block_size,
                      num_decode_tokens=5, pad_tokens=2, empty_topk_tokens=(2,))
-    case.sink[0], case.sink[1] = math.inf, -math.inf
-    mla = _mla(case)
-    plan = mla.plan(case.batch, validate=True)
-    for kind in V41:
-        m = run_layer(mla, plan, case, kind)
-        assert_close(m)
-        assert m["out"][:, 0].abs().max() == 0 and m["out"][-2:].abs().max() == 0
+    _every_kind_matches_reference(case, pad_tokens=2)
     calls = fake_flashmla.decode_calls
     assert {c["records"] for c in calls} == {(Record.V4_FP8, None), (Record.V4_FP8, Record.V4_FP8)}
     # each ratio's compressed page holds block_size // ratio entries, and each kind plans its own schedule
