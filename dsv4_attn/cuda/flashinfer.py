@@ -39,15 +39,15 @@ import importlib.util
 import inspect
 import os
 import shutil
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
 from ..common.indices import merged_rows
 from ..common.layout import CacheGeometry, Fp8Dialect, KVFormat, check_cache
-from ..common.platform import Platform
 from ..common.plan import StepPlan
+from ..common.platform import Platform
 from ..common.spec import HEAD_DIM, LayerKind, ModelSpec, round_up
 
 SWA_WIDTH = 128  # the kernel hard-codes a 128-column SWA region (kDsv4SparseMlaSlidingWindowTopK)

@@ -46,8 +46,8 @@ import torch.nn.functional as F
 from .. import envs
 from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
 from ..common.layout import CacheGeometry, KVFormat, Record, check_cache, gather_rows
-from ..common.platform import Platform
 from ..common.plan import StepPlan
+from ..common.platform import Platform
 from ..common.spec import HEAD_DIM, MODEL1_DATA_BYTES, LayerKind, ModelSpec, round_up
 
 ENV_LIB = envs.FLASHMLA_LIB.name
@@ -282,7 +282,7 @@ def padded_heads(num_heads: int) -> int:
     return 64 if num_heads <= 64 else 128
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _is_sm100(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
 
@@ -339,7 +339,7 @@ class _HeadStaging:
     sink: torch.Tensor
 
     @classmethod
-    def allocate(cls, num_tokens: int, hp: int, device: torch.device) -> "_HeadStaging":
+    def allocate(cls, num_tokens: int, hp: int, device: torch.device) -> _HeadStaging:
         return cls(torch.zeros(num_tokens, hp, HEAD_DIM, dtype=torch.bfloat16, device=device),
                    torch.empty(num_tokens, hp, HEAD_DIM, dtype=torch.bfloat16, device=device),
                    torch.full((hp,), float("-inf"), dtype=torch.float32, device=device))
@@ -354,8 +354,8 @@ class FlashMLABackend(Backend):
         kinds=None,  # FlashMLA takes global rows and lengths: every (ratio, selection), V4.1's too
         platform_need="needs an NVIDIA SM90 (H100/H200/H20) or SM100-family GPU",
         heads_note="padded to 64/128",
-        validated="H100 (hardware) vs float64 reference: MODEL1 fp8, V4 and V4.1 kinds; V4.1 MXFP8 / NVFP4 "
-                  "(SM100 only): contract tests only",
+        validated="H100 (hardware) vs float64 reference: MODEL1 fp8 with V4 kinds (V4.1 kinds: H100 tests "
+                  "written, not yet run); V4.1 MXFP8 / NVFP4 (SM100 only): contract tests only",
         notes="FlashMLA from flash_mla / vllm / sgl_kernel / $DSV4_ATTN_FLASHMLA_LIB; prefill gathers the "
               "selected rows into a bounded bf16 workspace",
     )
