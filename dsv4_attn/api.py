@@ -14,6 +14,7 @@ front end then splits the token range.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 
@@ -24,7 +25,7 @@ from .common import choices
 from .common.backend import Backend, LayerInputs, Phase
 from .common.batch import StepBatch
 from .common.indices import check_local_topk, validate_local_topk
-from .common.layout import Fp8Dialect, KVFormat, check_cache
+from .common.layout import CacheGeometry, Fp8Dialect, KVFormat, check_cache
 from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan, build_rows_plan, check_step
 from .common.platform import Platform, platform_for_device, triton_interpreting
 from .common.rows import StepRows
@@ -242,10 +243,8 @@ class SparseMLA:
                 raise ValueError("c4a_topk: got a tensor beside topk; allowed: one of them (c4a_topk is the V4 "
                                  "name of topk)")
             topk, topk_name = c4a_topk, "c4a_topk"
-        kind = self.spec.check_kind(kind)
-        layer = LayerInputs(kind, q, swa_cache, comp_cache, topk, sink, self.fmt, self.spec.scale,
-                            kv_scale, self.swa_dialect, self.comp_dialect)
-        self._check(plan, layer, out, validate, topk_name)
+        layer = self._layer_inputs(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, topk_name,
+                                   out)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         T, nd = plan.num_tokens, plan.num_decode_tokens
@@ -259,6 +258,23 @@ class SparseMLA:
             backends[phase].forward(plan.phase_plan(phase), layer.token_slice(a, b), out[a:b])
         return out
 
+    def layer_inputs(self, plan: StepPlan, kind: LayerKind | str | int, q: torch.Tensor, swa_cache: torch.Tensor,
+                     comp_cache: torch.Tensor | None = None, topk: torch.Tensor | None = None,
+                     sink: torch.Tensor | None = None, kv_scale: float = 1.0, validate: bool = False) -> LayerInputs:
+        """One layer's inputs checked against ``plan`` (the arguments of :meth:`forward`), with the
+        caches' geometry, as ``Backend.forward`` takes them (for callers that drive a backend
+        directly, e.g. one phase at a time)."""
+        return self._layer_inputs(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate)
+
+    def _layer_inputs(self, plan: StepPlan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale: float,
+                      validate: bool, topk_name: str = "topk", out: torch.Tensor | None = None) -> LayerInputs:
+        """Every check of a layer's inputs, once; the backends trust the result (its geometry)."""
+        kind = self.spec.check_kind(kind)
+        unchecked = LayerInputs(kind, q, swa_cache, comp_cache, topk, sink, self.fmt, self.spec.scale, kv_scale,
+                                self.swa_dialect, self.comp_dialect, swa_geo=None, comp_geo=None)
+        swa_geo, comp_geo = self._check(plan, unchecked, out, validate, topk_name)
+        return dataclasses.replace(unchecked, swa_geo=swa_geo, comp_geo=comp_geo)
+
     def _backend(self, name: str) -> Backend:
         if name not in self._backends:
             self._backends[name] = backend_mod.new_backend(name)
@@ -266,7 +282,9 @@ class SparseMLA:
 
     # ---- validation ---------------------------------------------------------------------------
     def _check(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None, validate: bool,
-               topk_name: str = "topk") -> None:
+               topk_name: str = "topk") -> tuple[CacheGeometry, CacheGeometry | None]:
+        """Every check of ``layer`` (its geometry fields unset) and ``out``; returns the geometry
+        of the SWA cache and of the compressed cache (None for window-only layers)."""
         if not isinstance(plan, StepPlan) or plan.owner is not self:
             raise ValueError("plan: got a plan not built by this SparseMLA; allowed: the result of this object's plan()")
         if plan.generation != self._generation:
@@ -341,6 +359,7 @@ class SparseMLA:
                 raise ValueError(f"out: got {got}; allowed: contiguous torch.bfloat16 {tuple(q.shape)} on {q.device}")
         if validate:
             self._check_values(plan, layer, swa_geo, comp_geo, topk_name)
+        return swa_geo, comp_geo
 
     @staticmethod
     def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:

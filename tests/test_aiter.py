@@ -529,8 +529,8 @@ def test_wrong_fp8_dialect_is_refused_where_bytes_are_read_as_they_are(gen):
         case = make_case(gen, "fp8_e4m3", 16, swa_dialect="fnuz", comp_dialect="ocp")
         mla = dsv4.SparseMLA(case["spec"], "fp8_e4m3", backend="torch", swa_dialect="fnuz")
         plan = mla.plan(case["batch"])
-        layer = dsv4.LayerInputs(LayerKind.SWA, case["q"], case["caches"]["swa"], None, None, case["sink"],
-                                 dsv4.KVFormat.FP8_TENSOR, case["spec"].scale, case["kv_scale"], dsv4.Fp8Dialect.FNUZ)
+        layer = mla.layer_inputs(plan, LayerKind.SWA, case["q"], case["caches"]["swa"], sink=case["sink"],
+                                 kv_scale=case["kv_scale"])
         out = torch.full_like(case["q"], float("nan"))
         with pytest.raises(ValueError, match="swa_dialect: got fnuz; allowed: ocp"):
             dsv4.common.backend.get_backend("aiter-test").forward(plan.phase_plan("decode"), layer, out)

@@ -75,8 +75,8 @@ def test_padded_heads_and_phase_split_keep_results():
     backend = dsv4.common.backend.get_backend("torch")
     nd = plan.num_decode_tokens
     for phase, a, b in ((dsv4.Phase.DECODE, 0, nd), (dsv4.Phase.PREFILL, nd, plan.num_tokens)):
-        layer = dsv4.LayerInputs(LayerKind.C4A, q, caches["swa"], caches[LayerKind.C4A], topk, sink,
-                                 dsv4.KVFormat.MODEL1_FP8, spec.scale).token_slice(a, b)
+        layer = mla.layer_inputs(plan, LayerKind.C4A, q, caches["swa"], caches[LayerKind.C4A], topk,
+                                 sink).token_slice(a, b)
         backend.forward(plan.phase_plan(phase), layer, split[a:b])
     assert torch.equal(split, whole)
 

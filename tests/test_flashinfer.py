@@ -220,11 +220,9 @@ def test_merged_rows_give_the_reference_result(gen, kind):
     case = make_case(gen, [1, 4, 1], [3, 150, 900], heads=8, topk=61, fmt="bfloat16")
     mla = SparseMLA(case.spec, case.fmt, backend="torch")
     plan = mla.plan(case.batch)
-    layer = dsv4.LayerInputs(kind, case.q, case.caches["swa"], case.caches[kind], case.topk_for(kind), case.sink,
-                             KVFormat.BF16, case.spec.scale)
-    swa_geo = fi._pool(case.caches["swa"], KVFormat.BF16, layer.swa_dialect, "swa")[1]
-    comp_geo = fi._pool(case.caches[kind], KVFormat.BF16, layer.comp_dialect, "comp")[1]
-    rows, lens, seq_lens = fi.FlashInferTRTLLMBackend._rows(plan, layer, swa_geo, comp_geo)
+    layer = mla.layer_inputs(plan, kind, case.q, case.caches["swa"], case.caches[kind], case.topk_for(kind),
+                             case.sink)
+    rows, lens, seq_lens = fi.FlashInferTRTLLMBackend._rows(plan, layer, layer.swa_geo, layer.comp_geo)
     assert rows.shape[1] == 128 + round_up(plan.comp_scope(kind, layer.topk)[0].shape[1], 4)
     assert seq_lens.tolist() == (plan.positions + 1).clamp(max=128).tolist()  # clean tables: every window slot
     assert bool((rows[_attended(rows, seq_lens, lens)] >= 0).all()), "a -1 inside what the kernel attends"

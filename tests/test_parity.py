@@ -72,7 +72,8 @@ class DropsCompressed(TorchBackend):
     """Forgets the compressed scope (attends the SWA keys only)."""
 
     def forward(self, plan, layer, out):
-        super().forward(plan, dataclasses.replace(layer, kind=LayerKind.SWA, comp_cache=None, topk=None), out)
+        window_only = dataclasses.replace(layer, kind=LayerKind.SWA, comp_cache=None, topk=None, comp_geo=None)
+        super().forward(plan, window_only, out)
 
 
 class WritesHalf(TorchBackend):

@@ -14,14 +14,14 @@ import contextlib
 import contextvars
 import enum
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import envs
 from . import choices
-from .layout import Fp8Dialect, KVFormat
+from .layout import CacheGeometry, Fp8Dialect, KVFormat
 from .platform import Platform
 from .spec import MAX_HEADS, LayerKind, ModelSpec
 
@@ -49,6 +49,9 @@ class LayerInputs:
     softmax_scale scale applied to q·k
     kv_scale      per-tensor scale of FP8_TENSOR caches (1.0 otherwise)
     swa_dialect / comp_dialect   fp8 dialect of each cache (FNUZ SWA on gfx942)
+    swa_geo / comp_geo           geometry of each cache (comp_geo None for window-only layers),
+                  set by ``SparseMLA`` once it has checked the caches: backends read it and
+                  never re-check a cache (build one with ``SparseMLA.layer_inputs``)
     """
 
     kind: LayerKind
@@ -62,12 +65,13 @@ class LayerInputs:
     kv_scale: float = 1.0
     swa_dialect: Fp8Dialect = Fp8Dialect.OCP
     comp_dialect: Fp8Dialect = Fp8Dialect.OCP
+    swa_geo: CacheGeometry = field(kw_only=True)
+    comp_geo: CacheGeometry | None = field(kw_only=True)
 
     def token_slice(self, start: int, stop: int) -> "LayerInputs":
         """The same layer restricted to tokens [start, stop)."""
         topk = None if self.topk is None else self.topk[start:stop]
-        return LayerInputs(self.kind, self.q[start:stop], self.swa_cache, self.comp_cache, topk, self.sink,
-                           self.fmt, self.softmax_scale, self.kv_scale, self.swa_dialect, self.comp_dialect)
+        return replace(self, q=self.q[start:stop], topk=topk)
 
 
 Dialects = tuple[Fp8Dialect, Fp8Dialect]  # (SWA cache, compressed cache)

@@ -45,7 +45,7 @@ import torch
 
 from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
 from ..common.indices import merged_rows
-from ..common.layout import CacheGeometry, Fp8Dialect, KVFormat, check_cache
+from ..common.layout import CacheGeometry, KVFormat
 from ..common.plan import StepPlan
 from ..common.platform import Platform
 from ..common.spec import HEAD_DIM, LayerKind, ModelSpec, round_up
@@ -124,11 +124,10 @@ def padded_heads(num_heads: int) -> int:
     return 64 if num_heads <= 64 else 128
 
 
-def _pool(cache: torch.Tensor, fmt: KVFormat, dialect: Fp8Dialect, name: str) -> tuple[torch.Tensor, CacheGeometry]:
-    """The plain-row cache as the kernel takes it (HND 3-D ``[pages, page, 512]``, token stride 512,
-    page stride from the geometry) and its geometry. Host-only checks, no copy (FNUZ caches are
-    refused at backend selection)."""
-    geo = check_cache(cache, fmt, name, dialect)
+def _pool(cache: torch.Tensor, geo: CacheGeometry, name: str) -> torch.Tensor:
+    """The plain-row cache (checked by SparseMLA: ``geo``) as the kernel takes it (HND 3-D
+    ``[pages, page, 512]``, token stride 512, page stride from the geometry). Host-only checks of
+    what the kernel adds, no copy (FNUZ caches are refused at backend selection)."""
     if geo.block_stride % HEAD_DIM:
         raise ValueError(f"{name}: got block stride {geo.block_stride} elements; allowed: a multiple of "
                          f"{HEAD_DIM} (the token stride)")
@@ -137,8 +136,7 @@ def _pool(cache: torch.Tensor, fmt: KVFormat, dialect: Fp8Dialect, name: str) ->
     if geo.num_blocks * (geo.block_stride // HEAD_DIM) > 2**31:
         raise ValueError(f"{name}: got {geo.num_blocks} blocks of {geo.block_stride // HEAD_DIM} token slots; "
                          "allowed: storage offsets below 2**31 (the kernel's int32 token coordinates)")
-    view = cache.as_strided((geo.num_blocks, geo.block_size, HEAD_DIM), (geo.block_stride, HEAD_DIM, 1))
-    return view, geo
+    return cache.as_strided((geo.num_blocks, geo.block_size, HEAD_DIM), (geo.block_stride, HEAD_DIM, 1))
 
 
 def storage_offsets(rows: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
@@ -201,9 +199,11 @@ class FlashInferTRTLLMBackend(Backend):
         if fn is None:
             raise RuntimeError("flashinfer-trtllm cannot run: " + "; ".join(reasons))
         phase = Phase.DECODE if nd else Phase.PREFILL
-        swa_pool, swa_geo = _pool(layer.swa_cache, layer.fmt, layer.swa_dialect, "swa_cache")
+        swa_geo = layer.swa_geo
+        swa_pool = _pool(layer.swa_cache, swa_geo, "swa_cache")
         if layer.kind.has_comp_scope:
-            comp_pool, comp_geo = _pool(layer.comp_cache, layer.fmt, layer.comp_dialect, "comp_cache")
+            comp_geo = layer.comp_geo
+            comp_pool = _pool(layer.comp_cache, comp_geo, "comp_cache")
         else:  # the kernel requires a compressed pool; SWA-only rows never index it
             comp_pool, comp_geo = swa_pool, swa_geo
         indices, lens, window_keys = self._rows(plan, layer, swa_geo, comp_geo)

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from .. import envs
 from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
-from ..common.layout import CacheGeometry, KVFormat, Record, check_cache, gather_rows
+from ..common.layout import CacheGeometry, KVFormat, Record, gather_rows
 from ..common.plan import StepPlan
 from ..common.platform import Platform
 from ..common.spec import HEAD_DIM, MODEL1_DATA_BYTES, LayerKind, ModelSpec, round_up
@@ -287,12 +287,11 @@ def _is_sm100(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
 
 
-def _geometry(cache: torch.Tensor, record: Record, name: str) -> CacheGeometry:
-    """Host-only checks of a cache of ``record`` for FlashMLA (OCP e4m3: FNUZ caches are refused
-    at backend selection); on SM100 also the kernels' row addressing. Returns its geometry."""
-    geo = check_cache(cache, record, name)
+def _check_sm100_rows(cache: torch.Tensor, record: Record, geo: CacheGeometry, name: str) -> None:
+    """On SM100, the kernels' row addressing of a cache of ``record`` (checked by SparseMLA:
+    ``geo``; FNUZ caches are refused at backend selection). Host-only."""
     if not _is_sm100(cache.device):
-        return geo
+        return
     row = SM100_ROW_BYTES[record]
     if cache.data_ptr() % 16:
         raise ValueError(f"{name}: got base address {cache.data_ptr():#x}; allowed on SM100: 16 B aligned")
@@ -304,13 +303,12 @@ def _geometry(cache: torch.Tensor, record: Record, name: str) -> CacheGeometry:
         raise ValueError(f"{name}: got {geo.num_blocks} blocks of {geo.block_stride} B = "
                          f"{geo.num_blocks * (geo.block_stride // row)} rows of {row} B; allowed on SM100: at most "
                          "2**31 - 1 rows (FlashMLA's int32 TMA coordinates)")
-    return geo
 
 
-def _kernel_cache(cache: torch.Tensor, record: Record, name: str) -> torch.Tensor:
+def _kernel_cache(cache: torch.Tensor, record: Record, geo: CacheGeometry, name: str) -> torch.Tensor:
     """A packed cache as the decode kernel takes it: [nb, bs, 1, token bytes] with stride(1) ==
     token bytes and stride(0) = the block stride (a view, no copy)."""
-    geo = _geometry(cache, record, name)
+    _check_sm100_rows(cache, record, geo, name)
     tb = record.layout.token_bytes
     return cache.as_strided((geo.num_blocks, geo.block_size, 1, tb), (geo.block_stride, tb, tb, 1))
 
@@ -417,13 +415,13 @@ class FlashMLABackend(Backend):
         return staging.q, staging.out, (None if sink is None else staging.sink), staging
 
     def _decode(self, ops: FlashMLAOps, plan: StepPlan, layer: LayerInputs, q, sink, out) -> None:
-        swa_kv = _kernel_cache(layer.swa_cache, layer.fmt.swa_record, "swa_cache")
+        swa_kv = _kernel_cache(layer.swa_cache, layer.fmt.swa_record, layer.swa_geo, "swa_cache")
         swa_slots = swa_kv.shape[0] * swa_kv.shape[1]
         swa_idx = plan.cached(("flashmla", "swa_idx", swa_slots),
                               lambda: _kernel_rows(plan.swa_rows, swa_slots, TOPK_BLOCK))
         comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
         if comp_rows is not None:
-            comp_kv = _kernel_cache(layer.comp_cache, layer.fmt.comp_record, "comp_cache")
+            comp_kv = _kernel_cache(layer.comp_cache, layer.fmt.comp_record, layer.comp_geo, "comp_cache")
             comp_slots = comp_kv.shape[0] * comp_kv.shape[1]
             comp_idx = (plan.cached(("flashmla", "all_idx", layer.kind, comp_slots),
                                     lambda: _kernel_rows(comp_rows, comp_slots, TOPK_BLOCK))
@@ -441,10 +439,12 @@ class FlashMLABackend(Backend):
 
     def _prefill(self, ops: FlashMLAOps, plan: StepPlan, layer: LayerInputs, q, sink, out) -> None:
         comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
-        scopes = [(layer.swa_cache, layer.fmt.swa_record, plan.swa_rows, plan.swa_lens, "swa_cache")]
+        scopes = [(layer.swa_cache, layer.fmt.swa_record, layer.swa_geo, plan.swa_rows, plan.swa_lens, "swa_cache")]
         if comp_rows is not None:
-            scopes.append((layer.comp_cache, layer.fmt.comp_record, comp_rows, comp_lens, "comp_cache"))
-        scopes = [(c, record, _geometry(c, record, name), rows, lens) for c, record, rows, lens, name in scopes]
+            scopes.append((layer.comp_cache, layer.fmt.comp_record, layer.comp_geo, comp_rows, comp_lens, "comp_cache"))
+        for cache, record, geo, *_, name in scopes:
+            _check_sm100_rows(cache, record, geo, name)
+        scopes = [scope[:-1] for scope in scopes]
         width = sum(rows.shape[1] for *_, rows, _ in scopes)
         step = max(1, self.index_keys // width)
         for t0 in range(0, plan.num_tokens, step):

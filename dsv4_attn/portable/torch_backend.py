@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..common.backend import Backend, Capabilities, LayerInputs, PlatformSupport
-from ..common.layout import Fp8Dialect, KVFormat, Record, check_cache, gather_rows
+from ..common.layout import Fp8Dialect, KVFormat, Record, gather_rows
 from ..common.plan import StepPlan
 
 
@@ -42,17 +42,17 @@ class TorchBackend(Backend):
             return
         comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
         fmt = layer.fmt
-        scopes = [(layer.swa_cache, plan.swa_rows, plan.swa_lens, layer.swa_dialect, fmt.swa_record, "swa_cache")]
+        scopes = [(layer.swa_cache, plan.swa_rows, plan.swa_lens, layer.swa_dialect, fmt.swa_record, layer.swa_geo)]
         if comp_rows is not None:
-            scopes.append((layer.comp_cache, comp_rows, comp_lens, layer.comp_dialect, fmt.comp_record, "comp_cache"))
-        geos = [check_cache(c, record, name, d) for c, _, _, d, record, name in scopes]
+            scopes.append((layer.comp_cache, comp_rows, comp_lens, layer.comp_dialect, fmt.comp_record,
+                           layer.comp_geo))
         keys_per_token = sum(rows.shape[1] for _, rows, *_ in scopes)
         chunk = max(1, self.chunk_bytes // max(1, keys_per_token * (512 + 3 * H) * 4))
         sink = None if layer.sink is None else layer.sink.float()
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
             keys, valid = [], []
-            for (cache, rows, lens, dialect, record, _), geo in zip(scopes, geos):
+            for cache, rows, lens, dialect, record, geo in scopes:
                 k, v = _scope(cache, record, geo, rows[t0:t1], lens[t0:t1], layer.kv_scale, dialect)
                 keys.append(k)
                 valid.append(v)

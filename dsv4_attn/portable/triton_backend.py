@@ -19,7 +19,7 @@ import importlib.util
 import torch
 
 from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
-from ..common.layout import Fp8Dialect, KVFormat, Record, check_cache
+from ..common.layout import Fp8Dialect, KVFormat, Record
 from ..common.platform import Platform, triton_interpreting
 from ..common.plan import StepPlan
 from ..common.spec import LayerKind, ModelSpec
@@ -85,8 +85,7 @@ class TritonBackend(Backend):
         if T == 0:
             return
         fmt = KVFormat.parse(layer.fmt)
-        swa_geo = check_cache(layer.swa_cache, fmt.swa_record, "swa_cache", layer.swa_dialect)
-        self._check_v4_stride("swa_cache", layer.swa_cache, fmt.swa_record, swa_geo.block_stride)
+        self._check_v4_stride("swa_cache", layer.swa_cache, fmt.swa_record, layer.swa_geo.block_stride)
         comp_rows = comp_lens = c4a = None
         comp_cache = None
         if plan.translates_topk(layer.kind):  # local top-k translated inside the kernel
@@ -97,8 +96,7 @@ class TritonBackend(Backend):
             comp_cache = layer.comp_cache
             comp_rows, comp_lens = plan.comp_scope(layer.kind)
         if comp_cache is not None:
-            geo = check_cache(comp_cache, fmt.comp_record, "comp_cache", layer.comp_dialect)
-            self._check_v4_stride("comp_cache", comp_cache, fmt.comp_record, geo.block_stride)
+            self._check_v4_stride("comp_cache", comp_cache, fmt.comp_record, layer.comp_geo.block_stride)
             if comp_rows.stride(-1) != 1:
                 raise ValueError(f"topk: got strides {tuple(comp_rows.stride())}; allowed: last dim contiguous")
         kwargs = {}

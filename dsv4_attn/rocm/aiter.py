@@ -65,7 +65,7 @@ import torch
 
 from .. import envs
 from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
-from ..common.layout import Fp8Dialect, KVFormat, Record, check_cache, gather_rows, packed_records, quantize_model1
+from ..common.layout import Fp8Dialect, KVFormat, Record, gather_rows, packed_records, quantize_model1
 from ..common.merge import apply_sink, merge_lse
 from ..common.plan import StepPlan
 from ..common.platform import Platform, probe
@@ -499,12 +499,10 @@ class AiterBackend(Backend):
 
     def _scopes(self, plan: StepPlan, layer: LayerInputs) -> list[tuple[str, torch.Tensor, torch.Tensor, Any, Any]]:
         """(scope name, rows, lens, cache, geometry) of the layer's scopes, SWA first."""
-        scopes = [("swa", plan.swa_rows, plan.swa_lens, layer.swa_cache,
-                   check_cache(layer.swa_cache, layer.fmt, "swa_cache", layer.swa_dialect))]
+        scopes = [("swa", plan.swa_rows, plan.swa_lens, layer.swa_cache, layer.swa_geo)]
         if layer.kind.has_comp_scope:
             rows, lens = plan.comp_scope(layer.kind, layer.topk)
-            scopes.append((layer.kind.name.lower(), rows, lens, layer.comp_cache,
-                           check_cache(layer.comp_cache, layer.fmt, "comp_cache", layer.comp_dialect)))
+            scopes.append((layer.kind.name.lower(), rows, lens, layer.comp_cache, layer.comp_geo))
         return scopes
 
     def _indices(self, plan: StepPlan, scr: AiterScratch, name: str, parts, per_layer: bool,

@@ -121,8 +121,8 @@ def check_step(cls: str, names: dict[str, str]) -> None:
             mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend=name, device=DEVICE,
                                  max_tokens=case.batch.num_tokens)
             plan = mla.plan(case.batch)
-            layer = dsv4.LayerInputs(kind, case.q, case.caches["swa"], case.caches.get(kind), case.topk_for(kind),
-                                     case.sink, dsv4.KVFormat.MODEL1_FP8, case.spec.scale)
+            layer = mla.layer_inputs(plan, kind, case.q, case.caches["swa"], case.caches.get(kind),
+                                     case.topk_for(kind), case.sink)
             backend = backend_mod.get_backend(name)
             out = torch.full_like(case.q, float("nan"))
             for phase, a, b in ((Phase.DECODE, 0, nd), (Phase.PREFILL, nd, case.batch.num_tokens)):
