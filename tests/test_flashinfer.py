@@ -222,7 +222,7 @@ def test_merged_rows_give_the_reference_result(gen, kind):
     plan = mla.plan(case.batch)
     layer = mla.layer_inputs(plan, kind, case.q, case.caches["swa"], case.caches[kind], case.topk_for(kind),
                              case.sink)
-    rows, lens, seq_lens = fi.FlashInferTRTLLMBackend._rows(plan, layer, layer.swa_geo, layer.comp_geo)
+    rows, lens, seq_lens = fi.FlashInferTRTLLMBackend._rows(plan, kind, layer.topk, layer.swa_geo, layer.comp_geo)
     assert rows.shape[1] == 128 + round_up(plan.comp_scope(kind, layer.topk)[0].shape[1], 4)
     assert seq_lens.tolist() == (plan.positions + 1).clamp(max=128).tolist()  # clean tables: every window slot
     assert bool((rows[_attended(rows, seq_lens, lens)] >= 0).all()), "a -1 inside what the kernel attends"

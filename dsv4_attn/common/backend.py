@@ -68,10 +68,39 @@ class LayerInputs:
     swa_geo: CacheGeometry = field(kw_only=True)
     comp_geo: CacheGeometry | None = field(kw_only=True)
 
-    def token_slice(self, start: int, stop: int) -> "LayerInputs":
+    def token_slice(self, start: int, stop: int) -> LayerInputs:
         """The same layer restricted to tokens [start, stop)."""
         topk = None if self.topk is None else self.topk[start:stop]
         return replace(self, q=self.q[start:stop], topk=topk)
+
+    @property
+    def shape(self) -> LayerShape:
+        return LayerShape(self.kind, self.fmt, (self.swa_dialect, self.comp_dialect), self.q.shape[1],
+                          self.swa_geo, self.comp_geo)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """A layer without its tensors' contents: what a backend's per-step metadata depends on
+    besides the plan, so layers of one shape share it within a step (``Backend.meta``).
+
+    kind       layer kind
+    fmt        cache format; dialects (SWA, compressed) FP8 dialects of the caches
+    num_heads  H of q as handed over (padded heads included)
+    swa_geo / comp_geo   the caches' geometry (comp_geo None for window-only layers)
+    """
+
+    kind: LayerKind
+    fmt: KVFormat
+    dialects: tuple[Fp8Dialect, Fp8Dialect]
+    num_heads: int
+    swa_geo: CacheGeometry
+    comp_geo: CacheGeometry | None
+
+    def window_only(self) -> LayerShape:
+        """The shape of a window-only layer with the same heads and SWA cache: its metadata is what
+        every kind of the step shares (the window's rows, head staging)."""
+        return replace(self, kind=LayerKind.SWA, comp_geo=None)
 
 
 Dialects = tuple[Fp8Dialect, Fp8Dialect]  # (SWA cache, compressed cache)
@@ -179,8 +208,9 @@ class Backend:
                    token ranges (the plan passed is then a phase sub-plan)
 
     ``reasons(...)`` = the declared data's refusals + ``extra_reasons`` (what data cannot say);
-    [] means supported. ``forward`` runs a layer; ``prepare`` builds per-step metadata once per
-    plan and layer kind (``prepared`` caches it in the plan).
+    [] means supported. ``forward`` runs a layer; ``prepare`` builds its per-step metadata (a
+    small frozen dataclass of the backend's), which ``meta`` caches in the plan once per layer
+    shape, so layers of one kind share it and no backend keeps step state of its own.
     """
 
     name: str = "?"
@@ -215,20 +245,23 @@ class Backend:
         return reasons + self.extra_reasons(platform, spec, fmt, kind, phase, dialects)
 
     def choice(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
-               dialects: "Dialects") -> str:
+               dialects: Dialects) -> str:
         """How the backend would run a combination it serves, when it has options (a vendor
         entry point, a mode) and why; shown by ``SparseMLA.explain()``. "" = nothing to say."""
         return ""
 
-    def prepare(self, plan: "StepPlan", kind: LayerKind) -> Any:
-        """Per-step, per-kind metadata shared by all layers of that kind (None = nothing)."""
+    def prepare(self, plan: StepPlan, shape: LayerShape) -> Any:
+        """Per-step metadata of the layers of ``shape`` over ``plan``'s tokens (scheduler
+        metadata, index rows every such layer reads, staging buffers), None = nothing. Called by
+        ``meta`` only; a phase sub-plan is a plan of its own."""
         return None
 
-    def prepared(self, plan: "StepPlan", kind: LayerKind) -> Any:
-        """``prepare(plan, kind)`` once per plan, cached in the plan."""
-        return plan.cached((self.name, "prepare", LayerKind.parse(kind)), lambda: self.prepare(plan, kind))
+    def meta(self, plan: StepPlan, shape: LayerShape) -> Any:
+        """``prepare(plan, shape)`` once per plan, backend instance and shape (cached in the plan:
+        the next step's plan starts empty)."""
+        return plan.cached((self, shape), lambda: self.prepare(plan, shape))
 
-    def forward(self, plan: "StepPlan", layer: LayerInputs, out: torch.Tensor) -> None:
+    def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
         """Write attention for all ``plan.num_tokens`` tokens into ``out`` [T, H, 512] bf16."""
         raise NotImplementedError
 

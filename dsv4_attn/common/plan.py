@@ -13,8 +13,9 @@ into the buffers). Consequences:
   older plan raises (its buffers now hold another step). A refused ``plan()`` writes nothing
   (:func:`check_step` runs first).
 
-Backends cache per-step metadata in the plan with ``plan.cached(key, builder)`` (FlashMLA's
-tile-scheduler metadata, AITER work buffers, FlashInfer merged rows), keyed per layer kind.
+Backends keep per-step metadata in the plan through ``Backend.meta(plan, layer.shape)``: the
+typed result of their ``prepare`` (FlashMLA's tile-scheduler metadata, AITER work buffers,
+FlashInfer merged rows), built once per plan and layer shape.
 Phase sub-plans (``plan.phase_plan(Phase.DECODE)``) view a token range of the same buffers
 for backends that split decode and prefill launches.
 

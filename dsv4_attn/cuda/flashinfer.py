@@ -40,10 +40,11 @@ import inspect
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
+from ..common.backend import Backend, Capabilities, LayerInputs, LayerShape, Phase, PlatformSupport
 from ..common.indices import merged_rows
 from ..common.layout import CacheGeometry, KVFormat
 from ..common.plan import StepPlan
@@ -156,6 +157,39 @@ def inside_cache(rows: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
     return torch.where((rows >= 0) & (rows < geo.num_slots), rows, torch.full_like(rows, -1))
 
 
+class _LazyStaging:
+    """The step's head staging (q in the kernel's dtype, bf16 out, float32 sink; -inf on padded
+    heads), allocated by the first layer that needs it."""
+
+    def __init__(self, num_tokens: int, hp: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._args = (num_tokens, hp, dtype, device)
+        self._buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [T, hp, 512] zeroed, out bf16 [T, hp, 512], sink float32 [hp])."""
+        if self._buffers is None:
+            T, hp, dtype, device = self._args
+            self._buffers = (torch.zeros(T, hp, HEAD_DIM, dtype=dtype, device=device),
+                             torch.empty(T, hp, HEAD_DIM, dtype=torch.bfloat16, device=device),
+                             torch.full((hp,), float("-inf"), dtype=torch.float32, device=device))
+        return self._buffers
+
+
+@dataclass(frozen=True)
+class FlashInferMeta:
+    """Per-step metadata of one layer shape (``FlashInferTRTLLMBackend.prepare``).
+
+    staging   the step's head staging (shared by every kind: the window-only shape's)
+    counters  uint8 multi-CTA KV counters for the padded heads (shared by every kind)
+    rows      a kind without a top-k (SWA, C128A): its merged rows, lens and seq_lens
+              (``_rows``), the same for every layer; None for top-k kinds (rows differ per layer)
+    """
+
+    staging: _LazyStaging
+    counters: torch.Tensor
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
 class FlashInferTRTLLMBackend(Backend):
     name = "flashinfer-trtllm"
     splits_phases = True  # decode and prefill tokens are separate launches
@@ -186,6 +220,20 @@ class FlashInferTRTLLMBackend(Backend):
                       dialects) -> list[str]:
         return list(load_flashinfer()[2])
 
+    # ---- per-step metadata ------------------------------------------------------------------
+    def prepare(self, plan: StepPlan, shape: LayerShape) -> FlashInferMeta:
+        if shape.kind is not LayerKind.SWA:  # the window-only shape's staging and counters
+            window = replace(self.meta(plan, shape.window_only()), rows=None)
+        else:
+            hp = padded_heads(shape.num_heads)
+            dtype = shape.fmt.cache_dtype(shape.dialects[0]) if shape.fmt is KVFormat.FP8_TENSOR else torch.bfloat16
+            window = FlashInferMeta(_LazyStaging(plan.num_tokens, hp, dtype, plan.device),
+                                    _counters(plan.num_tokens, hp, plan.device))
+        if shape.kind.uses_topk:  # the indexer's top-k differs per layer
+            return window
+        comp_geo = shape.comp_geo if shape.kind.has_comp_scope else shape.swa_geo
+        return replace(window, rows=self._rows(plan, shape.kind, None, shape.swa_geo, comp_geo))
+
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
         T, nd = plan.num_tokens, plan.num_decode_tokens
@@ -206,8 +254,9 @@ class FlashInferTRTLLMBackend(Backend):
             comp_pool = _pool(layer.comp_cache, comp_geo, "comp_cache")
         else:  # the kernel requires a compressed pool; SWA-only rows never index it
             comp_pool, comp_geo = swa_pool, swa_geo
-        indices, lens, window_keys = self._rows(plan, layer, swa_geo, comp_geo)
-        q, kout, sink, staging = self._stage(plan, layer, out)
+        meta = self.meta(plan, layer.shape)
+        indices, lens, window_keys = meta.rows or self._rows(plan, layer.kind, layer.topk, swa_geo, comp_geo)
+        q, kout, sink, staging = self._stage(meta, layer, out)
         kv_scale = float(layer.kv_scale) if layer.fmt is KVFormat.FP8_TENSOR else 1.0
         fn(
             query=q[:, None],
@@ -224,50 +273,34 @@ class FlashInferTRTLLMBackend(Backend):
             kv_layout="HND",
             backend="trtllm-gen",
             sparse_indices_are_storage_offsets=True,
-            multi_ctas_kv_counter_buffer=plan.cached(("flashinfer", "counters", q.shape[1]),
-                                                     lambda: _counters(T, q.shape[1], q.device)),
+            multi_ctas_kv_counter_buffer=meta.counters,
         )
         if staging is not None:
             out.copy_(staging[1][:, : out.shape[1]])
 
     @staticmethod
-    def _rows(plan: StepPlan, layer: LayerInputs, swa_geo: CacheGeometry, comp_geo: CacheGeometry):
+    def _rows(plan: StepPlan, kind: LayerKind, topk: torch.Tensor | None, swa_geo: CacheGeometry,
+              comp_geo: CacheGeometry):
         """Merged storage-offset rows int32 [T, 128 + round_up(K, 4)] (each region's keys first),
         lens int32 [T] (128 + the compressed key count) and seq_lens int32 [T] (the SWA key count,
         at least 1)."""
-
-        def build():
-            comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
-            comp = None if comp_rows is None else storage_offsets(inside_cache(comp_rows, comp_geo), comp_geo)
-            rows, lens = merged_rows(storage_offsets(inside_cache(plan.swa_rows, swa_geo), swa_geo), plan.swa_lens,
-                                     comp, comp_lens)
-            window_keys = (rows[:, :SWA_WIDTH] >= 0).sum(dim=1).clamp(min=1).to(torch.int32)
-            return rows, lens, window_keys
-
-        if layer.kind.uses_topk:  # the indexer's top-k differs per layer
-            return build()
-        spans = (swa_geo.block_size, swa_geo.block_stride, swa_geo.num_blocks, comp_geo.block_size,
-                 comp_geo.block_stride, comp_geo.num_blocks)
-        return plan.cached(("flashinfer", "rows", layer.kind, spans), build)
+        comp_rows, comp_lens = plan.comp_scope(kind, topk)
+        comp = None if comp_rows is None else storage_offsets(inside_cache(comp_rows, comp_geo), comp_geo)
+        rows, lens = merged_rows(storage_offsets(inside_cache(plan.swa_rows, swa_geo), swa_geo), plan.swa_lens,
+                                 comp, comp_lens)
+        window_keys = (rows[:, :SWA_WIDTH] >= 0).sum(dim=1).clamp(min=1).to(torch.int32)
+        return rows, lens, window_keys
 
     @staticmethod
-    def _stage(plan: StepPlan, layer: LayerInputs, out: torch.Tensor):
+    def _stage(meta: FlashInferMeta, layer: LayerInputs, out: torch.Tensor):
         """(q, out, sink, staging): q in the cache's dtype with 64/128 contiguous heads (fp8: cast
         unscaled, q_scale 1.0), sink -inf on padded heads. No copy when bf16 fits already."""
         q, sink = layer.q, layer.sink
-        T, H, _ = q.shape
-        hp = padded_heads(H)
+        H = q.shape[1]
         fp8 = layer.fmt is KVFormat.FP8_TENSOR
-        if not fp8 and H == hp and q.is_contiguous() and (sink is None or sink.is_contiguous()):
+        if not fp8 and H == padded_heads(H) and q.is_contiguous() and (sink is None or sink.is_contiguous()):
             return q, out, sink, None
-        dtype = layer.swa_cache.dtype if fp8 else torch.bfloat16
-
-        def allocate():
-            return (torch.zeros(T, hp, HEAD_DIM, dtype=dtype, device=q.device),
-                    torch.empty(T, hp, HEAD_DIM, dtype=torch.bfloat16, device=q.device),
-                    torch.full((hp,), float("-inf"), dtype=torch.float32, device=q.device))
-
-        sq, sout, ssink = plan.cached(("flashinfer", "heads", hp, dtype), allocate)
+        sq, sout, ssink = meta.staging.get()
         sq[:, :H].copy_(q)  # to e4m3: torch saturates at ±448
         if sink is not None:
             ssink[:H].copy_(sink)

@@ -37,14 +37,14 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .. import envs
-from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
+from ..common.backend import Backend, Capabilities, LayerInputs, LayerShape, Phase, PlatformSupport
 from ..common.layout import CacheGeometry, KVFormat, Record, gather_rows
 from ..common.plan import StepPlan
 from ..common.platform import Platform
@@ -343,6 +343,40 @@ class _HeadStaging:
                    torch.full((hp,), float("-inf"), dtype=torch.float32, device=device))
 
 
+class _LazyStaging:
+    """The step's head staging, allocated by the first layer that needs it (most callers hand
+    64/128 contiguous heads and need none)."""
+
+    def __init__(self, num_tokens: int, hp: int, device: torch.device) -> None:
+        self._args = (num_tokens, hp, device)
+        self._staging: _HeadStaging | None = None
+
+    def get(self) -> _HeadStaging:
+        if self._staging is None:
+            self._staging = _HeadStaging.allocate(*self._args)
+        return self._staging
+
+
+@dataclass(frozen=True)
+class FlashMLAMeta:
+    """Per-step metadata of one layer shape (``FlashMLABackend.prepare``).
+
+    staging  the step's head staging (shared by every kind: the window-only shape's)
+    swa_idx  decode plans: int32 [T, round_up(W, 128)] the decode kernel's SWA rows (shared by
+             every kind); None in prefill
+    all_idx  decode plans of an "all" kind (C128A): int32 [T, round_up(K, 128)] its compressed
+             rows for the decode kernel; None otherwise (top-k rows differ per layer)
+    scheds   decode plans: one tile-scheduler slot per launch of DECODE_MAX_ROWS tokens, planned
+             by the kind's first layer and reused by the others (FlashMLA's reuse rule: every
+             layer of a kind has the same lengths); () in prefill
+    """
+
+    staging: _LazyStaging
+    swa_idx: torch.Tensor | None = None
+    all_idx: torch.Tensor | None = None
+    scheds: tuple[_Sched, ...] = ()
+
+
 class FlashMLABackend(Backend):
     name = "flashmla"
     splits_phases = True  # decode and prefill are different FlashMLA kernels
@@ -379,6 +413,22 @@ class FlashMLABackend(Backend):
                     "2026-09-30 release, which vLLM 0.33 bundles"]
         return []
 
+    # ---- per-step metadata ------------------------------------------------------------------
+    def prepare(self, plan: StepPlan, shape: LayerShape) -> FlashMLAMeta:
+        if shape.kind.has_comp_scope:
+            window = self.meta(plan, shape.window_only())
+        else:
+            window = FlashMLAMeta(_LazyStaging(plan.num_tokens, padded_heads(shape.num_heads), plan.device))
+            if plan.num_decode_tokens:
+                window = replace(window, swa_idx=_kernel_rows(plan.swa_rows, shape.swa_geo.num_slots, TOPK_BLOCK))
+        if not plan.num_decode_tokens:
+            return window
+        all_idx = None
+        if shape.kind.attends_all:
+            all_idx = _kernel_rows(plan.comp_scope(shape.kind)[0], shape.comp_geo.num_slots, TOPK_BLOCK)
+        scheds = tuple(_Sched() for _ in range(0, plan.num_tokens, DECODE_MAX_ROWS))
+        return replace(window, all_idx=all_idx, scheds=scheds)
+
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
         T, nd = plan.num_tokens, plan.num_decode_tokens
@@ -391,50 +441,41 @@ class FlashMLABackend(Backend):
         ops = load_flashmla().ops
         if ops is None:
             raise RuntimeError(load_flashmla().describe())
-        q, kout, sink, staging = self._stage(plan, layer, out)
+        meta = self.meta(plan, layer.shape)
+        q, kout, sink, staging = self._stage(meta, layer, out)
         if nd:
-            self._decode(ops, plan, layer, q, sink, kout)
+            self._decode(ops, plan, meta, layer, q, sink, kout)
         else:
             self._prefill(ops, plan, layer, q, sink, kout)
         if staging is not None:
             out.copy_(staging.out[:, : out.shape[1]])
 
     @staticmethod
-    def _stage(plan: StepPlan, layer: LayerInputs, out: torch.Tensor):
+    def _stage(meta: FlashMLAMeta, layer: LayerInputs, out: torch.Tensor):
         """(q, out, sink, staging) as the kernels take them: 64/128 contiguous heads, contiguous
         fp32 sink. Without a copy when the caller's tensors already fit."""
         q, sink = layer.q, layer.sink
-        T, H, _ = q.shape
-        hp = padded_heads(H)
-        if H == hp and q.is_contiguous() and (sink is None or sink.is_contiguous()):
+        H = q.shape[1]
+        if H == padded_heads(H) and q.is_contiguous() and (sink is None or sink.is_contiguous()):
             return q, out, sink, None
-        staging = plan.cached(("flashmla", "heads", hp, q.device), lambda: _HeadStaging.allocate(T, hp, q.device))
+        staging = meta.staging.get()
         staging.q[:, :H].copy_(q)
         if sink is not None:
             staging.sink[:H].copy_(sink)
         return staging.q, staging.out, (None if sink is None else staging.sink), staging
 
-    def _decode(self, ops: FlashMLAOps, plan: StepPlan, layer: LayerInputs, q, sink, out) -> None:
+    def _decode(self, ops: FlashMLAOps, plan: StepPlan, meta: FlashMLAMeta, layer: LayerInputs, q, sink,
+                out) -> None:
         swa_kv = _kernel_cache(layer.swa_cache, layer.fmt.swa_record, layer.swa_geo, "swa_cache")
-        swa_slots = swa_kv.shape[0] * swa_kv.shape[1]
-        swa_idx = plan.cached(("flashmla", "swa_idx", swa_slots),
-                              lambda: _kernel_rows(plan.swa_rows, swa_slots, TOPK_BLOCK))
         comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
         if comp_rows is not None:
             comp_kv = _kernel_cache(layer.comp_cache, layer.fmt.comp_record, layer.comp_geo, "comp_cache")
-            comp_slots = comp_kv.shape[0] * comp_kv.shape[1]
-            comp_idx = (plan.cached(("flashmla", "all_idx", layer.kind, comp_slots),
-                                    lambda: _kernel_rows(comp_rows, comp_slots, TOPK_BLOCK))
-                        if layer.kind.attends_all else _kernel_rows(comp_rows, comp_slots, TOPK_BLOCK))
-        shape = (q.shape[1], swa_kv.shape[1], swa_idx.shape[1], None if comp_rows is None else comp_kv.shape[1],
-                 None if comp_rows is None else comp_idx.shape[1])
-        for t0 in range(0, plan.num_tokens, DECODE_MAX_ROWS):
+            comp_idx = meta.all_idx if meta.all_idx is not None else _kernel_rows(comp_rows, layer.comp_geo.num_slots,
+                                                                                   TOPK_BLOCK)
+        for sched, t0 in zip(meta.scheds, range(0, plan.num_tokens, DECODE_MAX_ROWS)):
             t1 = min(plan.num_tokens, t0 + DECODE_MAX_ROWS)
-            # One schedule per (kind, launch shape) per step: every layer of a kind has the same
-            # lengths (they derive from positions and row widths only), FlashMLA's reuse rule.
-            sched = plan.cached(("flashmla", "sched", layer.kind, t0, t1, shape), _Sched)
             extra = None if comp_rows is None else (comp_kv, comp_idx[t0:t1, None], comp_lens[t0:t1])
-            ops.decode(q[t0:t1, None], swa_kv, swa_idx[t0:t1, None], plan.swa_lens[t0:t1], sink, sched, extra,
+            ops.decode(q[t0:t1, None], swa_kv, meta.swa_idx[t0:t1, None], plan.swa_lens[t0:t1], sink, sched, extra,
                        layer.softmax_scale, out[t0:t1, None])
 
     def _prefill(self, ops: FlashMLAOps, plan: StepPlan, layer: LayerInputs, q, sink, out) -> None:

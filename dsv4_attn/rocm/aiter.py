@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from .. import envs
-from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
+from ..common.backend import Backend, Capabilities, LayerInputs, LayerShape, Phase, PlatformSupport
 from ..common.layout import Fp8Dialect, KVFormat, Record, gather_rows, packed_records, quantize_model1
 from ..common.merge import apply_sink, merge_lse
 from ..common.plan import StepPlan
@@ -343,6 +343,22 @@ def _nm_pack(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, records[:, NOPE_DIM:ROW].contiguous().view(torch.bfloat16)
 
 
+@dataclass(frozen=True)
+class AiterMeta:
+    """Per-step metadata of one layer shape (``AiterBackend.prepare``).
+
+    path     the AITER entry point that runs the shape (one of PATHS)
+    scratch  its buffers (the backend instance's: the same in every step)
+    shared   the scopes whose indices every layer of the shape reads, by scope name, built by the
+             first layer that reads them: the window (the window-only shape's, when it runs on the
+             same scratch) and an "all" kind's rows. Top-k scopes are rebuilt per layer.
+    """
+
+    path: str
+    scratch: AiterScratch
+    shared: dict[str, ScopeBuffers]
+
+
 # ---- the backend --------------------------------------------------------------------------------
 class AiterBackend(Backend):
     """AITER decode adapter (see module docstring). EMULATED / contract-tested only.
@@ -479,12 +495,25 @@ class AiterBackend(Backend):
                              f"of the aiter backend (raise it: AiterBackend(max_decode_tokens=...) or "
                              f"{envs.AITER_MAX_DECODE_TOKENS.name})")
         api = load_aiter()
-        path, reasons = self.choose_path(api, plan.spec, layer.fmt, layer.kind, (layer.swa_dialect, layer.comp_dialect),
-                                         layer.q.shape[1])
+        meta = self.meta(plan, layer.shape)
+        {"sparse_mla_fwd": self._forward_sparse, "mla_decode_fwd_v4_nm": self._forward_nm,
+         "mla_decode_fwd": self._forward_decode}[meta.path](api, plan, meta, layer, out)
+
+    def prepare(self, plan: StepPlan, shape: LayerShape) -> AiterMeta:
+        """The shape's path and scratch (every kernel variant it may run warmed first)."""
+        api = load_aiter()
+        path, reasons = self.choose_path(api, plan.spec, shape.fmt, shape.kind, shape.dialects, shape.num_heads)
         if path is None:
             raise ValueError("aiter: cannot run this layer:\n" + "\n".join(f"  - {r}" for r in reasons))
-        {"sparse_mla_fwd": self._forward_sparse, "mla_decode_fwd_v4_nm": self._forward_nm,
-         "mla_decode_fwd": self._forward_decode}[path](api, plan, layer, out)
+        scratch = {"sparse_mla_fwd": self._sparse_scratch, "mla_decode_fwd_v4_nm": self._nm_scratch,
+                   "mla_decode_fwd": self._decode_scratch}[path](api, plan, shape)
+        shared: dict[str, ScopeBuffers] = {}
+        window_path = self.choose_path(api, plan.spec, shape.fmt, LayerKind.SWA, shape.dialects, shape.num_heads)[0]
+        if shape.kind.has_comp_scope and path != "mla_decode_fwd_v4_nm" and window_path == path:
+            window = self.meta(plan, shape.window_only())
+            if window.scratch is scratch:  # the same buffers: the window scope is built once per step
+                shared = window.shared
+        return AiterMeta(path, scratch, shared)
 
     def _get_scratch(self, api: AiterAPI, key: ScratchKey) -> AiterScratch:
         if key not in self._scratch:
@@ -505,23 +534,23 @@ class AiterBackend(Backend):
             scopes.append((layer.kind.name.lower(), rows, lens, layer.comp_cache, layer.comp_geo))
         return scopes
 
-    def _indices(self, plan: StepPlan, scr: AiterScratch, name: str, parts, per_layer: bool,
+    def _indices(self, plan: StepPlan, meta: AiterMeta, name: str, parts, per_layer: bool,
                  api: AiterAPI) -> ScopeBuffers:
-        """Build a scope's compacted indices and persistent work plan once per step, or every call
-        for top-k kinds (``per_layer``): their rows, and so their key counts (holes are dropped),
-        differ per layer. ``parts``: (rows, lens, capacity) per cache the scope reads."""
+        """Build a scope's compacted indices and persistent work plan once per step (kept in
+        ``meta.shared``), or every call for top-k kinds (``per_layer``): their rows, and so their
+        key counts (holes are dropped), differ per layer. ``parts``: (rows, lens, capacity) per
+        cache the scope reads."""
+        if not per_layer and name in meta.shared:
+            return meta.shared[name]
+        scr = meta.scratch
         sb = scr.scopes[name]
-
-        def build():
-            keep, pos, counts = compact(list(parts), sb.width)
-            write_indices(sb, keep, pos, counts, torch.cat([p[0] for p in parts], dim=1), scr.key.layout)
-            if scr.key.persistent:  # the plan bakes in each token's key range
-                self._fill_work_plan(api, scr, sb, plan.num_tokens)
-            return sb
-
-        if per_layer:
-            return build()
-        return plan.cached((self.name, "aiter-scope", name, scr.key, tuple(p[2] for p in parts)), build)
+        keep, pos, counts = compact(list(parts), sb.width)
+        write_indices(sb, keep, pos, counts, torch.cat([p[0] for p in parts], dim=1), scr.key.layout)
+        if scr.key.persistent:  # the plan bakes in each token's key range
+            self._fill_work_plan(api, scr, sb, plan.num_tokens)
+        if not per_layer:
+            meta.shared[name] = sb
+        return sb
 
     @staticmethod
     def _fill_work_plan(api: AiterAPI, scr: AiterScratch, sb: ScopeBuffers, T: int) -> None:
@@ -547,15 +576,18 @@ class AiterBackend(Backend):
         self._warmed.add(key)
 
     # ---- path 1: sparse_mla_fwd ---------------------------------------------------------------
-    def _forward_sparse(self, api: AiterAPI, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
+    def _sparse_scratch(self, api: AiterAPI, plan: StepPlan, shape: LayerShape) -> AiterScratch:
+        return self._get_scratch(api, ScratchKey(
+            path="sparse_mla_fwd", device=plan.device, max_tokens=self.max_decode_tokens, heads=shape.num_heads,
+            widths=_scope_widths(plan.spec), q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, layout="slots"))
+
+    def _forward_sparse(self, api: AiterAPI, plan: StepPlan, meta: AiterMeta, layer: LayerInputs,
+                        out: torch.Tensor) -> None:
         T, H = plan.num_tokens, layer.q.shape[1]
-        key = ScratchKey(path="sparse_mla_fwd", device=plan.device, max_tokens=self.max_decode_tokens, heads=H,
-                         widths=_scope_widths(plan.spec), q_dtype=torch.bfloat16,
-                         kv_dtype=torch.bfloat16, layout="slots")
-        scr = self._get_scratch(api, key)
+        scr = meta.scratch
         built = []
         for name, rows, lens, cache, geo in self._scopes(plan, layer):
-            sb = self._indices(plan, scr, name, [(rows, lens, geo.num_slots)], layer.kind.uses_topk and name != "swa",
+            sb = self._indices(plan, meta, name, [(rows, lens, geo.num_slots)], layer.kind.uses_topk and name != "swa",
                                api)
             scale = None
             if layer.fmt is KVFormat.FP8_TENSOR:
@@ -577,9 +609,8 @@ class AiterBackend(Backend):
         out.masked_fill_(empty[:, None, None], 0.0)  # AITER's output for a row with no key is unspecified
 
     # ---- path 2: mla_decode_fwd_v4_nm, both scopes + sink in one call -------------------------
-    def _forward_nm(self, api: AiterAPI, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
-        T, H = plan.num_tokens, layer.q.shape[1]
-        heads = next(h for h in NM_HEADS if h >= H)
+    def _nm_scratch(self, api: AiterAPI, plan: StepPlan, shape: LayerShape) -> AiterScratch:
+        heads = next(h for h in NM_HEADS if h >= shape.num_heads)
         # one index scope per layer kind, over its SWA keys then its compressed keys
         widths = tuple((name, plan.spec.window + (w if name != "swa" else 0)) for name, w in _scope_widths(plan.spec))
         fp8 = NATIVE_DIALECT[api.arch].torch_dtype
@@ -587,8 +618,15 @@ class AiterBackend(Backend):
                          heads=heads, widths=widths, q_dtype=fp8, kv_dtype=fp8, layout="ragged", row=NM_ROW)
         scr = self._get_scratch(api, key)
         self._warm(("mla_decode_fwd_v4_nm", heads), [lambda: self._nm_dummy(api, heads, plan.device)])
+        return scr
+
+    def _forward_nm(self, api: AiterAPI, plan: StepPlan, meta: AiterMeta, layer: LayerInputs,
+                    out: torch.Tensor) -> None:
+        T, H = plan.num_tokens, layer.q.shape[1]
+        scr = meta.scratch
+        fp8 = NATIVE_DIALECT[api.arch].torch_dtype
         scopes = self._scopes(plan, layer)
-        sb = self._indices(plan, scr, layer.kind.name.lower(),
+        sb = self._indices(plan, meta, layer.kind.name.lower(),
                            [(rows, lens, geo.num_slots) for _, rows, lens, _, geo in scopes],
                            layer.kind.uses_topk, api)
         col = 0
@@ -638,11 +676,11 @@ class AiterBackend(Backend):
                                  sink=torch.full((heads,), -math.inf, device=device), num_kv_splits=2)
 
     # ---- path 3: mla_decode_fwd, two scopes + LSE merge + sink ----------------------------------
-    def _decode_key(self, api: AiterAPI, plan: StepPlan, layer: LayerInputs, persistent_heads: int | None,
+    def _decode_key(self, api: AiterAPI, plan: StepPlan, heads: int, persistent_heads: int | None,
                     T: int) -> ScratchKey:
         widths = _scope_widths(plan.spec)
         split = ScratchKey(path="mla_decode_fwd", device=plan.device, max_tokens=self.max_decode_tokens,
-                           heads=_split_heads(layer.q.shape[1]), widths=widths, q_dtype=torch.bfloat16,
+                           heads=_split_heads(heads), widths=widths, q_dtype=torch.bfloat16,
                            kv_dtype=torch.bfloat16, layout="ragged", row=ROW, max_splits=self.max_splits)
         if persistent_heads is None or T >= self.persistent_max_batch:
             return split
@@ -652,16 +690,22 @@ class AiterBackend(Backend):
         return replace(split, max_tokens=min(self.max_decode_tokens, self.persistent_max_batch - 1),
                        heads=persistent_heads, q_dtype=fp8, kv_dtype=fp8, layout="fixed", persistent=True)
 
-    def _forward_decode(self, api: AiterAPI, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
-        T, H = plan.num_tokens, layer.q.shape[1]
+    def _decode_scratch(self, api: AiterAPI, plan: StepPlan, shape: LayerShape) -> AiterScratch:
+        H = shape.num_heads
         # persistent mode is FP8/FP8: never for bf16 caches (their precision is why they are bf16)
-        fp8_ok = layer.fmt is not KVFormat.BF16 and self.persistent_max_batch > 1
+        fp8_ok = shape.fmt is not KVFormat.BF16 and self.persistent_max_batch > 1
         persistent_heads = _persistent_heads(api, H)[0] if fp8_ok else None
-        key = self._decode_key(api, plan, layer, persistent_heads, T)
-        variants = [self._decode_key(api, plan, layer, persistent_heads, t) for t in (1, self.persistent_max_batch)]
+        key = self._decode_key(api, plan, H, persistent_heads, plan.num_tokens)
+        variants = [self._decode_key(api, plan, H, persistent_heads, t) for t in (1, self.persistent_max_batch)]
         self._warm(("mla_decode_fwd",) + tuple(sorted({(k.heads, k.persistent) for k in variants})),
                    [functools.partial(self._decode_dummy, api, k) for k in dict.fromkeys(variants)])
-        scr = self._get_scratch(api, key)
+        return self._get_scratch(api, key)
+
+    def _forward_decode(self, api: AiterAPI, plan: StepPlan, meta: AiterMeta, layer: LayerInputs,
+                        out: torch.Tensor) -> None:
+        T, H = plan.num_tokens, layer.q.shape[1]
+        scr = meta.scratch
+        key = scr.key
         q = scr.q[:T]
         if key.persistent:
             quantize_pow2_(q[:, :H, :HEAD_DIM], layer.q, scr.q_scale)
@@ -675,7 +719,7 @@ class AiterBackend(Backend):
         results = []
         for i, (name, rows, lens, cache, geo) in enumerate(self._scopes(plan, layer)):
             dialect = layer.swa_dialect if name == "swa" else layer.comp_dialect
-            sb = self._indices(plan, scr, name, [(rows, lens, geo.num_slots)], layer.kind.uses_topk and name != "swa",
+            sb = self._indices(plan, meta, name, [(rows, lens, geo.num_slots)], layer.kind.uses_topk and name != "swa",
                                api)
             n = T * sb.width
             values = gather_rows(cache, layer.fmt, geo, sb.slots[: T * rows.shape[1]], layer.kv_scale, dialect)
@@ -688,15 +732,15 @@ class AiterBackend(Backend):
             scr.rows.view(torch.uint8 if key.persistent else key.kv_dtype)[:, :HEAD_DIM].index_copy_(
                 0, sb.pos[: T * rows.shape[1]], staged.view(torch.uint8) if key.persistent else staged)
             o = scr.out[i][:T]
-            meta = dict(zip(("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
-                             "reduce_partial_map"), sb.meta)) if key.persistent else {}
+            work_plan = dict(zip(("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr",
+                                  "reduce_final_map", "reduce_partial_map"), sb.meta)) if key.persistent else {}
             _, lse = _call(api.mla_decode_fwd, q=q, kv_buffer=scr.rows[:n].view(n, 1, 1, ROW), o=o,
                            qo_indptr=scr.qo_indptr[: T + 1], kv_indptr=sb.kv_indptr[: T + 1],
                            kv_indices=sb.kv_indices[:n], kv_last_page_lens=scr.last_page[:T], max_seqlen_q=1,
                            page_size=1, nhead_kv=1, sm_scale=layer.softmax_scale, num_kv_splits=splits,
                            num_kv_splits_indptr=None if key.persistent else scr.splits_indptr[: T + 1],
                            q_scale=scr.q_scale if key.persistent else None,
-                           kv_scale=sb.kv_scale if key.persistent else None, return_lse=True, **meta)
+                           kv_scale=sb.kv_scale if key.persistent else None, return_lse=True, **work_plan)
             # a row with no key has no LSE, whatever the kernel wrote there (+inf, NaN or nothing)
             lse_buf = scr.lse[i][:T]
             lse_buf.copy_(torch.where(sb.counts[:T, None] > 0, lse, torch.full_like(lse, -math.inf)))
