@@ -487,6 +487,25 @@ def test_work_plans_built_once_per_step_and_scratch_is_stable(gen):
         unregister_backend("aiter-test")
 
 
+def test_two_models_in_one_process_own_their_scratch(gen, monkeypatch):
+    """Two SparseMLA objects for two models (16 and 64 heads, top-k 64 and 128) on the registered
+    aiter backend, their steps and layers interleaved: each SparseMLA gets its own backend
+    instance, no scratch buffer is shared, and each result stays the reference's."""
+    emulate.enable("gfx950")
+    monkeypatch.setenv("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", "64")
+    monkeypatch.setenv("DSV4_ATTN_AITER_PATH", "mla_decode_fwd")
+    cases = [make_case(gen, "fp8_ds_mla", 16), make_case(gen, "fp8_ds_mla", 64, topk=128)]
+    mlas = [dsv4.SparseMLA(case["spec"], "fp8_ds_mla", backend="aiter") for case in cases]
+    plans = [mla.plan(case["batch"]) for mla, case in zip(mlas, cases)]
+    for kind in (LayerKind.C4A, LayerKind.SWA, LayerKind.C128A):
+        for mla, plan, case in zip(mlas, plans, cases):
+            _check(run_layer(mla, plan, case, kind), plan, case, kind, FP8)
+    backends = [mla._backend("aiter") for mla in mlas]
+    assert backends[0] is not backends[1]
+    pointers = [{p for s in b._scratch.values() for p in s.pointers() if p} for b in backends]  # 0: empty
+    assert pointers[0] and pointers[1] and pointers[0].isdisjoint(pointers[1]), "two models share scratch memory"
+
+
 def test_padded_block_pitch_gathered(gen):
     """Caches with other layers' pages interleaved (block stride > block size): the selected
     rows are gathered through the block pitch."""

@@ -198,6 +198,24 @@ def test_decode_and_prefill_launched_separately_with_own_workspaces(fake_flashin
     assert decode["workspace"].data_ptr() != prefill["workspace"].data_ptr()
 
 
+def test_two_models_in_one_process_own_their_workspaces(fake_flashinfer, gen):
+    """Two SparseMLA objects for two models (128 and 16 heads, top-k 62 and 32), their steps and
+    layers interleaved: each runs on its own backend instance with its own workspaces, and each
+    result stays the reference's."""
+    cases = [make_case(gen, [1, 1, 1], [300, 700, 1000], heads=128, topk=62, fmt="bfloat16"),
+             make_case(gen, [1, 1], [50, 900], heads=16, topk=32, fmt="bfloat16")]
+    mlas = [_mla(case) for case in cases]
+    plans = [mla.plan(case.batch) for mla, case in zip(mlas, cases)]
+    for kind in (LayerKind.C4A, LayerKind.SWA, LayerKind.C128A):
+        for mla, plan, case in zip(mlas, plans, cases):
+            assert_close(run_layer(mla, plan, case, kind))
+    backends = [mla._backend("flashinfer-trtllm") for mla in mlas]
+    assert backends[0] is not backends[1]
+    workspaces = [{c["workspace"].data_ptr() for c in fake_flashinfer.calls if c["H"] == hp} for hp in (128, 64)]
+    assert len(workspaces[0]) == len(workspaces[1]) == 1 and workspaces[0].isdisjoint(workspaces[1])
+    assert {w.data_ptr() for w in backends[0]._workspaces.values()} == workspaces[0]
+
+
 def test_c128a_and_swa_rows_built_once_per_step_c4a_per_layer(fake_flashinfer, gen):
     case = make_case(gen, [1, 1, 1], [300, 700, 1000], heads=64, fmt="bfloat16")
     mla = _mla(case)
