@@ -1,9 +1,9 @@
 """Backend `flashinfer-trtllm`: CONTRACT TESTS ONLY (no SM100 GPU here).
 
 A stand-in for ``flashinfer.decode.trtllm_batch_decode_sparse_mla_dsv4`` checks every argument
-the adapter passes against the documented contract (vendor-apis §2.1-2.2: shapes, dtypes, strides,
-16-byte alignment, the 128-column SWA region, storage-offset indices, lengths, Python-float scales,
-caller-owned counters) and computes the documented math (SWA window from ``seq_lens``, -1 skipped,
+the adapter passes against the documented contract (shapes, dtypes, strides, 16-byte alignment, the
+128-column SWA region, storage-offset indices, lengths, Python-float scales, caller-owned counters:
+docs/vendor-apis.md "TRTLLM-gen arguments") and computes the documented math (SWA window from ``seq_lens``, -1 skipped,
 sink in the denominator), so the whole adapter path runs on CPU and is compared with the float64
 reference. The merged-row layout is also checked by running the reference on the merged rows.
 """

@@ -1,14 +1,14 @@
 """Backend `flashmla`.
 
 CPU (CI): the adapter runs end to end through ``SparseMLA(backend="flashmla")`` against a stand-in
-for FlashMLA's two ops that enforces their documented argument contract (vendor-apis §1.1-1.3:
-dtypes, shapes, strides, top-k granularity, index validity, the scheduler-metadata reuse rule) and
-computes the documented math; results are compared with the float64 reference. The loader, the
+for FlashMLA's two ops that enforces their documented argument contract (dtypes, shapes, strides,
+top-k granularity, index validity, the scheduler-metadata reuse rule: docs/vendor-apis.md "FlashMLA")
+and computes the documented math; results are compared with the float64 reference. The loader, the
 schema check and the refusal reasons are tested with fake libraries.
 
-GPU (``-m gpu``, H100 with ``DSV4_ATTN_FLASHMLA_LIB``): the real FlashMLA on every DESIGN §5 edge
-case, a 32k-token prefill chunk with bounded memory, CUDA-graph capture and replay of a decode
-step. ``DSV4_ATTN_FLASHMLA_TABLE=path`` also writes the error table there.
+GPU (``-m gpu``, H100 with ``DSV4_ATTN_FLASHMLA_LIB``): the real FlashMLA on every edge case
+of docs/testing.md, a 32k-token prefill chunk with bounded memory, CUDA-graph capture and replay of a
+decode step. ``DSV4_ATTN_FLASHMLA_TABLE=path`` also writes the error table there.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-step sparse index builders (spec/dsv4-semantics.md §5-7), vectorized torch.
+"""Per-step sparse index builders (docs/semantics.md "Slots and block tables"), vectorized torch.
 
 Every builder returns ``(rows, lens)``: ``rows`` int32 ``[T, width]`` of GLOBAL cache slots
 (``block_table[req, p // bs] * bs + p % bs``) whose first ``lens[t]`` columns are the keys of
@@ -210,7 +210,7 @@ def comp_rows_for(tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_blo
 
 def merged_rows(swa_rows: torch.Tensor, swa_lens: torch.Tensor, comp_rows: torch.Tensor | None,
                 comp_lens: torch.Tensor | None) -> IndexPair:
-    """FlashInfer TRTLLM-gen DSv4 layout (spec §7.3): ONE row per token.
+    """FlashInfer TRTLLM-gen DSv4 layout (docs/vendor-apis.md "TRTLLM-gen arguments"): ONE row per token.
 
     Columns ``[0, W)`` are the SWA rows as given, columns ``[W, W + round_up(K, 4))`` the
     compressed rows (padded with -1 to a multiple of 4 for 16-byte aligned int32 rows).

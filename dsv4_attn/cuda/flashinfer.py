@@ -2,8 +2,8 @@
 
 CONTRACT-TESTED ONLY: no SM100 GPU was available. Every tensor this adapter passes is checked in
 CI against the documented contract of ``trtllm_batch_decode_sparse_mla_dsv4`` (flashinfer-python
-0.7.2.post1, vendor-apis §2) by a stand-in that also computes the documented math; the kernel
-itself has never run here.
+0.7.2.post1, docs/vendor-apis.md "TRTLLM-gen arguments") by a stand-in that also computes the
+documented math; the kernel itself has never run here.
 
 The kernel reads plain-row caches (bfloat16, or fp8 e4m3 with one per-tensor scale) and takes
 ONE merged index row per token: columns [0, 128) are SWA slots in ascending position order, the
@@ -61,7 +61,7 @@ def _dist_version(dist: str) -> str | None:
 
 def _cubin_reason(version: str | None) -> str | None:
     """TRTLLM-gen cubins come from FLASHINFER_CUBIN_DIR or a flashinfer-cubin of the SAME version;
-    otherwise FlashInfer downloads them at first use (vendor-apis §2.3)."""
+    otherwise FlashInfer downloads them at first use (docs/vendor-apis.md "JIT and cubins")."""
     cubin_dir = os.environ.get("FLASHINFER_CUBIN_DIR")
     if cubin_dir and os.path.isdir(cubin_dir) and os.listdir(cubin_dir):
         return None

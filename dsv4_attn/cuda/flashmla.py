@@ -3,9 +3,11 @@
 Decode tokens go to ``sparse_decode_fwd``, which reads both MODEL1 caches in place: the SWA
 cache is the main scope, the compressed cache the ``extra`` scope of the same softmax, and the
 sink goes in through ``attn_sink``. Tokens are flattened to ``b = T, s_q = 1`` because FlashMLA
-takes ONE ``topk_length`` per batch row (vendor-apis §1.1), so MTP tokens keep their own lengths.
+takes ONE ``topk_length`` per batch row (docs/vendor-apis.md "Sparse decode"), so MTP tokens keep their
+own lengths.
 The tile-scheduler metadata is planned by the first decode layer of each kind in a step (inside
-a CUDA-graph capture when the step is captured) and reused by the others (vendor-apis §1.2).
+a CUDA-graph capture when the step is captured) and reused by the others (docs/vendor-apis.md
+"Scheduler metadata and CUDA graphs").
 
 Prefill tokens go to ``sparse_prefill_fwd``, which wants bf16 rows ``kv [s_kv, 1, 512]``. Per
 chunk of tokens the adapter gathers the DISTINCT rows the chunk's tokens select (never a
@@ -46,13 +48,13 @@ from ..common.spec import HEAD_DIM, MODEL1_PAGE_ALIGN, MODEL1_TOKEN_BYTES, Layer
 
 ENV_LIB = envs.FLASHMLA_LIB.name
 DECODE_TOPK_BLOCK = 64  # decode kernels assert topk % 64 == 0 (SM90 and SM100)
-EXTRA_TOPK_BLOCK = 128  # spec §12.9: the extra scope is loaded in whole blocks; 128 is safe on both archs
+EXTRA_TOPK_BLOCK = 128  # the extra scope is loaded in whole blocks (docs/vendor-apis.md "Sparse decode")
 PREFILL_TOPK_BLOCK = 128  # SM90 prefill asserts topk % 128 == 0
 DECODE_MAX_ROWS = 8192  # the decode scheduler kernel keeps 20*b+4 B in shared memory: b <~ 11k
 _GATHER_ROWS = 1 << 16  # rows dequantized per gather call (bounds the float32 temporaries)
 
-# Op schemas this adapter is written against (vendor-apis §1.6). Compared by argument names and
-# types and by return types (alias annotations ignored); anything else is refused.
+# Op schemas this adapter is written against (docs/vendor-apis.md "Builds and op schemas"). Compared
+# by argument names and types and by return types (alias annotations ignored); anything else is refused.
 _VLLM_DECODE = (
     "sparse_decode_fwd(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
     "Tensor(a)? tile_scheduler_metadata, Tensor(b)? num_splits, Tensor? extra_kv, Tensor? extra_indices, "

@@ -3,7 +3,7 @@
 Enable it (nothing changes otherwise): ``DSV4_ATTN_VLLM=1`` in the environment, or
 ``--attention-backend DSV4_ATTN``. Docs: docs/vllm.md.
 
-How it hooks in (spec/dsv4-semantics.md §10-11, anchors B2). In vLLM 0.33 DeepSeek-V4 layers do
+How it hooks in (docs/vllm.md). In vLLM 0.33 DeepSeek-V4 layers do
 not go through the attention-backend registry: each decoder layer builds its attention from a
 class the model module picks, and that class pins its backend classes. So ``register()`` (the
 ``vllm.general_plugins`` entry point, run in every vLLM process) wraps that choice:
@@ -455,7 +455,7 @@ def planner_for(layer, vllm_config) -> "StepPlanner":
     )
     sched = vllm_config.scheduler_config
     max_tokens = sched.max_num_batched_tokens
-    # gfx942 writes the SWA cache in FNUZ fp8 and the compressed cache in OCP (spec §3.1).
+    # gfx942 writes the SWA cache in FNUZ fp8 and the compressed cache in OCP (docs/semantics.md "FP8 dialects").
     key = (spec, max_tokens, max(sched.max_num_seqs, max_tokens), probe().fp8_dialect,
            vllm_config.cache_config.block_size)
     if key not in _planners:

@@ -24,7 +24,7 @@ rows, in tiles of ``BLOCK_N`` keys, with ONE online softmax over both scopes:
 
 When the tokens are too few to fill the GPU the key tiles of a token are split over ``SPLIT``
 programs writing fp32 partials ``(acc, m, l)``; a small combine kernel merges them, applies the
-sink and writes bf16 (spec §8 merge rule). Scores are kept in base 2 (``qk_scale`` includes
+sink and writes bf16 (docs/semantics.md "LSE"). Scores are kept in base 2 (``qk_scale`` includes
 log2(e)); the returned lse is natural-log and excludes the sink.
 
 Dot dtype ``DT``: float16 (fast default on GPUs: e4m3 values and their power-of-two scales are
