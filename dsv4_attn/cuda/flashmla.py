@@ -48,7 +48,7 @@ from ..common.spec import HEAD_DIM, MODEL1_PAGE_ALIGN, MODEL1_TOKEN_BYTES, Layer
 
 ENV_LIB = envs.FLASHMLA_LIB.name
 DECODE_TOPK_BLOCK = 64  # decode kernels assert topk % 64 == 0 (SM90 and SM100)
-EXTRA_TOPK_BLOCK = 128  # the extra scope is loaded in whole blocks (docs/vendor-apis.md "Sparse decode")
+EXTRA_TOPK_BLOCK = 128  # loaded in whole blocks (docs/vendor-apis.md "Sparse decode"); 128 is safe on both archs
 PREFILL_TOPK_BLOCK = 128  # SM90 prefill asserts topk % 128 == 0
 DECODE_MAX_ROWS = 8192  # the decode scheduler kernel keeps 20*b+4 B in shared memory: b <~ 11k
 _GATHER_ROWS = 1 << 16  # rows dequantized per gather call (bounds the float32 temporaries)
