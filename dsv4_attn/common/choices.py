@@ -98,23 +98,23 @@ def measured(arch: str, phase: str, kind: str, heads: int, fmt: str, num_tokens:
 def from_bench(report: dict, arch: str) -> dict:
     """A choices table from a ``dsv4-attn bench --json`` report: per (phase, kind, heads, format)
     the backends ordered by measured time at each token count, ranges split halfway between
-    neighbouring measured counts (the first starts at 1, the last ends at 2**31)."""
+    neighbouring measured counts (the first starts at 1, the last ends at 2**31). A row timed as
+    ``auto`` is the dispatcher itself, not a backend to order: left out."""
     groups: dict[tuple, list[tuple[int, list[tuple[float, str]], str]]] = {}
-    fmt = report["meta"]["format"]
     for r in report["results"]:
         if "error" in r or not r.get("backends"):
             continue
-        times = sorted((b["us"], name) for name, b in r["backends"].items() if "us" in b)
+        times = sorted((b["us"], name) for name, b in r["backends"].items() if "us" in b and name != "auto")
         if len(times) < 2:
             continue
-        key = (r["phase"], str(r["kind"]).upper(), heads_bucket(int(r["heads"])), fmt)
+        key = (r["phase"], str(r["kind"]).upper(), heads_bucket(int(r["heads"])), r["format"])
         evidence = f"{r['case']}: " + ", ".join(f"{name} {us:.1f} us" for us, name in times)
         groups.setdefault(key, []).append((int(r["tokens"]), times, evidence))
     entries = []
     for (phase, kind, heads, fmt_), points in sorted(groups.items()):
         points.sort(key=lambda p: p[0])
         cuts = [1] + [(a[0] + b[0]) // 2 + 1 for a, b in zip(points, points[1:])] + [2**31]
-        for (tokens, times, evidence), lo, hi in zip(points, cuts, cuts[1:]):
+        for (_, times, evidence), lo, hi in zip(points, cuts, cuts[1:]):
             if lo < hi:
                 entries.append({"phase": phase, "kind": kind, "heads": heads, "format": fmt_, "tokens": [lo, hi],
                                 "order": [name for _, name in times], "evidence": evidence})
