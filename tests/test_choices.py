@@ -139,5 +139,18 @@ def test_bench_reports_auto_against_the_fastest_named_backend():
                {"case": "c", "backends": {"triton": {"us": 1.0}}},  # no auto row: not a gap
                {"case": "d", "error": "RuntimeError"}]
     gaps = auto_gaps(results)
-    assert [(round(g, 6), case, picked, best) for g, case, picked, best in gaps] == [
-        (0.05, "a fp8_ds_mla", "flashmla", "triton"), (0.0, "b fp8_ds_mla", "triton", "triton")]
+    assert [(round(g, 6), round(spread, 6), case, picked, best) for g, spread, case, picked, best in gaps] == [
+        (0.05, 0.0, "a fp8_ds_mla", "flashmla", "triton"), (0.0, 0.0, "b fp8_ds_mla", "triton", "triton")]
+
+
+def test_cases_at_one_token_count_are_ordered_by_their_summed_time():
+    """b=64 x s_q=2 and b=128 x s_q=1 both launch 128 tokens: one entry, ordered by the sum."""
+    report = {"meta": {}, "results": [
+        _result("b=64 s_q=2", 128, 64, {"triton": 50.0, "flashmla": 40.0}),
+        _result("b=128 s_q=1", 128, 64, {"triton": 60.0, "flashmla": 80.0}),
+        _result("b=256 s_q=1", 256, 64, {"triton": 90.0, "flashmla": 95.0})]}
+    entries = choices.from_bench(report, "sm90")["entries"]
+    assert [(e["tokens"], e["order"]) for e in entries] == [([1, 193], ["triton", "flashmla"]),
+                                                            ([193, 2**31], ["triton", "flashmla"])]
+    assert entries[0]["evidence"] == ("b=64 s_q=2: triton 50.0 us, flashmla 40.0 us; "
+                                      "b=128 s_q=1: triton 60.0 us, flashmla 80.0 us")
