@@ -375,19 +375,26 @@ def api_runner(case: Case, backend: str):
     return run, out, plan
 
 
+def _valid_slots(rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The slots a launch attends (int32 [T, W] rows, their first ``lens`` entries that are >= 0),
+    flattened: one entry per (token, key)."""
+    col = torch.arange(rows.shape[1], device=rows.device)[None, :]
+    return rows[(rows >= 0) & (col < lens[:, None])]
+
+
 def case_work(case: Case, plan) -> tuple[float, float, int]:
-    """(flops, bytes, valid keys) of a case, from the plan's row lengths; each key row counted once
-    at its cache record's size."""
-    swa_keys = int(plan.swa_lens.sum())
-    comp_keys = 0
+    """(flops, bytes, valid keys) of a case from the plan's rows: FLOPs per (token, key) pair;
+    bytes: each DISTINCT key row once at its cache record's size (tokens of one request share
+    most rows: MTP tokens nearly all, prefill tokens their window and many top-k rows, so counting
+    pairs would put the floor above what a kernel reading each row once needs), + q and out."""
+    scopes = [(_valid_slots(plan.swa_rows, plan.swa_lens), case.fmt.swa_record)]
     if case.kind.has_comp_scope:
         rows, lens = plan.comp_scope(case.kind, case.topk)
-        comp_keys = int(((rows >= 0) & (torch.arange(rows.shape[1], device=rows.device)[None, :] < lens[:, None]))
-                        .sum())
+        scopes.append((_valid_slots(rows, lens), case.fmt.comp_record))
     T, H, D = case.q.shape
-    keys = swa_keys + comp_keys
+    keys = sum(slots.numel() for slots, _ in scopes)
     flops = 4.0 * H * D * keys
-    kv_bytes = swa_keys * row_bytes(case.fmt.swa_record) + comp_keys * row_bytes(case.fmt.comp_record)
+    kv_bytes = sum(torch.unique(slots).numel() * row_bytes(record) for slots, record in scopes)
     nbytes = kv_bytes + 2 * T * H * D * 2
     return flops, nbytes, keys
 
