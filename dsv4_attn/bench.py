@@ -121,6 +121,18 @@ COMP_BLOCK = 256  # uncompressed tokens per compressed-cache block (vLLM)
 # ---- device ceilings --------------------------------------------------------------------------
 
 
+def warm_up(device: torch.device, seconds: float = 2.0) -> None:
+    """Keep the GPU busy with matrix products for ``seconds`` so clocks leave idle before the
+    ceilings and the first case are timed (a cold first case read 10x slow)."""
+    x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        for _ in range(10):
+            torch.mm(x, x)
+        torch.cuda.synchronize(device)
+    del x
+
+
 def measure_ceilings(device: torch.device) -> dict:
     """Copy bandwidth (bytes read + written per second) and the bf16 matrix rate, measured."""
     n = 1 << 30
@@ -363,19 +375,26 @@ def api_runner(case: Case, backend: str):
     return run, out, plan
 
 
+def _valid_slots(rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The slots a launch attends (int32 [T, W] rows, their first ``lens`` entries that are >= 0),
+    flattened: one entry per (token, key)."""
+    col = torch.arange(rows.shape[1], device=rows.device)[None, :]
+    return rows[(rows >= 0) & (col < lens[:, None])]
+
+
 def case_work(case: Case, plan) -> tuple[float, float, int]:
-    """(flops, bytes, valid keys) of a case, from the plan's row lengths; each key row counted once
-    at its cache record's size."""
-    swa_keys = int(plan.swa_lens.sum())
-    comp_keys = 0
+    """(flops, bytes, valid keys) of a case from the plan's rows: FLOPs per (token, key) pair;
+    bytes: each DISTINCT key row once at its cache record's size (tokens of one request share
+    most rows: MTP tokens nearly all, prefill tokens their window and many top-k rows, so counting
+    pairs would put the floor above what a kernel reading each row once needs), + q and out."""
+    scopes = [(_valid_slots(plan.swa_rows, plan.swa_lens), case.fmt.swa_record)]
     if case.kind.has_comp_scope:
         rows, lens = plan.comp_scope(case.kind, case.topk)
-        comp_keys = int(((rows >= 0) & (torch.arange(rows.shape[1], device=rows.device)[None, :] < lens[:, None]))
-                        .sum())
+        scopes.append((_valid_slots(rows, lens), case.fmt.comp_record))
     T, H, D = case.q.shape
-    keys = swa_keys + comp_keys
+    keys = sum(slots.numel() for slots, _ in scopes)
     flops = 4.0 * H * D * keys
-    kv_bytes = swa_keys * row_bytes(case.fmt.swa_record) + comp_keys * row_bytes(case.fmt.comp_record)
+    kv_bytes = sum(torch.unique(slots).numel() * row_bytes(record) for slots, record in scopes)
     nbytes = kv_bytes + 2 * T * H * D * 2
     return flops, nbytes, keys
 
@@ -510,6 +529,8 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
         run()
         torch.cuda.synchronize()
         rows[name] = {"us": sec * 1e6, "timing": how}
+        if name == "auto":
+            rows[name]["picked"] = plan.owner.backend_for(case.kind, case.phase, case.q.shape[0])
         if ref_out is None:
             ref_out = out.clone()
         else:
@@ -532,7 +553,7 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
                 result[label] = {"us": sec * 1e6, "via": how, "timing": timing, "vs_ours": _compare(ref_out, out)}
             except Exception as exc:
                 result[label] = {"unavailable": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    for name, r in rows.items():
+    for r in rows.values():
         s = r["us"] * 1e-6
         r["tflops"] = flops / s / 1e12
         r["gbps"] = nbytes / s / 1e9
@@ -542,6 +563,35 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
             if fm:
                 r[f"speedup_vs_{label}"] = fm / r["us"]
     return result
+
+
+def auto_gaps(results: list[dict]) -> list[tuple[float, float, str, str, str]]:
+    """Per case timed with ``auto`` and named backends: (the backend auto picked, timed under its
+    own name, vs the fastest named backend - 1; auto's own time vs that - 1, the same launches
+    timed again: run-to-run spread; case; picked; fastest), worst pick first."""
+    gaps = []
+    for r in results:
+        rows = r.get("backends", {})
+        named = {name: b["us"] for name, b in rows.items() if name != "auto" and "us" in b}
+        auto = rows.get("auto", {})
+        if "us" in auto and named:
+            best = min(named, key=named.__getitem__)
+            picked = auto.get("picked", "?")
+            pick_us = named.get(picked, auto["us"])
+            gaps.append((pick_us / named[best] - 1, auto["us"] / pick_us - 1, f"{r['case']} {r.get('format', '')}",
+                         picked, best))
+    return sorted(gaps, reverse=True)
+
+
+def print_auto_gaps(results: list[dict]) -> None:
+    gaps = auto_gaps(results)
+    if not gaps:
+        return
+    hits = sum(picked == best for *_, picked, best in gaps)
+    print(f"auto picked the fastest backend in {hits} of {len(gaps)} cases; worst picks (the picked backend's time "
+          "vs the fastest; auto's own replay vs the picked backend's):")
+    for gap, spread, case, picked, best in gaps[:10]:
+        print(f"  {gap * 100:+6.1f} %  ({spread * 100:+5.1f} %)  {case:<40} auto -> {picked:<10} fastest {best}")
 
 
 def guard_variants(fmt: KVFormat) -> dict[str, tuple[str, str]]:
@@ -689,6 +739,7 @@ def main(argv: list[str] | None = None) -> int:
 
     props = torch.cuda.get_device_properties(device)
     t0 = time.time()
+    warm_up(device)
     ceilings = measure_ceilings(device)
     flush = L2Flush(device)
     meta = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
@@ -734,6 +785,8 @@ def main(argv: list[str] | None = None) -> int:
         del case
         torch.cuda.empty_cache()
     meta["seconds"] = time.time() - t0
+    if "auto" in args.backend:
+        print_auto_gaps(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
