@@ -24,26 +24,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    """max abs error, relative L2 error ``|out-ref| / |ref|`` and cosine similarity, in float64.
-
-    Both tensors must be finite; an all-zero ``ref`` gives rel_l2 = |out| and cosine 1 iff out is 0.
-    """
-    a, b = out.detach().double().flatten().cpu(), ref.detach().double().flatten().cpu()
-    if a.shape != b.shape:
-        raise ValueError(f"compare: shapes differ: {tuple(out.shape)} vs {tuple(ref.shape)}")
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        raise ValueError("compare: non-finite values (check NaN poisoning / masking first)")
-    diff = a - b
-    ref_norm, out_norm = b.norm().item(), a.norm().item()
-    rel = diff.norm().item() / ref_norm if ref_norm > 0 else diff.norm().item()
-    if ref_norm > 0 and out_norm > 0:
-        cosine = (a @ b).item() / (ref_norm * out_norm)
-    else:
-        cosine = 1.0 if ref_norm == out_norm == 0 else 0.0
-    return {"max_abs": diff.abs().max().item() if diff.numel() else 0.0, "rel_l2": rel, "cosine": cosine}
-
-
 def within_flashmla_lse_tolerance(lse: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """bool per element: |lse - ref| < 1e-6 or |lse - ref| / (|ref| + 1e-6) < 8/65536 (FlashMLA's
     sparse decode test: tests/kernelkit/compare.py check_is_allclose in deepseek-ai/FlashMLA), or

@@ -19,7 +19,7 @@ import dsv4_attn as dsv4
 from dsv4_attn.common import layout, reference
 from dsv4_attn.common.spec import V4_KINDS, LayerKind, cdiv
 
-from conftest import compare
+from compare import metrics
 
 
 @dataclass
@@ -137,19 +137,7 @@ def forward_poisoned(mla: dsv4.SparseMLA, plan, case: Case, kind: LayerKind, q=N
     return out
 
 
-def metrics(out: torch.Tensor, ref: torch.Tensor) -> dict:
-    """compare() plus ``written`` (no NaN poison left) and ``out``."""
-    written = not bool(out.isnan().any())
-    m = compare(out, ref) if written else {"max_abs": math.nan, "rel_l2": math.nan, "cosine": math.nan}
-    return dict(m, written=written, out=out)
-
-
 def run_layer(mla: dsv4.SparseMLA, plan, case: Case, kind: LayerKind, q=None, sink="case") -> dict:
     """forward_poisoned vs reference_out on every token."""
     kind = LayerKind.parse(kind)
     return metrics(forward_poisoned(mla, plan, case, kind, q, sink), reference_out(mla, plan, case, kind, q, sink))
-
-
-def assert_close(m: dict, rel=1e-2, cos=0.9999, max_abs=5e-2) -> None:
-    assert m["written"], "output not fully written (NaN poison survived)"
-    assert m["rel_l2"] < rel and m["cosine"] > cos and m["max_abs"] < max_abs, m

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import compare
+from compare import compare
 from dsv4_attn.common import merge
 
 T, H, D = 5, 4, 16

@@ -17,7 +17,8 @@ import math
 import pytest
 import torch
 
-from conftest import compare, e4m3_table
+from compare import compare
+from conftest import e4m3_table
 from dsv4_attn.common import layout, reference
 from dsv4_attn.common.layout import KVFormat
 

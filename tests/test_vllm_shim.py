@@ -45,7 +45,7 @@ from dsv4_attn.common import layout  # noqa: E402
 from dsv4_attn.common.backend import BackendUnavailableError  # noqa: E402
 from dsv4_attn.integrations import vllm as shim  # noqa: E402
 
-from conftest import compare  # noqa: E402
+from compare import compare  # noqa: E402
 
 if not shim.is_tested_version(vllm.__version__):
     pytest.skip(f"vllm {vllm.__version__} is installed; these tests target vLLM {shim.TESTED_VLLM_SERIES}.x",

@@ -133,8 +133,14 @@ class Matrix:
 
     def tolerance(self, case: Case, backend: str) -> Tolerance:
         """Default tolerance with every matching override applied in order."""
+        return self.tolerance_for(backend, case.fmt, case.kind)
+
+    def tolerance_for(self, backend: str, fmt: KVFormat | str, kind: LayerKind | None = None) -> Tolerance:
+        """The tolerance of ``backend`` on ``fmt`` caches (and ``kind`` layers; None: only the
+        overrides that name no kind apply)."""
         values = dict(self.tolerance_default.__dict__)
-        facts = {"backend": backend, "format": case.fmt.value, "kind": case.kind.name.lower()}
+        facts = {"backend": backend, "format": KVFormat.parse(fmt).value,
+                 "kind": None if kind is None else kind.name.lower()}
         for entry in self.tolerance_overrides:
             if all(facts[k] == str(entry[k]).lower() for k in ("backend", "format", "kind") if k in entry):
                 values.update({k: float(entry[k]) for k in _METRICS if k in entry})

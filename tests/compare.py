@@ -1,0 +1,63 @@
+"""The tests' comparison against the float64 reference, and their tolerances.
+
+Tolerances are READ FROM THE PARITY MATRIX (``dsv4_attn/data/parity.yaml``, the file
+``dsv4-attn parity`` judges with), so a test and the matrix cannot drift apart:
+
+    BF16        the default: bf16 output rounding plus a float32 kernel
+    FP8_Q       q cast to e4m3 before the kernel (the matrix's aiter-on-fp8 entry: its persistent
+                and v4 nm kernels run FP8 q; FlashInfer's fp8 path casts q as well)
+
+A test compares with ``compare`` (or ``metrics``, which also says whether the NaN poison was
+overwritten everywhere) and checks with ``assert_close``, whose bounds are strict (<, >).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsv4_attn.parity.matrix import Tolerance, load_matrix
+
+_MATRIX = load_matrix()
+BF16: Tolerance = _MATRIX.tolerance_default
+FP8_Q: Tolerance = _MATRIX.tolerance_for("aiter", "fp8_ds_mla")
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """max abs error, relative L2 error ``|out-ref| / |ref|`` and cosine similarity, in float64.
+
+    Both tensors must be finite; an all-zero ``ref`` gives rel_l2 = |out| and cosine 1 iff out is 0.
+    """
+    a, b = out.detach().double().flatten().cpu(), ref.detach().double().flatten().cpu()
+    if a.shape != b.shape:
+        raise ValueError(f"compare: shapes differ: {tuple(out.shape)} vs {tuple(ref.shape)}")
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise ValueError("compare: non-finite values (check NaN poisoning / masking first)")
+    diff = a - b
+    ref_norm, out_norm = b.norm().item(), a.norm().item()
+    rel = diff.norm().item() / ref_norm if ref_norm > 0 else diff.norm().item()
+    if ref_norm > 0 and out_norm > 0:
+        cosine = (a @ b).item() / (ref_norm * out_norm)
+    else:
+        cosine = 1.0 if ref_norm == out_norm == 0 else 0.0
+    return {"max_abs": diff.abs().max().item() if diff.numel() else 0.0, "rel_l2": rel, "cosine": cosine}
+
+
+def metrics(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """compare() plus ``written`` (no NaN poison left in ``out``) and ``out`` itself."""
+    written = not bool(out.isnan().any())
+    m = compare(out, ref) if written else {"max_abs": math.nan, "rel_l2": math.nan, "cosine": math.nan}
+    return dict(m, written=written, out=out)
+
+
+def assert_close(m: dict, tol: Tolerance = BF16, *, max_abs: bool = True, what=None) -> None:
+    """``m`` (compare() or metrics()) strictly within ``tol``: rel_l2 and cosine, and max_abs
+    unless ``max_abs=False``; metrics() results must also have been written everywhere. ``what``
+    names the case in the failure message."""
+    shown = {k: v for k, v in m.items() if k != "out"}
+    if what is not None:
+        shown = (what, shown)
+    assert m.get("written", True), f"output not fully written (NaN poison survived): {shown}"
+    assert m["rel_l2"] < tol.rel_l2 and m["cosine"] > tol.cosine, shown
+    assert not max_abs or m["max_abs"] < tol.max_abs, shown
