@@ -31,7 +31,6 @@ from .common.platform import Platform, platform_for_device, triton_interpreting
 from .common.rows import StepRows
 from .common.spec import HEAD_DIM, MAX_HEADS, LayerKind, ModelSpec
 
-
 _UNSET = object()  # marks an omitted keyword argument
 
 
@@ -286,7 +285,8 @@ class SparseMLA:
         """Every check of ``layer`` (its geometry fields unset) and ``out``; returns the geometry
         of the SWA cache and of the compressed cache (None for window-only layers)."""
         if not isinstance(plan, StepPlan) or plan.owner is not self:
-            raise ValueError("plan: got a plan not built by this SparseMLA; allowed: the result of this object's plan()")
+            raise ValueError("plan: got a plan not built by this SparseMLA; allowed: the result of this object's "
+                             "plan()")
         if plan.generation != self._generation:
             raise ValueError(
                 f"plan: got the plan of step {plan.generation}, but plan() has since been called for step "

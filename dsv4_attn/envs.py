@@ -10,8 +10,9 @@ probe shows (TRITON_INTERPRET, CUDA_VISIBLE_DEVICES, ...) are listed in ``FOREIG
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,8 @@ AITER_MAX_DECODE_TOKENS = EnvVar("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", "1024",
                                  "decode tokens the aiter backend's scratch buffers hold", "an int >= 1",
                                  _int_at_least(1))
 
-OURS = (BACKEND, VLLM, SGLANG, FLASHMLA_LIB, CHOICES, AITER_EMULATOR, AITER_PATH, AITER_PERSISTENT_MAX_BATCH, AITER_MAX_DECODE_TOKENS)
+OURS = (BACKEND, VLLM, SGLANG, FLASHMLA_LIB, CHOICES, AITER_EMULATOR, AITER_PATH, AITER_PERSISTENT_MAX_BATCH,
+        AITER_MAX_DECODE_TOKENS)
 # Other projects' variables that change what dsv4_attn does, shown by the probe.
 FOREIGN = {"TRITON_INTERPRET": "Triton runs kernels in its CPU interpreter (tests on machines without a GPU)",
            "CUDA_VISIBLE_DEVICES": "which NVIDIA GPUs torch sees", "HIP_VISIBLE_DEVICES": "which AMD GPUs torch sees",

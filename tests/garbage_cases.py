@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_attn.common.spec import V4_KINDS
+
 from step_cases import StepCase, make_step
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1

@@ -10,7 +10,6 @@ on the plan's own rows.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

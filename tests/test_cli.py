@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_parity import TINY
 
 REPO = Path(__file__).resolve().parent.parent

@@ -167,7 +167,7 @@ def test_huge_slots_are_exact_int32(gen):
     for t, r, pos in _tokens(ql, sl):
         assert int(swa[t, 0]) == _slot(batch.swa_block_table, r, max(0, pos - 127), 256)
     c128, lens = indices.c128a_rows(batch)
-    for t, r, pos in _tokens(ql, sl):
+    for t, r, _pos in _tokens(ql, sl):
         if lens[t] > 0:
             assert int(c128[t, lens[t] - 1]) == _slot(batch.comp_block_tables[128], r, int(lens[t]) - 1, 2)
 

@@ -12,9 +12,10 @@ import math
 import pytest
 import torch
 
-from conftest import e4m3_table
 from dsv4_attn.common import layout
 from dsv4_attn.common.layout import Fp8Dialect, KVFormat
+
+from conftest import e4m3_table
 
 MODEL1 = KVFormat.MODEL1_FP8
 

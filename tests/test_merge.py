@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from compare import compare
 from dsv4_attn.common import merge
+
+from compare import compare
 
 T, H, D = 5, 4, 16
 

@@ -274,7 +274,8 @@ def test_unread_cache_slots_hold_garbage():
 
 
 def test_page_stride_and_byte_offset(tmp_path):
-    text = TINY.replace("    length: [short, edge]\n", "    length: short\n    page_stride: 2\n    byte_offset: 1000000\n")
+    text = TINY.replace("    length: [short, edge]\n",
+                        "    length: short\n    page_stride: 2\n    byte_offset: 1000000\n")
     (tmp_path / "m.yaml").write_text(text)
     case = parity.load_matrix(tmp_path / "m.yaml").select("tiny.c128a.*.mixed.*")[0]
     assert case.name.endswith(".stride2.off1000000")

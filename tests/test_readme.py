@@ -35,6 +35,6 @@ def test_ci_runs_the_readme_commands():
         got[marker] = res.stdout.strip().splitlines()
     assert got["install-command"] == ["pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
                                       'pip install -e ".[test]"']
-    assert got["test-command"] == ["python -m pytest -q tests", "bash ci/vllm-tests.sh", "bash ci/sglang-tests.sh",
-                                   "bash ci/wheel-check.sh"]
+    assert got["test-command"] == ["ruff check .", "python -m pytest -q tests", "bash ci/vllm-tests.sh",
+                                   "bash ci/sglang-tests.sh", "bash ci/wheel-check.sh"]
     assert "dsv4-attn parity" in README and "dsv4-attn probe" in README

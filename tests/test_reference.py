@@ -17,10 +17,11 @@ import math
 import pytest
 import torch
 
-from compare import compare
-from conftest import e4m3_table
 from dsv4_attn.common import layout, reference
 from dsv4_attn.common.layout import KVFormat
+
+from compare import compare
+from conftest import e4m3_table
 
 
 def _decode_model1(cache: torch.Tensor, dialect: str) -> torch.Tensor:

@@ -49,7 +49,8 @@ def expected_keys(case, kind):
         swa = [_slot(batch.swa_block_table, r, k, batch.swa_block_size) for k in range(max(0, p - 127), p + 1)]
         comp = None
         if kind.has_comp_scope:
-            table, bs, visible = batch.comp_block_tables[kind.ratio], batch.block_size // kind.ratio, (p + 1) // kind.ratio
+            table, bs = batch.comp_block_tables[kind.ratio], batch.block_size // kind.ratio
+            visible = (p + 1) // kind.ratio
             if kind.uses_topk:
                 local = [int(c) for c in case.topk[kind][t, : min(visible, case.spec.topk)]]
                 comp = [_slot(table, r, c, bs) if 0 <= c < visible else -1 for c in local]
@@ -131,7 +132,8 @@ BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRI
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kinds", [V4_KINDS, V41_KINDS], ids=["v4", "v41"])
 def test_global_rows_match_reference_on_every_kind(gen, backend, kinds):
-    case = make_step(gen, QUERY_LENS, SEQ_LENS, kinds=kinds, topk=32, max_model_len=4096, num_tokens=len(_tokens()) + PAD)
+    case = make_step(gen, QUERY_LENS, SEQ_LENS, kinds=kinds, topk=32, max_model_len=4096,
+                     num_tokens=len(_tokens()) + PAD)
     rows, keys = step_rows(case, gen, clamp1=True)
     mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend=backend, front_end="torch")
     plan = mla.plan(rows, validate=True)

@@ -16,11 +16,11 @@ a whole model, CUDA graphs.
 from __future__ import annotations
 
 import os
-import tomllib
 import types
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 sglang = pytest.importorskip("sglang", reason="sglang is not importable here: run `bash ci/sglang-tests.sh` "
@@ -203,7 +203,7 @@ class Step:
         self.runner, self.pool = runner, runner.token_to_kv_pool
         req_to_token = runner.req_to_token_pool.req_to_token
         pages = torch.randperm(14, generator=gen)[: len(SEQ_LENS) * 2] + 1  # 256-token pages, page 0 unused
-        for r, n in enumerate(SEQ_LENS):
+        for r in range(len(SEQ_LENS)):
             req_to_token[r, :512] = torch.cat([pages[2 * r] * PAGE + torch.arange(PAGE),
                                                pages[2 * r + 1] * PAGE + torch.arange(PAGE)]).int()
         self.req_to_token = req_to_token
@@ -291,6 +291,7 @@ def test_steps_through_sglangs_backend_match_reference(gen, monkeypatch, mode):
     pad = 3  # query rows past the metadata's (SGLang pads q in graphs): zero output
     forward_batch = types.SimpleNamespace(forward_mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND)
     planner = backend.dsv4_planner
+    first = None
     for layer_id, ratio in enumerate(ratios):
         core, keys = core_metadata(backend, step, tokens, gen)
         if layer_id:  # one metadata per forward: later layers keep it, the indexer rewrites the top-k rows in place

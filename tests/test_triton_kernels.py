@@ -374,7 +374,7 @@ def test_gpu_cache_past_2gib(impl, gen):
     cache = layout.new_cache("fp8_ds_mla", nb, bs, device=DEVICE)
     assert cache.untyped_storage().nbytes() > 2**31
     first = 2**31 // page + 1  # every block used starts past byte 2^31
-    R, W = 3, 128
+    R = 3
     table = torch.zeros(R, 4, dtype=torch.int32)
     table[:, :] = torch.arange(first, first + 4 * R, dtype=torch.int32).view(R, 4)
     slots = (table.long()[:, :, None] * bs + torch.arange(bs)[None, None, :]).reshape(-1)

@@ -98,7 +98,7 @@ class StepBatch:
         self.check()
 
     # ---- validation -------------------------------------------------------------------
-    def check(self) -> "StepBatch":
+    def check(self) -> StepBatch:
         """Host checks of dtypes, ranks, devices and scalar ranges (run at construction and by
         every ``plan()``). When ``num_tokens`` was not given it is re-read from
         ``query_start_loc[-1]`` here (a device sync on GPU: engines pass it)."""
@@ -159,7 +159,7 @@ class StepBatch:
             if nd > nt:
                 raise ValueError(f"num_decode_tokens: got {nd}; allowed: <= num_tokens ({nt})")
 
-    def validate(self, cache_blocks: dict | None = None) -> "StepBatch":
+    def validate(self, cache_blocks: dict | None = None) -> StepBatch:
         """Value checks that read device tensors (a sync on GPU): call outside the hot path.
 
         Every block id a token reads (the used columns: ``cdiv(entries, block_size)`` of each
@@ -269,7 +269,7 @@ class StepBatch:
         num_decode_tokens: int | None = None,
         num_tokens: int | None = None,
         device: torch.device | str | None = None,
-    ) -> "StepBatch":
+    ) -> StepBatch:
         """Convenience constructor from host lists. ``num_decode_tokens`` defaults to the tokens
         of the leading requests whose query length is 1."""
         if len(query_lens) != len(seq_lens):

@@ -85,7 +85,7 @@ class Tokens(NamedTuple):
     valid: torch.Tensor
 
     @classmethod
-    def of(cls, batch: StepBatch) -> "Tokens":
+    def of(cls, batch: StepBatch) -> Tokens:
         return cls(*batch.token_facts())
 
 

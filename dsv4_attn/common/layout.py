@@ -54,7 +54,7 @@ class Fp8Dialect(str, enum.Enum):
     FNUZ = "fnuz"
 
     @classmethod
-    def parse(cls, value: "Fp8Dialect | str") -> "Fp8Dialect":
+    def parse(cls, value: Fp8Dialect | str) -> Fp8Dialect:
         if isinstance(value, Fp8Dialect):
             return value
         try:
@@ -171,7 +171,7 @@ class KVFormat(str, enum.Enum):
     NVFP4 = "nvfp4_ds_mla"
 
     @classmethod
-    def parse(cls, value: "KVFormat | str") -> "KVFormat":
+    def parse(cls, value: KVFormat | str) -> KVFormat:
         if isinstance(value, KVFormat):
             return value
         key = str(value).lower()
@@ -240,7 +240,7 @@ def _single_record(fmt: KVFormat, name: str) -> Record:
     return swa
 
 
-def parse_record(value: "Record | KVFormat | str", name: str = "fmt") -> Record:
+def parse_record(value: Record | KVFormat | str, name: str = "fmt") -> Record:
     """The record named by a Record, a one-record KVFormat, or a string of either."""
     if isinstance(value, Record):
         return value
@@ -267,7 +267,7 @@ class CacheGeometry:
         return self.num_blocks * self.block_size
 
 
-def default_block_stride(record: "Record | KVFormat | str", block_size: int) -> int:
+def default_block_stride(record: Record | KVFormat | str, block_size: int) -> int:
     """A cache's block stride when no other layer's page shares its blocks: one page padded to the
     record's alignment, in elements of the cache (bytes for packed records)."""
     lay = parse_record(record).layout
@@ -286,7 +286,7 @@ def _check_dialect(record: Record, dialect: Fp8Dialect, name: str) -> None:
 
 
 def new_cache(
-    fmt: "Record | KVFormat | str",
+    fmt: Record | KVFormat | str,
     num_blocks: int,
     block_size: int,
     device: torch.device | str = "cpu",
@@ -324,7 +324,7 @@ def new_cache(
 _BYTE_VIEWS = (torch.uint8, torch.int8, torch.float8_e4m3fn)
 
 
-def check_cache(cache, fmt: "Record | KVFormat | str", name: str,
+def check_cache(cache, fmt: Record | KVFormat | str, name: str,
                 dialect: Fp8Dialect = Fp8Dialect.OCP) -> CacheGeometry:
     """Validate a cache tensor against its declared record; return its geometry. Raises ValueError."""
     record = parse_record(fmt)
@@ -483,7 +483,7 @@ def _decode_nvfp4(packed: torch.Tensor, scales: torch.Tensor, group: int) -> tor
     return (vals * scales.contiguous().view(torch.float8_e4m3fn).float()[..., None]).reshape(n, -1)
 
 
-def encode(record: "Record | KVFormat | str", rows: torch.Tensor,
+def encode(record: Record | KVFormat | str, rows: torch.Tensor,
            dialect: Fp8Dialect | str = Fp8Dialect.OCP) -> torch.Tensor:
     """Quantize rows into a packed record's bytes: bf16 or fp32 ``[N, 512]`` -> uint8
     ``[N, token_bytes]`` in the record's order within a token (data bytes, then scale bytes).
@@ -509,7 +509,7 @@ def encode(record: "Record | KVFormat | str", rows: torch.Tensor,
     return torch.cat([values, tail, scales, pad], dim=1)
 
 
-def decode(record: "Record | KVFormat | str", tokens: torch.Tensor,
+def decode(record: Record | KVFormat | str, tokens: torch.Tensor,
            dialect: Fp8Dialect | str = Fp8Dialect.OCP) -> torch.Tensor:
     """Dequantize a packed record's bytes: uint8 ``[N, token_bytes]`` -> float32 ``[N, 512]`` (exact)."""
     record = parse_record(record, "record")
@@ -544,7 +544,7 @@ def dequantize_model1(rows: torch.Tensor, dialect: Fp8Dialect = Fp8Dialect.OCP) 
 
 def insert(
     cache: torch.Tensor,
-    fmt: "Record | KVFormat | str",
+    fmt: Record | KVFormat | str,
     slots: torch.Tensor,
     kv: torch.Tensor,
     scale: float | torch.Tensor | None = None,
@@ -584,7 +584,7 @@ def insert(
 
 def gather_rows(
     cache: torch.Tensor,
-    fmt: "Record | KVFormat | str",
+    fmt: Record | KVFormat | str,
     geo: CacheGeometry,
     slots: torch.Tensor,
     kv_scale: float = 1.0,
@@ -623,7 +623,7 @@ def packed_records(cache: torch.Tensor, record: Record, geo: CacheGeometry, slot
 
 def gather(
     cache: torch.Tensor,
-    fmt: "Record | KVFormat | str",
+    fmt: Record | KVFormat | str,
     slots: torch.Tensor,
     scale: float | torch.Tensor | None = None,
     dialect: Fp8Dialect | str = Fp8Dialect.OCP,

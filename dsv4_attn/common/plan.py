@@ -27,8 +27,9 @@ with the host, so both are safe inside a captured graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -57,7 +58,7 @@ class PlanBuffers:
     all_rows: dict[int, IndexPair] = field(default_factory=dict)  # ratio -> int32 [max_tokens, width], [max_tokens]
 
     @classmethod
-    def allocate(cls, spec: ModelSpec, max_tokens: int, device: torch.device) -> "PlanBuffers":
+    def allocate(cls, spec: ModelSpec, max_tokens: int, device: torch.device) -> PlanBuffers:
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
             spec=spec,
@@ -205,7 +206,7 @@ class StepPlan:
         return self.front_end.topk_rows(self.tokens, kind, self.batch.comp_block_table(kind),
                                         self.batch.comp_block_size(kind), topk[: self.num_tokens])
 
-    def phase_plan(self, phase) -> "StepPlan":
+    def phase_plan(self, phase) -> StepPlan:
         """Sub-plan of the decode tokens [0, num_decode_tokens) or the rest (prefill + padding)."""
         from .backend import Phase  # local: backend imports plan for typing only
 
@@ -214,7 +215,7 @@ class StepPlan:
                                                                                  self.num_tokens)
         return self.cached(("phase", phase), lambda: self._slice(start, stop, phase is Phase.DECODE))
 
-    def _slice(self, start: int, stop: int, decode: bool) -> "StepPlan":
+    def _slice(self, start: int, stop: int, decode: bool) -> StepPlan:
         return StepPlan(self.spec, self.batch, self.owner, self.generation, self.token_start + start,
                         stop - start, (stop - start) if decode else 0, self.positions[start:stop],
                         self.token_to_req[start:stop], self.token_valid[start:stop], self.swa_rows[start:stop],

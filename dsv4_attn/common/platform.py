@@ -13,8 +13,8 @@ import functools
 import importlib.metadata
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 

@@ -111,7 +111,7 @@ class StepRows:
         self.check()
 
     # ---- validation -------------------------------------------------------------------
-    def check(self) -> "StepRows":
+    def check(self) -> StepRows:
         """Host checks (also run by every ``SparseMLA.plan``: engines may swap tensors)."""
         _int_tensor("swa_rows", self.swa_rows, 2, None)
         dev = self.swa_rows.device
@@ -173,7 +173,7 @@ class StepRows:
                 raise ValueError(f"comp[{ratio}].rows: got {entry.rows.shape[1]} columns; allowed: <= "
                                  f"{spec.comp_width(kind)} (the {kind.name} row width of the model)")
 
-    def validate(self, num_slots: dict | None = None) -> "StepRows":
+    def validate(self, num_slots: dict | None = None) -> StepRows:
         """Value checks that read the tensors (a device sync on GPU): every length within its row,
         positions >= 0, requests and used table columns in range; with ``num_slots`` ("swa" and
         ratios -> slots of the caches the rows index) every slot inside a length is -1 or in

@@ -19,8 +19,9 @@ from __future__ import annotations
 import enum
 import math
 import operator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 HEAD_DIM = 512
 ROPE_DIM = 64
@@ -55,18 +56,18 @@ class LayerKind:
     """
 
     __slots__ = ("ratio", "selection")
-    _interned: dict[tuple[int, Selection], "LayerKind"] = {}
+    _interned: dict[tuple[int, Selection], LayerKind] = {}
     # class attributes filled in below the class
-    SWA: "LayerKind"
-    C1A: "LayerKind"
-    C2A: "LayerKind"
-    C4A: "LayerKind"
-    C128A: "LayerKind"
+    SWA: LayerKind
+    C1A: LayerKind
+    C2A: LayerKind
+    C4A: LayerKind
+    C128A: LayerKind
 
     ratio: int
     selection: Selection
 
-    def __new__(cls, ratio: int, selection: "Selection | str") -> "LayerKind":
+    def __new__(cls, ratio: int, selection: Selection | str) -> LayerKind:
         if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 0:
             raise ValueError(f"ratio: got {ratio!r}; allowed: an int >= 0 (0 = window only)")
         try:
@@ -115,7 +116,7 @@ class LayerKind:
         return self.selection is Selection.ALL
 
     @classmethod
-    def from_ratio(cls, ratio: int, *, all_ratios: Iterable[int] = (128,)) -> "LayerKind":
+    def from_ratio(cls, ratio: int, *, all_ratios: Iterable[int] = (128,)) -> LayerKind:
         """The kind of a Hugging Face config's compression ratio: 0 = window only; ratios in
         ``all_ratios`` (V4's 128) attend every entry; other ratios (4, 1, 2) attend the top-k."""
         if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 0:
@@ -125,7 +126,7 @@ class LayerKind:
         return cls(ratio, Selection.ALL if ratio in tuple(all_ratios) else Selection.TOPK)
 
     @classmethod
-    def parse(cls, value: "LayerKind | str | int | tuple[int, str]") -> "LayerKind":
+    def parse(cls, value: LayerKind | str | int | tuple[int, str]) -> LayerKind:
         """A LayerKind, a name ("swa", "c1a", "c2a", "c4a", "c128a"), a (ratio, selection) pair,
         or a config compression ratio (0, 2, 4, 128). The ratio 1 is refused as ambiguous: it
         is V4.1's C1A in configs but was V4's window-only layer inside vLLM's V4 model code."""
@@ -299,7 +300,7 @@ class ModelSpec:
     # ---- Hugging Face configs -------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | Any, tp_size: int = 1,
-                       max_model_len: int | None = None) -> "ModelSpec":
+                       max_model_len: int | None = None) -> ModelSpec:
         """The spec of a DeepSeek-V4 or V4.1 Hugging Face config (a dict, e.g. config.json, or a
         config object), per rank of ``tp_size``.
 

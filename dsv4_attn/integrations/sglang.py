@@ -344,7 +344,7 @@ def spec_for(model_runner) -> ModelSpec:
                      layers=kinds)
 
 
-def planner_for(model_runner) -> "StepPlanner":
+def planner_for(model_runner) -> StepPlanner:
     spec = spec_for(model_runner)
     fmt = kv_format_of(model_runner.token_to_kv_pool)
     max_tokens = max(int(getattr(model_runner.server_args, "max_prefill_tokens", 0) or 0),

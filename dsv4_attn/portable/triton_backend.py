@@ -20,8 +20,8 @@ import torch
 
 from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
 from ..common.layout import Fp8Dialect, KVFormat, Record
-from ..common.platform import Platform, triton_interpreting
 from ..common.plan import StepPlan
+from ..common.platform import Platform, triton_interpreting
 from ..common.spec import LayerKind, ModelSpec
 
 

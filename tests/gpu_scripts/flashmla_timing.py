@@ -13,6 +13,7 @@ import torch
 from dsv4_attn.api import SparseMLA
 from dsv4_attn.common.spec import LayerKind
 from dsv4_attn.cuda import flashmla
+
 from nvidia_cases import make_case
 
 ITERS = 20

@@ -130,7 +130,8 @@ def _load_kv_raw(cache_u8, cache_16, stride0, bs, slots, valid, FMT: tl.constexp
     in the cache's storage type, and their scale bytes. V4 rows: a [N,4,64], b [N,2,64], c [N,64]
     e4m3, r [N,64] bf16, scales ea [N,4], eb [N,2], ec [N] (of the 64-dim groups). MXFP8: groups of
     32 e4m3, a [N,8,32] .. r [N,2,32], scales [N,8] .. [N,2]. NVFP4: groups of 16 dims, each dim
-    its byte (``_nibble_ptrs``), a [N,16,16] .. r [N,4,16], e4m3 scales [N,16] .. [N,4]. BF16 / FP8: a [N,4,64], b [N,2,64],
+    its byte (``_nibble_ptrs``), a [N,16,16] .. r [N,4,16], e4m3 scales [N,16] .. [N,4]. BF16 / FP8: a [N,4,64],
+    b [N,2,64],
     c, r [N,64], no scales. Invalid rows read as 0."""
     blk = slots // bs
     off = slots - blk * bs

@@ -33,8 +33,12 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 BLOCK_H = gl.constexpr(64)
 NUM_WARPS = 8  # the consumer (default) partition; the producer adds one warpgroup
@@ -304,7 +308,8 @@ def sparse_mla_fwd_hopper(
 
     # ---- shared memory: q, two K tiles (the producer fills one while the consumers read the
     #      other), P, the producer's RoPE ring, tile validity, and the two mbarrier pairs --------
-    q_smem = gl.allocate_shared_memory(gl.float16, [BH, 512], gl.NVMMASharedLayout.get_default_for([BH, 512], gl.float16))
+    q_smem = gl.allocate_shared_memory(gl.float16, [BH, 512],
+                                       gl.NVMMASharedLayout.get_default_for([BH, 512], gl.float16))
     k_smem = gl.allocate_shared_memory(gl.float16, [2, BN, 512],
                                        gl.NVMMASharedLayout.get_default_for([BN, 512], gl.float16))
     p_smem = gl.allocate_shared_memory(gl.float16, [BH, BN], gl.NVMMASharedLayout.get_default_for([BH, BN], gl.float16))
