@@ -1,7 +1,8 @@
 """dsv4_attn: DeepSeek-V4 sparse MLA attention (SWA + compressed scopes + sink) on every vendor.
 
 Public face: :class:`SparseMLA` (plan once per step, forward per layer, explain), the data
-model (:class:`ModelSpec` and its :class:`Layer` list, :class:`StepBatch`, :class:`LayerKind` =
+model (:class:`ModelSpec` and its :class:`Layer` list, a step as :class:`StepBatch` (block tables)
+or :class:`StepRows` (ready-made rows: :class:`GlobalRows`, :class:`TopkTable`), :class:`LayerKind` =
 (compression ratio, :class:`Selection`), :class:`KVFormat` and the :class:`Record` of each cache),
 the platform :func:`probe`, and the :func:`backend` override context manager. To build inputs:
 :func:`new_cache` and :func:`insert` (allocate and fill a cache in any record), :func:`gather`
@@ -16,6 +17,7 @@ from .common.batch import StepBatch
 from .common.layout import Fp8Dialect, KVFormat, Record, gather, insert, new_cache
 from .common.plan import StepPlan
 from .common.platform import Platform, probe
+from .common.rows import GlobalRows, StepRows, TopkTable
 from .common.spec import V4_KINDS, Layer, LayerKind, ModelSpec, Selection
 
 __version__ = "0.1.0"
@@ -24,6 +26,7 @@ __all__ = [
     "Backend",
     "BackendUnavailableError",
     "Fp8Dialect",
+    "GlobalRows",
     "KVFormat",
     "Layer",
     "LayerInputs",
@@ -36,6 +39,8 @@ __all__ = [
     "SparseMLA",
     "StepBatch",
     "StepPlan",
+    "StepRows",
+    "TopkTable",
     "V4_KINDS",
     "backend",
     "backend_names",

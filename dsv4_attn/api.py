@@ -20,12 +20,14 @@ import math
 import torch
 
 from .common import backend as backend_mod
+from .common import choices
 from .common.backend import Backend, LayerInputs, Phase
 from .common.batch import StepBatch
 from .common.indices import check_local_topk, validate_local_topk
 from .common.layout import Fp8Dialect, KVFormat, check_cache
-from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan, check_step
+from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan, build_rows_plan, check_step
 from .common.platform import Platform, platform_for_device, triton_interpreting
+from .common.rows import StepRows
 from .common.spec import HEAD_DIM, MAX_HEADS, LayerKind, ModelSpec
 
 
@@ -98,14 +100,19 @@ class SparseMLA:
     def platform(self) -> Platform:
         return platform_for_device(self._device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
-    def backend_for(self, kind: LayerKind | str | int, phase: Phase | str) -> str:
-        """Name of the backend that runs ``kind`` / ``phase`` now (raises with reasons if none)."""
+    def backend_for(self, kind: LayerKind | str | int, phase: Phase | str, num_tokens: int | None = None) -> str:
+        """Name of the backend that runs ``kind`` / ``phase`` now (raises with reasons if none);
+        with ``num_tokens`` (the phase's tokens in one launch) auto selection follows the measured
+        choices table where it covers the launch (common/choices.py)."""
         kind, phase = self.spec.check_kind(kind), Phase(phase)
         requested, source = backend_mod.requested_backend(self._explicit)
-        key = (requested, kind, phase)
+        order = None
+        if requested == "auto" and num_tokens:
+            order = tuple(backend_mod.auto_order(self.platform, self.spec, self.fmt, kind, phase, num_tokens)[0])
+        key = (requested, kind, phase, order)
         if key not in self._selected:
             self._selected[key] = backend_mod.select(self.platform, self.spec, self.fmt, kind, phase,
-                                                     requested, source, self.dialects)
+                                                     requested, source, self.dialects, num_tokens)
         return self._selected[key]
 
     def explain(self) -> str:
@@ -137,30 +144,65 @@ class SparseMLA:
             if len({row[2:] for row in rows}) == 1 and all(row[0] == "all" for row in rows):
                 rows = [("all", "all") + rows[0][2:]]  # the same verdict everywhere: one line
             lines.extend(f"{name:<18} {k:<14} {p:<8} {st:<8} {why}" for k, p, st, why in rows)
-        return "\n".join(lines)
+        return "\n".join(lines + self._measured_lines(plat, requested))
+
+    def _measured_lines(self, plat: Platform, requested: str) -> list[str]:
+        """The measured choices (common/choices.py) that reorder auto selection for this model, by
+        token range; "chosen" above is the choice for a launch no measurement covers."""
+        entries, where = choices.table_for(plat.arch)
+        kinds = {k.name for k in self.spec.kinds}
+        mine = [e for e in entries if e.kind in kinds and e.fmt == self.fmt.value
+                and e.heads == choices.heads_bucket(self.spec.num_heads)]
+        if not mine or requested != "auto":
+            return []
+        out = [f"measured choices ({where}; auto tries this order first for launches in range):"]
+        out += [f"  {e.kind:<6} {e.phase:<8} tokens {e.tokens[0]}-{e.tokens[1] - 1}: {' > '.join(e.order)}  "
+                f"[{e.evidence}]" for e in mine]
+        return out
 
     # ---- per step ---------------------------------------------------------------------------
-    def plan(self, batch: StepBatch, validate: bool = False) -> StepPlan:
+    def plan(self, batch: StepBatch | StepRows, validate: bool = False) -> StepPlan:
         """Build the step's shared metadata into the preallocated buffers (no host sync).
 
-        ``validate=True`` also runs the value checks that read device tensors (StepBatch.validate).
+        ``batch`` is a StepBatch (block tables: the rows are built here) or a StepRows
+        (ready-made rows: viewed, not copied; see ``dsv4_attn.common.rows``).
+        ``validate=True`` also runs the value checks that read device tensors (``validate()``).
         The returned plan is valid until the next successful ``plan()`` call (a refused one
         leaves it valid). Every call re-reads the batch's tensors: engines update them in place.
         """
+        if isinstance(batch, StepRows):
+            return self._plan_rows(batch, validate)
         if not isinstance(batch, StepBatch):
-            raise ValueError(f"batch: got {type(batch).__name__}; allowed: a StepBatch")
+            raise ValueError(f"batch: got {type(batch).__name__}; allowed: a StepBatch or a StepRows")
         if batch.num_reqs > self.max_reqs:
             raise ValueError(f"batch: got {batch.num_reqs} requests; allowed: <= max_reqs ({self.max_reqs})")
-        if self._buffers is None:
-            self._device = self._device or batch.device
-            self._buffers = PlanBuffers.allocate(self.spec, self.max_tokens, self._device)
-            self._front_end = self._front_end or _make_front_end(self._front_end_choice, self._device)
+        self._ensure_buffers(batch.device)
         check_step(self.spec, batch, self._buffers)
         if validate:
             batch.validate()
         # only now: a refused step leaves the previous plan (and its buffers) valid
         self._generation += 1
         return build_plan(self.spec, batch, self._buffers, self, self._generation, self._front_end)
+
+    def _plan_rows(self, rows: StepRows, validate: bool) -> StepPlan:
+        rows.check()
+        rows.check_model(self.spec)
+        if rows.num_tokens > self.max_tokens:
+            raise ValueError(f"batch.num_tokens: got {rows.num_tokens}; allowed: <= max_tokens ({self.max_tokens}) "
+                             "of this SparseMLA (raise max_tokens)")
+        if self._device is not None and rows.device != self._device:
+            raise ValueError(f"batch: got device {rows.device}; allowed: {self._device} (the SparseMLA's device)")
+        if validate:
+            rows.validate()
+        self._ensure_buffers(rows.device)
+        self._generation += 1
+        return build_rows_plan(self.spec, rows, self._buffers, self, self._generation, self._front_end)
+
+    def _ensure_buffers(self, device: torch.device) -> None:
+        if self._buffers is None:
+            self._device = self._device or device
+            self._buffers = PlanBuffers.allocate(self.spec, self.max_tokens, self._device)
+            self._front_end = self._front_end or _make_front_end(self._front_end_choice, self._device)
 
     def forward(
         self,
@@ -185,7 +227,8 @@ class SparseMLA:
         swa_cache  this layer's SWA cache; comp_cache the compressed cache it reads (of ratio
                    kind.ratio; layers sharing a compressed cache pass the same tensor)
         topk       int32 [T, K] the indexer's LOCAL top-k (compressed entry numbers of the
-                   token's request, -1 unused) for top-k kinds (C4A, C1A, C2A); None otherwise.
+                   token's request, -1 unused) for top-k kinds (C4A, C1A, C2A); None otherwise,
+                   and None when the plan holds the kind's global rows (a StepRows' GlobalRows).
                    ``c4a_topk=`` is accepted as its V4 name.
         sink       float32 [H] (None = no sink)
         out        bf16 [T, H, 512] contiguous, written in place (allocated when None)
@@ -210,7 +253,7 @@ class SparseMLA:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         T, nd = plan.num_tokens, plan.num_decode_tokens
         phases = [(p, a, b) for p, a, b in ((Phase.DECODE, 0, nd), (Phase.PREFILL, nd, T)) if b > a]
-        names = {p: self.backend_for(kind, p) for p, _, _ in phases}
+        names = {p: self.backend_for(kind, p, b - a) for p, a, b in phases}
         backends = {p: self._backend(n) for p, n in names.items()}
         if len(set(names.values())) == 1 and not backends[phases[0][0]].splits_phases:
             backends[phases[0][0]].forward(plan, layer, out)
@@ -256,8 +299,8 @@ class SparseMLA:
                                  f"{layer.kind.name} layers")
             comp_geo = check_cache(layer.comp_cache, self.fmt.comp_record, "comp_cache", self.comp_dialect)
             self._check_device("comp_cache", layer.comp_cache, q.device)
-            want_bs = plan.batch.comp_block_size(layer.kind)
-            if comp_geo.block_size != want_bs:
+            want_bs = plan.batch.comp_block_size(layer.kind)  # None: global rows fit any block size
+            if want_bs is not None and comp_geo.block_size != want_bs:
                 raise ValueError(
                     f"comp_cache: got block size {comp_geo.block_size}; allowed: batch.block_size // "
                     f"{layer.kind.ratio} = {want_bs}"
@@ -267,10 +310,14 @@ class SparseMLA:
         self._check_addressable("swa_cache", swa_geo)
         if comp_geo is not None:
             self._check_addressable("comp_cache", comp_geo)
-        if swa_geo.block_size != plan.batch.swa_block_size:
+        if plan.batch.swa_block_size is not None and swa_geo.block_size != plan.batch.swa_block_size:
             raise ValueError(f"swa_cache: got block size {swa_geo.block_size}; allowed: "
                              f"batch.swa_block_size = {plan.batch.swa_block_size}")
-        if layer.kind.uses_topk:
+        if layer.kind.uses_topk and not plan.translates_topk(layer.kind):
+            if layer.topk is not None:
+                raise ValueError(f"{topk_name}: got a tensor for a {layer.kind.name} layer whose global rows the plan "
+                                 f"holds (StepRows.comp[{layer.kind.ratio}] is GlobalRows); allowed: None")
+        elif layer.kind.uses_topk:
             if layer.topk is None:
                 raise ValueError(f"{topk_name}: got None; allowed: int32 [T, K] local top-k for {layer.kind.name} "
                                  "layers")
@@ -313,11 +360,15 @@ class SparseMLA:
 
     @staticmethod
     def _check_values(plan: StepPlan, layer: LayerInputs, swa_geo, comp_geo, topk_name: str) -> None:
-        """validate=True: the step's block ids against the caches, the top-k entries, the sink."""
-        blocks = {"swa": swa_geo.num_blocks}
+        """validate=True: the step's block ids (StepBatch) or slots (StepRows) against the caches,
+        the top-k entries, the sink."""
+        geos = {"swa": swa_geo}
         if comp_geo is not None:
-            blocks[layer.kind.ratio] = comp_geo.num_blocks
-        plan.batch.validate(blocks)
+            geos[layer.kind.ratio] = comp_geo
+        if isinstance(plan.batch, StepRows):
+            plan.batch.validate({key: geo.num_slots for key, geo in geos.items()})
+        else:
+            plan.batch.validate({key: geo.num_blocks for key, geo in geos.items()})
         if layer.topk is not None:
             validate_local_topk(plan.tokens, layer.topk, layer.kind.ratio, topk_name)
         if layer.sink is not None and bool(layer.sink.isnan().any()):

@@ -6,8 +6,15 @@ the bf16 matrix rate measured at the start of the run), time / floor, FlashMLA's
 speed-up over it. Timing: CUDA-graph replay (or eager launches with ``--no-graph``), one event
 pair per run, the L2 flushed before every run, median of ``--reps`` runs.
 
-Bytes of a case = every valid KV row once (584 B MODEL1, 1024 B BF16, 512 B FP8) + q + out;
-FLOPs = 4 · H · valid keys · 512 per token (Q·Kᵀ and P·V).
+Bytes of a case = every valid KV row once, in its cache's record (V4 fp8 584 B, V4.1 MXFP8 528 B,
+NVFP4 288 B, BF16 1024 B, FP8 per-tensor 512 B) + q + out; FLOPs = 4 · H · valid keys · 512 per
+token (Q·Kᵀ and P·V). The floor is what those bytes and FLOPs cost at the measured ceilings.
+
+Configs: V4 (C4A / C128A layers, ``h64-c4a512`` ...) and V4.1 (C1A / C2A top-k layers,
+``h64-c1a512`` ...; ``v41-`` prefill). ``--format`` takes several KV formats; a config runs in
+every format its model stores (V4.1 records: V4.1 configs only), e.g. the V4.1 configs in
+``fp8_ds_mla`` (vLLM's record for V4.1 on SM90, FlashMLA side by side) and in ``mxfp8_ds_mla`` /
+``nvfp4_ds_mla`` (SM100 records: the Triton kernels' software dequantization vs the floor).
 
 ``--guard-cost`` also times each Triton kernel this GPU runs (Gluon on sm_90 for fp8_ds_mla, the
 portable one everywhere) compiled with and without its index range checks (out-of-range entries
@@ -20,6 +27,7 @@ FlashMLA is timed through ``SparseMLA(..., backend="flashmla")`` when that backe
 prefill then times the kernel on a ready bf16 workspace, without the gather).
 
     dsv4-attn bench --mode decode --batches 2 64 128 256 --json out.json --png out.png
+    dsv4-attn bench --configs v41 --format fp8_ds_mla mxfp8_ds_mla nvfp4_ds_mla --json v41.json
 """
 
 from __future__ import annotations
@@ -27,17 +35,17 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
+from .common import choices
 from .common.batch import StepBatch
-from .common.layout import KVFormat, model1_page_bytes
+from .common.layout import KVFormat, Record, new_cache
 from .common.spec import LayerKind, ModelSpec
 
 # ---- production configurations ----------------------------------------------------------------
@@ -48,8 +56,8 @@ class DecodeConfig:
     name: str
     heads: int
     kind: LayerKind
-    comp_width: int  # C4A top-k or C128A row width
-    seq_len: int = 16384  # C4A: every request; C128A: lengths drawn up to max_model_len
+    comp_width: int  # top-k width (C4A, C1A, C2A) or C128A row width
+    seq_len: int = 16384  # top-k kinds: every request; C128A: lengths drawn up to max_model_len
     max_model_len: int = 131072
 
 
@@ -58,6 +66,11 @@ DECODE_CONFIGS = {
     "h128-c4a1024": DecodeConfig("h128-c4a1024", 128, LayerKind.C4A, 1024),
     "h64-c128a": DecodeConfig("h64-c128a", 64, LayerKind.C128A, 1024),
     "h128-c128a": DecodeConfig("h128-c128a", 128, LayerKind.C128A, 1024),
+    # V4.1 top-k layers (same heads and top-k widths; a ratio-1 / ratio-2 compressed cache)
+    "h64-c1a512": DecodeConfig("h64-c1a512", 64, LayerKind.C1A, 512),
+    "h128-c1a1024": DecodeConfig("h128-c1a1024", 128, LayerKind.C1A, 1024),
+    "h64-c2a512": DecodeConfig("h64-c2a512", 64, LayerKind.C2A, 512),
+    "h128-c2a1024": DecodeConfig("h128-c2a1024", 128, LayerKind.C2A, 1024),
 }
 
 
@@ -67,15 +80,44 @@ class PrefillConfig:
     heads: int
     s_q: int
     s_kv: int
-    topk: int  # total keys per token: 128 SWA + (topk - 128) C4A
+    topk: int  # total keys per token: 128 SWA + (topk - 128) top-k entries
+    kind: LayerKind = LayerKind.C4A
 
 
-PREFILL_CONFIGS = {
-    f"h{h}-q{sq // 1024}k-kv{skv // 1024}k-top{tk}": PrefillConfig(f"h{h}-q{sq // 1024}k-kv{skv // 1024}k-top{tk}", h,
-                                                                   sq, skv, tk)
-    for h in (64, 128)
-    for sq, skv, tk in ((4096, 8192, 640), (4096, 32768, 1152), (8192, 65536, 1152), (4096, 32768, 2048))
-}
+def _prefill(h: int, sq: int, skv: int, tk: int, kind: LayerKind = LayerKind.C4A) -> PrefillConfig:
+    prefix = "" if kind is LayerKind.C4A else f"v41-{kind.name.lower()}-"
+    return PrefillConfig(f"{prefix}h{h}-q{sq // 1024}k-kv{skv // 1024}k-top{tk}", h, sq, skv, tk, kind)
+
+
+PREFILL_CONFIGS = {c.name: c for c in [
+    *(_prefill(h, sq, skv, tk) for h in (64, 128)
+      for sq, skv, tk in ((4096, 8192, 640), (4096, 32768, 1152), (8192, 65536, 1152), (4096, 32768, 2048))),
+    *(_prefill(h, 4096, 32768, 1152, kind) for kind in (LayerKind.C1A, LayerKind.C2A) for h in (64, 128)),
+]}
+V41_KINDS = (LayerKind.C1A, LayerKind.C2A)
+V41_RECORDS = (Record.MXFP8, Record.NVFP4)
+
+
+def runs_in(kind: LayerKind, fmt: KVFormat) -> bool:
+    """Whether a config of ``kind`` is benchmarked in ``fmt``: the V4.1 records only with V4.1 kinds
+    (no engine stores V4 layers in them)."""
+    return kind in V41_KINDS or not {fmt.swa_record, fmt.comp_record} & set(V41_RECORDS)
+
+
+# --configs groups: which configs each takes
+CONFIG_GROUPS = {"v4": lambda cfg: cfg.kind not in V41_KINDS, "v41": lambda cfg: cfg.kind in V41_KINDS}
+
+
+def select_configs(table: dict, names: list[str] | None) -> list[str]:
+    """Config names from ``--configs``: names, or the groups 'v4' / 'v41' (default: all)."""
+    if not names:
+        return list(table)
+    out = []
+    for name in names:
+        members = [n for n, c in table.items() if CONFIG_GROUPS[name](c)] if name in CONFIG_GROUPS else [name]
+        out += [n for n in members if n in table and n not in out]
+    return out
+
 
 SWA_BLOCK = 64
 COMP_BLOCK = 256  # uncompressed tokens per compressed-cache block (vLLM)
@@ -201,35 +243,45 @@ def time_callable(fn, reps: int, flush, graph: bool, device: torch.device | None
 # ---- random caches ----------------------------------------------------------------------------
 
 
-def fill_random(cache: torch.Tensor, fmt: KVFormat, gen: torch.Generator | None = None) -> None:
-    """Fill a cache with random, finite, production-like contents (no NaN codes), in place."""
+def fill_random(cache: torch.Tensor, record: Record) -> None:
+    """Fill a cache of ``record`` with random, finite, production-like contents (no NaN codes; fp8
+    values up to ~28 after their scales), in place, in chunks of blocks (bounded temporaries)."""
     nb, bs, row = cache.shape
-    if fmt is KVFormat.MODEL1_FP8:
-        s0 = cache.stride(0)
-        base = cache.storage_offset()
-        data = cache.as_strided((nb, bs, 576), (s0, 576, 1), base)
-        scales = cache.as_strided((nb, bs, 8), (s0, 8, 1), base + bs * 576)
-        for i0 in range(0, nb, 4096):  # chunked: bounded temporaries
-            i1 = min(nb, i0 + 4096)
-            mag = torch.randint(0, 0x7F, (i1 - i0, bs, 448), dtype=torch.uint8, device=cache.device)
-            sign = torch.randint(0, 2, (i1 - i0, bs, 448), dtype=torch.uint8, device=cache.device) << 7
-            data[i0:i1, :, :448] = mag | sign
-            rope = (torch.randn(i1 - i0, bs, 64, device=cache.device) * 2).to(torch.bfloat16)
-            data[i0:i1, :, 448:] = rope.view(torch.uint8)
-            exps = torch.randint(118, 124, (i1 - i0, bs, 8), dtype=torch.uint8, device=cache.device)
+    dev = cache.device
+    for i0 in range(0, nb, 4096):
+        i1 = min(nb, i0 + 4096)
+        shape = (i1 - i0, bs)
+        if record is Record.V4_FP8:  # split page: data rows, then 8-byte scale rows
+            s0, base = cache.stride(0), cache.storage_offset() + i0 * cache.stride(0)
+            data = cache.as_strided((*shape, 576), (s0, 576, 1), base)
+            scales = cache.as_strided((*shape, 8), (s0, 8, 1), base + bs * 576)
+            data[:, :, :448] = _e4m3_bytes((*shape, 448), dev)
+            data[:, :, 448:] = (torch.randn(*shape, 64, device=dev) * 2).to(torch.bfloat16).view(torch.uint8)
+            exps = torch.randint(118, 124, (*shape, 8), dtype=torch.uint8, device=dev)
             exps[..., 7] = 0
-            scales[i0:i1] = exps
-    elif fmt is KVFormat.BF16:
-        for i0 in range(0, nb, 4096):
-            cache[i0:i0 + 4096] = torch.randn_like(cache[i0:i0 + 4096], dtype=torch.float32).to(cache.dtype)
-    else:
-        for i0 in range(0, nb, 4096):
-            x = torch.randn(cache[i0:i0 + 4096].shape, device=cache.device) * 64
-            cache[i0:i0 + 4096] = x.clamp(-448, 448).to(cache.dtype)
+            scales.copy_(exps)
+        elif record is Record.MXFP8:  # each token: 512 e4m3 bytes, then 16 UE8M0 scales
+            cache[i0:i1, :, :512] = _e4m3_bytes((*shape, 512), dev)
+            cache[i0:i1, :, 512:] = torch.randint(118, 124, (*shape, 16), dtype=torch.uint8, device=dev)
+        elif record is Record.NVFP4:  # each token: 256 bytes of e2m1 pairs, then 32 e4m3 scales in [0.25, 2)
+            cache[i0:i1, :, :256] = torch.randint(0, 256, (*shape, 256), dtype=torch.uint8, device=dev)
+            cache[i0:i1, :, 256:] = torch.randint(0x28, 0x40, (*shape, 32), dtype=torch.uint8, device=dev)
+        elif record is Record.BF16:
+            cache[i0:i1] = torch.randn(cache[i0:i1].shape, device=dev).to(cache.dtype)
+        else:
+            x = torch.randn(cache[i0:i1].shape, device=dev) * 64
+            cache[i0:i1] = x.clamp(-448, 448).to(cache.dtype)
 
 
-def row_bytes(fmt: KVFormat) -> int:
-    return {KVFormat.MODEL1_FP8: 584, KVFormat.BF16: 1024, KVFormat.FP8_TENSOR: 512}[fmt]
+def _e4m3_bytes(shape: tuple[int, ...], device) -> torch.Tensor:
+    """Random e4m3 bytes, every finite code (magnitudes 0 .. 0x7E) with either sign."""
+    mag = torch.randint(0, 0x7F, shape, dtype=torch.uint8, device=device)
+    return mag | (torch.randint(0, 2, shape, dtype=torch.uint8, device=device) << 7)
+
+
+def row_bytes(record: Record) -> int:
+    """Bytes one key row occupies in a cache of ``record`` (what a kernel must read per key)."""
+    return record.layout.token_bytes
 
 
 @dataclass
@@ -243,7 +295,7 @@ class Case:
     q: torch.Tensor
     swa_cache: torch.Tensor
     comp_cache: torch.Tensor | None
-    c4a_topk: torch.Tensor | None
+    topk: torch.Tensor | None  # local top-k [T, K] of top-k kinds
     sink: torch.Tensor
     fmt: KVFormat
     num_reqs: int
@@ -252,11 +304,9 @@ class Case:
     extra: dict = field(default_factory=dict)
 
 
-def _new_cache(fmt: KVFormat, nb: int, bs: int, device) -> torch.Tensor:
-    from .common.layout import new_cache
-
-    cache = new_cache(fmt, nb, bs, device)
-    fill_random(cache, fmt)
+def _new_cache(record: Record, nb: int, bs: int, device) -> torch.Tensor:
+    cache = new_cache(record, nb, bs, device)
+    fill_random(cache, record)
     return cache
 
 
@@ -266,12 +316,29 @@ def _q_and_sink(T: int, H: int, device, gen) -> tuple[torch.Tensor, torch.Tensor
     return q.to(torch.bfloat16), torch.randn(H, device=device)
 
 
+def _local_topk(gen, positions: torch.Tensor, ratio: int, width: int) -> torch.Tensor:
+    """int32 [T, width] local top-k of a decode step: distinct random visible entries, -1 after."""
+    visible = (positions.cpu() + 1) // ratio
+    topk = torch.full((positions.shape[0], width), -1, dtype=torch.int32)
+    for t in range(positions.shape[0]):
+        n = int(visible[t])
+        k = min(n, width)
+        topk[t, :k] = torch.randperm(n, generator=gen)[:k].to(torch.int32)
+    return topk.to(positions.device)
+
+
+def _spec(heads: int, kind: LayerKind, topk: int, max_model_len: int) -> ModelSpec:
+    """A model with the layer kind under test (V4.1 kinds: SWA + that kind; V4: V4's kinds)."""
+    layers = (LayerKind.SWA, kind) if kind in V41_KINDS else None
+    return ModelSpec(num_heads=heads, topk=topk, max_model_len=max_model_len, layers=layers)
+
+
 def make_decode_case(cfg: DecodeConfig, b: int, s_q: int, device, fmt: KVFormat = KVFormat.MODEL1_FP8,
                      seed: int = 0) -> Case:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     torch.manual_seed(seed)
     R, T, W = b, b * s_q, 128
-    if cfg.kind is LayerKind.C4A:
+    if cfg.kind.uses_topk:
         seq = [cfg.seq_len] * R
     else:  # C128A: lengths spread over the whole model length (the extra scope has variable lengths)
         seq = torch.randint(s_q + 128, cfg.max_model_len + 1, (R,), generator=gen).tolist()
@@ -285,55 +352,46 @@ def make_decode_case(cfg: DecodeConfig, b: int, s_q: int, device, fmt: KVFormat 
         last = (s - 1) // SWA_BLOCK
         first = max(0, last - tail_blocks + 1)
         swa_table[r, first:last + 1] = perm[r, : last - first + 1]
-    swa_cache = _new_cache(fmt, R * tail_blocks, SWA_BLOCK, device)
+    swa_cache = _new_cache(fmt.swa_record, R * tail_blocks, SWA_BLOCK, device)
     ratio = cfg.kind.ratio
     bs_c = COMP_BLOCK // ratio
     comp_cols = -(-(max_seq // ratio) // bs_c)
     comp_table = torch.randperm(R * comp_cols, generator=gen).to(torch.int32).view(R, comp_cols)
-    comp_cache = _new_cache(fmt, R * comp_cols, bs_c, device)
+    comp_cache = _new_cache(fmt.comp_record, R * comp_cols, bs_c, device)
     batch = StepBatch.from_lists([s_q] * R, seq, swa_table, SWA_BLOCK, {ratio: comp_table}, block_size=COMP_BLOCK,
                                  max_model_len=cfg.max_model_len, num_decode_tokens=T, device=device)
-    topk = None
-    if cfg.kind is LayerKind.C4A:
-        pos = batch.positions.cpu()
-        visible = (pos + 1) // 4
-        topk = torch.full((T, cfg.comp_width), -1, dtype=torch.int32)
-        for t in range(T):
-            n = int(visible[t])
-            k = min(n, cfg.comp_width)
-            topk[t, :k] = torch.randperm(n, generator=gen)[:k].to(torch.int32)
-        topk = topk.to(device)
+    topk = _local_topk(gen, batch.positions, ratio, cfg.comp_width) if cfg.kind.uses_topk else None
     q, sink = _q_and_sink(T, cfg.heads, device, gen)
-    spec = ModelSpec(num_heads=cfg.heads, c4a_topk=cfg.comp_width if cfg.kind is LayerKind.C4A else 512,
-                     max_model_len=cfg.max_model_len)
+    spec = _spec(cfg.heads, cfg.kind, cfg.comp_width if cfg.kind.uses_topk else 512, cfg.max_model_len)
     return Case(f"{cfg.name} b={b} s_q={s_q}", cfg.kind, spec, batch, q, swa_cache, comp_cache, topk, sink, fmt,
-                R, s_q, "decode", {"config": cfg.name, "batch": b})
+                R, s_q, "decode", {"config": cfg.name, "batch": b, "format": fmt.value})
 
 
 def make_prefill_case(cfg: PrefillConfig, device, fmt: KVFormat = KVFormat.MODEL1_FP8, seed: int = 0) -> Case:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     torch.manual_seed(seed)
-    T, s_kv, K = cfg.s_q, cfg.s_kv, cfg.topk - 128
+    T, s_kv, K, ratio = cfg.s_q, cfg.s_kv, cfg.topk - 128, cfg.kind.ratio
     swa_cols = s_kv // SWA_BLOCK
     swa_table = torch.randperm(swa_cols, generator=gen).to(torch.int32).view(1, swa_cols)
-    swa_cache = _new_cache(fmt, swa_cols, SWA_BLOCK, device)
-    bs_c = COMP_BLOCK // 4
-    comp_cols = -(-(s_kv // 4) // bs_c)
+    swa_cache = _new_cache(fmt.swa_record, swa_cols, SWA_BLOCK, device)
+    bs_c = COMP_BLOCK // ratio
+    comp_cols = -(-(s_kv // ratio) // bs_c)
     comp_table = torch.randperm(comp_cols, generator=gen).to(torch.int32).view(1, comp_cols)
-    comp_cache = _new_cache(fmt, comp_cols, bs_c, device)
-    batch = StepBatch.from_lists([T], [s_kv], swa_table, SWA_BLOCK, {4: comp_table}, block_size=COMP_BLOCK,
+    comp_cache = _new_cache(fmt.comp_record, comp_cols, bs_c, device)
+    batch = StepBatch.from_lists([T], [s_kv], swa_table, SWA_BLOCK, {ratio: comp_table}, block_size=COMP_BLOCK,
                                  max_model_len=max(s_kv, 65536), num_decode_tokens=0, device=device)
-    visible = (batch.positions + 1) // 4
-    scores = torch.rand(T, s_kv // 4, device=device)
-    scores.masked_fill_(torch.arange(s_kv // 4, device=device)[None, :] >= visible[:, None], -1.0)
+    entries = s_kv // ratio
+    visible = (batch.positions + 1) // ratio
+    scores = torch.rand(T, entries, device=device)
+    scores.masked_fill_(torch.arange(entries, device=device)[None, :] >= visible[:, None], -1.0)
     topk = scores.topk(K, dim=1).indices.to(torch.int32)
     topk = torch.where(torch.arange(K, device=device)[None, :] < visible[:, None].clamp(max=K), topk,
                        torch.full_like(topk, -1))
     del scores
     q, sink = _q_and_sink(T, cfg.heads, device, gen)
-    spec = ModelSpec(num_heads=cfg.heads, c4a_topk=K, max_model_len=max(s_kv, 65536))
-    return Case(cfg.name, LayerKind.C4A, spec, batch, q, swa_cache, comp_cache, topk, sink, fmt, 1, T, "prefill",
-                {"config": cfg.name, "s_q": T, "s_kv": s_kv, "topk": cfg.topk})
+    spec = _spec(cfg.heads, cfg.kind, K, max(s_kv, 65536))
+    return Case(cfg.name, cfg.kind, spec, batch, q, swa_cache, comp_cache, topk, sink, fmt, 1, T, "prefill",
+                {"config": cfg.name, "s_q": T, "s_kv": s_kv, "topk": cfg.topk, "format": fmt.value})
 
 
 # ---- runners ----------------------------------------------------------------------------------
@@ -349,23 +407,26 @@ def api_runner(case: Case, backend: str):
     out = torch.empty_like(case.q)
 
     def run():
-        mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, c4a_topk=case.c4a_topk,
-                    sink=case.sink, out=out)
+        mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink,
+                    out=out)
 
     return run, out, plan
 
 
 def case_work(case: Case, plan) -> tuple[float, float, int]:
-    """(flops, bytes, valid keys) of a case, from the plan's row lengths."""
-    keys = int(plan.swa_lens.sum())
-    if case.kind is LayerKind.C128A:
-        keys += int(plan.c128a_lens.sum())
-    elif case.kind is LayerKind.C4A:
-        rows, lens = plan.comp_scope(LayerKind.C4A, case.c4a_topk)
-        keys += int(((rows >= 0) & (torch.arange(rows.shape[1], device=rows.device)[None, :] < lens[:, None])).sum())
+    """(flops, bytes, valid keys) of a case, from the plan's row lengths; each key row counted once
+    at its cache record's size."""
+    swa_keys = int(plan.swa_lens.sum())
+    comp_keys = 0
+    if case.kind.has_comp_scope:
+        rows, lens = plan.comp_scope(case.kind, case.topk)
+        comp_keys = int(((rows >= 0) & (torch.arange(rows.shape[1], device=rows.device)[None, :] < lens[:, None]))
+                        .sum())
     T, H, D = case.q.shape
+    keys = swa_keys + comp_keys
     flops = 4.0 * H * D * keys
-    nbytes = keys * row_bytes(case.fmt) + 2 * T * H * D * 2
+    kv_bytes = swa_keys * row_bytes(case.fmt.swa_record) + comp_keys * row_bytes(case.fmt.comp_record)
+    nbytes = kv_bytes + 2 * T * H * D * 2
     return flops, nbytes, keys
 
 
@@ -428,7 +489,7 @@ def flashmla_raw_runner(case: Case, plan):
     if H not in (64, 128):
         return None, None, f"FlashMLA needs 64 or 128 heads, got {H}"
     scale = case.spec.scale
-    comp_rows, comp_lens = plan.comp_scope(case.kind, case.c4a_topk)
+    comp_rows, comp_lens = plan.comp_scope(case.kind, case.topk)
     if case.phase == "decode":
         swa_kv = case.swa_cache.unsqueeze(2)
         comp_kv = case.comp_cache.unsqueeze(2)
@@ -505,7 +566,7 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
             rows[name]["vs_first"] = _compare(out, ref_out)
     flops, nbytes, keys = case_work(case, plan0)
     floor = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["bf16_flops_per_s"])
-    result = {"case": case.label, "phase": case.phase, **case.extra, "s_q_per_req": case.s_q,
+    result = {"case": case.label, "phase": case.phase, "kind": case.kind.name, **case.extra, "s_q_per_req": case.s_q,
               "heads": case.q.shape[1], "tokens": case.q.shape[0], "valid_keys": keys, "flops": flops,
               "bytes": nbytes, "floor_us": floor * 1e6, "backends": rows}
     if not args.no_flashmla:
@@ -569,11 +630,12 @@ def _fmt_row(res: dict, name: str) -> str:
         cells.append(f"{fm['us']:9.1f}" if "us" in fm else f"{'n/a':>9}")
         key = f"speedup_vs_{label}"
         cells.append(f"{r[key]:6.2f}x" if key in r else f"{'':>7}")
-    return (f"{res['case']:<30} {name:<9} {r['us']:8.1f} {r['us_p90']:8.1f} {r['tflops']:7.1f} {r['gbps']:6.0f} "
-            f"{res['floor_us']:7.1f} {r['x_floor']:6.2f} " + " ".join(cells))
+    return (f"{res['case']:<30} {res['format']:<12} {name:<9} {r['us']:8.1f} {r['us_p90']:8.1f} {r['tflops']:7.1f} "
+            f"{r['gbps']:6.0f} {res['floor_us']:7.1f} {r['x_floor']:6.2f} " + " ".join(cells))
 
 
-HEADER = (f"{'case':<30} {'backend':<9} {'us':>8} {'us_p90':>8} {'TFLOP/s':>7} {'GB/s':>6} {'floor':>7} {'x_flr':>6} "
+HEADER = (f"{'case':<30} {'format':<12} {'backend':<9} {'us':>8} {'us_p90':>8} {'TFLOP/s':>7} {'GB/s':>6} {'floor':>7} "
+          f"{'x_flr':>6} "
           f"{'fmla_api':>9} {'speedup':>7} {'fmla_raw':>9} {'speedup':>7}")
 
 # One CSV row per (case, backend): the case's facts, then its timing (median, fastest, 90th
@@ -619,14 +681,14 @@ def plot(results: list[dict], path: str, backend: str) -> None:
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         if r["phase"] == "decode":
-            groups.setdefault((r["config"], r["s_q_per_req"]), []).append(r)
+            groups.setdefault((r["config"], r["format"], r["s_q_per_req"]), []).append(r)
     if not groups:
         return
     n = len(groups)
     cols = min(n, 4)
     fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(4.5 * cols, 3.6 * ((n + cols - 1) // cols)),
                              squeeze=False)
-    for ax, ((cfg, sq), rs) in zip(axes.flat, sorted(groups.items())):
+    for ax, ((cfg, fmt, sq), rs) in zip(axes.flat, sorted(groups.items())):
         rs = sorted(rs, key=lambda r: r["batch"])
         bs = [r["batch"] for r in rs]
         ax.plot(bs, [r["backends"][backend]["us"] for r in rs], "o-", label=f"{backend} (ours)")
@@ -638,7 +700,7 @@ def plot(results: list[dict], path: str, backend: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch (requests)")
         ax.set_ylabel("µs per layer")
-        ax.set_title(f"{cfg}, {sq} q/req")
+        ax.set_title(f"{cfg} {fmt}, {sq} q/req")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[n:]:
@@ -678,8 +740,8 @@ def _parser() -> argparse.ArgumentParser:
         "shapes: it exists to try the tool and its outputs, the numbers say nothing about GPU kernels.")
     p.add_argument("--mode", choices=["decode", "prefill", "all"], default="decode")
     p.add_argument("--configs", nargs="+", metavar="NAME", default=None,
-                   help=f"decode: {', '.join(DECODE_CONFIGS)}; prefill: {', '.join(PREFILL_CONFIGS)} (default: all "
-                        "of --mode); an unknown name is an error")
+                   help=f"decode: {', '.join(DECODE_CONFIGS)}; prefill: {', '.join(PREFILL_CONFIGS)}; or the groups "
+                        "'v4' / 'v41' (default: all of --mode); an unknown name is an error")
     p.add_argument("--batches", type=int, nargs="+", default=None,
                    help="requests per decode case (default 2 64 128 256; on the CPU 2)")
     p.add_argument("--mtp", type=int, nargs="+", default=None,
@@ -691,7 +753,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", action="append", default=[],
                    help="development: also time a triton kernel config, e.g. "
                         "'bn64=block_n=64,num_warps=8,num_stages=2,dot_dtype=bf16' (repeatable)")
-    p.add_argument("--format", default="fp8_ds_mla", help="cache format (fp8_ds_mla, bfloat16, fp8_e4m3)")
+    p.add_argument("--format", nargs="+", default=["fp8_ds_mla"],
+                   help="KV format(s): fp8_ds_mla, bfloat16, fp8_e4m3, mxfp8_ds_mla, nvfp4_ds_mla (V4.1 records: "
+                        "V4.1 configs only)")
     p.add_argument("--device", help="cuda (default when torch sees a GPU) or cpu (the torch backend only)")
     p.add_argument("--reps", type=int, default=None, help="timed runs per case (default 50; on the CPU 5)")
     p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replays")
@@ -701,14 +765,17 @@ def _parser() -> argparse.ArgumentParser:
                         "A-B-B-A) and print the checks' cost")
     p.add_argument("--json", metavar="PATH", help="write every result (with min / median / p90) and the run's facts")
     p.add_argument("--csv", metavar="PATH", help="write one row per case and backend (min / median / p90 µs, rates)")
+    p.add_argument("--write-choices", metavar="PATH",
+                   help="write a measured-choices table (fastest backend per shape, common/choices.py) from this "
+                        "run's backends here; use it with DSV4_ATTN_CHOICES=PATH or ship it in dsv4_attn/data/choices/")
     p.add_argument("--png", metavar="PATH", help="plot time vs batch (ours, FlashMLA, floor); needs matplotlib")
     return p
 
 
 def unknown_configs(names: list[str], mode: str) -> list[str]:
-    """The ``--configs`` names that name no config of ``mode``."""
+    """The ``--configs`` names that name no config (nor group) of ``mode``."""
     tables = [t for m, t in (("decode", DECODE_CONFIGS), ("prefill", PREFILL_CONFIGS)) if mode in (m, "all")]
-    return [n for n in names if not any(n in t for t in tables)]
+    return [n for n in names if not any(select_configs(t, [n]) for t in tables)]
 
 
 def settle(args) -> torch.device:
@@ -718,9 +785,11 @@ def settle(args) -> torch.device:
     from .parity.runner import resolve_backends
 
     device = parse_device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    KVFormat.parse(args.format)
+    for fmt in args.format:
+        KVFormat.parse(fmt)
     if args.configs and unknown_configs(args.configs, args.mode):
-        allowed = [n for n in (*DECODE_CONFIGS, *PREFILL_CONFIGS) if not unknown_configs([n], args.mode)]
+        names = (*DECODE_CONFIGS, *PREFILL_CONFIGS, *CONFIG_GROUPS)
+        allowed = [n for n in names if not unknown_configs([n], args.mode)]
         raise ValueError(f"--configs: got {unknown_configs(args.configs, args.mode)} (--mode {args.mode}); "
                          f"allowed: {allowed}")
     if args.png and importlib.util.find_spec("matplotlib") is None:
@@ -736,7 +805,8 @@ def settle(args) -> torch.device:
         refused = {"--mode": args.mode != "decode" and "prefill configs are production-sized (4k-8k query tokens)",
                    "--backends": args.backends != ["torch"] and f"{args.backends}: only the torch backend runs on CPU",
                    "--guard-cost": args.guard_cost and "it times Triton kernels", "--variant": args.variant and
-                   "it times Triton kernels"}
+                   "it times Triton kernels",
+                   "--write-choices": args.write_choices and "CPU timings choose no GPU backend"}
         for flag, why in refused.items():
             if why:
                 raise ValueError(f"{flag}: {why}; allowed on --device cpu: the torch backend at decode shapes")
@@ -763,15 +833,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"dsv4-attn bench: {exc}", file=sys.stderr)
         return 2
-    fmt = KVFormat.parse(args.format)
+    formats = [KVFormat.parse(f) for f in args.format]
     for spec_str in args.variant:
         args.backends.append(register_variant(spec_str))
-    guards = guard_variants(fmt) if args.guard_cost else {}
     t0 = time.time()
     ceilings = measure_ceilings(device)
     flush = L2Flush(device) if device.type != "cpu" else None
     meta = {**_device_facts(device), "torch": torch.__version__, "triton": _version("triton"), "ceilings": ceilings,
-            "format": fmt.value, "flashmla_lib": _flashmla_lib(), "reps": args.reps, "graph": not args.no_graph}
+            "formats": [f.value for f in formats], "flashmla_lib": _flashmla_lib(), "reps": args.reps,
+            "graph": not args.no_graph}
     if device.type == "cpu":
         print("CPU run: the torch backend at small decode shapes, to try the tool and its outputs; the numbers say "
               "nothing about GPU kernels")
@@ -783,25 +853,26 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     print(HEADER)
     cases = []
-    if args.mode in ("decode", "all"):
-        names = [c for c in (args.configs or DECODE_CONFIGS) if c in DECODE_CONFIGS]
-        for name in names:
-            for sq in args.mtp:
-                for b in args.batches:
-                    cases.append(("decode", name, b, sq))
-    if args.mode in ("prefill", "all"):
-        names = [c for c in (args.configs or PREFILL_CONFIGS) if c in PREFILL_CONFIGS]
-        cases.extend(("prefill", name, 0, 0) for name in names)
-    for phase, name, b, sq in cases:
+    for fmt in formats:
+        if args.mode in ("decode", "all"):
+            for name in select_configs(DECODE_CONFIGS, args.configs):
+                if runs_in(DECODE_CONFIGS[name].kind, fmt):
+                    cases.extend(("decode", name, b, sq, fmt) for sq in args.mtp for b in args.batches)
+        if args.mode in ("prefill", "all"):
+            cases.extend(("prefill", name, 0, 0, fmt) for name in select_configs(PREFILL_CONFIGS, args.configs)
+                         if runs_in(PREFILL_CONFIGS[name].kind, fmt))
+    guards = {fmt: guard_variants(fmt) for fmt in formats} if args.guard_cost else {}
+    for phase, name, b, sq, fmt in cases:
         try:
             case = (make_decode_case(DECODE_CONFIGS[name], b, sq, device, fmt) if phase == "decode"
                     else make_prefill_case(PREFILL_CONFIGS[name], device, fmt))
             res = run_case(case, args.backends, args, ceilings, flush)
             if guards:
-                res["guard_cost"] = guard_cost(case, guards, args, flush)
+                res["guard_cost"] = guard_cost(case, guards[fmt], args, flush)
         except Exception as exc:
-            print(f"{phase} {name} b={b} s_q={sq}: FAILED {type(exc).__name__}: {exc}", file=sys.stderr)
-            results.append({"case": f"{name} b={b} s_q={sq}", "phase": phase, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"{phase} {name} b={b} s_q={sq} {fmt.value}: FAILED {type(exc).__name__}: {exc}", file=sys.stderr)
+            results.append({"case": f"{name} b={b} s_q={sq}", "phase": phase, "format": fmt.value,
+                            "error": f"{type(exc).__name__}: {exc}"})
             continue
         results.append(res)
         for name_b in args.backends:
@@ -821,6 +892,13 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
     if args.csv:
         write_csv(results, args.csv)
+    if args.write_choices:
+        from .common.platform import probe
+
+        table = choices.from_bench({"meta": meta, "results": results}, probe().arch)
+        with open(args.write_choices, "w") as f:
+            json.dump(table, f, indent=1)
+        print(f"wrote {len(table['entries'])} measured choices for {table['arch']} to {args.write_choices}")
     if args.png:
         try:
             plot([r for r in results if "error" not in r], args.png, args.backends[0])

@@ -94,9 +94,14 @@ BACKEND = EnvVar("DSV4_ATTN_BACKEND", "auto",
                  _backend_name)
 VLLM = EnvVar("DSV4_ATTN_VLLM", "0", "let the vLLM plugin run vLLM's DeepSeek-V4 attention on dsv4_attn",
               "1/on or 0/off", _switch)
+SGLANG = EnvVar("DSV4_ATTN_SGLANG", "0", "let the SGLang plugin run SGLang's DeepSeek-V4 attention on dsv4_attn "
+                "(--attention-backend dsv4_attn sets it for the processes SGLang starts)", "1/on or 0/off", _switch)
 FLASHMLA_LIB = EnvVar("DSV4_ATTN_FLASHMLA_LIB", "",
                       "path of a FlashMLA shared library (e.g. vLLM's _flashmla_C.abi3.so) tried after the "
                       "flash_mla, vllm and sgl_kernel packages", "a file path", _text)
+CHOICES = EnvVar("DSV4_ATTN_CHOICES", "",
+                 "a measured-choices table (JSON from `dsv4-attn bench --write-choices`) used instead of the "
+                 "packaged one for its GPU arch", "a file path", _text)
 AITER_EMULATOR = EnvVar("DSV4_ATTN_AITER_EMULATOR", "0",
                         "run the aiter backend against the AITER emulator on any device (results are labelled "
                         "EMULATED)", "0/off, 1/on (gfx950), an arch (gfx942, gfx950) or arch:flavor (flavor "
@@ -112,7 +117,7 @@ AITER_MAX_DECODE_TOKENS = EnvVar("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", "1024",
                                  "decode tokens the aiter backend's scratch buffers hold", "an int >= 1",
                                  _int_at_least(1))
 
-OURS = (BACKEND, VLLM, FLASHMLA_LIB, AITER_EMULATOR, AITER_PATH, AITER_PERSISTENT_MAX_BATCH, AITER_MAX_DECODE_TOKENS)
+OURS = (BACKEND, VLLM, SGLANG, FLASHMLA_LIB, CHOICES, AITER_EMULATOR, AITER_PATH, AITER_PERSISTENT_MAX_BATCH, AITER_MAX_DECODE_TOKENS)
 # Other projects' variables that change what dsv4_attn does, shown by the probe.
 FOREIGN = {"TRITON_INTERPRET": "Triton runs kernels in its CPU interpreter (tests on machines without a GPU)",
            "CUDA_VISIBLE_DEVICES": "which NVIDIA GPUs torch sees", "HIP_VISIBLE_DEVICES": "which AMD GPUs torch sees",

@@ -13,6 +13,7 @@ Never raises on a machine without a GPU or vendor libraries: every failure becom
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform as _pyplatform
 import sys
@@ -85,16 +86,17 @@ def _jsonable(value):
         return str(value)
 
 
-def vllm_plugin() -> dict[str, str]:
-    """The vLLM plugin's state (dsv4_attn.integrations.vllm.status(); imports no vLLM code)."""
+def engine_plugin(engine: str) -> dict[str, str]:
+    """An engine plugin's state (``dsv4_attn.integrations.<engine>.status()``, "vllm" or "sglang";
+    imports no engine code)."""
     try:
-        from .integrations.vllm import status
+        status = importlib.import_module(f"{__package__}.integrations.{engine}").status
     except ModuleNotFoundError:
-        return {"vllm plugin": "module not in this dsv4_attn build"}
+        return {f"{engine} plugin": "module not in this dsv4_attn build"}
     try:
         return status()
     except Exception as exc:  # the probe never raises
-        return {"vllm plugin": f"error: {type(exc).__name__}: {exc}"}
+        return {f"{engine} plugin": f"error: {type(exc).__name__}: {exc}"}
 
 
 def choose(spec: ModelSpec, fmt: KVFormat, device: torch.device) -> dict:
@@ -164,7 +166,8 @@ def collect(heads: int = 64, fmt: str = "fp8_ds_mla", c4a_topk: int = 512, max_m
         "libraries": libraries,
         "vendor_binaries": {key: describe_vendor(key, plat) for key in _DESCRIBERS},
         "backends": backends,
-        "vllm_plugin": vllm_plugin(),
+        "vllm_plugin": engine_plugin("vllm"),
+        "sglang_plugin": engine_plugin("sglang"),
         "env": envs.table(),
         "selection": {"heads": heads, "format": kv_format.value, "c4a_topk": c4a_topk,
                       "max_model_len": max_model_len, "choices": choose(spec, kv_format, dev)},
@@ -200,7 +203,8 @@ def render(info: dict) -> str:
         first, *more = vendor_text(key, desc, info["libraries"])
         lines.append(f"  {key:<11} {first}")
         lines += [f"  {'':<11} {line}" for line in more]
-    lines += ["", "vllm plugin"] + [f"  {k:<14} {v}" for k, v in info["vllm_plugin"].items()]
+    for engine in ("vllm", "sglang"):
+        lines += ["", f"{engine} plugin"] + [f"  {k:<17} {v}" for k, v in info[f"{engine}_plugin"].items()]
     lines += ["", "backends (registered; whether each can run here is under backend choice and explain())"]
     for name, b in info["backends"].items():
         state = f"implements {', '.join(b['phases'])}" if b["importable"] else f"cannot be imported: {b['error']}"

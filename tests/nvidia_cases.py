@@ -1,10 +1,11 @@
 """Case builders and checks shared by tests/test_flashmla.py and tests/test_flashinfer.py.
 
-A case is a random DSv4 step: permuted block tables (optionally offset to huge block ids), caches
-filled with random rows only where the tables point, an indexer top-k whose valid prefix holds
-distinct visible entries and whose other lanes hold garbage, random q and sinks. ``run_layer``
-runs one layer through a SparseMLA with a NaN-poisoned output and compares it with the float64
-reference (``dsv4_attn.common.reference``) on the plan's own rows.
+A case is a random DeepSeek-V4 or V4.1 step: permuted block tables (optionally offset to huge
+block ids), caches filled with random rows only where the tables point, for every top-k layer
+kind an indexer top-k whose valid prefix holds visible entries and whose other lanes hold
+garbage, random q and sinks. ``run_layer`` runs one layer through a SparseMLA with a
+NaN-poisoned output and compares it with the float64 reference (``dsv4_attn.common.reference``)
+on the plan's own rows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 import dsv4_attn as dsv4
 from dsv4_attn.common import layout, reference
-from dsv4_attn.common.spec import LayerKind, cdiv
+from dsv4_attn.common.spec import V4_KINDS, LayerKind, cdiv
 
 from conftest import compare
 
@@ -26,11 +27,19 @@ class Case:
     spec: dsv4.ModelSpec
     fmt: str
     batch: dsv4.StepBatch
-    caches: dict  # "swa", LayerKind.C4A, LayerKind.C128A (when block_size % 128 == 0)
-    topk: torch.Tensor  # int32 [T, K] local C4A top-k
+    caches: dict  # "swa" and each compressed kind (V4's C128A only when block_size % 128 == 0)
+    topks: dict  # each top-k kind -> int32 [T, K] local top-k
     q: torch.Tensor  # bf16 [T, H, 512]
     sink: torch.Tensor  # float32 [H]
     kv_scale: float = 1.0
+
+    @property
+    def topk(self) -> torch.Tensor | None:
+        """The C4A layer's top-k (V4 cases)."""
+        return self.topks.get(LayerKind.C4A)
+
+    def topk_for(self, kind: LayerKind) -> torch.Tensor | None:
+        return self.topks.get(kind)
 
 
 def _table(gen, reqs: int, blocks: int, base: int) -> torch.Tensor:
@@ -45,46 +54,62 @@ def randn(shape, gen, device) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator(device).manual_seed(seed), device=device)
 
 
-def _cache(fmt, table, block_size, base, gen, device, block_stride=None, kv_scale=None):
-    """A cache of base + table.numel() blocks, random rows in the blocks the table uses."""
-    cache = layout.new_cache(fmt, base + table.numel(), block_size, device, block_stride=block_stride)
+def _cache(record, table, block_size, base, gen, device, block_stride=None, kv_scale=None):
+    """A cache of ``record`` with base + table.numel() blocks, random rows in the blocks the table uses."""
+    cache = layout.new_cache(record, base + table.numel(), block_size, device, block_stride=block_stride)
     slots = (table.long().reshape(-1, 1) * block_size + torch.arange(block_size)).reshape(-1)
     kv = (randn((slots.numel(), 512), gen, device) * 2).bfloat16()
-    layout.insert(cache, fmt, slots.to(device), kv, scale=kv_scale)
+    layout.insert(cache, record, slots.to(device), kv, scale=kv_scale if record is layout.Record.FP8_TENSOR else None)
     return cache
 
 
-def make_case(gen, query_lens, seq_lens, *, heads=16, fmt="fp8_ds_mla", topk=64, max_model_len=4096,
-              window=128, swa_bs=64, block_size=256, num_decode_tokens=None, pad_tokens=0, block_base=0,
-              swa_block_stride=None, comp_block_stride=None, empty_topk_tokens=(), kv_scale=None,
+def make_case(gen, query_lens, seq_lens, *, kinds=V4_KINDS, heads=16, fmt="fp8_ds_mla", topk=64,
+              max_model_len=4096, window=128, swa_bs=64, block_size=256, num_decode_tokens=None, pad_tokens=0,
+              block_base=0, swa_block_stride=None, comp_block_stride=None, empty_topk_tokens=(), kv_scale=None,
               device="cpu") -> Case:
-    """``block_base`` offsets every block id (huge slots); ``*_block_stride`` interleaves foreign
-    pages; ``empty_topk_tokens`` get an all -1 top-k row; ``pad_tokens`` padding tokens follow."""
+    """A step of a model whose layers are ``kinds``, caches in the records of ``fmt``.
+    ``block_base`` offsets every SWA block id (huge slots); ``*_block_stride`` interleaves foreign
+    pages; ``empty_topk_tokens`` get an all -1 top-k row in every top-k kind; ``pad_tokens``
+    padding tokens follow. V4's C128A cache exists only when block_size % 128 == 0."""
     R, longest = len(query_lens), max(seq_lens)
-    spec = dsv4.ModelSpec(num_heads=heads, c4a_topk=topk, max_model_len=max_model_len, window=window)
+    spec = dsv4.ModelSpec(num_heads=heads, topk=topk, max_model_len=max_model_len, window=window, layers=kinds)
     swa_table = _table(gen, R, cdiv(longest, swa_bs), block_base)
-    comp_tables = {4: _table(gen, R, cdiv(longest // 4, block_size // 4) + 1, 0)}
-    if block_size % 128 == 0:
-        comp_tables[128] = _table(gen, R, cdiv(longest // 128, block_size // 128) + 1, 0)
+    comp_tables = {r: _table(gen, R, cdiv(longest // r, block_size // r) + 1, 0) for r in spec.comp_ratios
+                   if block_size % r == 0}
     batch = dsv4.StepBatch.from_lists(query_lens, seq_lens, swa_table, swa_bs, comp_tables, block_size,
                                       max_model_len, num_decode_tokens=num_decode_tokens)
     T = batch.num_tokens + pad_tokens
     batch = dsv4.StepBatch(batch.query_start_loc.to(device), batch.seq_lens.to(device), batch.num_decode_tokens,
                            swa_table.to(device), swa_bs, {k: v.to(device) for k, v in comp_tables.items()},
                            block_size, max_model_len, num_tokens=T)
-    n4 = (batch.positions.cpu() + 1) // 4
-    local = torch.randint(-5, 10**6, (T, topk), generator=gen).int()  # garbage lanes
-    picks = (torch.rand(T, topk, generator=gen) * n4[:, None]).long().int()  # visible entries (repeats allowed)
-    prefix = torch.arange(topk)[None, :] < n4[:, None].clamp(max=topk)
-    local = torch.where(prefix, picks, local)
-    local[list(empty_topk_tokens)] = -1
-    caches = {"swa": _cache(fmt, swa_table, swa_bs, block_base, gen, device, swa_block_stride, kv_scale)}
-    for ratio, table in comp_tables.items():
-        caches[LayerKind.from_ratio(ratio)] = _cache(fmt, table, block_size // ratio, 0, gen, device, comp_block_stride,
-                                          kv_scale)
+    topks = {}
+    for kind in (k for k in spec.kinds if k.uses_topk):
+        visible = (batch.positions.cpu() + 1) // kind.ratio
+        local = torch.randint(-5, 10**6, (T, topk), generator=gen).int()  # garbage lanes
+        picks = (torch.rand(T, topk, generator=gen) * visible[:, None]).long().int()  # visible (repeats allowed)
+        prefix = torch.arange(topk)[None, :] < visible[:, None].clamp(max=topk)
+        local = torch.where(prefix, picks, local)
+        local[list(empty_topk_tokens)] = -1
+        topks[kind] = local.to(device)
+    records = layout.KVFormat.parse(fmt)
+    caches = {"swa": _cache(records.swa_record, swa_table, swa_bs, block_base, gen, device, swa_block_stride,
+                            kv_scale)}
+    by_ratio = {r: _cache(records.comp_record, table, block_size // r, 0, gen, device, comp_block_stride, kv_scale)
+                for r, table in comp_tables.items()}
+    caches.update({k: by_ratio[k.ratio] for k in spec.kinds if k.ratio in by_ratio})
     q = randn((T, heads, 512), gen, device).bfloat16()
     sink = (torch.randn(heads, generator=gen) + 2).to(device)
-    return Case(spec, fmt, batch, caches, local.to(device), q, sink, 1.0 if kv_scale is None else kv_scale)
+    return Case(spec, fmt, batch, caches, topks, q, sink, 1.0 if kv_scale is None else kv_scale)
+
+
+def redrawn_topk(gen, case: Case, kind: LayerKind) -> torch.Tensor:
+    """Another layer's top-k for ``kind``: ``case``'s row with its valid prefix redrawn (other
+    visible entries), its garbage lanes kept."""
+    local = case.topks[kind].cpu().clone()
+    visible = (case.batch.positions.cpu() + 1) // kind.ratio
+    picks = (torch.rand(local.shape, generator=gen) * visible[:, None]).long().int()
+    prefix = torch.arange(local.shape[1])[None, :] < visible[:, None].clamp(max=local.shape[1])
+    return torch.where(prefix & (local >= 0), picks, local).to(case.topks[kind].device)
 
 
 def reference_out(mla: dsv4.SparseMLA, plan, case: Case, kind: LayerKind, q=None, sink="case",
@@ -93,7 +118,7 @@ def reference_out(mla: dsv4.SparseMLA, plan, case: Case, kind: LayerKind, q=None
     q = case.q if q is None else q
     sink = case.sink if sink == "case" else sink
     comp = case.caches.get(kind) if kind.has_comp_scope else None
-    rows, lens = plan.comp_scope(kind, case.topk if kind is LayerKind.C4A else None)
+    rows, lens = plan.comp_scope(kind, case.topk_for(kind))
     sel = slice(None) if tokens is None else tokens
     ref, _ = reference.sparse_mla(q[sel], case.caches["swa"], plan.swa_rows[sel], plan.swa_lens[sel], comp,
                                   None if rows is None else rows[sel], None if lens is None else lens[sel], sink,
@@ -107,7 +132,7 @@ def forward_poisoned(mla: dsv4.SparseMLA, plan, case: Case, kind: LayerKind, q=N
     sink = case.sink if sink == "case" else sink
     out = torch.full_like(q, float("nan"))
     mla.forward(plan, kind, q, case.caches["swa"], case.caches.get(kind) if kind.has_comp_scope else None,
-                c4a_topk=case.topk if kind is LayerKind.C4A else None, sink=sink, out=out, validate=True,
+                topk=case.topk_for(kind), sink=sink, out=out, validate=True,
                 kv_scale=case.kv_scale)
     return out
 

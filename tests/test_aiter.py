@@ -168,6 +168,73 @@ def test_parity_through_emulator(gen, arch, flavor, kwargs, fmt, heads, dialects
         unregister_backend("aiter-test")
 
 
+# ---- DeepSeek-V4.1 (ratio 0 / 1 / 2 layers): sparse_mla_fwd only, as vLLM 0.33 on ROCm --------------
+V41 = (LayerKind.SWA, LayerKind.C1A, LayerKind.C2A)
+
+
+def make_v41_case(gen, fmt, heads, kinds=V41):
+    """A V4.1 decode batch (MTP pair and a padding token in the decode range), caches in ``fmt``,
+    a top-k per top-k kind with garbage past its valid prefix (tests/nvidia_cases.py)."""
+    from nvidia_cases import make_case as make_model_case
+
+    case = make_model_case(gen, [1, 1, 2, 1, 1], [1, 3, 131, 700, 4000], kinds=kinds, heads=heads, fmt=fmt,
+                           topk=64, max_model_len=8192, block_size=128, swa_bs=32, pad_tokens=1,
+                           empty_topk_tokens=(1,))
+    b = case.batch
+    batch = dsv4.StepBatch(b.query_start_loc, b.seq_lens, b.num_tokens, b.swa_block_table, b.swa_block_size,
+                           b.comp_block_tables, b.block_size, b.max_model_len, b.num_tokens)
+    case.sink[0], case.sink[-1] = math.inf, -math.inf
+    return dict(spec=case.spec, batch=batch, caches=case.caches, topks=case.topks, q=case.q, sink=case.sink, fmt=fmt,
+                swa_dialect="ocp", comp_dialect="ocp", kv_scale=1.0)
+
+
+@pytest.mark.parametrize("fmt, heads", [("fp8_ds_mla", 64), ("fp8_ds_mla", 16), ("bfloat16", 128)])
+def test_v41_kinds_through_sparse_mla_fwd(gen, fmt, heads):
+    """vLLM 0.33 runs DeepSeek-V4.1 on ROCm through AITER's sparse_mla_fwd (gfx950) on the V4
+    record: every V4.1 kind there, against the float64 reference, NaN-poisoned outputs."""
+    em = emulate.enable("gfx950", "sparse")
+    case = make_v41_case(gen, fmt, heads)
+    mla = dsv4.SparseMLA(case["spec"], fmt, backend="aiter")
+    plan = mla.plan(case["batch"])
+    for kind in V41:
+        em.calls.clear()
+        out = torch.full_like(case["q"], math.nan)
+        mla.forward(plan, kind, case["q"], case["caches"]["swa"], case["caches"].get(kind),
+                    topk=case["topks"].get(kind), sink=case["sink"], out=out)
+        assert torch.isfinite(out).all(), f"{kind.name}: unwritten or non-finite output"
+        ref, _ = reference.sparse_mla(case["q"], case["caches"]["swa"], plan.swa_rows, plan.swa_lens,
+                                      case["caches"].get(kind), *plan.comp_scope(kind, case["topks"].get(kind)),
+                                      case["sink"], plan.spec.scale, fmt)
+        err = compare(out, ref)
+        assert err["rel_l2"] < EXACT["rel_l2"] and err["cosine"] > EXACT["cosine"], (kind.name, err)
+        assert torch.all(out[:, 0] == 0) and torch.all(out[-1] == 0)  # +inf sink; the padding token
+        assert [c[0] for c in em.calls] == ["sparse_mla_fwd"]
+    assert "path sparse_mla_fwd" in mla.explain()
+
+
+@pytest.mark.parametrize("arch, flavor", [("gfx950", "0.1.20"), ("gfx942", "sparse")])
+def test_v41_topk_kinds_refused_off_sparse_mla_fwd(gen, arch, flavor):
+    """Without sparse_mla_fwd (AITER releases; gfx942) V4.1's C1A / C2A are refused with the
+    reason -- vLLM 0.33 has no other AITER path for them -- while its window-only layers run
+    on the V4 paths; a model's refused kinds go to the next backend (triton / torch)."""
+    emulate.enable(arch, flavor)
+    backend = AiterBackend()
+    platform = dsv4.probe()
+    spec = dsv4.ModelSpec(num_heads=64, layers=V41)
+    ocp, fnuz = layout.Fp8Dialect.OCP, layout.Fp8Dialect.FNUZ
+    dialects = (ocp, ocp) if arch == "gfx950" else (fnuz, ocp)
+    for kind in (LayerKind.C1A, LayerKind.C2A):
+        reasons = backend.unsupported_reasons(platform, spec, "fp8_ds_mla", kind, "decode", dialects)
+        assert any(r.endswith(f"serves DeepSeek-V4.1's {kind.name} layers through sparse_mla_fwd only, the AITER "
+                              "entry point vLLM 0.33 runs V4.1 through on ROCm (models/deepseek_v41/amd/rocm.py)")
+                   for r in reasons), reasons
+    assert backend.unsupported_reasons(platform, spec, "fp8_ds_mla", LayerKind.SWA, "decode", dialects) == []
+    with pytest.raises(BackendUnavailableError, match="through sparse_mla_fwd only"):
+        dsv4.SparseMLA(spec, "fp8_ds_mla", backend="aiter", swa_dialect=dialects[0])
+    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", swa_dialect=dialects[0])  # auto on this CPU: torch serves
+    assert mla.backend_for(LayerKind.C1A, "decode") == "torch"
+
+
 # ---- the five defects of issue 18: each test fails against the pre-fix adapter ------------------
 def test_mla_decode_fwd_gets_576_wide_rows(gen):
     """Defect 1: the code objects read 576-element q heads and KV rows; 512-wide ones are misread
@@ -494,13 +561,15 @@ def test_emulator_switch_by_environment(monkeypatch):
 @pytest.mark.parametrize("arch,flavor", [("gfx950", "sparse"), ("gfx950", "0.1.20"), ("gfx942", "0.1.20")])
 def test_packaged_parity_matrix_through_emulator(arch, flavor):
     """The packaged parity matrix's decode cases (every kind x format x batch mix x length at 64
-    heads, the FNUZ sweeps, odd page strides, block sizes) on the emulated `aiter` backend, one
-    run per AITER path set: no fail or error cell; skips only for prefill-only cases."""
+    heads, V4's and V4.1's, the FNUZ sweeps, odd page strides, block sizes, shared compressed
+    caches) on the emulated `aiter` backend, one run per AITER path set: no fail or error cell;
+    skips only for prefill-only cases, the V4.1 records (vLLM has no ROCm path for them) and,
+    without sparse_mla_fwd, V4.1's top-k kinds."""
     from dsv4_attn import parity
 
     emulate.enable(arch, flavor)
     matrix = parity.load_matrix()
-    cases = [c for c in matrix.cases if c.name.split(".")[0] != "core" or ".h64." in c.name]
+    cases = [c for c in matrix.cases if c.sweep not in ("core", "v41") or c.heads == 64]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the CLI does on CPU
     try:
@@ -512,7 +581,11 @@ def test_packaged_parity_matrix_through_emulator(arch, flavor):
     assert not bad, bad
     passed = [n for n, c in cells.items() if c["status"] == "pass"]
     assert len(passed) >= 60 and all(cells[n]["emulated"] for n in passed)
+    allowed = ("decode only", "prefill tokens only", "caches only (not mxfp8_ds_mla)",
+               "caches only (not nvfp4_ds_mla)", "through sparse_mla_fwd only")
     for name, cell in cells.items():
         if cell["status"] == "skip":
-            assert any("decode only" in r or "prefill tokens only" in r for r in cell["reasons"]), \
-                (name, cell["reasons"])
+            assert any(a in r for a in allowed for r in cell["reasons"]), (name, cell["reasons"])
+    v41_topk = [n for n in cells if n.split(".")[1] in ("c1a", "c2a") and ".fp8_ds_mla." in n
+                and n.split(".")[4] != "prefill"]
+    assert v41_topk and all(cells[n]["status"] == ("pass" if flavor == "sparse" else "skip") for n in v41_topk)

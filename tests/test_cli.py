@@ -32,7 +32,7 @@ def test_probe_prints_the_platform_and_the_choice():
     out = res.stdout
     assert out.startswith("dsv4-attn ") and "platform   " in out and "libraries" in out
     assert "vendor binaries" in out and "explain()" in out and "index front end:" in out
-    assert "vllm plugin" in out
+    assert "vllm plugin" in out and "sglang plugin" in out and "DSV4_ATTN_SGLANG" in out
     for line in ("SWA/decode", "C4A/prefill", "C128A/decode"):
         assert line in out
 
@@ -44,6 +44,7 @@ def test_probe_json():
     assert info["platform"]["torch_version"] and set(info["vendor_binaries"]) == {"flashmla", "flashinfer", "aiter"}
     assert info["selection"]["heads"] == 128 and len(info["selection"]["choices"]) == 6
     assert info["vllm_plugin"]["vllm plugin"].startswith(("off", "available", "on", "refused"))
+    assert info["sglang_plugin"]["sglang plugin"].startswith(("off", "available", "on", "refused"))
     if info["platform"]["vendor"] == "cpu":
         assert all(c["backend"] == "torch" for c in info["selection"]["choices"].values())
 

@@ -1,11 +1,15 @@
 """Backend `flashinfer-trtllm`: CONTRACT TESTS ONLY (no SM100 GPU here).
 
 A stand-in for ``flashinfer.decode.trtllm_batch_decode_sparse_mla_dsv4`` checks every argument
-the adapter passes against the documented contract (vendor-apis §2.1-2.2: shapes, dtypes, strides,
-16-byte alignment, the 128-column SWA region, storage-offset indices, lengths, Python-float scales,
-caller-owned counters) and computes the documented math (SWA window from ``seq_lens``, -1 skipped,
+the adapter passes against the documented contract (docs/nvidia.md: shapes, dtypes, strides,
+16-byte alignment, the 128-column SWA region, storage-offset indices, lengths, Python-float
+scales, caller-owned counters) and computes the documented math (SWA window from ``seq_lens``,
 sink in the denominator), so the whole adapter path runs on CPU and is compared with the float64
-reference. The merged-row layout is also checked by running the reference on the merged rows.
+reference, for DeepSeek-V4's and V4.1's layer kinds. What the kernel does with a -1 inside what
+it attends is not documented, so the stand-in has both readings: ``skip`` (FlashInfer's own test
+reference) and ``zero`` (a key of zeros that still enters the softmax, as SGLang reports); the
+adapter must give the reference's answer under both. The merged-row layout is also checked by
+running the reference on the merged rows.
 """
 
 from __future__ import annotations
@@ -54,9 +58,12 @@ def _pool_rows(pool, offsets, name):
 
 
 class FakeFlashInfer:
-    """``trtllm_batch_decode_sparse_mla_dsv4`` of flashinfer-python 0.7.2.post1, as a CPU double."""
+    """``trtllm_batch_decode_sparse_mla_dsv4`` of flashinfer-python 0.7.2.post1, as a CPU double.
+    ``minus_one``: "skip" (a -1 the kernel attends is no key) or "zero" (a key of zeros, score 0,
+    that enters the softmax)."""
 
-    def __init__(self):
+    def __init__(self, minus_one="skip"):
+        self.minus_one = minus_one
         self.calls = []
 
     def trtllm_batch_decode_sparse_mla_dsv4(
@@ -98,7 +105,8 @@ class FakeFlashInfer:
         _need(c is not None and c.dtype == torch.uint8 and c.numel() >= round_up(max(B * H, 1), 8) * 4
               and not bool(c.any()), "caller-owned zeroed counters")
         self.calls.append(dict(B=B, H=H, indices=sparse_indices, workspace=workspace_buffer, query=query.clone(),
-                               bmm1=bmm1_scale, bmm2=bmm2_scale))
+                               bmm1=bmm1_scale, bmm2=bmm2_scale, lens=sparse_topk_lens.clone(),
+                               seq_lens=seq_lens.clone()))
         # the documented math
         idx = sparse_indices.view(B, Q, N)
         q_off = torch.arange(Q)[None, :]
@@ -109,6 +117,8 @@ class FakeFlashInfer:
         kc, vc = _pool_rows(compressed_kv_cache, torch.where(live[..., 128:], idx[..., 128:], -1),
                             "compressed_kv_cache")
         keys, valid = torch.cat([ks, kc], -2).flatten(0, 1), torch.cat([vs, vc], -1).flatten(0, 1)
+        if self.minus_one == "zero":
+            valid = live.flatten(0, 1)
         s = bmm1_scale * torch.einsum("nhd,nkd->nhk", query.flatten(0, 1).double(), keys)
         s = s.masked_fill(~valid[:, None, :], -math.inf)
         m = s.amax(-1, keepdim=True)
@@ -124,35 +134,49 @@ class FakeFlashInfer:
 
 
 @pytest.fixture
-def fake_flashinfer(monkeypatch):
-    fake = FakeFlashInfer()
+def fake_flashinfer(monkeypatch, request):
+    fake = FakeFlashInfer(getattr(request, "param", "skip"))
     monkeypatch.setattr(fi, "load_flashinfer", lambda: (fake.trtllm_batch_decode_sparse_mla_dsv4, "0.7.2.post1", ()))
     monkeypatch.setattr("dsv4_attn.api.platform_for_device", lambda device: SM100)
     return fake
+
+
+def _attended(indices, seq_lens, lens):
+    """bool [T, N]: the columns the kernel attends (the first seq_len SWA columns, the compressed
+    columns up to lens)."""
+    col = torch.arange(indices.shape[1])[None, :]
+    return torch.where(col < 128, col < seq_lens[:, None].long(), col < lens[:, None].long())
 
 
 def _mla(case):
     return SparseMLA(case.spec, case.fmt, backend="flashinfer-trtllm")
 
 
-@pytest.mark.parametrize("fmt, kv_scale", [("bfloat16", None), ("fp8_e4m3", 0.25)])
-@pytest.mark.parametrize("heads", [16, 64, 128])
-def test_every_kind_matches_reference(fake_flashinfer, gen, fmt, kv_scale, heads):
+V41 = (LayerKind.SWA, LayerKind.C1A, LayerKind.C2A)
+
+
+@pytest.mark.parametrize("fake_flashinfer", ["skip", "zero"], indirect=True)
+@pytest.mark.parametrize("kinds, fmt, kv_scale, heads", [
+    (V4_KINDS, "bfloat16", None, 16), (V4_KINDS, "fp8_e4m3", 0.25, 64), (V4_KINDS, "bfloat16", None, 128),
+    (V41, "bfloat16", None, 64), (V41, "fp8_e4m3", 0.25, 16), (V41, "fp8_e4m3", 0.25, 128)])
+def test_every_kind_matches_reference(fake_flashinfer, gen, kinds, fmt, kv_scale, heads):
     # decodes (pos < W, pos + 1 < 4), an MTP pair, prefill crossing the window, padding tokens,
-    # strided pools (storage offsets != slots) and a C4A row that is all -1
-    case = make_case(gen, [1, 1, 2, 7, 3], [1, 300, 131, 140, 9], heads=heads, topk=62, fmt=fmt,
-                     num_decode_tokens=4, pad_tokens=2, swa_block_stride=64 * 512 * 2,
-                     comp_block_stride=64 * 512 + 512, empty_topk_tokens=(1,), kv_scale=kv_scale)
+    # strided pools (storage offsets != slots) and a top-k row that is all -1 (-1 inside its lens)
+    # compressed pages of 64 entries: V4's C4A at block_size 256, V4.1's C1A at 64 (vLLM on SM90)
+    case = make_case(gen, [1, 1, 2, 7, 3], [1, 300, 131, 140, 9], kinds=kinds, heads=heads, topk=62, fmt=fmt,
+                     block_size=256 if kinds == V4_KINDS else 64, num_decode_tokens=4, pad_tokens=2,
+                     swa_block_stride=64 * 512 * 2, comp_block_stride=64 * 512 + 512, empty_topk_tokens=(1,),
+                     kv_scale=kv_scale)
     case.sink[0], case.sink[1] = math.inf, -math.inf
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
     q_seen = case.q if fmt == "bfloat16" else case.q.to(torch.float8_e4m3fn).to(torch.bfloat16)
-    for kind in V4_KINDS:
+    for kind in kinds:
         # fp8: the kernel sees q cast to e4m3 (as in vLLM), so the tight check uses that q...
         m = run_layer(mla, plan, case, kind, q=case.q)
         ref, _ = reference.sparse_mla(q_seen, case.caches["swa"], plan.swa_rows, plan.swa_lens,
                                       case.caches.get(kind) if kind.has_comp_scope else None,
-                                      *plan.comp_scope(kind, case.topk if kind is LayerKind.C4A else None),
+                                      *plan.comp_scope(kind, case.topk_for(kind)),
                                       case.sink, case.spec.scale, fmt, kv_scale=case.kv_scale)
         assert_close(dict(compare(m["out"], ref), written=m["written"]))
         # ... and against the bf16-q reference the quantization of q costs a few percent at most
@@ -196,18 +220,52 @@ def test_merged_rows_give_the_reference_result(gen, kind):
     case = make_case(gen, [1, 4, 1], [3, 150, 900], heads=8, topk=61, fmt="bfloat16")
     mla = SparseMLA(case.spec, case.fmt, backend="torch")
     plan = mla.plan(case.batch)
-    layer = dsv4.LayerInputs(kind, case.q, case.caches["swa"], case.caches[kind],
-                             case.topk if kind is LayerKind.C4A else None, case.sink, KVFormat.BF16, case.spec.scale)
+    layer = dsv4.LayerInputs(kind, case.q, case.caches["swa"], case.caches[kind], case.topk_for(kind), case.sink,
+                             KVFormat.BF16, case.spec.scale)
     swa_geo = fi._pool(case.caches["swa"], KVFormat.BF16, layer.swa_dialect, "swa")[1]
     comp_geo = fi._pool(case.caches[kind], KVFormat.BF16, layer.comp_dialect, "comp")[1]
-    rows, lens = fi.FlashInferTRTLLMBackend._rows(plan, layer, swa_geo, comp_geo)
+    rows, lens, seq_lens = fi.FlashInferTRTLLMBackend._rows(plan, layer, swa_geo, comp_geo)
     assert rows.shape[1] == 128 + round_up(plan.comp_scope(kind, layer.topk)[0].shape[1], 4)
-    swa_len = (plan.positions + 1).clamp(max=128)  # the kernel's window rule with seq_lens = pos + 1
-    got, _ = reference.sparse_mla(case.q, case.caches["swa"], rows[:, :128], swa_len, case.caches[kind],
+    assert seq_lens.tolist() == (plan.positions + 1).clamp(max=128).tolist()  # clean tables: every window slot
+    assert bool((rows[_attended(rows, seq_lens, lens)] >= 0).all()), "a -1 inside what the kernel attends"
+    got, _ = reference.sparse_mla(case.q, case.caches["swa"], rows[:, :128], seq_lens, case.caches[kind],
                                   rows[:, 128:], lens - 128, case.sink, case.spec.scale, "bfloat16")
     want, _ = reference.sparse_mla(case.q, case.caches["swa"], plan.swa_rows, plan.swa_lens, case.caches[kind],
                                    *plan.comp_scope(kind, layer.topk), case.sink, case.spec.scale, "bfloat16")
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)  # same keys; padding may reorder sums
+
+
+@pytest.mark.parametrize("fake_flashinfer", ["skip", "zero"], indirect=True)
+def test_minus_one_never_inside_the_attended_lengths(fake_flashinfer, gen):
+    """Holes the kernel might count as zero keys: a SWA block past the cache (a -1 inside the
+    window), top-k lanes -1 or out of the cache inside the valid prefix, a token whose whole
+    window is out of the cache. The adapter's answer is the reference's under both readings of
+    -1; what the kernel attends holds keys only."""
+    case = make_case(gen, [1, 1, 1, 2], [200, 700, 90, 1000], kinds=V41, heads=64, topk=64, fmt="bfloat16",
+                     block_size=64)
+    table = case.batch.swa_block_table
+    table[0, 1] = case.caches["swa"].shape[0] + 5  # positions 64..127 of request 0: past the cache
+    table[2, 1] = case.caches["swa"].shape[0]  # request 2's window (positions 64..89): all past the cache
+    table[2, 0] = case.caches["swa"].shape[0]
+    topk = case.topks[LayerKind.C1A]
+    topk[1, 3], topk[1, 10] = -1, -1
+    case.batch.comp_block_tables[1][3, 0] = case.caches[LayerKind.C1A].shape[0] + 1  # entries 0..63 past the cache
+    mla = _mla(case)
+    plan = mla.plan(case.batch)  # no validate: these are the garbage the kernels must never read
+    for kind in V41:
+        out = torch.full_like(case.q, math.nan)
+        mla.forward(plan, kind, case.q, case.caches["swa"], case.caches.get(kind), topk=case.topk_for(kind),
+                    sink=case.sink, out=out)
+        ref, _ = reference.sparse_mla(case.q, case.caches["swa"], plan.swa_rows, plan.swa_lens, case.caches.get(kind),
+                                      *plan.comp_scope(kind, case.topk_for(kind)), case.sink, case.spec.scale,
+                                      "bfloat16", validate=False)
+        assert_close(dict(compare(out, ref), written=not bool(out.isnan().any())))
+        decode = fake_flashinfer.calls[-2]  # then the prefill launch of request 3
+        holes = _attended(decode["indices"], decode["seq_lens"], decode["lens"]) & (decode["indices"] < 0)
+        assert holes.nonzero()[:, 0].unique().tolist() in ([], [2]), holes.nonzero()  # only request 2's empty window
+    swa_slots = case.caches["swa"].shape[0] * case.caches["swa"].shape[1]
+    inside = (plan.swa_rows >= 0) & (plan.swa_rows < swa_slots) & (torch.arange(128)[None, :] < plan.swa_lens[:, None])
+    assert decode["seq_lens"].tolist() == inside.sum(1).clamp(min=1)[:3].tolist() == [72, 128, 1]
 
 
 def test_storage_offsets_of_strided_pools():

@@ -1,20 +1,27 @@
 """Backend `flashmla`.
 
 CPU (CI): the adapter runs end to end through ``SparseMLA(backend="flashmla")`` against a stand-in
-for FlashMLA's two ops that enforces their documented argument contract (vendor-apis §1.1-1.3:
-dtypes, shapes, strides, top-k granularity, index validity, the scheduler-metadata reuse rule) and
-computes the documented math; results are compared with the float64 reference. The loader, the
-schema check and the refusal reasons are tested with fake libraries.
+for FlashMLA's two ops that enforces their documented argument contract (dtypes, shapes, strides,
+top-k granularity, index validity, the scheduler-metadata reuse rule; on SM100 the row addressing
+and record pairs of the V4.1 caches, as FlashMLA's interface and vLLM 0.33's build state them)
+and computes the documented math; results are compared with the float64 reference. V4's and
+V4.1's layer kinds on the V4 record (SM90) and the V4.1 MXFP8 / NVFP4 records (SM100: CONTRACT
+TESTS ONLY, no SM100 GPU here). The loader, the schema check and the refusal reasons are tested
+with fake libraries, and the schemas of vLLM 0.33.0's FlashMLA build are read from the binary
+when it is at hand (``.flashmla/`` or ``DSV4_ATTN_FLASHMLA_LIB``).
 
-GPU (``-m gpu``, H100 with ``DSV4_ATTN_FLASHMLA_LIB``): the real FlashMLA on every DESIGN §5 edge
-case, a 32k-token prefill chunk with bounded memory, CUDA-graph capture and replay of a decode
-step. ``DSV4_ATTN_FLASHMLA_TABLE=path`` also writes the error table there.
+GPU (``-m gpu``, H100 with ``DSV4_ATTN_FLASHMLA_LIB``): the real FlashMLA on every edge case of
+V4's and V4.1's layer kinds on the V4 record, a 32k-token prefill chunk with bounded memory,
+CUDA-graph capture and replay of a decode step. ``DSV4_ATTN_FLASHMLA_TABLE=path`` also writes the
+error table there.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,14 +30,16 @@ import dsv4_attn as dsv4
 from dsv4_attn.api import SparseMLA
 from dsv4_attn.common import backend as bm
 from dsv4_attn.common import layout
-from dsv4_attn.common.layout import KVFormat
+from dsv4_attn.common.layout import KVFormat, Record
 from dsv4_attn.common.platform import Platform
 from dsv4_attn.common.spec import V4_KINDS, LayerKind, ModelSpec
 from dsv4_attn.cuda import flashmla
 
-from nvidia_cases import assert_close, forward_poisoned, make_case, metrics, reference_out, run_layer
+from nvidia_cases import assert_close, forward_poisoned, make_case, metrics, redrawn_topk, reference_out, run_layer
 
 SM90 = Platform("cuda", "sm90", "fake H100", "2.x")
+SM100 = Platform("cuda", "sm100", "fake B200", "2.x")
+V41 = (LayerKind.SWA, LayerKind.C1A, LayerKind.C2A)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,24 +71,39 @@ def _attend(q, keys, valid, sink, scale):
     return torch.where(has[..., None], o, torch.zeros_like(o)), torch.where(has, lse, torch.full_like(lse, math.inf))
 
 
-class FakeFlashMLA:
-    """The vLLM-build ops (``torch.ops._flashmla_C``) as a CPU double."""
+# bytes per token -> record, as FlashMLA detects the format (flash_mla_interface.py in vLLM 0.33)
+_RECORDS = {584: Record.V4_FP8, 528: Record.MXFP8, 288: Record.NVFP4}
 
-    def __init__(self):
+
+class FakeFlashMLA:
+    """The vLLM-build ops (``torch.ops._flashmla_C``) as a CPU double on an SM90 or SM100 GPU."""
+
+    def __init__(self, arch="sm90"):
+        self.arch = arch
         self.sparse_decode_fwd = _Op(self._decode, flashmla._VLLM_DECODE)
         self.sparse_prefill_fwd = _Op(self._prefill, flashmla._VLLM_PREFILL)
+        self.fused_norm_rope_attn_rope_cast_decode = None  # present in the 2026-09-30 release; never called here
         self.decode_calls, self.prefill_calls = [], []
         self._plans = {}  # id(tile) -> (config, lens values) recorded when planned
 
-    @staticmethod
-    def _kv_rows(kv, idx, lens):
-        """Dequantized keys [b, k, 512] and validity [b, k]: only -1 is invalid in decode, and
-        every other entry inside the length must be a slot of the cache (else: an IMA)."""
+    def _kv_rows(self, kv, idx, lens):
+        """Dequantized keys [b, k, 512], validity [b, k] and the record of a paged cache: only -1
+        is invalid in decode, and every other entry inside the length must be a slot of the cache
+        (else: an IMA). SM100: the kernels address the cache as rows of 576 B (V4: its data rows)
+        or of a whole token (V4.1's interleaved records) with int32 TMA coordinates."""
         _need(kv.dtype in (torch.uint8, torch.int8, torch.float8_e4m3fn), f"kv dtype {kv.dtype}")
-        _need(kv.dim() == 4 and kv.shape[2] == 1 and kv.shape[3] == 584, f"kv shape {tuple(kv.shape)}")
-        _need(kv.stride(1) == 584 and kv.stride(3) == 1, f"kv strides {kv.stride()} (block must be contiguous)")
+        _need(kv.dim() == 4 and kv.shape[2] == 1 and kv.shape[3] in _RECORDS,
+              f"Unsupported bytes_per_token for d_qk=512: kv shape {tuple(kv.shape)}")
+        record, tb = _RECORDS[kv.shape[3]], kv.shape[3]
+        _need(record is Record.V4_FP8 or self.arch == "sm100", f"{tb}-byte (V4.1) records are read on SM100 only")
+        _need(kv.stride(1) == tb and kv.stride(3) == 1, f"kv strides {kv.stride()} (block must be contiguous)")
+        if self.arch == "sm100":
+            row = 576 if record is Record.V4_FP8 else tb
+            _need(kv.data_ptr() % 16 == 0, "The base address of kv must be 16B aligned")
+            _need(kv.stride(0) % row == 0, f"kv.stride(0) ({kv.stride(0)}) must be a multiple of {row}")
+            _need(kv.shape[0] * (kv.stride(0) // row) <= 2**31 - 1, "too many rows for the int32 TMA coordinates")
         cache = kv[:, :, 0, :]
-        geo = layout.check_cache(cache, KVFormat.MODEL1_FP8, "kv")
+        geo = layout.check_cache(cache, record, "kv")
         col = torch.arange(idx.shape[-1])[None, :]
         live = col < lens[:, None].long()
         rows = idx[:, 0, :]
@@ -87,7 +111,7 @@ class FakeFlashMLA:
               "an index inside topk_length is neither -1 nor a slot of the cache")
         valid = live & (rows != -1)
         slots = torch.where(valid, rows, torch.full_like(rows, -1))
-        return layout.gather_rows(cache, KVFormat.MODEL1_FP8, geo, slots), valid
+        return layout.gather_rows(cache, record, geo, slots), valid, record
 
     @staticmethod
     def _check_idx(idx, lens, b, block, name):
@@ -103,10 +127,12 @@ class FakeFlashMLA:
         _need(q.dtype == torch.bfloat16 and d == 512 and q.stride(-1) == 1, "q bf16 [b, s_q, h, 512]")
         _need(s_q == 1, "s_q == 1 (one topk_length per row: tokens are flattened)")
         _need(h in (64, 128), f"Unsupported h_q {h}")
-        self._check_idx(idx, lens, b, 64, "indices")
+        # B_TOPK: 64 in the V4 kernels; the V4.1 SM100 kernel's is not published: its largest tile assumed
+        block = 64 if kv.shape[-1] == 584 else 128
+        self._check_idx(idx, lens, b, block, "indices")
         _need((extra_kv is None) == (extra_idx is None) == (extra_lens is None), "extra_* come together")
         if extra_kv is not None:
-            self._check_idx(extra_idx, extra_lens, b, 64, "extra_indices")
+            self._check_idx(extra_idx, extra_lens, b, block, "extra_indices")
         _need(sink is None or (sink.dtype == torch.float32 and sink.shape == (h,) and sink.is_contiguous()), "sink")
         _need(d_v == 512 and isinstance(scale, float) and batch_invariant is False, "d_v / sm_scale / batch_inv")
         _need(out.dtype == torch.bfloat16 and out.shape == q.shape and out.is_contiguous(), "out")
@@ -123,11 +149,15 @@ class FakeFlashMLA:
             _need(planned[0] == config, f"sched meta reused with another shape {config} vs {planned[0]}")
             _need(all(a is None and b_ is None or torch.equal(a, b_) for a, b_ in zip(planned[1], values)),
                   "sched meta reused with other topk_length values (FlashMLA's reuse rule)")
-        self.decode_calls.append(dict(tile=tile, config=config, h=h))
-        keys, valid = self._kv_rows(kv, idx, lens)
+        keys, valid, record = self._kv_rows(kv, idx, lens)
+        _need(record is not Record.NVFP4, "The fp4 KV cache is only supported as extra_kv")
+        extra_record = None
         if extra_kv is not None:
-            k2, v2 = self._kv_rows(extra_kv, extra_idx, extra_lens)
+            k2, v2, extra_record = self._kv_rows(extra_kv, extra_idx, extra_lens)
+            _need(extra_record is record or (record, extra_record) == (Record.MXFP8, Record.NVFP4),
+                  "extra_kv must have the format of kv, or the V4.1 fp4 format when kv has the V4.1 format")
             keys, valid = torch.cat([keys, k2], 1), torch.cat([valid, v2], 1)
+        self.decode_calls.append(dict(tile=tile, config=config, h=h, records=(record, extra_record)))
         o, lse = _attend(q[:, 0], keys, valid, sink, scale)
         out[:, 0] = o.to(out.dtype)
         return out, lse[:, :, None], tile, splits
@@ -153,18 +183,39 @@ class FakeFlashMLA:
         return [out, lse, lse]
 
 
-@pytest.fixture
-def fake_flashmla(monkeypatch):
-    """Route the `flashmla` backend to FakeFlashMLA and make SparseMLA see an SM90 GPU."""
-    fake = FakeFlashMLA()
+def _install(monkeypatch, fake: FakeFlashMLA, platform: Platform) -> FakeFlashMLA:
+    """Route the `flashmla` backend to ``fake`` and make SparseMLA see ``platform``'s GPU."""
     lib = flashmla.FlashMLALib(flashmla.FlashMLAOps(flashmla._DIALECTS[0], fake), "fake", "0", "test")
     monkeypatch.setattr(flashmla, "load_flashmla", lambda: lib)
-    monkeypatch.setattr("dsv4_attn.api.platform_for_device", lambda device: SM90)
+    monkeypatch.setattr(flashmla, "_is_sm100", lambda device: platform is SM100)
+    monkeypatch.setattr("dsv4_attn.api.platform_for_device", lambda device: platform)
     return fake
+
+
+@pytest.fixture
+def fake_flashmla(monkeypatch):
+    return _install(monkeypatch, FakeFlashMLA("sm90"), SM90)
+
+
+@pytest.fixture
+def fake_flashmla_sm100(monkeypatch):
+    return _install(monkeypatch, FakeFlashMLA("sm100"), SM100)
 
 
 def _mla(case, **kw):
     return SparseMLA(case.spec, case.fmt, backend="flashmla", **kw)
+
+
+def _every_kind_matches_reference(case, pad_tokens: int) -> None:
+    """Every kind of the case's model through `flashmla`, +inf / -inf sinks on heads 0 / 1."""
+    case.sink[0], case.sink[1] = math.inf, -math.inf
+    mla = _mla(case)
+    plan = mla.plan(case.batch, validate=True)
+    for kind in case.spec.kinds:
+        m = run_layer(mla, plan, case, kind)
+        assert_close(m)
+        assert m["out"][:, 0].abs().max() == 0  # +inf sink zeroes the head
+        assert m["out"][-pad_tokens:].abs().max() == 0  # padding tokens have no keys
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,14 +227,7 @@ def test_every_kind_decode_prefill_mtp_padding_matches_reference(fake_flashmla, 
     # prefill request whose first tokens see no compressed entry yet, then 2 padding tokens
     case = make_case(gen, [1, 1, 1, 2, 9, 5], [1, 3, 300, 131, 140, 7], heads=heads, topk=96,
                      num_decode_tokens=5, pad_tokens=2, empty_topk_tokens=(2,))
-    case.sink[0], case.sink[1] = math.inf, -math.inf
-    mla = _mla(case)
-    plan = mla.plan(case.batch, validate=True)
-    for kind in V4_KINDS:
-        m = run_layer(mla, plan, case, kind)
-        assert_close(m)
-        assert m["out"][:, 0].abs().max() == 0  # +inf sink zeroes the head
-        assert m["out"][-2:].abs().max() == 0  # padding tokens have no keys
+    _every_kind_matches_reference(case, pad_tokens=2)
     # decode went through sparse_decode_fwd with heads padded to 64/128, prefill through prefill
     assert {c["h"] for c in fake_flashmla.decode_calls} == {flashmla.padded_heads(heads)}
     assert len(fake_flashmla.prefill_calls) == 3
@@ -258,6 +302,135 @@ def test_cuda_graph_style_reuse_refused_across_steps_is_not_needed(fake_flashmla
         assert_close(run_layer(mla, plan, case, LayerKind.C128A))
     tiles = [id(c["tile"]) for c in fake_flashmla.decode_calls]
     assert len(set(tiles)) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4.1: its layer kinds on the V4 record (SM90), its records on SM100 (contract tests)
+# ---------------------------------------------------------------------------------------------
+# decodes (pos + 1 < 2: no C2A entry yet), an MTP pair, a prefill chunk crossing the window, a
+# prefill request whose first token sees no C2A entry, padding
+V41_QUERY_LENS, V41_SEQ_LENS = [1, 1, 1, 2, 9, 3], [1, 3, 300, 131, 140, 3]
+
+
+@pytest.mark.parametrize("heads, block_size", [(16, 64), (64, 256), (128, 64)])  # vLLM on SM90: 64-token blocks
+def test_v41_kinds_on_the_v4_record(fake_flashmla, gen, heads, block_size):
+    case = make_case(gen, V41_QUERY_LENS, V41_SEQ_LENS, kinds=V41, heads=heads, topk=96, block_size=block_size,
+                     num_decode_tokens=5, pad_tokens=2, empty_topk_tokens=(2,))
+    _every_kind_matches_reference(case, pad_tokens=2)
+    calls = fake_flashmla.decode_calls
+    assert {c["records"] for c in calls} == {(Record.V4_FP8, None), (Record.V4_FP8, Record.V4_FP8)}
+    # each ratio's compressed page holds block_size // ratio entries, and each kind plans its own schedule
+    pages = {c["config"][5] for c in calls}
+    assert pages == {None, block_size, block_size // 2}
+    assert len({id(c["tile"]) for c in calls}) == 3
+    assert len(fake_flashmla.prefill_calls) == 3
+
+
+def test_v41_layers_sharing_a_compressed_cache(fake_flashmla, gen):
+    """Two C2A layers read one cache with their own top-k rows: one schedule serves both (the
+    lengths derive from positions only), the cache is read in place and left unchanged."""
+    case = make_case(gen, [1, 1, 1], [90, 600, 2000], kinds=(LayerKind.SWA, LayerKind.C2A), heads=64, topk=64)
+    spec = ModelSpec(num_heads=64, topk=64, max_model_len=4096,
+                     layers=[dsv4.Layer(0, LayerKind.SWA), dsv4.Layer(1, LayerKind.C2A, 1),
+                             dsv4.Layer(2, LayerKind.C2A, 1)])
+    cache = case.caches[LayerKind.C2A]
+    before = cache.clone()
+    mla = SparseMLA(spec, case.fmt, backend="flashmla")
+    plan = mla.plan(case.batch, validate=True)
+    for topk in (case.topks[LayerKind.C2A], redrawn_topk(gen, case, LayerKind.C2A)):
+        case.topks[LayerKind.C2A] = topk
+        assert_close(run_layer(mla, plan, case, LayerKind.C2A))
+    assert len({id(c["tile"]) for c in fake_flashmla.decode_calls}) == 1
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("fmt, kinds, heads", [("mxfp8_ds_mla", V41, 16), ("nvfp4_ds_mla", V41, 64),
+                                               ("mxfp8_ds_mla", V4_KINDS, 128)])
+def test_v41_records_on_sm100(fake_flashmla_sm100, gen, fmt, kinds, heads):
+    """CONTRACT TEST (no SM100 GPU): decode reads the V4.1 records in place (528 B SWA; 528 or 288 B
+    compressed), prefill dequantizes the selected rows; every kind against the reference."""
+    # pages of whole 512 B multiples (vLLM's V4.1 pages): block_size 4096 gives C128A 32-entry pages
+    case = make_case(gen, V41_QUERY_LENS, V41_SEQ_LENS, kinds=kinds, heads=heads, fmt=fmt, topk=64,
+                     block_size=256 if kinds == V41 else 4096, num_decode_tokens=5, pad_tokens=1,
+                     empty_topk_tokens=(2,))
+    mla = _mla(case)
+    plan = mla.plan(case.batch, validate=True)
+    for kind in kinds:
+        m = run_layer(mla, plan, case, kind)
+        assert_close(m)
+        assert m["out"][-1:].abs().max() == 0
+    swa_rec, comp_rec = KVFormat.parse(fmt).swa_record, KVFormat.parse(fmt).comp_record
+    assert {c["records"] for c in fake_flashmla_sm100.decode_calls} == {(swa_rec, None), (swa_rec, comp_rec)}
+    assert fake_flashmla_sm100.prefill_calls
+
+
+def test_sm100_block_strides(fake_flashmla_sm100, gen):
+    """FlashMLA's SM100 kernels address each V4.1 cache as rows of its token bytes: a block stride
+    that is not a multiple of them is a ValueError naming the cache; vLLM's shared block stride,
+    a multiple of lcm(528, 288), serves both caches."""
+    shared = 3168 * 6  # lcm(528, 288) * 6 >= 64 * 288 and >= 32 * 528
+    case = make_case(gen, [1, 1, 3], [90, 700, 260], kinds=V41, heads=64, fmt="nvfp4_ds_mla", topk=64, swa_bs=32,
+                     block_size=64, swa_block_stride=shared, comp_block_stride=shared)
+    mla = _mla(case)
+    plan = mla.plan(case.batch, validate=True)
+    for kind in V41:
+        assert_close(run_layer(mla, plan, case, kind))
+    bad = make_case(gen, [1], [90], kinds=V41, heads=64, fmt="nvfp4_ds_mla", topk=64, block_size=64,
+                    comp_block_stride=64 * 528)  # a multiple of 528, not of 288
+    mla = _mla(bad)
+    plan = mla.plan(bad.batch)
+    with pytest.raises(ValueError, match=r"^comp_cache: got block stride 33792 B; allowed on SM100: a multiple of "
+                                         r"288 B \(FlashMLA reads nvfp4 caches as rows of 288 B"):
+        mla.forward(plan, "c1a", bad.q, bad.caches["swa"], bad.caches[LayerKind.C1A], topk=bad.topks[LayerKind.C1A])
+    odd = make_case(gen, [1], [90], kinds=V41, heads=64, fmt="mxfp8_ds_mla", topk=64, swa_bs=1)  # page 1024 B
+    mla = _mla(odd)
+    plan = mla.plan(odd.batch)
+    with pytest.raises(ValueError, match=r"^swa_cache: got block stride 1024 B; allowed on SM100: a multiple of 528 B"):
+        mla.forward(plan, "swa", odd.q, odd.caches["swa"])
+
+
+def test_v41_records_refused_off_sm100_and_on_older_flashmla(monkeypatch):
+    b = flashmla.FlashMLABackend()
+    spec = ModelSpec(num_heads=64, layers=V41)
+    fake = _install(monkeypatch, FakeFlashMLA("sm90"), SM90)
+    for fmt in flashmla.V41_FORMATS:
+        reasons = b.unsupported_reasons(SM90, spec, fmt, LayerKind.C1A, dsv4.Phase.DECODE)
+        assert reasons == [f"reads {fmt.value} (V4.1 records) only on SM100: FlashMLA's SM90 kernels decode the V4 "
+                           "record (fp8_ds_mla), which vLLM 0.33 keeps for V4.1 there"]
+        assert b.unsupported_reasons(SM100, spec, fmt, LayerKind.C1A, dsv4.Phase.PREFILL) == []
+    assert b.unsupported_reasons(SM90, spec, KVFormat.MODEL1_FP8, LayerKind.C2A, dsv4.Phase.DECODE) == []
+    del fake.fused_norm_rope_attn_rope_cast_decode  # a FlashMLA from before the interleaved V4.1 records
+    reasons = b.unsupported_reasons(SM100, spec, KVFormat.MXFP8, LayerKind.SWA, dsv4.Phase.DECODE)
+    assert len(reasons) == 1 and "predates the interleaved V4.1 records" in reasons[0]
+    old = flashmla.FlashMLALib(flashmla.FlashMLAOps(flashmla._DIALECTS[1], FakeFlashMLA()), "flash_mla", "1.0", "x")
+    monkeypatch.setattr(flashmla, "load_flashmla", lambda: old)
+    reasons = b.unsupported_reasons(SM100, spec, KVFormat.NVFP4, LayerKind.C2A, dsv4.Phase.DECODE)
+    assert len(reasons) == 1 and "upstream dialect" in reasons[0]
+    with pytest.raises(dsv4.BackendUnavailableError, match="only on SM100"):
+        SparseMLA(spec, "mxfp8_ds_mla", backend="flashmla", device="cpu")
+
+
+def _vllm_flashmla_binary() -> bytes:
+    path = os.environ.get(flashmla.ENV_LIB) or str(Path(__file__).resolve().parents[1] / ".flashmla" /
+                                                   "_flashmla_C.abi3.so")
+    if not os.path.isfile(path):
+        pytest.skip(f"vLLM 0.33.0's FlashMLA build not at hand ({path}; ../shared/tools/flashmla-from-vllm .flashmla)")
+    return Path(path).read_bytes()
+
+
+def test_vllm_033_flashmla_build_binds_and_reads_v41_records():
+    """The op schemas registered by vLLM 0.33.0's ``_flashmla_C`` (read from the binary, no GPU
+    needed) are the ones the adapter binds; the build knows the V4.1 records and carries the op
+    that marks their release."""
+    blob = _vllm_flashmla_binary()
+    for op, expected in (("sparse_decode_fwd", flashmla._VLLM_DECODE), ("sparse_prefill_fwd", flashmla._VLLM_PREFILL)):
+        found = re.findall(rb"\x00(" + op.encode() + rb"\(Tensor q[^\x00]*)\x00", blob)
+        assert len(found) == 1, (op, found)
+        assert flashmla._schema_key(torch._C.parse_schema(found[0].decode())) == \
+            flashmla._schema_key(torch._C.parse_schema(expected)), found[0]
+    assert b"\x00" + flashmla.V41_RELEASE_OP.encode() + b"(Tensor q" in blob
+    for name in (b"ModelType::V41]", b"ModelType::V41_FP4]", b"DecodeFeatures::V41_KVCACHE_FORMAT]"):
+        assert name in blob, name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,6 +559,23 @@ _GPU_CASES = {
                                                                                  num_decode_tokens=4)),
     "prefill H128 C4A1024": ([300, 200], [4000, 200], dict(heads=128, topk=1024, num_decode_tokens=0)),
     "prefill H16 padded, long": ([257], [9000], dict(heads=16, topk=512, max_model_len=16384)),
+    # DeepSeek-V4.1's kinds (SWA, C1A, C2A) on the V4 record, as vLLM 0.33 runs them on SM90 (64-token
+    # compressed blocks: C1A pages of 64 entries, C2A of 32)
+    "V4.1 decode H64 topk512 b64": ([1] * 64, None, dict(kinds=V41, heads=64, topk=512, block_size=64)),
+    "V4.1 decode H128 topk1024 b32": ([1] * 32, None, dict(kinds=V41, heads=128, topk=1024, block_size=64)),
+    "V4.1 decode H16 padded, block 256": ([1] * 24, None, dict(kinds=V41, heads=16, topk=512)),
+    "V4.1 decode H100 padded to 128": ([1] * 8, None, dict(kinds=V41, heads=100, topk=512, block_size=64)),
+    "V4.1 MTP 2-3 tokens/request": ([2, 3, 2, 2], None, dict(kinds=V41, heads=64, topk=512, block_size=64,
+                                                             num_decode_tokens=9)),
+    "V4.1 empty rows, +-inf sinks, padding": ([1, 1, 1, 1], [1, 2, 3, 500],
+                                              dict(kinds=V41, heads=64, block_size=64, pad_tokens=3,
+                                                   empty_topk_tokens=(3,))),
+    "V4.1 mixed decode+prefill": ([1, 1, 2, 37, 130], [5, 900, 400, 160, 3000],
+                                  dict(kinds=V41, heads=64, topk=512, block_size=64, num_decode_tokens=4)),
+    "V4.1 prefill H128 topk1024": ([300, 200], [4000, 200], dict(kinds=V41, heads=128, topk=1024, block_size=64,
+                                                                 num_decode_tokens=0)),
+    "V4.1 prefill H16 padded, long": ([257], [9000], dict(kinds=V41, heads=16, topk=512, block_size=64,
+                                                          max_model_len=16384)),
 }
 
 
@@ -398,19 +588,44 @@ def test_gpu_parity(name, table):
     if seqs is None:
         seqs = [int(x) for x in torch.randint(1, 6000, (len(qlens),), generator=gen)]
         seqs = [max(s, q) for s, q in zip(seqs, qlens)]
-    kw.setdefault("max_model_len", 8192)
+    kw = {"max_model_len": 8192, **kw}
     case = make_case(gen, qlens, seqs, device=GPU, **kw)
     case.sink[0], case.sink[1] = math.inf, -math.inf
     mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU)
     plan = mla.plan(case.batch, validate=True)
-    for kind in V4_KINDS:
-        if kind is LayerKind.C128A and LayerKind.C128A not in case.caches:
+    for kind in case.spec.kinds:
+        if kind.has_comp_scope and kind not in case.caches:
             continue
         m = run_layer(mla, plan, case, kind)
         _record(table, name, kind, m)
         assert m["out"][:, 0].abs().max() == 0
         if "padding" in name:
             assert m["out"][-3:].abs().max() == 0
+
+
+@pytest.mark.gpu
+def test_gpu_v41_layers_sharing_a_compressed_cache(table):
+    """Two C2A layers of one step read one compressed cache with their own top-k rows, then a C1A
+    layer: every result against the reference; the shared cache is read in place, unchanged."""
+    _real_lib()
+    gen = torch.Generator().manual_seed(41)
+    seqs = [int(x) for x in torch.randint(1, 6000, (32,), generator=gen)]
+    case = make_case(gen, [1] * 32, seqs, kinds=V41, heads=64, topk=512, block_size=64, max_model_len=8192,
+                     device=GPU)
+    spec = ModelSpec(num_heads=64, topk=512, max_model_len=8192,
+                     layers=[dsv4.Layer(0, LayerKind.SWA), dsv4.Layer(1, LayerKind.C1A, 1),
+                             dsv4.Layer(2, LayerKind.C2A, 2), dsv4.Layer(3, LayerKind.C2A, 2)])
+    mla = SparseMLA(spec, case.fmt, backend="flashmla", device=GPU)
+    plan = mla.plan(case.batch, validate=True)
+    cache = case.caches[LayerKind.C2A]
+    before = cache.clone()
+    first, second = case.topks[LayerKind.C2A], redrawn_topk(gen, case, LayerKind.C2A)
+    for name, kind, topk in (("layer 2", LayerKind.C2A, first), ("layer 3 (shares layer 2's cache)", LayerKind.C2A,
+                                                                 second), ("layer 1", LayerKind.C1A, None)):
+        if topk is not None:
+            case.topks[kind] = topk
+        _record(table, f"V4.1 shared compressed cache: {name}", kind, run_layer(mla, plan, case, kind))
+    assert torch.equal(cache, before)
 
 
 @pytest.mark.gpu
@@ -444,10 +659,11 @@ def test_gpu_prefill_32k_chunk_bounded(table, monkeypatch):
         assert rows * 1024 <= bm.get_backend("flashmla").workspace_bytes and peak < 4 << 30, (rows, peak)
 
 
-def _graph_case(gen, device):
+def _graph_case(gen, device, kinds):
     """16 decode tokens; the longest request is fixed so block tables and caches keep their shapes."""
     seqs = [4000] + [int(x) for x in torch.randint(1, 4000, (15,), generator=gen)]
-    return make_case(gen, [1] * 16, seqs, heads=64, topk=512, device=device)
+    return make_case(gen, [1] * 16, seqs, kinds=kinds, heads=64, topk=512, device=device,
+                     block_size=256 if kinds == V4_KINDS else 64)
 
 
 def _refill(case, new):
@@ -458,8 +674,10 @@ def _refill(case, new):
         table.copy_(new.batch.comp_block_tables[ratio])
     for key, cache in case.caches.items():
         cache.copy_(new.caches[key])
-    for name in ("q", "topk", "sink"):
-        getattr(case, name).copy_(getattr(new, name))
+    for kind, topk in case.topks.items():
+        topk.copy_(new.topks[kind])
+    case.q.copy_(new.q)
+    case.sink.copy_(new.sink)
     b = case.batch
     return dsv4.StepBatch(b.query_start_loc, b.seq_lens, b.num_decode_tokens, b.swa_block_table, b.swa_block_size,
                           b.comp_block_tables, b.block_size, b.max_model_len, num_tokens=b.num_tokens)
@@ -468,7 +686,7 @@ def _refill(case, new):
 def _decode_step(mla, plan, case, outs):
     for kind, out in outs.items():
         mla.forward(plan, kind, case.q, case.caches["swa"], case.caches.get(kind) if kind.has_comp_scope else None,
-                    c4a_topk=case.topk if kind is LayerKind.C4A else None, sink=case.sink, out=out)
+                    topk=case.topk_for(kind), sink=case.sink, out=out)
 
 
 def _check_step(table, name, mla, plan, case, outs):
@@ -477,25 +695,27 @@ def _check_step(table, name, mla, plan, case, outs):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_decode_replay(table):
+@pytest.mark.parametrize("kinds", [V4_KINDS, V41], ids=["V4", "V4.1"])
+def test_gpu_cuda_graph_decode_replay(table, kinds):
     _real_lib()
     gen = torch.Generator().manual_seed(11)
-    case = _graph_case(gen, GPU)
+    case = _graph_case(gen, GPU, kinds)
     mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU, max_tokens=16)
-    outs = {kind: torch.empty_like(case.q) for kind in V4_KINDS}
+    outs = {kind: torch.empty_like(case.q) for kind in kinds}
     _decode_step(mla, mla.plan(case.batch), case, outs)  # warm-up outside the capture; that plan is dropped
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     plan = mla.plan(case.batch)  # a fresh plan: its schedules are planned inside the capture
     with torch.cuda.graph(graph):
         _decode_step(mla, plan, case, outs)
+    prefix = "" if kinds == V4_KINDS else "V4.1 "
     for step in range(2):  # replay on new contents, same shapes, twice
-        plan = mla.plan(_refill(case, _graph_case(gen, GPU)))  # rewrites the buffers the graph reads
+        plan = mla.plan(_refill(case, _graph_case(gen, GPU, kinds)))  # rewrites the buffers the graph reads
         for out in outs.values():
             out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        _check_step(table, f"CUDA graph replay {step + 1}, new contents", mla, plan, case, outs)
+        _check_step(table, f"{prefix}CUDA graph replay {step + 1}, new contents", mla, plan, case, outs)
 
 
 @pytest.mark.gpu
@@ -509,14 +729,17 @@ def test_gpu_library_and_schema():
 
 
 @pytest.mark.gpu
-def test_gpu_huge_slots(table):
+@pytest.mark.parametrize("kinds", [V4_KINDS, V41], ids=["V4", "V4.1"])
+def test_gpu_huge_slots(table, kinds):
     """Last on purpose: if the kernel computed byte offsets in int32 this could fault the context."""
     _real_lib()
     gen = torch.Generator().manual_seed(2**31 % 1000)
-    case = make_case(gen, [1, 1, 1, 3], [4000, 5000, 300, 3000], heads=64, topk=512, block_base=60000,
-                     num_decode_tokens=3, max_model_len=8192, device=GPU)
+    case = make_case(gen, [1, 1, 1, 3], [4000, 5000, 300, 3000], kinds=kinds, heads=64, topk=512, block_base=60000,
+                     num_decode_tokens=3, max_model_len=8192, block_size=256 if kinds == V4_KINDS else 64,
+                     device=GPU)
     assert case.caches["swa"].shape[0] * case.caches["swa"].stride(0) > 2**31
     mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU)
     plan = mla.plan(case.batch, validate=True)
-    for kind in V4_KINDS:
-        _record(table, "huge slots: SWA byte offsets > 2^31", kind, run_layer(mla, plan, case, kind))
+    prefix = "" if kinds == V4_KINDS else "V4.1 "
+    for kind in kinds:
+        _record(table, f"{prefix}huge slots: SWA byte offsets > 2^31", kind, run_layer(mla, plan, case, kind))

@@ -220,13 +220,21 @@ def test_merged_rows_match_loop(gen, K, padded):
     comp_lens = _rand(gen, 0, K + 1, (T,)).int()
     swa = _random_rows(gen, T, W, swa_lens.tolist())
     comp = _random_rows(gen, T, K, comp_lens.tolist())
+    swa[:, -1] = 7  # past swa_lens (or the last key): kept only when inside the lens
+
+    def keys(row, n):  # the row's keys in order, -1 after, as wide as the row
+        kept = [x for x in row[:n] if x >= 0]
+        return kept + [-1] * (len(row) - len(kept))
+
     rows, lens = indices.merged_rows(swa, swa_lens, comp, comp_lens)
-    expect = [swa[t].tolist() + comp[t].tolist() + [-1] * (padded - K) for t in range(T)]
+    expect = [keys(swa[t].tolist(), int(swa_lens[t])) + keys(comp[t].tolist(), int(comp_lens[t]))
+              + [-1] * (padded - K) for t in range(T)]
     assert rows.dtype == torch.int32 and rows.is_contiguous() and rows.tolist() == expect
-    assert lens.dtype == torch.int32 and lens.tolist() == [W + int(n) for n in comp_lens]
-    # SWA-only layer: rows as given, lens always W
+    counts = [sum(x >= 0 for x in comp[t, : int(comp_lens[t])].tolist()) for t in range(T)]
+    assert lens.dtype == torch.int32 and lens.tolist() == [W + n for n in counts]
+    # SWA-only layer: the SWA keys, lens always W
     rows, lens = indices.merged_rows(swa, swa_lens, None, None)
-    assert rows.tolist() == swa.tolist() and lens.tolist() == [W] * T
+    assert rows.tolist() == [keys(swa[t].tolist(), int(swa_lens[t])) for t in range(T)] and lens.tolist() == [W] * T
 
 
 def _csr(rows, lens):

@@ -53,13 +53,13 @@ _filled_cache = functools.partial(step_cases.filled_cache, device=DEVICE)
 def run_and_check(mla, plan, kind, q, caches, topk, sink, fmt="fp8_ds_mla", kv_scale=1.0, swa_dialect="ocp",
                   tol=1e-2):
     comp = caches.get(kind)
+    topk = topk if kind.uses_topk else None
     out = torch.full_like(q, float("nan"))
-    mla.forward(plan, kind, q, caches["swa"], comp, c4a_topk=topk if kind is LayerKind.C4A else None,
-                sink=sink, out=out, kv_scale=kv_scale, validate=True)
+    mla.forward(plan, kind, q, caches["swa"], comp, topk=topk, sink=sink, out=out, kv_scale=kv_scale, validate=True)
     if HAS_CUDA:
         torch.cuda.synchronize()
     assert not out.isnan().any(), f"{int(out.isnan().sum())} output elements not written"
-    rows, lens = plan.comp_scope(kind, topk if kind is LayerKind.C4A else None)
+    rows, lens = plan.comp_scope(kind, topk)
     ref, _ = reference.sparse_mla(q, caches["swa"], plan.swa_rows, plan.swa_lens, comp, rows, lens, sink,
                                   mla.spec.scale, fmt, kv_scale=kv_scale if fmt == "fp8_e4m3" else None,
                                   swa_dialect=swa_dialect)
@@ -138,15 +138,20 @@ def test_block_sizes(device, swa_bs, block_size, gen):
 
 
 @pytest.mark.parametrize("device", _devices())
-def test_kernel_lse_and_all_invalid_rows(device, gen):
-    """The raw kernel entry: natural-log lse without the sink, rows whose indices are all -1,
-    interleaved -1 entries, a cache with a padded block stride, and the split path."""
+@pytest.mark.parametrize("fmt,swa_dialect", [("fp8_ds_mla", "ocp"), ("mxfp8_ds_mla", "ocp"), ("mxfp8_ds_mla", "fnuz"),
+                                             ("nvfp4_ds_mla", "ocp")])
+def test_kernel_lse_and_all_invalid_rows(device, fmt, swa_dialect, gen):
+    """The raw kernel entry in each packed record (V4; V4.1 MXFP8, FNUZ too; MXFP8 SWA + NVFP4
+    compressed): natural-log lse without the sink, rows whose indices are all -1, interleaved -1
+    entries, an SWA cache with a padded block stride (other layers' pages), a compressed cache of
+    12-token blocks (not a power of two), and the split path."""
     from dsv4_attn.portable.kernels.ops import KernelConfig, sparse_mla_fwd
 
     T, H, W, K = 4, 16, 24, 40
-    fmt = "fp8_ds_mla"
-    swa = _filled_cache(fmt, 6, 16, gen, block_stride=layout.model1_page_bytes(16) + 576)
-    comp = _filled_cache(fmt, 5, 16, gen)
+    records = layout.KVFormat.parse(fmt)
+    stride = layout.default_block_stride(records.swa_record, 16) + 576
+    swa = _filled_cache(records.swa_record, 6, 16, gen, block_stride=stride, dialect=swa_dialect)
+    comp = _filled_cache(records.comp_record, 7, 12, gen)
     rows = torch.randint(0, 96, (T, W), generator=gen).int()
     rows[:, 5] = -1
     rows[2] = -1  # all invalid
@@ -158,12 +163,13 @@ def test_kernel_lse_and_all_invalid_rows(device, gen):
     sink = torch.randn(H, generator=gen)
     args = [x.to(DEVICE) for x in (rows, lens, crows, clens, q, sink)]
     rows, lens, crows, clens, q, sink = args
-    ref, ref_lse = reference.sparse_mla(q, swa, rows, lens, comp, crows, clens, sink, 512**-0.5, fmt)
+    ref, ref_lse = reference.sparse_mla(q, swa, rows, lens, comp, crows, clens, sink, 512**-0.5, fmt,
+                                        swa_dialect=swa_dialect)
     for split in (1, 4):
         out = torch.full_like(q, float("nan"))
         lse = torch.full((T, H), float("nan"), device=DEVICE)
         sparse_mla_fwd(q, out, fmt, swa, rows, lens, comp, crows, clens, sink=sink, lse=lse,
-                       config=KernelConfig(block_n=16, split=split))
+                       swa_fnuz=swa_dialect == "fnuz", config=KernelConfig(block_n=16, split=split))
         assert not out.isnan().any() and not lse.isnan().any()
         err = compare(out, ref)
         assert err["rel_l2"] < 1e-2 and err["cosine"] > 0.9999, err
@@ -250,23 +256,31 @@ def _impls():
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("impl", ["portable", "gluon"])
-@pytest.mark.parametrize("cfg,batch,mtp", [("h64-c4a512", 5, 1), ("h128-c4a1024", 3, 2), ("h64-c128a", 4, 1),
-                                           ("h128-c4a1024", 40, 1)])
-def test_gpu_production_shapes(impl, cfg, batch, mtp):
+@pytest.mark.parametrize("cfg,batch,mtp,fmt", [
+    ("h64-c4a512", 5, 1, "fp8_ds_mla"), ("h128-c4a1024", 3, 2, "fp8_ds_mla"), ("h64-c128a", 4, 1, "fp8_ds_mla"),
+    ("h128-c4a1024", 40, 1, "fp8_ds_mla"),
+    # V4.1 layers: the V4 record (SM90's), MXFP8, MXFP8 SWA + NVFP4 compressed (SM100's records)
+    ("h64-c1a512", 3, 1, "fp8_ds_mla"), ("h128-c2a1024", 40, 1, "fp8_ds_mla"), ("h64-c1a512", 5, 2, "mxfp8_ds_mla"),
+    ("h128-c2a1024", 40, 1, "mxfp8_ds_mla"), ("h64-c2a512", 3, 1, "nvfp4_ds_mla"),
+    ("h128-c1a1024", 40, 1, "nvfp4_ds_mla")])
+def test_gpu_production_shapes(impl, cfg, batch, mtp, fmt):
     """Production head counts / widths (the bench's cases) against the float64 reference, with a
     +inf and a -inf sink; small batches take the split-KV path, larger ones do not."""
     kw = dict(_impls()).get(impl)
     if kw is None:
         pytest.skip(f"{impl} kernel needs an sm_90 GPU")
+    if impl == "gluon" and fmt != "fp8_ds_mla":
+        pytest.skip("the Gluon kernel reads the V4 record only (V4.1 records run the portable kernel)")
     from dsv4_attn import bench
 
     name = _backend(f"triton-{impl}", **kw)
-    case = bench.make_decode_case(bench.DECODE_CONFIGS[cfg], batch, mtp, torch.device("cuda"), seed=batch * 7 + mtp)
+    case = bench.make_decode_case(bench.DECODE_CONFIGS[cfg], batch, mtp, torch.device("cuda"),
+                                  layout.KVFormat.parse(fmt), seed=batch * 7 + mtp)
     case.sink[0], case.sink[1] = math.inf, -math.inf
     mla = dsv4.SparseMLA(case.spec, case.fmt, backend=name, max_tokens=case.q.shape[0])
     plan = mla.plan(case.batch)
     run_and_check(mla, plan, case.kind, case.q, {"swa": case.swa_cache, case.kind: case.comp_cache},
-                  case.c4a_topk, case.sink)
+                  case.topk, case.sink, fmt)
 
 
 @gpu
@@ -378,13 +392,26 @@ def test_gpu_cache_past_2gib(impl, gen):
     run_and_check(mla, plan, LayerKind.SWA, q, {"swa": cache}, None, sink)
 
 
+def _impl_configs(device):
+    """KernelConfigs to run on ``device``: the portable kernel, and on a GPU the automatic choice
+    (which must pick the portable kernel for FNUZ caches and V4.1 records)."""
+    from dsv4_attn.portable.kernels.ops import KernelConfig
+
+    configs = [KernelConfig(block_n=16, impl="triton")]
+    if device == "cuda":
+        configs.append(KernelConfig())
+    return configs
+
+
 @pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8_e4m3", "mxfp8"])
 def test_fnuz_extreme_bytes(device, fmt, gen):
     """FNUZ e4m3 bytes 0x7F / 0xFF are ±240 (NaN in OCP): caches holding them in the attended rows
-    decode like the reference (torch's float8_e4m3fnuz) in the portable kernel (what AMD runs).
-    Only the compiled run discriminates: Triton's interpreter decodes OCP 0x7F as 480, not NaN."""
-    from dsv4_attn.portable.kernels.ops import KernelConfig, sparse_mla_fwd
+    decode like the reference (torch's float8_e4m3fnuz) in the portable kernel (what AMD runs), and
+    on a GPU through the automatic kernel choice (on sm_90 the Gluon kernel, which reads OCP only,
+    must hand FNUZ caches to the portable kernel). Only the compiled run discriminates: Triton's
+    interpreter decodes OCP 0x7F as 480, not NaN."""
+    from dsv4_attn.portable.kernels.ops import sparse_mla_fwd
 
     from conftest import e4m3_value
 
@@ -393,9 +420,10 @@ def test_fnuz_extreme_bytes(device, fmt, gen):
     scale = 0.25 if fmt == "fp8_e4m3" else None
     swa = _filled_cache(fmt, 4, 16, gen, dialect="fnuz", scale=scale)
     flat = swa.view(torch.uint8).as_strided((swa.untyped_storage().nbytes(),), (1,), 0)
-    row_bytes = 576 if fmt == "fp8_ds_mla" else 512  # MODEL1 blocks: data rows of 576 B, then scale rows
+    # V4 blocks: data rows of 576 B, then scale rows; MXFP8: 528 B per token, values first
+    row_bytes = {"fp8_ds_mla": 576, "fp8_e4m3": 512, "mxfp8": 528}[fmt]
     for slot, col, byte in ((3, 5, 0x7F), (7, 100, 0xFF), (18, 447, 0x7F), (30, 0, 0xFF)):
-        flat[slot // 16 * swa.stride(0) + slot % 16 * row_bytes + col] = byte  # NoPE bytes of attended rows
+        flat[slot // 16 * swa.stride(0) + slot % 16 * row_bytes + col] = byte  # e4m3 bytes of attended rows
     rows = torch.arange(T * W, dtype=torch.int32).view(T, W) % 32
     lens = torch.tensor([W, 11, W], dtype=torch.int32)
     q = torch.randn(T, H, 512, generator=gen).bfloat16()
@@ -403,9 +431,73 @@ def test_fnuz_extreme_bytes(device, fmt, gen):
     rows, lens, q, sink = (x.to(DEVICE) for x in (rows, lens, q, sink))
     ref, _ = reference.sparse_mla(q, swa, rows, lens, None, None, None, sink, 512**-0.5, fmt, kv_scale=scale,
                                   swa_dialect="fnuz")
-    out = torch.full_like(q, float("nan"))
-    sparse_mla_fwd(q, out, fmt, swa, rows, lens, sink=sink, kv_scale=scale or 1.0, swa_fnuz=True,
-                   config=KernelConfig(block_n=16, impl="triton"))
-    assert not out.isnan().any(), "FNUZ 0x7F/0xFF decoded as NaN"
-    err = compare(out, ref)
-    assert err["rel_l2"] < 1e-2 and err["cosine"] > 0.9999, err
+    for config in _impl_configs(device):
+        out = torch.full_like(q, float("nan"))
+        sparse_mla_fwd(q, out, fmt, swa, rows, lens, sink=sink, kv_scale=scale or 1.0, swa_fnuz=True, config=config)
+        assert not out.isnan().any(), f"FNUZ 0x7F/0xFF decoded as NaN ({config})"
+        err = compare(out, ref)
+        assert err["rel_l2"] < 1e-2 and err["cosine"] > 0.9999, (config, err)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_nvfp4_every_code_and_extreme_scales(device, gen):
+    """Compressed NVFP4 rows holding every byte value (both nibbles: all 16 e2m1 codes, -0 and the
+    subnormal 0.5 included) under the smallest e4m3 scale (0x01 = 2^-9, a subnormal), the largest
+    (0x7E = 448) and random ones, beside an MXFP8 SWA cache: each token's output, compared on its
+    own, like the reference's (token 0 reads only 2^-9-scaled rows, token 1 only 448-scaled ones)."""
+    from dsv4_attn.portable.kernels.ops import sparse_mla_fwd
+
+    T, H, W, K = 3, 16, 8, 24
+    swa = _filled_cache("mxfp8", 2, 16, gen)
+    comp = _filled_cache("nvfp4", 2, 16, gen)
+    tokens = comp.view(-1, 288)  # the default stride: 16 tokens of 288 B fill 9 pages of 512 B exactly
+    tokens[:16, :256] = torch.arange(256, dtype=torch.uint8).roll(7)[None, :] + torch.zeros(16, 1, dtype=torch.uint8)
+    tokens[:4, 256:] = 0x01
+    tokens[4:8, 256:] = 0x7E
+    tokens[8:16, 256:] = torch.randint(0x01, 0x7F, (8, 32), generator=gen).to(torch.uint8)
+    rows = torch.randint(0, 32, (T, W), generator=gen).int()
+    lens = torch.tensor([0, 0, W], dtype=torch.int32)
+    crows = torch.randperm(32, generator=gen)[:K].int().repeat(T, 1)
+    crows[0, :4], crows[1, :4] = torch.arange(4), torch.arange(4, 8)
+    clens = torch.tensor([4, 4, K], dtype=torch.int32)
+    q = (torch.randn(T, H, 512, generator=gen) * 0.05).bfloat16()
+    sink = torch.randn(H, generator=gen)
+    rows, lens, crows, clens, q, sink = (x.to(DEVICE) for x in (rows, lens, crows, clens, q, sink))
+    swa, comp = swa.to(DEVICE), comp.to(DEVICE)
+    ref, _ = reference.sparse_mla(q, swa, rows, lens, comp, crows, clens, sink, 512**-0.5, "nvfp4_ds_mla")
+    for config in _impl_configs(device):
+        out = torch.full_like(q, float("nan"))
+        sparse_mla_fwd(q, out, "nvfp4_ds_mla", swa, rows, lens, comp, crows, clens, sink=sink, config=config)
+        assert not out.isnan().any()
+        for t in range(T):
+            err = compare(out[t], ref[t])
+            assert err["rel_l2"] < 1e-2 and err["cosine"] > 0.9999, (config, t, err)
+
+
+def test_kernel_choice_is_visible_in_explain(monkeypatch):
+    """Which Triton kernel and tile a layer gets, and why, from the arch alone: the Gluon kernel on
+    sm_90 for V4 records in OCP e4m3 only; V4.1 records and FNUZ caches on the portable kernel; AMD's
+    own tile (16 heads per wave, 16 keys); the choice shows in explain()."""
+    from dsv4_attn.common.layout import Fp8Dialect, KVFormat
+    from dsv4_attn.common.platform import Platform
+    from dsv4_attn.portable.triton_backend import TritonBackend
+
+    b = TritonBackend()
+    ocp, fnuz = (Fp8Dialect.OCP,) * 2, (Fp8Dialect.FNUZ, Fp8Dialect.OCP)
+    h100 = Platform("cuda", "sm90", "H100", torch.__version__)
+    mi355 = Platform("rocm", "gfx950", "MI355X", torch.__version__)
+    spec = dsv4.ModelSpec(num_heads=128)
+    phase = backend_mod.Phase.DECODE
+    v4 = b.choice(h100, spec, KVFormat.MODEL1_FP8, LayerKind.C4A, phase, ocp)
+    assert v4.startswith("Gluon Hopper kernel, 64 heads x 64 keys"), v4
+    for fmt, want in ((KVFormat.MXFP8, "not mxfp8"), (KVFormat.NVFP4, "not mxfp8/nvfp4")):
+        got = b.choice(h100, spec, fmt, LayerKind.C2A, phase, ocp)
+        assert got.startswith("portable kernel, 64 heads x 64 keys per tile, 8 warps") and want in got, got
+    # an SWA-only layer of nvfp4_ds_mla reads the MXFP8 cache only
+    assert "not mxfp8)" in b.choice(h100, spec, KVFormat.NVFP4, LayerKind.SWA, phase, ocp)
+    assert "not FNUZ" in b.choice(h100, spec, KVFormat.MODEL1_FP8, LayerKind.C4A, phase, fnuz)
+    amd = b.choice(mi355, dsv4.ModelSpec(num_heads=32), KVFormat.NVFP4, LayerKind.C1A, phase, ocp)
+    assert amd == "portable kernel, 32 heads x 16 keys per tile, 2 warps (the Gluon kernel is sm_90 only, " \
+                  "this is gfx950)", amd
+    mla = dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16, layers=("swa", "c1a")), "nvfp4_ds_mla", backend="triton")
+    assert "portable kernel, 16 heads x 64 keys per tile, 8 warps (Triton's CPU interpreter)" in mla.explain()

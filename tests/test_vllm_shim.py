@@ -1,33 +1,47 @@
-"""The vLLM 0.33 shim against the REAL vllm package (CPU, torch backend).
+"""The vLLM 0.33 shim against the REAL vllm package, on a CPU (torch backend).
 
-Run with ``bash ci/vllm-tests.sh`` (builds a venv with vllm 0.33 installed without its torch pin);
-everywhere else this module skips with the reason. What is exercised: vLLM's plugin loader with
-our entry point, vLLM's own DeepSeek-V4 layer-class selection wrapped by the hook, vLLM's real
-metadata dataclasses / forward context / attention-sink helper / config objects, and our layer
-class's ``forward_mqa`` on a mixed decode + MTP + prefill + padding batch against the float64
-reference. Not exercised: building a whole vLLM layer or model (that needs GPU kernels, model
-weights and a distributed setup; the layer here is our class with the attributes vLLM's
-``__init__`` would set), vLLM's metadata builders (Triton GPU kernels), and the ROCm model module
-(it cannot be imported without a ROCm GPU: its hook is tested on a stand-in module).
+Run with ``bash ci/vllm-tests.sh`` (a venv with vllm 0.33 installed without its torch pin);
+everywhere else this module skips with the reason. The plugin tests run vLLM's plugin loader,
+its DeepSeek-V4 layer-class selection (hooked) and its config objects. The stack tests
+(``tests/vllm_stack.py``) build the attention layers of a small DeepSeek-V4 with vLLM's own
+``__init__``, KV-cache grouping and allocation, metadata builders (Triton interpreter), cache
+writer and MTP draft loop, and compare the shim's ``forward_mqa`` with vLLM's own
+``forward_mqa``, whose FlashMLA calls are replaced by float64 implementations: the two agree to
+bf16 output rounding on every layer kind, decode, MTP, prefill, every draft step and CUDA-graph
+padding. What cannot run here: the ROCm model module (it needs a ROCm GPU to import; its hook
+runs on a stand-in module), and vLLM's GPU-only kernels around attention (fused q-norm/RoPE
+insert, indexer, compressor): their outputs -- the query, the cache rows, the top-k rows -- are
+random inputs here.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import pickle
 import subprocess
 import sys
-import tomllib
 import types
+import weakref
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
+
+if not torch.cuda.is_available():
+    # vLLM enables its Triton kernels only with exactly one active Triton driver; with no GPU
+    # visible it accepts none (the Triton interpreter runs them, conftest.py).
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 vllm = pytest.importorskip("vllm", reason="vllm is not importable here: run `bash ci/vllm-tests.sh` "
                                           "(docs/vllm.md) for the vLLM shim tests")
 
-from dsv4_attn.common import layout, reference  # noqa: E402
+import vllm_stack  # noqa: E402
+from vllm_stack import HEADS, NUM_SPEC_TOKENS, VllmStack  # noqa: E402
+
+from dsv4_attn.common import layout  # noqa: E402
 from dsv4_attn.common.backend import BackendUnavailableError  # noqa: E402
 from dsv4_attn.integrations import vllm as shim  # noqa: E402
 
@@ -39,6 +53,8 @@ if not shim.is_tested_version(vllm.__version__):
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[1]
+# Shim vs vLLM's own path with float64 FlashMLA: both round the same float attention to bf16.
+REL_L2, MAX_ABS = 1e-3, 2e-2
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
@@ -52,12 +68,37 @@ def clean_state(monkeypatch):
     monkeypatch.setattr(shim, "_planners", {})
 
 
-def vllm_config(backend: str | None = None, block_size: int = 256):
-    """A real VllmConfig; the plugin is registered first, as vLLM does before parsing arguments."""
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dsv4_small")
+    vllm_stack.write_model_config(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sm90(model_dir):
+    """vLLM sees an SM90 device (CPU tensors, float64 FlashMLA) for this module's stack tests."""
+    with pytest.MonkeyPatch.context() as mp:
+        vllm_stack.as_sm90_cpu(mp)
+        yield
+
+
+@pytest.fixture(scope="module")
+def built_stack(sm90, model_dir) -> VllmStack:
+    return VllmStack(model_dir, torch.Generator().manual_seed(0))
+
+
+@pytest.fixture
+def stack(built_stack, gen) -> VllmStack:
+    built_stack.gen = gen  # each test's inputs depend on its own seed only
+    return built_stack
+
+
+def basic_config(backend: str | None = None, block_size: int = 256):
+    """A real VllmConfig without a model (plugin and selection tests)."""
     from vllm.config import AttentionConfig, CacheConfig, DeviceConfig, VllmConfig
 
     shim.register()
-
     return VllmConfig(device_config=DeviceConfig(device="cpu"), attention_config=AttentionConfig(backend=backend),
                       cache_config=CacheConfig(block_size=block_size))
 
@@ -115,22 +156,39 @@ def test_plugin_loads_through_vllms_loader(monkeypatch, tmp_path):
 
 def test_selection_returns_ours_only_when_enabled(monkeypatch):
     model, base = cuda_model_module(), flashmla_layer_class()
-    assert model._select_dsv4_attn_cls(vllm_config()) is base  # off: vLLM's own class
-    assert model._select_dsv4_attn_cls(vllm_config("FLASHMLA_SPARSE_DSV4")) is base
+    assert model._select_dsv4_attn_cls(basic_config()) is base  # off: vLLM's own class
+    assert model._select_dsv4_attn_cls(basic_config("FLASHMLA_SPARSE_DSV4")) is base
 
-    ours = model._select_dsv4_attn_cls(vllm_config(shim.BACKEND_NAME))  # on through the flag
+    ours = model._select_dsv4_attn_cls(basic_config(shim.BACKEND_NAME))  # on through the flag
     assert ours is not base and issubclass(ours, base) and issubclass(ours, shim.DSv4AttnLayerMixin)
     assert ours.forward_mqa is shim.DSv4AttnLayerMixin.forward_mqa
     assert ours.backend_cls is base.backend_cls  # vLLM's metadata builders and KV specs stay
 
     monkeypatch.setenv(shim.ENV_ENABLE, "1")  # on through the environment
-    assert model._select_dsv4_attn_cls(vllm_config()) is ours
-    assert model._select_dsv4_attn_cls(vllm_config("FLASHMLA_SPARSE_DSV4")) is ours
+    assert model._select_dsv4_attn_cls(basic_config()) is ours
+    assert model._select_dsv4_attn_cls(basic_config("FLASHMLA_SPARSE_DSV4")) is ours
     with pytest.raises(ValueError, match="plain bf16/fp8 KV rows"):
-        model._select_dsv4_attn_cls(vllm_config("FLASHINFER_MLA_SPARSE_DSV4"))
+        model._select_dsv4_attn_cls(basic_config("FLASHINFER_MLA_SPARSE_DSV4"))
     monkeypatch.setenv(shim.ENV_ENABLE, "yes")
     with pytest.raises(ValueError, match="DSV4_ATTN_VLLM: got 'yes'"):
-        model._select_dsv4_attn_cls(vllm_config())
+        model._select_dsv4_attn_cls(basic_config())
+
+
+def test_deepseek_v41_is_refused_while_on(monkeypatch):
+    """V4.1's own (CUDA) model module: its layer selection raises while the plugin is on."""
+    shim.register()
+    from vllm.models.deepseek_v41.nvidia import model as v41
+
+    assert v41._select_dsv4_attn_cls._dsv4_attn_hook
+    vllms_choice = type("VllmsChoice", (), {})
+    monkeypatch.setattr(v41, "_select_dsv4_attn_cls", lambda config: vllms_choice)  # needs a V4.1 model: stubbed
+    shim._patch_v41_model(v41)
+    assert v41._select_dsv4_attn_cls(basic_config()) is vllms_choice  # off: vLLM's choice
+    with pytest.raises(ValueError, match=r"got a DeepSeek-V4\.1 model .* does not hook V4\.1"):
+        v41._select_dsv4_attn_cls(basic_config(shim.BACKEND_NAME))
+    monkeypatch.setenv(shim.ENV_ENABLE, "1")
+    with pytest.raises(ValueError, match=r"DeepSeek-V4\.1"):
+        v41._select_dsv4_attn_cls(basic_config())
 
 
 def test_mismatched_vllm_version_is_refused(monkeypatch):
@@ -140,7 +198,7 @@ def test_mismatched_vllm_version_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match=r"got vLLM 0\.34\.0; allowed: vLLM 0\.33\.x"):
         shim.register()
     with pytest.raises(RuntimeError, match=r"got vLLM 0\.34\.0"):
-        shim.layer_class_for(vllm_config(), flashmla_layer_class())
+        shim.layer_class_for(basic_config(), flashmla_layer_class())
 
 
 def test_other_platform_is_refused_when_enabled(monkeypatch):
@@ -149,6 +207,15 @@ def test_other_platform_is_refused_when_enabled(monkeypatch):
     monkeypatch.setenv(shim.ENV_ENABLE, "1")
     with pytest.raises(RuntimeError, match="got vLLM platform 'cpu'; allowed: cuda or rocm"):
         shim.register()
+
+
+def test_startup_log_says_what_runs(monkeypatch, caplog):
+    monkeypatch.setenv(shim.ENV_ENABLE, "1")
+    with caplog.at_level(logging.INFO, logger="vllm.dsv4_attn"):
+        shim.register()
+    line = caplog.records[-1].getMessage()
+    assert "DeepSeek-V4 attention layers built in this process will run on dsv4_attn" in line
+    assert "DeepSeek-V4.1 is refused" in line and "other models are not affected" in line
 
 
 def test_status_reports_the_plugin_state(monkeypatch):
@@ -175,226 +242,287 @@ def test_backend_name_survives_pickling_into_a_fresh_process():
     assert done.stdout.decode().split()[-1] == shim.BACKEND_NAME
 
 
-# ---- a step of real vLLM metadata ---------------------------------------------------------------
-HEADS, TOPK, MAX_MODEL_LEN = 8, 16, 4096
-QUERY_LENS = [1, 2, 9, 5, 0]  # decode, MTP decode pair, prefill across blocks, fresh prefill, padded req
-SEQ_LENS = [300, 131, 700, 5, 0]
-NUM_DECODES, NUM_DECODE_TOKENS, PAD_TOKENS = 2, 3, 2
-SWA_BS, BS = 64, 256
-
-
-def _slot(table, req, p, bs):
-    return int(table[req, p // bs]) * bs + p % bs
-
-
-def _tokens():
-    """(request, position) of every real token, decodes first as vLLM orders them."""
-    return [(r, s - q + i) for r, (q, s) in enumerate(zip(QUERY_LENS, SEQ_LENS)) for i in range(q)]
-
-
-def _block_table(gen, entries_per_req, bs, extra_cols=2):
-    cols = max(-(-e // bs) for e in entries_per_req) + extra_cols
-    return torch.randperm(len(entries_per_req) * cols, generator=gen).int().view(len(entries_per_req), cols)
-
-
-def _cache(gen, table, bs, block_stride=None):
-    cache = layout.new_cache("fp8_ds_mla", table.numel(), bs, block_stride=block_stride)
-    n = table.numel() * bs
-    layout.insert(cache, "fp8_ds_mla", torch.arange(n, dtype=torch.int32),
-                  (torch.randn(n, 512, generator=gen) * 2).bfloat16())
-    return cache
-
-
-def make_step(gen, max_tokens):
-    """vLLM 0.33 metadata dataclasses for one step, filled as its builders would, plus caches and
-    the shared top-k buffer. Returns a dict of everything the tests need."""
-    from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLAMetadata
-    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
-
-    toks = _tokens()
-    T = len(toks) + PAD_TOKENS
-    R = len(QUERY_LENS)
-    qsl = torch.tensor([0] + list(torch.tensor(QUERY_LENS).cumsum(0)), dtype=torch.int32)
-    seq = torch.tensor(SEQ_LENS, dtype=torch.int32)
-    swa_bt = _block_table(gen, SEQ_LENS, SWA_BS)
-    comp_bt = {4: _block_table(gen, [s // 4 for s in SEQ_LENS], BS // 4),
-               128: _block_table(gen, [s // 128 for s in SEQ_LENS], BS // 128)}
-    req_of = torch.tensor([r for r, _ in toks] + [-1] * PAD_TOKENS, dtype=torch.int32)
-    swa_slots = torch.tensor([_slot(swa_bt, r, p, SWA_BS) for r, p in toks] + [-1] * PAD_TOKENS)
-    swa_md = DeepseekSparseSWAMetadata(
-        block_table=swa_bt, slot_mapping=swa_slots, block_size=SWA_BS, seq_lens=seq, query_start_loc=qsl,
-        query_start_loc_cpu=qsl.clone(), is_valid_token=swa_slots >= 0, token_to_req_indices=req_of,
-        num_decodes=NUM_DECODES, num_prefills=2, num_decode_tokens=NUM_DECODE_TOKENS,
-        num_prefill_tokens=len(toks) - NUM_DECODE_TOKENS, max_decode_query_len=2,
-        prefill_seq_lens=seq[NUM_DECODES:], prefill_seq_lens_cpu=seq[NUM_DECODES:].clone(),
-        prefill_query_lens_cpu=torch.tensor(QUERY_LENS[NUM_DECODES:], dtype=torch.int32),
-        prefill_window_size=128, prefill_max_model_len=MAX_MODEL_LEN, prefill_max_num_batched_tokens=max_tokens)
-
-    def comp_md(ratio):
-        bs_c = BS // ratio
-        slots = [(_slot(comp_bt[ratio], r, p // ratio, bs_c) if (p + 1) % ratio == 0 else -1) for r, p in toks]
-        return DeepseekV4FlashMLAMetadata(
-            num_reqs=R, max_query_len=max(QUERY_LENS), max_seq_len=max(SEQ_LENS), num_actual_tokens=len(toks),
-            query_start_loc=qsl, slot_mapping=torch.tensor(slots + [-1] * PAD_TOKENS),
-            block_table=comp_bt[ratio], req_id_per_token=req_of, block_size=BS, topk_tokens=TOPK)
-
-    topk = torch.randint(-7, 10**6, (max_tokens, TOPK), generator=gen, dtype=torch.int32)  # stale rows
-    for t, (r, p) in enumerate(toks):  # the indexer's row: LOCAL positions, valid prefix, then -1
-        n = min((p + 1) // 4, TOPK)
-        topk[t] = -1
-        topk[t, :n] = torch.randperm((p + 1) // 4, generator=gen)[:n].int()
-    return dict(T=T, toks=toks, swa_md=swa_md, comp_md={4: comp_md(4), 128: comp_md(128)}, swa_bt=swa_bt,
-                comp_bt=comp_bt, topk=topk)
-
-
-def expected_rows(step, ratio):
-    """Keys of every token written out by hand from the step's own facts (not by dsv4_attn):
-    (swa_rows, swa_lens, comp_rows, comp_lens) for a layer of compression ratio ``ratio``."""
-    T, width = step["T"], 128 + TOPK + 128
-    swa, comp = torch.full((T, 128), -1, dtype=torch.int32), torch.full((T, width), -1, dtype=torch.int32)
-    swa_lens, comp_lens = torch.zeros(T, dtype=torch.int32), torch.zeros(T, dtype=torch.int32)
-    for t, (r, p) in enumerate(step["toks"]):
-        window = [_slot(step["swa_bt"], r, k, SWA_BS) for k in range(max(0, p - 127), p + 1)]
-        swa[t, : len(window)], swa_lens[t] = torch.tensor(window), len(window)
-        if ratio == 4:
-            locals_ = [int(c) for c in step["topk"][t, : min((p + 1) // 4, TOPK)] if c >= 0]
-        elif ratio == 128:
-            locals_ = list(range((p + 1) // 128))
-        else:
-            continue
-        keys = [_slot(step["comp_bt"][ratio], r, c, BS // ratio) for c in locals_]
-        if keys:
-            comp[t, : len(keys)] = torch.tensor(keys)
-        comp_lens[t] = len(keys)
-    return swa, swa_lens, comp, comp_lens
-
-
-def make_layer(gen, config, ratio, step_tables, name, kv_cache_dtype="fp8_ds_mla", stride_pad=0):
-    """Our layer class (as the hook returns it over vLLM's FlashMLA class) with the attributes
-    vLLM's DeepseekV4Attention.__init__ sets, then our engine-start setup."""
-    from vllm.model_executor.model_loader.weight_utils import make_attention_sink
-
-    cls = shim.layer_class_for(config, flashmla_layer_class())
-    layer = cls.__new__(cls)
-    torch.nn.Module.__init__(layer)
-    padded = cls.get_padded_num_q_heads(HEADS)  # vLLM's FlashMLA padding: 64
-    sink = make_attention_sink(padded, torch.float32)  # -inf on the padded heads
-    sink.data[:HEADS] = torch.randn(HEADS, generator=gen)
-    swa_stride = layout.model1_page_bytes(SWA_BS) + stride_pad  # other layers' pages interleaved
-    layer.__dict__.update(
-        prefix=f"model.layers.{name}.attn", compress_ratio=ratio, kv_cache_dtype=kv_cache_dtype,
-        n_local_heads=HEADS, padded_heads=padded, max_model_len=MAX_MODEL_LEN, window_size=128,
-        scale=512**-0.5, max_image_tokens=0, topk_indices_buffer=step_tables["topk"],
-        swa_cache_layer=types.SimpleNamespace(prefix=f"model.layers.{name}.attn.swa_cache",
-                                              kv_cache=_cache(gen, step_tables["swa_bt"], SWA_BS, swa_stride)),
-        kv_cache=_cache(gen, step_tables["comp_bt"][ratio], BS // ratio) if ratio > 1 else torch.tensor([]),
-    )
-    layer.attn_sink = sink
-    layer.dsv4_setup(config)
-    return layer
-
-
-def attn_metadata_for(step, layers):
-    md = {}
-    for layer in layers:
-        md[layer.swa_cache_layer.prefix] = step["swa_md"]  # one SWA-cache group
+# ---- vLLM's own stack: construction, grouping, writer -------------------------------------------
+def test_layers_are_built_by_vllm_and_grouped_by_vllm(stack):
+    """The layers come from vLLM's __init__ through the hook; vLLM's KV-cache grouping puts them
+    into plans as predicted at profiling time, and the MTP layer is flagged as a draft layer."""
+    ours = cuda_model_module()._select_dsv4_attn_cls(stack.config)
+    assert all(type(layer) is ours for layer in stack.layers + [stack.mtp])
+    assert [layer.compress_ratio for layer in stack.layers] == [1, 4, 128, 4] and stack.mtp.compress_ratio == 1
+    assert stack.mtp.is_draft_layer and not any(layer.is_draft_layer for layer in stack.layers)
+    assert stack.layers[0].padded_heads == 64 and stack.layers[0].n_local_heads == HEADS  # FlashMLA's padding
+    assert stack.layers[1].swa_cache_layer.kv_cache.stride(0) > 64 * 584  # pages of other groups interleaved
+    planner = stack.layers[0].dsv4_planner
+    assert all(layer.dsv4_planner is planner for layer in stack.layers + [stack.mtp])
+    # vLLM split the SWA caches over several groups; the plans follow its grouping.
+    swa_groups = {stack.group_of[layer.swa_cache_layer.prefix] for layer in stack.layers}
+    assert len(swa_groups) > 1 and len(stack.predicted_groups) == len(swa_groups)
+    step = stack.step([1, 3], [40, 70])
+    index, groups = shim.plan_groups(stack.layers, lambda prefix: id(step.attn_metadata[prefix]))
+    assert groups == stack.predicted_groups
+    for layer in stack.layers:
+        group = groups[index[layer.prefix]]
+        assert stack.group_of[group.swa_prefix] == stack.group_of[layer.swa_cache_layer.prefix]
         if layer.compress_ratio > 1:
-            md[layer.prefix] = step["comp_md"][layer.compress_ratio]
-    return md
+            (comp,) = [p for r, p in group.comp_prefixes if r == layer.compress_ratio]
+            assert stack.group_of[comp] == stack.group_of[layer.prefix]
 
 
-def test_layers_match_reference_on_real_vllm_metadata(gen):
+def exactly_quantizable_keys(gen, n: int) -> torch.Tensor:
+    """bf16 [n, 512] whose NoPE tiles are e4m3 values times 2^e with a +-448 * 2^e element (so
+    the tile's scale is exactly 2^e and no value needs rounding), one all-zero tile (vLLM's 1e-4
+    amax floor), random bf16 RoPE dims."""
+    from conftest import e4m3_table
+
+    finite = e4m3_table()[:0x7F]  # the non-negative finite e4m3 values, 0 .. 448
+    tiles = finite[torch.randint(0, 0x7F, (n, 7, 64), generator=gen)]
+    tiles *= torch.where(torch.rand(n, 7, 64, generator=gen) < 0.5, -1.0, 1.0)
+    tiles[:, :, 0] = 448.0 * torch.where(torch.rand(n, 7, generator=gen) < 0.5, -1.0, 1.0)
+    tiles *= torch.pow(2.0, torch.randint(-20, 8, (n, 7, 1), generator=gen).double())
+    tiles[0, 3] = 0
+    rope = torch.randn(n, 64, generator=gen) * 3
+    return torch.cat([tiles.reshape(n, 448).float(), rope], dim=1).bfloat16()
+
+
+def test_cache_writers_agree(gen):
+    """vLLM's fp8_ds_mla writer and dsv4_attn's write the same bytes (the stack fills cache
+    history with dsv4_attn's, much faster under the interpreter). The keys need no rounding:
+    Triton 3.8's interpreter rounds fp32 -> e4m3 ties away from zero and loses the carry into
+    the exponent (7.875 -> 4.0), which the GPU does not."""
+    from vllm.models.deepseek_v4.common.ops.cache_utils import quantize_and_insert_k_cache
+
+    keys = exactly_quantizable_keys(gen, 12)
+    slots = torch.randperm(3 * 64, generator=gen)[:12]
+    ours, theirs = (layout.new_cache("fp8_ds_mla", 3, 64, block_stride=64 * 584 + 576 * 3) for _ in range(2))
+    layout.insert(ours, "fp8_ds_mla", slots, keys)
+    quantize_and_insert_k_cache(keys, theirs, slots.long(), 64)
+    written = ours.view(torch.uint8).flatten() != 0
+    assert written.sum() > 12 * 500  # the rows landed (nonzero data and scale bytes)
+    assert torch.equal(ours.view(torch.uint8).flatten(), theirs.view(torch.uint8).flatten())
+
+
+# ---- the shim vs vLLM's own forward_mqa ---------------------------------------------------------
+def run_all(stack, layers, step, num_tokens=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(shim output, vLLM output)] of ``layers`` in one forward pass over ``step``, layer by
+    layer as vLLM's model runs them; every output poisoned with NaN first."""
     from vllm.forward_context import set_forward_context
 
-    config = vllm_config(shim.BACKEND_NAME)
-    max_tokens = config.scheduler_config.max_num_batched_tokens
-    step = make_step(gen, max_tokens)
-    # SWA-only, C4A, C128A, and a second C4A layer of the same KV-cache groups (same plan).
-    layers = [make_layer(gen, config, r, step, i, stride_pad=576 * (i % 2)) for i, r in enumerate([1, 4, 128, 4])]
-    planner = layers[0].dsv4_planner
-    assert all(layer.dsv4_planner is planner for layer in layers)
-    T, padded = step["T"], layers[0].padded_heads
-    positions = torch.tensor([p for _, p in step["toks"]] + [0] * PAD_TOKENS)
-    attn_metadata = attn_metadata_for(step, layers)
-    with set_forward_context(attn_metadata, config):
+    T = step.num_tokens if num_tokens is None else num_tokens
+    results = []
+    with set_forward_context(step.attn_metadata, stack.config):
         for layer in layers:
-            q = torch.zeros(T, padded, 512, dtype=torch.bfloat16)  # vLLM zero-fills the padded heads
-            q[:, :HEADS] = torch.randn(T, HEADS, 512, generator=gen).bfloat16()
-            out = torch.full((T, padded, 512), float("nan"), dtype=torch.bfloat16)
-            layer.forward_mqa(q, None, positions, out)
-            assert not out.isnan().any(), "output not fully written"
-
-            swa, swa_lens, comp, comp_lens = expected_rows(step, layer.compress_ratio)
-            has_comp = layer.compress_ratio > 1
-            ref, _ = reference.sparse_mla(
-                q, layer.swa_cache_layer.kv_cache, swa, swa_lens, layer.kv_cache if has_comp else None,
-                comp if has_comp else None, comp_lens if has_comp else None, layer.attn_sink.data,
-                512**-0.5, "fp8_ds_mla")
-            err = compare(out[:, :HEADS], ref[:, :HEADS])  # the live heads vLLM keeps
-            assert err["rel_l2"] < 1e-2 and err["cosine"] > 0.9999 and err["max_abs"] < 5e-2, err
-            assert compare(out, ref)["rel_l2"] < 1e-2  # padded heads are written sensibly too
-            assert out[-PAD_TOKENS:].abs().max() == 0  # CUDA-graph padding tokens: no keys, zero output
-    assert planner.plans_built == 3  # one per (SWA group, compressed group) pair, not one per layer
-
-    with set_forward_context(attn_metadata_for(step, layers), config):  # the next step: a new dict
-        out = torch.empty(T, padded, 512, dtype=torch.bfloat16)
-        layers[1].forward_mqa(torch.zeros(T, padded, 512, dtype=torch.bfloat16), None, positions, out)
-    assert planner.plans_built == 4 and len(planner.slots) == 3
+            q = stack.random_q(layer, T)
+            ours = torch.full((T, layer.padded_heads, 512), float("nan"), dtype=torch.bfloat16)
+            theirs = ours.clone()
+            layer.forward_mqa(q, None, step.positions[:T], ours)
+            flashmla_layer_class().forward_mqa(layer, q, None, step.positions[:T], theirs)
+            assert not ours.isnan().any(), "the shim left output elements unwritten"
+            results.append((ours, theirs))
+    return results
 
 
-def test_step_batch_maps_each_vllm_field(gen):
-    config = vllm_config(shim.BACKEND_NAME)
-    step = make_step(gen, config.scheduler_config.max_num_batched_tokens)
-    planner = make_layer(gen, config, 4, step, 0).dsv4_planner
-    swa_md, c4 = step["swa_md"], step["comp_md"][4]
-    batch = planner.step_batch(swa_md, c4, 4, step["T"])
+def run_both(stack, layer, step, num_tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shim output, vLLM output) of one layer in a forward pass of its own."""
+    return run_all(stack, [layer], step, num_tokens)[0]
+
+
+def assert_agree(ours, theirs, real_tokens: int):
+    assert not theirs[:real_tokens].isnan().any()
+    err = compare(ours[:real_tokens, :HEADS], theirs[:real_tokens, :HEADS])  # the live heads vLLM keeps
+    assert err["rel_l2"] < REL_L2 and err["max_abs"] < MAX_ABS and err["cosine"] > 0.99999, err
+    return err
+
+
+def test_mixed_step_matches_vllm(stack):
+    """Decode, MTP verification (2 tokens, a decode for vLLM), chunked and fresh prefill, and 2
+    padding tokens of a piecewise CUDA graph, on every layer kind; one plan per plan group."""
+    planner = stack.layers[0].dsv4_planner
+    step = stack.step([1, 2, 9, 5], [200, 131, 160, 5], pad_tokens=2)
+    swa_md = step.attn_metadata[stack.layers[0].swa_cache_layer.prefix]
+    assert (swa_md.num_decodes, swa_md.num_decode_tokens, swa_md.num_prefills) == (2, 3, 2)
+    built = planner.plans_built
+    for ours, theirs in run_all(stack, stack.layers, step):
+        assert_agree(ours, theirs, step.num_tokens - 2)
+        assert ours[-2:].abs().max() == 0  # padding tokens: no keys, zero output
+    assert planner.plans_built - built == len(stack.predicted_groups)  # one per plan group, not per layer
+
+
+def test_full_graph_padding_matches_vllm(stack):
+    """A uniform MTP-verification batch (1 + 3 tokens per request) padded like a FULL CUDA graph:
+    2 zero-length requests and 8 padding tokens, metadata built for the padded sizes."""
+    q = 1 + NUM_SPEC_TOKENS
+    step = stack.step([q, q, q], [90, 300, 4], pad_tokens=2 * q, pad_reqs=2, full_graph=True)
+    real = 3 * q
+    for ours, theirs in run_all(stack, stack.layers, step):
+        assert_agree(ours, theirs, real)
+        assert ours[real:].abs().max() == 0
+
+
+def test_draft_steps_match_vllm(stack):
+    """MTP with 3 speculative tokens: vLLM builds the draft metadata once and updates it in place
+    for each further draft step. Every draft step plans afresh and matches vLLM's own path."""
+    planner, errors, positions = stack.mtp.dsv4_planner, [], []
+    seq_lens = [200, 131, 77]
+    R = len(seq_lens)
+
+    def attend(step):
+        positions.append(step.positions[:R].tolist())
+        ours, theirs = run_both(stack, stack.mtp, step, num_tokens=R)
+        errors.append(assert_agree(ours, theirs, R))
+
+    built = planner.plans_built
+    stack.run_draft_loop(seq_lens, attend)
+    assert len(errors) == NUM_SPEC_TOKENS - 1  # draft steps 1 and 2 (step 0 is the draft prefill)
+    assert positions == [[s - 1 + k for s in seq_lens] for k in range(NUM_SPEC_TOKENS - 1)]
+    assert planner.plans_built - built == NUM_SPEC_TOKENS - 1
+
+
+def test_step_batch_maps_each_vllm_field(stack):
+    step = stack.step([1, 6], [70, 300])
+    layer = stack.layers[2]  # C128A
+    swa_md = step.attn_metadata[layer.swa_cache_layer.prefix]
+    c128 = step.attn_metadata[layer.prefix]
+    batch = layer.dsv4_planner.step_batch(swa_md, {128: c128}, step.num_tokens)
     assert batch.query_start_loc is swa_md.query_start_loc and batch.seq_lens is swa_md.seq_lens
     assert batch.swa_block_table is swa_md.block_table and batch.swa_block_size == swa_md.block_size == 64
-    assert batch.comp_block_tables == {4: c4.block_table} and batch.block_size == c4.block_size == 256
-    assert batch.num_decode_tokens == swa_md.num_decode_tokens == NUM_DECODE_TOKENS
-    assert batch.num_tokens == step["T"] and batch.max_model_len == MAX_MODEL_LEN
-    swa_only = planner.step_batch(swa_md, None, 1, step["T"])
-    assert swa_only.comp_block_tables == {}
-    # The derived positions are vLLM's: seq_len - query_len + offset, for every real token.
-    assert batch.positions[: len(step["toks"])].tolist() == [p for _, p in step["toks"]]
+    assert batch.comp_block_tables == {128: c128.block_table} and batch.block_size == c128.block_size == 256
+    assert batch.num_decode_tokens == swa_md.num_decode_tokens == 1
+    assert batch.num_tokens == step.num_tokens and batch.max_model_len == vllm_stack.MAX_MODEL_LEN
+    assert batch.positions.tolist() == step.positions.tolist()  # derived on the device: vLLM's positions
+    assert layer.dsv4_planner.step_batch(swa_md, {}, step.num_tokens).comp_block_tables == {}
 
 
-def test_dummy_run_zeroes_output_and_reserves_plan_buffers(gen):
+def test_no_plan_outlives_its_forward(stack):
+    """vLLM's CUDA-graph memory profile builds a throwaway KV cache and metadata builders,
+    captures, then frees them (v1/worker/gpu/cudagraph_utils.py): once a forward is over, the
+    planner keeps none of its metadata -- views of those builders' buffers -- alive."""
+    step = stack.step([1, 5], [70, 300])
+    layer = stack.layers[2]  # C128A: its metadata views vLLM's C128A builder buffers
+    metadata = weakref.ref(step.attn_metadata[layer.prefix])
+    swa_table = weakref.ref(step.block_tables[stack.group_of[layer.swa_cache_layer.prefix]])  # the plan's batch
+    built = layer.dsv4_planner.plans_built
+    run_both(stack, layer, step)
+    assert layer.dsv4_planner.plans_built == built + 1
+    del step
+    gc.collect()
+    assert metadata() is None and swa_table() is None
+
+
+# ---- profiling: every plan buffer inside vLLM's budget -----------------------------------------
+def test_profiling_reserves_every_plan_buffer(stack, caplog):
+    """The dummy run (attn_metadata None) allocates every slot and C128A row set that later steps
+    use, draft slot included; real steps and draft steps then allocate nothing."""
     from vllm.forward_context import set_forward_context
 
-    config = vllm_config(shim.BACKEND_NAME)
-    step = make_step(gen, config.scheduler_config.max_num_batched_tokens)
-    layer = make_layer(gen, config, 4, step, 0)
-    out = torch.full((7, layer.padded_heads, 512), float("nan"), dtype=torch.bfloat16)
-    assert layer.dsv4_planner.slots[0]._buffers is None
-    with set_forward_context(None, config):
-        layer.forward_mqa(torch.randn(7, layer.padded_heads, 512).bfloat16(), None, torch.zeros(7), out)
-    assert out.abs().max() == 0
-    assert layer.dsv4_planner.slots[0]._buffers is not None  # allocated while vLLM profiles memory
+    old = stack.layers[0].dsv4_planner
+    planner = shim.StepPlanner(old.spec, old.max_tokens, old.max_reqs, old.swa_dialect, old.block_size,
+                               predict=lambda layers: shim.predicted_plan_groups(stack.config, layers))
+    for layer in stack.layers + [stack.mtp]:
+        layer.dsv4_planner = planner
+        planner.add_layer(layer)
+    try:
+        out = torch.full((5, 64, 512), float("nan"), dtype=torch.bfloat16)
+        with set_forward_context(None, stack.config), caplog.at_level(logging.INFO, logger="vllm.dsv4_attn"):
+            stack.layers[1].forward_mqa(stack.random_q(stack.layers[1], 5), None, torch.zeros(5), out)
+            stack.mtp.forward_mqa(stack.random_q(stack.mtp, 5), None, torch.zeros(5), out)
+        assert out.abs().max() == 0  # the dummy run's output is zeros
+        reserved = planner.reserved_bytes
+        per_token = 8 + 4 + 1 + 4 * (128 + 1)  # positions, token_to_req, valid, SWA rows and lens
+        c128a = 4 * (planner.spec.c128a_width + 1)
+        num_c128a = sum(g.has_c128a for g in stack.predicted_groups)
+        assert reserved == planner.max_tokens * (per_token * (len(stack.predicted_groups) + 1) + c128a * num_c128a)
+        assert f"reserved {reserved / 2**20:.1f} MiB of plan buffers" in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vllm.dsv4_attn"):
+            step = stack.step([1, 9], [200, 160], pad_tokens=3)
+            for ours, theirs in run_all(stack, stack.layers, step):
+                assert_agree(ours, theirs, step.num_tokens - 3)
+            stack.run_draft_loop([90, 40], lambda s: run_both(stack, stack.mtp, s, num_tokens=2))
+        assert caplog.records == []  # no "allocating ... after vLLM's memory profile"
+        assert sum(shim._buffer_bytes(m) for m in planner.slots + [planner.draft_slot]) == reserved
+    finally:
+        for layer in stack.layers + [stack.mtp]:
+            layer.dsv4_planner = old
+
+
+def test_unpredicted_plan_buffers_are_allocated_loudly(stack, caplog):
+    """When vLLM's grouping could not be predicted at profiling, the step still runs right, and
+    the log says which buffers landed outside vLLM's KV-cache budget."""
+    from vllm.forward_context import set_forward_context
+
+    old = stack.layers[0].dsv4_planner
+
+    def cannot_predict(layers):
+        raise ValueError("KV cache layout has not been resolved yet")
+
+    planner = shim.StepPlanner(old.spec, old.max_tokens, old.max_reqs, old.swa_dialect, old.block_size,
+                               predict=cannot_predict)
+    for layer in stack.layers:
+        layer.dsv4_planner = planner
+        planner.add_layer(layer)
+    try:
+        with set_forward_context(None, stack.config), caplog.at_level(logging.WARNING, logger="vllm.dsv4_attn"):
+            stack.layers[0].forward_mqa(stack.random_q(stack.layers[0], 2), None, torch.zeros(2),
+                                        torch.empty(2, 64, 512, dtype=torch.bfloat16))
+            assert "could not predict vLLM's KV-cache groups (ValueError: KV cache layout" in caplog.text
+            step = stack.step([1], [150])
+            for ours, theirs in run_all(stack, stack.layers, step):
+                assert_agree(ours, theirs, 1)
+        assert "allocating plan slot 1 after vLLM's memory profile" in caplog.text
+        assert "allocating the C128A rows of plan slot 2" in caplog.text
+    finally:
+        for layer in stack.layers:
+            layer.dsv4_planner = old
 
 
 # ---- engine-start refusals and the backend choice ----------------------------------------------
-def test_engine_start_refusals(gen, monkeypatch):
-    config = vllm_config(shim.BACKEND_NAME)
-    step = make_step(gen, config.scheduler_config.max_num_batched_tokens)
-    ours = shim.layer_class_for(config, flashmla_layer_class())
+def build_layer(config, index: int = 1):
+    """One attention layer of ``config``'s model through the hook and vLLM's __init__."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(config):
+        cls = cuda_model_module()._select_dsv4_attn_cls(config)
+        topk = torch.empty(vllm_stack.MAX_TOKENS, vllm_stack.TOPK, dtype=torch.int32)
+        return cls(config, prefix=f"model.layers.{index}.attn", topk_indices_buffer=topk)
+
+
+@pytest.mark.parametrize("setting, match", [
+    (lambda c: setattr(c.kernel_config, "monokernel", True), "--monokernel: decode steps .* never reach"),
+    (lambda c: setattr(c.parallel_config, "ubatch_size", 2), r"micro-batching \(--ubatch-size 2, --enable-dbo False"),
+    (lambda c: setattr(c.parallel_config, "enable_dbo", True), r"micro-batching \(--ubatch-size 0, --enable-dbo True"),
+    (lambda c: setattr(c.parallel_config, "decode_context_parallel_size", 2), "decode_context_parallel_size: got 2"),
+])
+def test_engine_start_refusals(built_stack, model_dir, setting, match):
+    config = vllm_stack.vllm_config(model_dir, speculative=False)
+    setting(config)
+    with pytest.raises(ValueError, match=f"dsv4_attn cannot serve model.layers.1.attn .*\n  - {match}"):
+        build_layer(config)
+
+
+def test_kv_cache_dtype_is_vllms_to_refuse(built_stack, model_dir):
+    """vLLM's own __init__ rejects non-fp8 KV caches for these layer classes before the shim
+    looks, and turns every fp8 dtype into fp8_ds_mla: the shim has nothing to check."""
+    with pytest.raises(ValueError, match="fp8_ds_mla layout only supports fp8 kv-cache, got bfloat16"):
+        build_layer(vllm_stack.vllm_config(model_dir, speculative=False, cache_dtype="bfloat16"))
+    assert build_layer(vllm_stack.vllm_config(model_dir, speculative=False, cache_dtype="fp8_e5m2"),
+                       index=2).kv_cache_dtype == "fp8_ds_mla"
+
+
+def test_heads_and_backend_choice(built_stack, model_dir, monkeypatch):
+    ours = shim.layer_class_for(basic_config(shim.BACKEND_NAME), flashmla_layer_class())
     with pytest.raises(ValueError, match="got 256 query heads per rank; allowed: <= 128"):
         ours.get_padded_num_q_heads(256)
     assert ours.get_padded_num_q_heads(100) == 128  # vLLM's FlashMLA padding is kept
-    with pytest.raises(ValueError, match="--kv-cache-dtype: got 'bfloat16'"):
-        make_layer(gen, config, 4, step, 0, kv_cache_dtype="bfloat16")
-    with pytest.raises(ValueError, match="--block-size: got 130; allowed: a multiple of 4"):
-        make_layer(gen, vllm_config(shim.BACKEND_NAME, block_size=130), 4, step, 0)
     monkeypatch.setenv("DSV4_ATTN_BACKEND", "aiter")  # cannot run on this machine: refused, not replaced
     with pytest.raises(BackendUnavailableError, match="backend 'aiter' .*forced by DSV4_ATTN_BACKEND"):
-        make_layer(gen, config, 4, step, 0)
+        build_layer(vllm_stack.vllm_config(model_dir, speculative=False))
     monkeypatch.setenv("DSV4_ATTN_BACKEND", "torch")
-    layer = make_layer(gen, config, 128, step, 0)
-    assert {layer.dsv4_planner.slots[0].backend_for(k, p) for k in (1, 4, 128) for p in ("decode", "prefill")} \
-        == {"torch"}
+    layer = build_layer(vllm_stack.vllm_config(model_dir, speculative=False), index=2)
+    assert {layer.dsv4_planner.slots[0].backend_for(k, p) for k in ("swa", "c4a", "c128a")
+            for p in ("decode", "prefill")} == {"torch"}
 
 
-def test_rocm_hook_on_a_stand_in_module(gen):
+def test_rocm_hook_on_a_stand_in_module():
     """The ROCm model module needs a ROCm GPU to import, so the hook runs on a stand-in with the
     same shape: a decoder layer that builds its attention from the module-global class name."""
     module = types.ModuleType("stand_in_amd_model")
@@ -417,11 +545,11 @@ def test_rocm_hook_on_a_stand_in_module(gen):
     module.DeepseekV4ROCMAiterMLAAttention, module.DeepseekV4DecoderLayer = VllmRocmAttention, DecoderLayer
     shim._patch_rocm_model(module)
     shim._patch_rocm_model(module)  # idempotent
-    assert type(DecoderLayer(vllm_config(), "l0").attn) is VllmRocmAttention  # off: vLLM's own
-    ours = shim.layer_class_for(vllm_config(shim.BACKEND_NAME), VllmRocmAttention, rocm=True)
+    assert type(DecoderLayer(basic_config(), "l0").attn) is VllmRocmAttention  # off: vLLM's own
+    ours = shim.layer_class_for(basic_config(shim.BACKEND_NAME), VllmRocmAttention, rocm=True)
     setups = []
     ours.dsv4_setup = lambda self, cfg: setups.append(cfg)  # the engine-start part is tested above
-    config = vllm_config(shim.BACKEND_NAME)
+    config = basic_config(shim.BACKEND_NAME)
     layer = DecoderLayer(config, "l1")
     assert type(layer.attn) is ours and isinstance(layer.attn, VllmRocmAttention) and setups == [config]
     assert issubclass(ours, shim.DSv4AttnRocmLayerMixin)

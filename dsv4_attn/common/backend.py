@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import envs
+from . import choices
 from .layout import Fp8Dialect, KVFormat
 from .platform import Platform
 from .spec import MAX_HEADS, LayerKind, ModelSpec
@@ -379,16 +380,33 @@ def requested_backend(explicit: str = "auto") -> tuple[str, str]:
     return "auto", "auto"
 
 
+def auto_order(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
+               num_tokens: int | None = None) -> tuple[list[str], str]:
+    """(candidates in order, why that order): the measured order for this launch when the
+    platform's choices table covers it (common/choices.py), then the priority list."""
+    order = priority_for(platform, phase)
+    if num_tokens is None or num_tokens <= 0:
+        return order, f"auto ({platform.vendor} {Phase(phase).value} priority list)"
+    hit = choices.measured(platform.arch, Phase(phase).value, kind.name, spec.num_heads, fmt.value, num_tokens)
+    if hit is None:
+        return order, f"auto ({platform.vendor} {Phase(phase).value} priority list; no measurement covers it)"
+    entry, where = hit
+    first = [name for name in entry.order if name in _REGISTRY]
+    return first + [name for name in order if name not in first], f"measured ({where}: {entry.evidence})"
+
+
 def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
-           requested: str = "auto", source: str = "auto", dialects: Dialects = OCP_CACHES) -> str:
+           requested: str = "auto", source: str = "auto", dialects: Dialects = OCP_CACHES,
+           num_tokens: int | None = None) -> str:
     """Name of the backend to run ``kind`` / ``phase``; raises BackendUnavailableError with every
-    backend's reasons when the requested one (or, for auto, every candidate) refuses."""
+    backend's reasons when the requested one (or, for auto, every candidate) refuses. With
+    ``num_tokens`` (the phase's tokens in this launch) auto tries a measured order first."""
     if requested != "auto":
         if requested not in _REGISTRY:
             raise ValueError(f"backend: got {requested!r} (from {source}); allowed: {sorted(_REGISTRY)} or 'auto'")
         forced = get_backend(requested)
         if forced is not None and phase not in forced.phases:
-            return select(platform, spec, fmt, kind, phase, dialects=dialects)
+            return select(platform, spec, fmt, kind, phase, dialects=dialects, num_tokens=num_tokens)
         reasons = reasons_for(requested, platform, spec, fmt, kind, phase, dialects)
         if reasons:
             raise BackendUnavailableError(
@@ -397,7 +415,7 @@ def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, 
                 + "\n".join(f"  - {r}" for r in reasons)
             )
         return requested
-    candidates = priority_for(platform, phase)
+    candidates, _ = auto_order(platform, spec, fmt, kind, phase, num_tokens)
     report = []
     for name in candidates:
         reasons = reasons_for(name, platform, spec, fmt, kind, phase, dialects)

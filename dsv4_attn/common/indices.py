@@ -208,31 +208,49 @@ def comp_rows_for(tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_blo
     return _emit(rows, lens, out)
 
 
+def compact_rows(rows: torch.Tensor, lens: torch.Tensor) -> IndexPair:
+    """Each row's keys (the entries inside its first ``lens[t]`` columns that are not negative)
+    moved to the front in their order, -1 after. Returns rows int32 ``[T, K]`` and the key
+    counts int32 ``[T]``."""
+    T, K = rows.shape
+    keep = (torch.arange(K, device=rows.device)[None, :] < lens[:, None].long()) & (rows >= 0)
+    dest = torch.where(keep, keep.long().cumsum(dim=1) - 1, torch.full_like(rows, K, dtype=torch.long))
+    out = torch.full((T, K + 1), -1, dtype=torch.int32, device=rows.device)  # column K takes the dropped
+    out.scatter_(1, dest, torch.where(keep, rows, torch.full_like(rows, -1)).to(torch.int32))
+    return out[:, :K], keep.sum(dim=1).to(torch.int32)
+
+
 def merged_rows(swa_rows: torch.Tensor, swa_lens: torch.Tensor, comp_rows: torch.Tensor | None,
                 comp_lens: torch.Tensor | None) -> IndexPair:
-    """FlashInfer TRTLLM-gen DSv4 layout (spec §7.3): ONE row per token.
+    """FlashInfer TRTLLM-gen DSv4 layout (docs/nvidia.md): ONE row per token.
 
-    Columns ``[0, W)`` are the SWA rows as given, columns ``[W, W + round_up(K, 4))`` the
-    compressed rows (padded with -1 to a multiple of 4 for 16-byte aligned int32 rows).
-    lens = ``W + comp_lens`` (the kernel always counts the SWA region as W and skips -1).
-    SWA-only layers (``comp_rows is None``) give rows ``[T, W]`` and lens ``W``.
-    Returns rows int32 ``[T, W + round_up(K, 4)]`` contiguous, lens int32 ``[T]``.
+    Columns ``[0, W)`` hold the token's SWA keys, columns ``[W, W + round_up(K, 4))`` its
+    compressed keys (padded with -1 to a multiple of 4 for 16-byte aligned int32 rows); each
+    region's keys (entries inside its lens that are not negative) come first, in order, so no
+    -1 sits inside what the kernel attends, whether it skips a -1 or loads it as a zero key:
+    lens = ``W + the compressed key count``; the kernel attends the first ``seq_len`` SWA
+    columns (pass the SWA key count). SWA-only layers (``comp_rows is None``) give rows
+    ``[T, W]`` and lens ``W``. Returns rows int32 ``[T, W + round_up(K, 4)]`` contiguous, lens
+    int32 ``[T]``.
     """
     _check_ints("swa_rows", swa_rows, (None, None))
     T, W = swa_rows.shape
     dev = swa_rows.device
     _check_ints("swa_lens", swa_lens, (T,), dev, _LEN_DTYPES)
+    if comp_rows is not None:
+        _check_ints("comp_rows", comp_rows, (T, None), dev)
+        _check_ints("comp_lens", comp_lens, (T,), dev, _LEN_DTYPES)
+    elif comp_lens is not None:
+        raise ValueError("comp_lens: got a tensor without comp_rows; allowed: None for SWA-only layers")
+    swa, _ = compact_rows(swa_rows, swa_lens)
     if comp_rows is None:
-        if comp_lens is not None:
-            raise ValueError("comp_lens: got a tensor without comp_rows; allowed: None for SWA-only layers")
-        return swa_rows.contiguous(), torch.full_like(swa_lens, W, dtype=torch.int32)
-    _check_ints("comp_rows", comp_rows, (T, None), dev)
-    _check_ints("comp_lens", comp_lens, (T,), dev, _LEN_DTYPES)
+        return swa.contiguous(), torch.full_like(swa_lens, W, dtype=torch.int32)
     K = comp_rows.shape[1]
-    rows = torch.full((T, W + round_up(K, 4)), -1, dtype=torch.int32, device=swa_rows.device)
-    rows[:, :W] = swa_rows
-    rows[:, W : W + K] = comp_rows
-    return rows, (comp_lens + W).to(torch.int32)
+    comp, count = compact_rows(comp_rows, comp_lens)
+    rows = torch.full((T, W + round_up(K, 4)), -1, dtype=torch.int32, device=dev)
+    rows[:, :W] = swa
+    rows[:, W : W + K] = comp
+    return rows, count + W
 
 
 def ragged(rows: torch.Tensor, lens: torch.Tensor, capacity: int | None = None) -> IndexPair:

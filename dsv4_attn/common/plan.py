@@ -2,7 +2,10 @@
 
 ``SparseMLA.plan(batch)`` writes the per-token facts, the SWA rows and the rows of every
 "all" layer kind (C128A) the batch has a block table for into buffers preallocated for the
-maximum batch, and returns a StepPlan whose tensors are views of those buffers. Consequences:
+maximum batch, and returns a StepPlan whose tensors are views of those buffers. A step handed
+over as ready-made rows (:class:`~dsv4_attn.common.rows.StepRows`) is planned by
+:func:`build_rows_plan` instead: its rows are viewed, not copied (only the per-token facts go
+into the buffers). Consequences:
 
 * a decode step can be captured in a CUDA/HIP graph and replayed after ``plan()`` rewrote the
   buffers with the next step's contents (same num_tokens);
@@ -30,6 +33,7 @@ import torch
 
 from .batch import StepBatch
 from .indices import IndexPair, Tokens, check_local_topk, comp_rows_for, swa_rows_for
+from .rows import GlobalRows, StepRows
 from .spec import LayerKind, ModelSpec
 
 
@@ -120,17 +124,22 @@ class TorchFrontEnd:
 
 @dataclass
 class StepPlan:
-    """One step's shared metadata (views of PlanBuffers). Token range [token_start, token_start + T)
-    of the step's batch; ``num_decode_tokens`` counts the decode tokens inside that range.
+    """One step's shared metadata (views of PlanBuffers, or of a StepRows' tensors). Token range
+    [token_start, token_start + T) of the step; ``num_decode_tokens`` counts the decode tokens
+    inside that range.
 
+    batch     the step as handed over: a StepBatch, or a StepRows (ready-made rows)
     positions int64 [T]; token_to_req int32 [T] (-1 padding); token_valid bool [T];
-    swa_rows int32 [T, W] / swa_lens int32 [T];
-    all_rows {ratio: (rows int32 [T, spec.all_width(ratio)], lens int32 [T])} of the "all" kinds
-    (C128A) whose block table the batch carries.
+    swa_rows int32 [T, W] / swa_lens int32 [T] (W = spec.window for a StepBatch, the given
+    width <= spec.window for a StepRows);
+    comp_rows {ratio: (rows int32 [T, width], lens int32 [T])}: the global rows of the compressed
+    scopes that need no per-layer input: the "all" kinds (C128A) a StepBatch carries a block
+    table for, or every ratio a StepRows gives as GlobalRows (top-k ratios included: their
+    rows are read when a layer runs). Other top-k ratios translate the layer's local top-k.
     """
 
     spec: ModelSpec
-    batch: StepBatch
+    batch: StepBatch | StepRows
     owner: Any
     generation: int
     token_start: int
@@ -141,7 +150,7 @@ class StepPlan:
     token_valid: torch.Tensor
     swa_rows: torch.Tensor
     swa_lens: torch.Tensor
-    all_rows: dict[int, IndexPair] = field(default_factory=dict)
+    comp_rows: dict[int, IndexPair] = field(default_factory=dict)
     front_end: FrontEnd = field(default_factory=TorchFrontEnd, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -156,12 +165,12 @@ class StepPlan:
     @property
     def c128a_rows(self) -> torch.Tensor | None:
         """C128A rows int32 [T, spec.c128a_width], or None without a ratio-128 table."""
-        pair = self.all_rows.get(LayerKind.C128A.ratio)
+        pair = self.comp_rows.get(LayerKind.C128A.ratio)
         return None if pair is None else pair[0]
 
     @property
     def c128a_lens(self) -> torch.Tensor | None:
-        pair = self.all_rows.get(LayerKind.C128A.ratio)
+        pair = self.comp_rows.get(LayerKind.C128A.ratio)
         return None if pair is None else pair[1]
 
     def cached(self, key, builder: Callable[[], Any]) -> Any:
@@ -170,19 +179,27 @@ class StepPlan:
             self._cache[key] = builder()
         return self._cache[key]
 
+    def translates_topk(self, kind: LayerKind) -> bool:
+        """True when ``kind``'s compressed scope comes from the layer's local top-k (through a
+        block table), False when the plan holds its rows (``comp_rows``) or it has none."""
+        kind = LayerKind.parse(kind)
+        return kind.uses_topk and kind.ratio not in self.comp_rows
+
     def comp_scope(self, kind: LayerKind, topk: torch.Tensor | None = None) -> IndexPair | tuple[None, None]:
         """(rows, lens) of the compressed scope of ``kind``: global slots, -1 unused.
-        Window-only -> (None, None); "all" kinds (C128A) -> the plan's rows; top-k kinds (C4A, C1A,
-        C2A) -> translated from ``topk`` (local positions ``[T, K]``) through the block table of
-        the kind's ratio by the plan's front end."""
+        Window-only -> (None, None); a ratio in ``comp_rows`` -> those rows ("all" kinds, and
+        every ratio a StepRows gives as GlobalRows); other top-k kinds (C4A, C1A, C2A) ->
+        translated from ``topk`` (local positions ``[T, K]``) through the block table of the
+        kind's ratio by the plan's front end."""
         kind = LayerKind.parse(kind)
         if not kind.has_comp_scope:
             return None, None
+        if kind.ratio in self.comp_rows:
+            return self.comp_rows[kind.ratio]
         if kind.attends_all:
-            if kind.ratio not in self.all_rows:
-                raise ValueError(f"comp_block_tables: the batch has no ratio-{kind.ratio} table; allowed: "
-                                 f"provide comp_block_tables[{kind.ratio}] to run {kind.name} layers")
-            return self.all_rows[kind.ratio]
+            what = "StepRows has no GlobalRows" if isinstance(self.batch, StepRows) else "batch has no table"
+            raise ValueError(f"comp: the step's {what} for ratio {kind.ratio}; allowed: provide ratio "
+                             f"{kind.ratio} (comp_block_tables / StepRows.comp) to run {kind.name} layers")
         check_local_topk(topk, self.num_tokens, self.device, width=self.spec.comp_width(kind))
         return self.front_end.topk_rows(self.tokens, kind, self.batch.comp_block_table(kind),
                                         self.batch.comp_block_size(kind), topk[: self.num_tokens])
@@ -201,7 +218,7 @@ class StepPlan:
                         stop - start, (stop - start) if decode else 0, self.positions[start:stop],
                         self.token_to_req[start:stop], self.token_valid[start:stop], self.swa_rows[start:stop],
                         self.swa_lens[start:stop],
-                        {r: (rows[start:stop], lens[start:stop]) for r, (rows, lens) in self.all_rows.items()},
+                        {r: (rows[start:stop], lens[start:stop]) for r, (rows, lens) in self.comp_rows.items()},
                         self.front_end)
 
 
@@ -235,3 +252,17 @@ def build_plan(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers, owner: A
     return StepPlan(spec, batch, owner, generation, 0, T, batch.num_decode_tokens, buffers.positions[:T],
                     buffers.token_to_req[:T], buffers.token_valid[:T], buffers.swa_rows[:T], buffers.swa_lens[:T],
                     all_rows, front_end)
+
+
+def build_rows_plan(spec: ModelSpec, rows: StepRows, buffers: PlanBuffers, owner: Any, generation: int,
+                    front_end: FrontEnd | None = None) -> StepPlan:
+    """A plan over ready-made rows (which passed ``rows.check()`` and ``rows.check_model(spec)``):
+    the per-token facts are copied into ``buffers`` (positions cast to int64; a few bytes per
+    token), the rows are views of the caller's tensors (no copy, no host sync)."""
+    T = rows.num_tokens
+    for buf, fact in zip((buffers.positions, buffers.token_to_req, buffers.token_valid), rows.token_facts()):
+        buf[:T].copy_(fact)
+    comp = {r: (e.rows[:T], e.lens[:T]) for r, e in rows.comp.items() if isinstance(e, GlobalRows)}
+    return StepPlan(spec, rows, owner, generation, 0, T, rows.num_decode_tokens, buffers.positions[:T],
+                    buffers.token_to_req[:T], buffers.token_valid[:T], rows.swa_rows[:T], rows.swa_lens[:T],
+                    comp, front_end or TorchFrontEnd())

@@ -2,23 +2,32 @@
 
 CONTRACT-TESTED ONLY: no SM100 GPU was available. Every tensor this adapter passes is checked in
 CI against the documented contract of ``trtllm_batch_decode_sparse_mla_dsv4`` (flashinfer-python
-0.7.2.post1, vendor-apis §2) by a stand-in that also computes the documented math; the kernel
+0.7.2.post1, docs/nvidia.md) by a stand-in that also computes the documented math; the kernel
 itself has never run here.
 
-The kernel reads plain-row caches (bfloat16, or fp8 e4m3 with one per-tensor scale) and takes
-ONE merged index row per token: columns [0, 128) are SWA slots in ascending position order, the
-rest compressed slots padded with -1 to a multiple of 4 (16-byte rows), all as STORAGE offsets
+DeepSeek-V4 and V4.1 alike (every layer kind: the kernel takes global rows), as vLLM 0.33 runs
+both on SM100 (``models/deepseek_v41/nvidia/flashinfer_sparse.py``); plain-row caches only
+(bfloat16, or fp8 e4m3 with one per-tensor scale): vLLM has no FlashInfer path for DeepSeek's
+packed records on SM100.
+
+The kernel takes ONE merged index row per token: columns [0, 128) are SWA slots, the rest
+compressed slots padded with -1 to a multiple of 4 (16-byte rows), all as STORAGE offsets
 ``block * (stride(0) // 512) + offset`` (``common.indices.merged_rows``; slots outside a cache
-become -1 first, docs/bad-input.md). ``sparse_topk_lens``
-counts the SWA region as 128 + the compressed length. Tokens are flattened to ``B = T`` requests
-of one query token with ``seq_lens = position + 1``, so the kernel's SWA window
-``clamp(seq_len - (q_len - 1 - q_off), 0, 128)`` is exactly ``min(pos + 1, 128)`` and no host
-sync is needed for ``max_q_len``. Decode and prefill tokens are launched separately (the split
-vLLM keeps: the launcher is tuned for uniform-q batches) with separate workspaces (a workspace
-shared between a captured decode and an eager prefill corrupted scratch in vLLM PR #57388).
-Merged rows of SWA-only and C128A layers are built once per step and reused by every layer of
-that kind; C4A rows differ per layer. FP8: q is cast to e4m3 with q_scale 1.0 and the scales go
-in as Python floats (the scalar path): bmm1 = softmax_scale * q_scale * kv_scale, bmm2 = kv_scale.
+become -1 first, docs/bad-input.md). The kernel attends the first ``min(seq_len, 128)`` SWA
+columns and the compressed columns up to ``sparse_topk_lens``; whether it skips a -1 there or
+loads it as a zero key that still enters the softmax is not documented (SGLang reports the
+latter), so each region's keys are moved to its front and the lengths count keys exactly:
+``sparse_topk_lens`` = 128 + the compressed key count, and tokens are flattened to ``B = T``
+requests of one query token whose ``seq_lens`` is the token's SWA key count (at least 1, the
+kernel's floor for one query token; a token whose whole window is out of range gets one -1
+column), so the window rule ``clamp(seq_len - (q_len - 1 - q_off), 0, 128)`` selects exactly
+its keys and no host sync is needed for ``max_q_len``. Decode and prefill tokens are launched
+separately (the split vLLM keeps: the launcher is tuned for uniform-q batches) with separate
+workspaces (a workspace shared between a captured decode and an eager prefill corrupted scratch
+in vLLM PR #57388). Merged rows of kinds without a top-k (SWA-only, C128A) are built once per
+step and reused by every layer of that kind; top-k kinds' rows differ per layer. FP8: q is cast
+to e4m3 with q_scale 1.0 and the scales go in as Python floats (the scalar path): bmm1 =
+softmax_scale * q_scale * kv_scale, bmm2 = kv_scale.
 """
 
 from __future__ import annotations
@@ -30,16 +39,16 @@ import importlib.util
 import inspect
 import os
 import shutil
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
 from ..common.indices import merged_rows
 from ..common.layout import CacheGeometry, Fp8Dialect, KVFormat, check_cache
-from ..common.platform import Platform
 from ..common.plan import StepPlan
-from ..common.spec import HEAD_DIM, V4_KINDS, LayerKind, ModelSpec, round_up
+from ..common.platform import Platform
+from ..common.spec import HEAD_DIM, LayerKind, ModelSpec, round_up
 
 SWA_WIDTH = 128  # the kernel hard-codes a 128-column SWA region (kDsv4SparseMlaSlidingWindowTopK)
 WORKSPACE_BYTES = 128 << 20  # vLLM's _FLASHINFER_DSV4_WORKSPACE_BUFFER_SIZE
@@ -154,8 +163,8 @@ class FlashInferTRTLLMBackend(Backend):
     splits_phases = True  # decode and prefill tokens are separate launches
     capabilities = Capabilities(
         platforms=(PlatformSupport("cuda", archs=("sm10*",), label="NVIDIA SM100 family (TRTLLM-gen)"),),
-        formats=(KVFormat.BF16, KVFormat.FP8_TENSOR),
-        kinds=V4_KINDS,  # V4.1 kinds: not wired here yet (vLLM 0.33 has a V4.1 path, models/deepseek_v41/nvidia/flashinfer_sparse.py)
+        formats=(KVFormat.BF16, KVFormat.FP8_TENSOR),  # vLLM's SM100 FlashInfer path reads plain rows only
+        kinds=None,  # global rows: every (ratio, selection), V4's and V4.1's (vLLM 0.33 serves both)
         windows=(SWA_WIDTH,),  # the kernel hard-codes the window
         platform_need="needs an NVIDIA SM100-family GPU (TRTLLM-gen has no SM90 path)",
         heads_note="padded to 64/128",
@@ -197,7 +206,7 @@ class FlashInferTRTLLMBackend(Backend):
             comp_pool, comp_geo = _pool(layer.comp_cache, layer.fmt, layer.comp_dialect, "comp_cache")
         else:  # the kernel requires a compressed pool; SWA-only rows never index it
             comp_pool, comp_geo = swa_pool, swa_geo
-        indices, lens = self._rows(plan, layer, swa_geo, comp_geo)
+        indices, lens, window_keys = self._rows(plan, layer, swa_geo, comp_geo)
         q, kout, sink, staging = self._stage(plan, layer, out)
         kv_scale = float(layer.kv_scale) if layer.fmt is KVFormat.FP8_TENSOR else 1.0
         fn(
@@ -207,7 +216,7 @@ class FlashInferTRTLLMBackend(Backend):
             sparse_indices=indices,
             compressed_kv_cache=comp_pool,
             sparse_topk_lens=lens,
-            seq_lens=plan.cached(("flashinfer", "seq_lens"), lambda: (plan.positions + 1).to(torch.int32)),
+            seq_lens=window_keys,
             out=kout[:, None],
             bmm1_scale=float(layer.softmax_scale * Q_SCALE * kv_scale),
             bmm2_scale=kv_scale,
@@ -223,13 +232,17 @@ class FlashInferTRTLLMBackend(Backend):
 
     @staticmethod
     def _rows(plan: StepPlan, layer: LayerInputs, swa_geo: CacheGeometry, comp_geo: CacheGeometry):
-        """Merged storage-offset rows int32 [T, 128 + round_up(K, 4)] and lens int32 [T] (128 + K_t)."""
+        """Merged storage-offset rows int32 [T, 128 + round_up(K, 4)] (each region's keys first),
+        lens int32 [T] (128 + the compressed key count) and seq_lens int32 [T] (the SWA key count,
+        at least 1)."""
 
         def build():
             comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
             comp = None if comp_rows is None else storage_offsets(inside_cache(comp_rows, comp_geo), comp_geo)
-            return merged_rows(storage_offsets(inside_cache(plan.swa_rows, swa_geo), swa_geo), plan.swa_lens, comp,
-                               comp_lens)
+            rows, lens = merged_rows(storage_offsets(inside_cache(plan.swa_rows, swa_geo), swa_geo), plan.swa_lens,
+                                     comp, comp_lens)
+            window_keys = (rows[:, :SWA_WIDTH] >= 0).sum(dim=1).clamp(min=1).to(torch.int32)
+            return rows, lens, window_keys
 
         if layer.kind.uses_topk:  # the indexer's top-k differs per layer
             return build()

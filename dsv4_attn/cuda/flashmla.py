@@ -1,17 +1,23 @@
-"""Backend `flashmla`: FlashMLA's sparse kernels (NVIDIA SM90 / SM100) on the fp8_ds_mla cache.
+"""Backend `flashmla`: FlashMLA's sparse kernels (NVIDIA SM90 / SM100) on DeepSeek's packed caches.
 
-Decode tokens go to ``sparse_decode_fwd``, which reads both MODEL1 caches in place: the SWA
-cache is the main scope, the compressed cache the ``extra`` scope of the same softmax, and the
-sink goes in through ``attn_sink``. Tokens are flattened to ``b = T, s_q = 1`` because FlashMLA
-takes ONE ``topk_length`` per batch row (vendor-apis §1.1), so MTP tokens keep their own lengths.
-The tile-scheduler metadata is planned by the first decode layer of each kind in a step (inside
-a CUDA-graph capture when the step is captured) and reused by the others (vendor-apis §1.2).
+Records (docs/semantics.md "Cache records"): the V4 record (``fp8_ds_mla``, 584 B) on SM90 and
+SM100, for V4's layer kinds and V4.1's alike (what vLLM 0.33 runs on SM90); the V4.1 records
+(``mxfp8_ds_mla``: 528 B in both caches; ``nvfp4_ds_mla``: 528 B SWA + 288 B NVFP4 compressed)
+on SM100 only, where FlashMLA's sparse decode reads them -- the same ops, the record detected
+from the bytes per token. The V4.1 records are CONTRACT-TESTED ONLY (no SM100 GPU here).
+
+Decode tokens go to ``sparse_decode_fwd``, which reads both caches in place: the SWA cache is
+the main scope, the compressed cache the ``extra`` scope of the same softmax, and the sink goes
+in through ``attn_sink``. Tokens are flattened to ``b = T, s_q = 1`` because FlashMLA takes ONE
+``topk_length`` per batch row, so MTP tokens keep their own lengths. The tile-scheduler metadata
+is planned by the first decode layer of each kind in a step (inside a CUDA-graph capture when
+the step is captured) and reused by the others (docs/nvidia.md, "Decode").
 
 Prefill tokens go to ``sparse_prefill_fwd``, which wants bf16 rows ``kv [s_kv, 1, 512]``. Per
 chunk of tokens the adapter gathers the DISTINCT rows the chunk's tokens select (never a
-request's whole history), dequantizes them into a bf16 workspace and rewrites the indices to
-workspace rows. Entries outside the caches are -1 in what the kernels get (docs/bad-input.md).
-Bounds (see docs/nvidia.md): the workspace holds at most ``workspace_bytes``
+request's whole history), dequantizes them (any record) into a bf16 workspace and rewrites the
+indices to workspace rows. Entries outside the caches are -1 in what the kernels get
+(docs/bad-input.md). Bounds (see docs/nvidia.md): the workspace holds at most ``workspace_bytes``
 (default 256 MiB; a chunk whose distinct rows would exceed it is halved), a chunk has at most
 ``index_keys`` (token, key) pairs (default 2**24: ~0.6 GiB of index temporaries), and rows are
 dequantized ``_GATHER_ROWS`` at a time (~0.5 GiB of float32 temporaries). The distinct-row count
@@ -39,15 +45,24 @@ import torch.nn.functional as F
 
 from .. import envs
 from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
-from ..common.layout import CacheGeometry, KVFormat, check_cache, gather_rows
-from ..common.platform import Platform
+from ..common.layout import CacheGeometry, KVFormat, Record, check_cache, gather_rows
 from ..common.plan import StepPlan
-from ..common.spec import HEAD_DIM, MODEL1_PAGE_ALIGN, MODEL1_TOKEN_BYTES, LayerKind, ModelSpec, round_up
+from ..common.platform import Platform
+from ..common.spec import HEAD_DIM, MODEL1_DATA_BYTES, LayerKind, ModelSpec, round_up
 
 ENV_LIB = envs.FLASHMLA_LIB.name
-DECODE_TOPK_BLOCK = 64  # decode kernels assert topk % 64 == 0 (SM90 and SM100)
-EXTRA_TOPK_BLOCK = 128  # spec §12.9: the extra scope is loaded in whole blocks; 128 is safe on both archs
-PREFILL_TOPK_BLOCK = 128  # SM90 prefill asserts topk % 128 == 0
+# Index rows are padded with -1 columns to a multiple of this: decode needs each scope's width a
+# multiple of the kernel's B_TOPK (64 in the V4 kernels; the V4.1 SM100 kernel checks a value it
+# does not publish) and reads the extra scope in whole blocks; SM90 prefill needs topk % 128 == 0.
+TOPK_BLOCK = 128
+V41_FORMATS = (KVFormat.MXFP8, KVFormat.NVFP4)
+# FlashMLA's SM100 kernels address a cache as rows of this many bytes (int32 TMA coordinates):
+# the V4 record's 576 data bytes, the interleaved V4.1 records' whole tokens
+SM100_ROW_BYTES = {Record.V4_FP8: MODEL1_DATA_BYTES, Record.MXFP8: Record.MXFP8.layout.token_bytes,
+                   Record.NVFP4: Record.NVFP4.layout.token_bytes}
+# An op FlashMLA added in the release that also made the V4.1 records interleaved (2026-09-30,
+# the FlashMLA vLLM 0.33 bundles); a library without it would misread those caches
+V41_RELEASE_OP = "fused_norm_rope_attn_rope_cast_decode"
 DECODE_MAX_ROWS = 8192  # the decode scheduler kernel keeps 20*b+4 B in shared memory: b <~ 11k
 _GATHER_ROWS = 1 << 16  # rows dequantized per gather call (bounds the float32 temporaries)
 
@@ -121,15 +136,22 @@ class _Sched:
 
 @dataclass(frozen=True)
 class FlashMLAOps:
-    """The two FlashMLA ops of one loaded library, called with the dialect's argument list."""
+    """The two FlashMLA ops of one loaded library, called with the dialect's argument list.
+    ``reads_v41``: the library reads the interleaved V4.1 records (the vllm dialect's signature
+    and the ops of FlashMLA's 2026-09-30 release)."""
 
     dialect: _Dialect
     ns: Any  # torch.ops.<namespace> (or a test double with the same call signature)
 
+    @property
+    def reads_v41(self) -> bool:
+        return self.dialect.has_out and hasattr(self.ns, V41_RELEASE_OP)
+
     def decode(self, q, kv, indices, lens, sink, sched: _Sched, extra, scale: float, out) -> None:
-        """q bf16 [b, 1, h, 512]; kv uint8 [nb, bs, 1, 584]; indices int32 [b, 1, k]; lens int32 [b];
-        sink f32 [h] | None; extra None | (kv, indices int32 [b, 1, k2], lens int32 [b]);
-        out bf16 [b, 1, h, 512] contiguous, written."""
+        """q bf16 [b, 1, h, 512]; kv uint8 [nb, bs, 1, token bytes] (584 V4; 528 MXFP8); indices
+        int32 [b, 1, k]; lens int32 [b]; sink f32 [h] | None; extra None | (kv [nb', bs', 1, token
+        bytes] (584; 528 or 288 NVFP4 beside an MXFP8 kv), indices int32 [b, 1, k2], lens int32
+        [b]); out bf16 [b, 1, h, 512] contiguous, written."""
         extra_kv, extra_idx, extra_lens = extra or (None, None, None)
         res = self.ns.sparse_decode_fwd(q, kv, indices, lens, sink, sched.tile, sched.splits, extra_kv, extra_idx,
                                         extra_lens, HEAD_DIM, scale, *self.dialect.decode_tail(out))
@@ -260,27 +282,37 @@ def padded_heads(num_heads: int) -> int:
     return 64 if num_heads <= 64 else 128
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _is_sm100(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
 
 
-def _model1_geometry(cache: torch.Tensor, name: str) -> CacheGeometry:
-    """Host-only checks of a MODEL1 cache for FlashMLA (OCP e4m3: FNUZ caches are refused at
-    backend selection); returns its geometry."""
-    geo = check_cache(cache, KVFormat.MODEL1_FP8, name)
-    if _is_sm100(cache.device) and (geo.block_stride % MODEL1_PAGE_ALIGN or cache.data_ptr() % 16):
-        raise ValueError(f"{name}: got block stride {geo.block_stride} B at address {cache.data_ptr():#x}; "
-                         f"allowed on SM100: a multiple of {MODEL1_PAGE_ALIGN} B and a 16 B aligned base")
+def _geometry(cache: torch.Tensor, record: Record, name: str) -> CacheGeometry:
+    """Host-only checks of a cache of ``record`` for FlashMLA (OCP e4m3: FNUZ caches are refused
+    at backend selection); on SM100 also the kernels' row addressing. Returns its geometry."""
+    geo = check_cache(cache, record, name)
+    if not _is_sm100(cache.device):
+        return geo
+    row = SM100_ROW_BYTES[record]
+    if cache.data_ptr() % 16:
+        raise ValueError(f"{name}: got base address {cache.data_ptr():#x}; allowed on SM100: 16 B aligned")
+    if geo.block_stride % row:
+        raise ValueError(f"{name}: got block stride {geo.block_stride} B; allowed on SM100: a multiple of {row} B "
+                         f"(FlashMLA reads {record.value} caches as rows of {row} B; a block shared with the other "
+                         f"cache's pages needs a multiple of both row sizes, docs/nvidia.md)")
+    if geo.num_blocks * (geo.block_stride // row) > 2**31 - 1:
+        raise ValueError(f"{name}: got {geo.num_blocks} blocks of {geo.block_stride} B = "
+                         f"{geo.num_blocks * (geo.block_stride // row)} rows of {row} B; allowed on SM100: at most "
+                         "2**31 - 1 rows (FlashMLA's int32 TMA coordinates)")
     return geo
 
 
-def _kernel_cache(cache: torch.Tensor, name: str) -> torch.Tensor:
-    """The MODEL1 cache as the decode kernel takes it: [nb, bs, 1, 584] with stride(1) == 584
-    and stride(0) = the block stride (a view, no copy)."""
-    geo = _model1_geometry(cache, name)
-    return cache.as_strided((geo.num_blocks, geo.block_size, 1, MODEL1_TOKEN_BYTES),
-                            (geo.block_stride, MODEL1_TOKEN_BYTES, MODEL1_TOKEN_BYTES, 1))
+def _kernel_cache(cache: torch.Tensor, record: Record, name: str) -> torch.Tensor:
+    """A packed cache as the decode kernel takes it: [nb, bs, 1, token bytes] with stride(1) ==
+    token bytes and stride(0) = the block stride (a view, no copy)."""
+    geo = _geometry(cache, record, name)
+    tb = record.layout.token_bytes
+    return cache.as_strided((geo.num_blocks, geo.block_size, 1, tb), (geo.block_stride, tb, tb, 1))
 
 
 def _pad_cols(rows: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -307,7 +339,7 @@ class _HeadStaging:
     sink: torch.Tensor
 
     @classmethod
-    def allocate(cls, num_tokens: int, hp: int, device: torch.device) -> "_HeadStaging":
+    def allocate(cls, num_tokens: int, hp: int, device: torch.device) -> _HeadStaging:
         return cls(torch.zeros(num_tokens, hp, HEAD_DIM, dtype=torch.bfloat16, device=device),
                    torch.empty(num_tokens, hp, HEAD_DIM, dtype=torch.bfloat16, device=device),
                    torch.full((hp,), float("-inf"), dtype=torch.float32, device=device))
@@ -318,11 +350,12 @@ class FlashMLABackend(Backend):
     splits_phases = True  # decode and prefill are different FlashMLA kernels
     capabilities = Capabilities(
         platforms=(PlatformSupport("cuda", archs=("sm90", "sm10*"), label="NVIDIA SM90, SM100 family"),),
-        formats=(KVFormat.MODEL1_FP8,),
+        formats=(KVFormat.MODEL1_FP8,) + V41_FORMATS,  # the V4.1 records on SM100 only (extra_reasons)
         kinds=None,  # FlashMLA takes global rows and lengths: every (ratio, selection), V4.1's too
         platform_need="needs an NVIDIA SM90 (H100/H200/H20) or SM100-family GPU",
         heads_note="padded to 64/128",
-        validated="H100 (hardware) vs float64 reference",
+        validated="H100 (hardware) vs float64 reference: MODEL1 fp8 with V4 kinds (V4.1 kinds: H100 tests "
+                  "written, not yet run); V4.1 MXFP8 / NVFP4 (SM100 only): contract tests only",
         notes="FlashMLA from flash_mla / vllm / sgl_kernel / $DSV4_ATTN_FLASHMLA_LIB; prefill gathers the "
               "selected rows into a bounded bf16 workspace",
     )
@@ -335,7 +368,18 @@ class FlashMLABackend(Backend):
     def extra_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
                       dialects) -> list[str]:
         lib = load_flashmla()
-        return [lib.describe()] if lib.ops is None else []
+        if lib.ops is None:
+            return [lib.describe()]
+        if fmt not in V41_FORMATS:
+            return []
+        if not platform.arch.startswith("sm10"):
+            return [f"reads {fmt.value} (V4.1 records) only on SM100: FlashMLA's SM90 kernels decode the V4 record "
+                    "(fp8_ds_mla), which vLLM 0.33 keeps for V4.1 there"]
+        if not lib.ops.reads_v41:
+            return [f"the loaded FlashMLA ({lib.source}, {lib.ops.dialect.name} dialect) predates the interleaved "
+                    f"V4.1 records ({fmt.value}): it lacks the vllm dialect or {V41_RELEASE_OP} of FlashMLA's "
+                    "2026-09-30 release, which vLLM 0.33 bundles"]
+        return []
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
@@ -373,17 +417,17 @@ class FlashMLABackend(Backend):
         return staging.q, staging.out, (None if sink is None else staging.sink), staging
 
     def _decode(self, ops: FlashMLAOps, plan: StepPlan, layer: LayerInputs, q, sink, out) -> None:
-        swa_kv = _kernel_cache(layer.swa_cache, "swa_cache")
+        swa_kv = _kernel_cache(layer.swa_cache, layer.fmt.swa_record, "swa_cache")
         swa_slots = swa_kv.shape[0] * swa_kv.shape[1]
         swa_idx = plan.cached(("flashmla", "swa_idx", swa_slots),
-                              lambda: _kernel_rows(plan.swa_rows, swa_slots, DECODE_TOPK_BLOCK))
+                              lambda: _kernel_rows(plan.swa_rows, swa_slots, TOPK_BLOCK))
         comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
         if comp_rows is not None:
-            comp_kv = _kernel_cache(layer.comp_cache, "comp_cache")
+            comp_kv = _kernel_cache(layer.comp_cache, layer.fmt.comp_record, "comp_cache")
             comp_slots = comp_kv.shape[0] * comp_kv.shape[1]
             comp_idx = (plan.cached(("flashmla", "all_idx", layer.kind, comp_slots),
-                                    lambda: _kernel_rows(comp_rows, comp_slots, EXTRA_TOPK_BLOCK))
-                        if layer.kind.attends_all else _kernel_rows(comp_rows, comp_slots, EXTRA_TOPK_BLOCK))
+                                    lambda: _kernel_rows(comp_rows, comp_slots, TOPK_BLOCK))
+                        if layer.kind.attends_all else _kernel_rows(comp_rows, comp_slots, TOPK_BLOCK))
         shape = (q.shape[1], swa_kv.shape[1], swa_idx.shape[1], None if comp_rows is None else comp_kv.shape[1],
                  None if comp_rows is None else comp_idx.shape[1])
         for t0 in range(0, plan.num_tokens, DECODE_MAX_ROWS):
@@ -397,11 +441,11 @@ class FlashMLABackend(Backend):
 
     def _prefill(self, ops: FlashMLAOps, plan: StepPlan, layer: LayerInputs, q, sink, out) -> None:
         comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
-        scopes = [(layer.swa_cache, plan.swa_rows, plan.swa_lens, "swa_cache")]
+        scopes = [(layer.swa_cache, layer.fmt.swa_record, plan.swa_rows, plan.swa_lens, "swa_cache")]
         if comp_rows is not None:
-            scopes.append((layer.comp_cache, comp_rows, comp_lens, "comp_cache"))
-        scopes = [(c, _model1_geometry(c, name), rows, lens) for c, rows, lens, name in scopes]
-        width = sum(rows.shape[1] for _, _, rows, _ in scopes)
+            scopes.append((layer.comp_cache, layer.fmt.comp_record, comp_rows, comp_lens, "comp_cache"))
+        scopes = [(c, record, _geometry(c, record, name), rows, lens) for c, record, rows, lens, name in scopes]
+        width = sum(rows.shape[1] for *_, rows, _ in scopes)
         step = max(1, self.index_keys // width)
         for t0 in range(0, plan.num_tokens, step):
             self._prefill_chunk(ops, layer, scopes, t0, min(plan.num_tokens, t0 + step), q, sink, out)
@@ -409,13 +453,13 @@ class FlashMLABackend(Backend):
     def _prefill_chunk(self, ops: FlashMLAOps, layer: LayerInputs, scopes, t0: int, t1: int, q, sink, out) -> None:
         """Tokens [t0, t1): distinct selected rows -> bf16 workspace; indices -> workspace rows."""
         parts = []
-        for cache, geo, rows, lens in scopes:
+        for cache, record, geo, rows, lens in scopes:
             r, n = rows[t0:t1], lens[t0:t1]
             col = torch.arange(r.shape[1], device=r.device)[None, :]
             keys = torch.where((col < n[:, None]) & (r >= 0) & (r < geo.num_slots), r, torch.full_like(r, -1))
             uniq, inverse = torch.unique(keys, return_inverse=True)  # syncs: the distinct count sizes the workspace
-            parts.append((cache, geo, keys, uniq, inverse))
-        rows_needed = sum(p[3].numel() for p in parts)
+            parts.append((cache, record, geo, keys, uniq, inverse))
+        rows_needed = sum(p[4].numel() for p in parts)
         if rows_needed * HEAD_DIM * 2 > self.workspace_bytes and t1 - t0 > 1:
             mid = (t0 + t1) // 2
             self._prefill_chunk(ops, layer, scopes, t0, mid, q, sink, out)
@@ -423,11 +467,11 @@ class FlashMLABackend(Backend):
             return
         kv = torch.empty(rows_needed, 1, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
         indices, base = [], 0
-        for cache, geo, keys, uniq, inverse in parts:
+        for cache, record, geo, keys, uniq, inverse in parts:
             for r0 in range(0, uniq.numel(), _GATHER_ROWS):  # uniq may start with -1: a zero row, never referenced
                 r1 = min(uniq.numel(), r0 + _GATHER_ROWS)
-                kv[base + r0 : base + r1, 0].copy_(gather_rows(cache, KVFormat.MODEL1_FP8, geo, uniq[r0:r1]))
+                kv[base + r0 : base + r1, 0].copy_(gather_rows(cache, record, geo, uniq[r0:r1]))
             indices.append(torch.where(keys < 0, torch.full_like(inverse, -1), inverse + base))
             base += uniq.numel()
-        idx = _pad_cols(torch.cat(indices, dim=1).to(torch.int32), PREFILL_TOPK_BLOCK)
+        idx = _pad_cols(torch.cat(indices, dim=1).to(torch.int32), TOPK_BLOCK)
         ops.prefill(q[t0:t1], kv, idx[:, None, :], layer.softmax_scale, sink, out[t0:t1])

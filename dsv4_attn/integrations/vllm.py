@@ -3,23 +3,26 @@
 Enable it (nothing changes otherwise): ``DSV4_ATTN_VLLM=1`` in the environment, or
 ``--attention-backend DSV4_ATTN``. Docs: docs/vllm.md.
 
-How it hooks in (spec/dsv4-semantics.md §10-11, anchors B2). In vLLM 0.33 DeepSeek-V4 layers do
-not go through the attention-backend registry: each decoder layer builds its attention from a
-class the model module picks, and that class pins its backend classes. So ``register()`` (the
-``vllm.general_plugins`` entry point, run in every vLLM process) wraps that choice:
+How it hooks in. In vLLM 0.33 DeepSeek-V4 layers do not go through the attention-backend
+registry: each decoder layer builds its attention from a class the model module picks, and that
+class pins its backend classes. So ``register()`` (the ``vllm.general_plugins`` entry point, run
+in every vLLM process) wraps that choice:
 
 * CUDA: ``vllm.models.deepseek_v4.nvidia.model._select_dsv4_attn_cls`` (looked up when a decoder
   layer, MTP layer included, is built) returns our subclass of the class vLLM picked;
 * ROCm: the decoder layer's ``__init__`` sees our subclass under the module-global name
-  ``DeepseekV4ROCMAiterMLAAttention`` while it builds its attention.
+  ``DeepseekV4ROCMAiterMLAAttention`` while it builds its attention;
+* DeepSeek-V4.1 (``vllm.models.deepseek_v41``): its layer selection raises while the plugin is
+  on -- its layers are not hooked, so serving it "on dsv4_attn" would be a false claim.
 
 The model modules are patched right after they are imported (a post-import hook), so loading
 the plugin never imports vLLM's model code. Our subclass keeps everything of vLLM's layer
 (projections, RMSNorm/RoPE, cache writes, compressor, indexer, its metadata builders and KV-cache
 specs) and replaces only ``forward_mqa``: it maps vLLM's per-step metadata onto a
-:class:`StepBatch`, plans it once per step and runs :meth:`SparseMLA.forward` into vLLM's output
-buffer. Which dsv4_attn backend runs is the usual probe decision (``DSV4_ATTN_BACKEND`` forces
-one). What cannot be served is refused when the layer is built (engine start), with reasons.
+:class:`StepBatch`, plans it once per step and KV-cache group (:class:`StepPlanner`) and runs
+:meth:`SparseMLA.forward` into vLLM's output buffer. Which dsv4_attn backend runs is the usual
+probe decision (``DSV4_ATTN_BACKEND`` forces one). What cannot be served is refused when the
+layer is built (engine start), with reasons.
 
 vLLM metadata -> StepBatch (per step; vLLM orders the batch decodes first):
 
@@ -32,20 +35,19 @@ seq_lens int32 [R]             ``.seq_lens`` (include this step's tokens)
 num_decode_tokens              ``.num_decode_tokens`` (split at 1 + speculative tokens)
 swa_block_table / size         ``.block_table`` (this layer's SWA-cache group) / ``.block_size``
                                (64 tokens per block)
-comp_block_tables[ratio]       ``DeepseekV4FlashMLAMetadata.block_table`` of the layer's
-                               compressed-cache group (ratio 4 or 128; none for SWA-only layers,
-                               whose ``attn_metadata.get(prefix)`` is None)
+comp_block_tables[ratio]       ``DeepseekV4FlashMLAMetadata.block_table`` of the compressed-cache
+                               group of each ratio among the plan's layers (none for a plan of
+                               SWA-only layers)
 block_size                     ``DeepseekV4FlashMLAMetadata.block_size`` (256, in UNCOMPRESSED
                                tokens; ratio-r blocks hold 256 // r entries)
 num_tokens                     ``q.shape[0]`` (padded token count)
-c4a_topk (per C4A layer)       the model's shared ``topk_indices_buffer`` [max_tokens, index_topk]
+topk (per C4A layer)           the model's shared ``topk_indices_buffer`` [max_tokens, index_topk]
                                of LOCAL compressed positions, just written by this layer's indexer
 =============================  ==============================================================
 
-Positions are derived from query_start_loc/seq_lens (they equal vLLM's ``positions``). One plan
-serves every layer of a step that shares the same pair of KV-cache groups (SWA group, compressed
-group): plans are keyed on the identities of the two metadata objects, which vLLM builds once
-per group per step and hands to every layer of the group.
+Positions are derived from query_start_loc/seq_lens on the device (they equal vLLM's
+``positions``); nothing in a plan reads a device value on the host, so a plan built inside a
+captured CUDA graph is rebuilt from vLLM's persistent buffers at every replay.
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ import importlib.abc
 import logging
 import os
 import sys
-from typing import Any, Callable
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +78,7 @@ BACKEND_NAME = "DSV4_ATTN"  # the --attention-backend name this plugin adds
 TESTED_VLLM_SERIES = "0.33"  # vLLM internals the hooks touch move between minor releases
 CUDA_MODEL_MODULE = "vllm.models.deepseek_v4.nvidia.model"
 ROCM_MODEL_MODULE = "vllm.models.deepseek_v4.amd.model"
+V41_MODEL_MODULES = ("vllm.models.deepseek_v41.nvidia.model", "vllm.models.deepseek_v41.amd.model")
 
 # Under the "vllm" logger so that vLLM's logging configuration prints it.
 logger = logging.getLogger("vllm.dsv4_attn")
@@ -143,7 +149,8 @@ def status() -> dict[str, str]:
     elif not is_tested_version(version):
         verdict = f"refused (vLLM {version}; tested: {TESTED_VLLM_SERIES}.x)"
     elif not declared:
-        verdict = "off (dsv4-attn's vllm.general_plugins entry point is not installed: pip install dsv4-attn)"
+        verdict = ("off (dsv4-attn's vllm.general_plugins entry point is not installed: pip install -e <a clone of "
+                   "dsv4-attn> in this environment)")
     elif env == "1":
         verdict = f"on ({ENV_ENABLE}=1): DeepSeek-V4 attention layers run on dsv4_attn"
     else:
@@ -182,9 +189,12 @@ def register() -> None:
         _after_import(CUDA_MODEL_MODULE, _patch_cuda_model)
     else:
         _after_import(ROCM_MODEL_MODULE, _patch_rocm_model)
+    for name in V41_MODEL_MODULES:
+        _after_import(name, _patch_v41_model)
     if enabled:
-        logger.info("dsv4_attn: %s=1, vLLM %s on %s: DeepSeek-V4 attention layers will run on dsv4_attn",
-                    ENV_ENABLE, version, platform)
+        logger.info("dsv4_attn: %s=1, vLLM %s on %s: DeepSeek-V4 attention layers built in this process will "
+                    "run on dsv4_attn (a log line per layer class follows when they are built); DeepSeek-V4.1 "
+                    "is refused; other models are not affected", ENV_ENABLE, version, platform)
 
 
 def _register_backend_name() -> None:
@@ -248,7 +258,7 @@ def layer_class_for(vllm_config, vllm_cls: type, rocm: bool = False) -> type:
     return _subclass(vllm_cls, rocm)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _subclass(base: type, rocm: bool) -> type:
     mixin = DSv4AttnRocmLayerMixin if rocm else DSv4AttnLayerMixin
     name = "DSv4Attn" + base.__name__.removeprefix("DeepseekV4")
@@ -292,7 +302,23 @@ def _patch_rocm_model(module) -> None:
     layer_cls.__init__ = __init__
 
 
-_hooks: dict[str, "_PatchAfterImport"] = {}
+def _patch_v41_model(module) -> None:
+    """DeepSeek-V4.1's layer selection (CUDA and ROCm modules alike) refuses while the plugin is
+    on (idempotent)."""
+    select = module._select_dsv4_attn_cls
+    if getattr(select, "_dsv4_attn_hook", False):
+        return
+
+    @functools.wraps(select)
+    def _select_dsv4_attn_cls(vllm_config):
+        refuse_v41(vllm_config)
+        return select(vllm_config)
+
+    _select_dsv4_attn_cls._dsv4_attn_hook = True
+    module._select_dsv4_attn_cls = _select_dsv4_attn_cls
+
+
+_hooks: dict[str, _PatchAfterImport] = {}
 
 
 def _after_import(name: str, patch: Callable[[Any], None]) -> None:
@@ -343,7 +369,7 @@ class DSv4AttnLayerMixin:
     padded heads) are sized by it); ``output`` bf16 [T, padded_heads, 512], written in place in
     the rotated frame; heads >= n_local_heads are sliced off by vLLM. ``kv`` is unused: vLLM has
     already written it into the SWA cache, and attention reads every key back from the caches.
-    ``attn_metadata is None`` (profiling / dummy run): zero ``output``.
+    ``attn_metadata is None`` (profiling / dummy run): plan buffers reserved, ``output`` zeroed.
     """
 
     @classmethod
@@ -368,32 +394,22 @@ class DSv4AttnLayerMixin:
         # vLLM's V4 layers number window-only layers 1 (max(1, config ratio)); config ratio 1 is V4.1's C1A
         self.dsv4_kind = LayerKind.SWA if self.compress_ratio <= 1 else LayerKind.from_ratio(self.compress_ratio)
         self.dsv4_planner = planner_for(self, vllm_config)
+        self.dsv4_planner.add_layer(self)
 
     def forward_mqa(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
                     output: torch.Tensor) -> None:
         from vllm.forward_context import get_forward_context
 
-        attn_metadata = get_forward_context().attn_metadata
+        forward = get_forward_context()
+        attn_metadata = forward.attn_metadata
         if attn_metadata is None:  # profiling / dummy run
             self.dsv4_planner.reserve(q.device)
             output.zero_()
             return
         if not isinstance(attn_metadata, dict):
             raise ValueError(f"attn_metadata: got {type(attn_metadata).__name__}; allowed: one dict per "
-                             "step (dual-batch overlap is not supported by dsv4_attn)")
-        kind = self.dsv4_kind
-        comp_md = attn_metadata.get(self.prefix) if kind.has_comp_scope else None
-        if kind.has_comp_scope and comp_md is None:
-            raise ValueError(f"attn_metadata: has no entry for {self.prefix}; allowed: the compressed-cache "
-                             f"metadata of this {kind.name} layer")
-        mla, plan = self.dsv4_planner.plan(attn_metadata, attn_metadata[self.swa_cache_layer.prefix],
-                                           comp_md, kind.ratio, q.shape[0])
-        if q.shape[1] < output.shape[1]:  # FlashInfer-SM120 base: q arrives at the live head count
-            q = F.pad(q, (0, 0, 0, output.shape[1] - q.shape[1]))
-        mla.forward(plan, kind, q, self.swa_cache_layer.kv_cache,
-                    self.kv_cache if kind.has_comp_scope else None,
-                    c4a_topk=self.topk_indices_buffer if kind is LayerKind.C4A else None,
-                    sink=self.attn_sink, out=output)
+                             "step (micro-batching is not supported by dsv4_attn)")
+        self.dsv4_planner.attend(self, attn_metadata, q, output, forward)
 
 
 class DSv4AttnRocmLayerMixin(DSv4AttnLayerMixin):
@@ -413,11 +429,13 @@ class DSv4AttnRocmLayerMixin(DSv4AttnLayerMixin):
 
 
 def unsupported_reasons(layer, vllm_config) -> list[str]:
-    """Why dsv4_attn cannot serve this vLLM layer / configuration ([] = it can)."""
+    """Why dsv4_attn cannot serve this vLLM layer / configuration ([] = it can).
+
+    The KV-cache dtype needs no check here: the layer classes this plugin accepts use vLLM's
+    fp8_ds_mla layout, whose ``__init__`` maps every fp8 dtype to fp8_ds_mla and raises for the
+    others before this runs (``_resolve_dsv4_kv_cache_dtype``).
+    """
     reasons = []
-    if layer.kv_cache_dtype != "fp8_ds_mla":
-        reasons.append(f"--kv-cache-dtype: got {layer.kv_cache_dtype!r}; allowed: fp8 / fp8_ds_mla "
-                       "(the fp8_ds_mla layout)")
     ratio = layer.compress_ratio
     block_size = vllm_config.cache_config.block_size
     if ratio > 1 and block_size % ratio:
@@ -430,104 +448,315 @@ def unsupported_reasons(layer, vllm_config) -> list[str]:
     if spec is not None and spec.use_dspark():
         reasons.append("DSpark speculative decoding: non-causal draft windows are not modelled by dsv4_attn")
     parallel = vllm_config.parallel_config
-    if parallel.enable_dbo:
-        reasons.append("--enable-dbo: dual-batch overlap hands per-ubatch metadata lists; not supported")
+    if parallel.use_ubatching:
+        reasons.append(
+            f"micro-batching (--ubatch-size {parallel.ubatch_size}, --enable-dbo {parallel.enable_dbo}): "
+            "vLLM runs the micro-batches' forwards interleaved, each with its own metadata, and they would "
+            "overwrite each other's plan buffers; allowed: --ubatch-size 0 or 1 without --enable-dbo")
     for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
         if getattr(parallel, name, 1) > 1:
             reasons.append(f"{name}: got {getattr(parallel, name)}; allowed: 1 (context-parallel KV sharding "
                            "is not modelled by dsv4_attn)")
+    if getattr(vllm_config.kernel_config, "monokernel", False):
+        reasons.append("--monokernel: decode steps of the eligible layers run vLLM's mono decode kernel and "
+                       "never reach this layer's attention, so dsv4_attn would be bypassed; drop --monokernel")
     return reasons
 
 
-# ---- one plan per step, shared by all layers ----------------------------------------------------
-_planners: dict[tuple, "StepPlanner"] = {}
+def refuse_v41(vllm_config) -> None:
+    """Engine start of a DeepSeek-V4.1 model with the plugin on: refused (V4.1 layers are not hooked)."""
+    if enabled_for(vllm_config):
+        raise ValueError(
+            "dsv4_attn vLLM plugin: got a DeepSeek-V4.1 model (vllm.models.deepseek_v41); allowed: DeepSeek-V4 "
+            "(DeepseekV4ForCausalLM and its MTP layers). dsv4_attn does not hook V4.1's layers yet, so it "
+            f"would not run; unset {ENV_ENABLE} and drop --attention-backend {BACKEND_NAME} to serve V4.1 "
+            "on vLLM's own kernels."
+        )
 
 
-def planner_for(layer, vllm_config) -> "StepPlanner":
+# ---- which layers share a plan --------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanGroup:
+    """The caches whose block tables one StepPlan is built from: an SWA cache and at most one
+    compressed cache per ratio, each named by a layer prefix (the key of its metadata in vLLM's
+    ``attn_metadata``)."""
+
+    swa_prefix: str
+    comp_prefixes: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def has_c128a(self) -> bool:
+        return any(ratio == LayerKind.C128A.ratio for ratio, _ in self.comp_prefixes)
+
+
+def plan_groups(layers, group_of: Callable[[str], Any]) -> tuple[dict[str, int], list[PlanGroup]]:
+    """Which layers can share one StepPlan: ({layer prefix: plan index}, [PlanGroup per plan]).
+
+    A plan holds the SWA rows of one SWA-cache block table and the C128A rows of one ratio-128
+    table, and C4A layers translate their top-k through the ratio-4 table in the plan's batch.
+    So layers share a plan when their SWA caches are in one KV-cache group and, per ratio,
+    their compressed caches are too: per SWA group, one plan per distinct compressed group of
+    each ratio (one in vLLM 0.33's DeepSeek-V4 grouping, see docs/vllm.md). ``group_of(prefix)``
+    names the KV-cache group of a cache (its metadata object at run time, vLLM's group index
+    when predicting); ``layers`` have ``prefix``, ``swa_cache_layer.prefix`` and ``dsv4_kind``.
+    """
+    per_swa: dict[Any, tuple[str, dict[int, list[tuple[Any, str]]]]] = {}  # SWA group -> ratio -> comp groups
+    for layer in layers:
+        swa_prefix = layer.swa_cache_layer.prefix
+        _, comps = per_swa.setdefault(group_of(swa_prefix), (swa_prefix, {}))
+        if layer.dsv4_kind.has_comp_scope:
+            seen = comps.setdefault(layer.dsv4_kind.ratio, [])
+            if all(gid != group_of(layer.prefix) for gid, _ in seen):
+                seen.append((group_of(layer.prefix), layer.prefix))
+    groups: list[PlanGroup] = []
+    first: dict[Any, int] = {}
+    for swa_gid, (swa_prefix, comps) in per_swa.items():
+        first[swa_gid] = len(groups)
+        for j in range(max([1] + [len(c) for c in comps.values()])):
+            groups.append(PlanGroup(swa_prefix, tuple((r, c[j][1]) for r, c in comps.items() if j < len(c))))
+    index = {}
+    for layer in layers:
+        swa_gid, j = group_of(layer.swa_cache_layer.prefix), 0
+        if layer.dsv4_kind.has_comp_scope:
+            j = [gid for gid, _ in per_swa[swa_gid][1][layer.dsv4_kind.ratio]].index(group_of(layer.prefix))
+        index[layer.prefix] = first[swa_gid] + j
+    return index, groups
+
+
+def predicted_plan_groups(vllm_config, layers) -> list[PlanGroup]:
+    """The plans a step will need, from vLLM's own KV-cache grouping of this worker's layers
+    (what its engine core computes after the memory profile). Raises what vLLM raises."""
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+
+    kv_groups = get_global_kv_cache_groups(vllm_config, [get_kv_cache_spec(vllm_config)])
+    group_index = {name: i for i, group in enumerate(kv_groups) for name in group.layer_names}
+    return plan_groups(layers, group_index.__getitem__)[1]
+
+
+# ---- one plan per KV-cache group and step, shared by the layers -------------------------------
+_planners: dict[tuple, StepPlanner] = {}
+
+
+def planner_for(layer, vllm_config) -> StepPlanner:
     """The planner shared by every layer with the same setup (created, and logged, once)."""
     topk = layer.topk_indices_buffer
     spec = ModelSpec(
         num_heads=layer.n_local_heads,
-        c4a_topk=topk.shape[-1] if topk is not None else vllm_config.model_config.hf_config.index_topk,
+        topk=topk.shape[-1] if topk is not None else vllm_config.model_config.hf_config.index_topk,
         max_model_len=layer.max_model_len,
         window=layer.window_size,
         softmax_scale=layer.scale,
     )
     sched = vllm_config.scheduler_config
     max_tokens = sched.max_num_batched_tokens
-    # gfx942 writes the SWA cache in FNUZ fp8 and the compressed cache in OCP (spec §3.1).
+    # gfx942 writes the SWA cache in FNUZ fp8 and the compressed cache in OCP (docs/rocm.md).
     key = (spec, max_tokens, max(sched.max_num_seqs, max_tokens), probe().fp8_dialect,
            vllm_config.cache_config.block_size)
     if key not in _planners:
-        _planners[key] = StepPlanner(*key)
-        _planners[key].log(type(layer))
+        planner = StepPlanner(*key, predict=functools.partial(predicted_plan_groups, vllm_config))
+        planner.log(type(layer))
+        _planners[key] = planner
     return _planners[key]
 
 
 class StepPlanner:
-    """Per-step StepPlans for every layer of a model that shares one setup (spec, format, ...).
+    """The StepPlans of every layer of one model setup (spec, token budget, dialect, block size).
 
-    A step is one ``attn_metadata`` dict (vLLM builds a new one per forward, and every layer of
-    the forward sees the same one). Within a step there is one plan per distinct pair (SWA
-    metadata, compressed metadata or None), i.e. per pair of KV-cache groups, reused by every
-    layer with that pair. Each pair of a step gets its own SparseMLA ("slot": a plan lives until
-    its SparseMLA plans again), created on first need and reused by later steps. Plan buffers per
-    slot: ``max_tokens * (W + c128a_width) * 4`` bytes of int32 rows.
+    A step is one forward pass: vLLM's ForwardContext (a new one per forward, holding that
+    forward's ``attn_metadata`` dict), weakly referenced, so that no plan -- and none of vLLM's
+    buffers a plan's batch points to -- outlives its forward (vLLM's CUDA-graph memory profile
+    tears down a throwaway KV cache and its builders, and must get their memory back). Target
+    layers: at the step's first layer the layers are split into
+    plan groups (:func:`plan_groups`, keyed by the identities of the metadata objects, which
+    vLLM builds once per KV-cache group and step); each group's plan is built by its first layer
+    and reused by the others. Draft (MTP) layers -- vLLM's ``is_draft_layer`` -- plan at every
+    call into a slot of their own: vLLM's speculator updates the draft metadata in place between
+    draft steps (``update_draft_decode_metadata``) and records the whole draft loop in one CUDA
+    graph, so no Python-visible key changes between draft steps, while each draft forward runs
+    one attention layer, so planning every call costs nothing extra.
+
+    Every plan lives in a slot (a SparseMLA with buffers for ``max_tokens`` tokens); the
+    profiling run (:meth:`reserve`) allocates all slots a step will use, C128A rows included, so
+    vLLM's memory profile counts them before it sizes the KV cache.
     """
 
     def __init__(self, spec: ModelSpec, max_tokens: int, max_reqs: int, swa_dialect: Fp8Dialect,
-                 block_size: int) -> None:
+                 block_size: int, predict: Callable[[list], list[PlanGroup]] | None = None) -> None:
         self.spec, self.max_tokens, self.max_reqs = spec, max_tokens, max_reqs
         self.swa_dialect, self.block_size = swa_dialect, block_size
+        self.predict = predict
+        self.layers: list = []
         self.slots: list[SparseMLA] = [self._new_slot()]  # backend refusals surface here: engine start
+        self.draft_slot: SparseMLA | None = None
         self.plans_built = 0
-        self._step: dict | None = None
-        self._plans: dict[tuple[int, int], tuple[SparseMLA, StepPlan]] = {}
+        self.reserved_bytes: int | None = None  # set by reserve()
+        self._forward: weakref.ref | None = None  # the step's forward pass
+        self._step_key: tuple[int, int] | None = None  # (id(attn_metadata), num tokens) within it
+        self._layer_plan: dict[str, int] = {}
+        self._groups: list[PlanGroup] = []
+        self._plans: dict[int, tuple[SparseMLA, StepPlan]] = {}
 
     def _new_slot(self) -> SparseMLA:
         return SparseMLA(self.spec, KVFormat.MODEL1_FP8, max_tokens=self.max_tokens, max_reqs=self.max_reqs,
                          swa_dialect=self.swa_dialect, comp_dialect=Fp8Dialect.OCP)
 
-    def plan(self, attn_metadata: dict, swa_md, comp_md, ratio: int, num_tokens: int
-             ) -> tuple[SparseMLA, StepPlan]:
-        """The step's plan for a layer whose SWA / compressed metadata are ``swa_md`` / ``comp_md``
-        (``ratio`` = the layer's compression ratio); built on the first layer that asks."""
-        if attn_metadata is not self._step:  # a new step; the dict is held until the next one
-            self._step, self._plans = attn_metadata, {}
-        key = (id(swa_md), id(comp_md))
-        if key not in self._plans:
-            if len(self._plans) == len(self.slots):
-                self.slots.append(self._new_slot())
-            mla = self.slots[len(self._plans)]
-            self._plans[key] = (mla, mla.plan(self.step_batch(swa_md, comp_md, ratio, num_tokens)))
-            self.plans_built += 1
-        return self._plans[key]
+    def add_layer(self, layer) -> None:
+        self.layers.append(layer)
 
-    def step_batch(self, swa_md, comp_md, ratio: int, num_tokens: int) -> StepBatch:
-        """vLLM's DeepseekSparseSWAMetadata (+ DeepseekV4FlashMLAMetadata) -> StepBatch."""
+    # ---- per layer call ------------------------------------------------------------------------
+    def attend(self, layer, attn_metadata: dict, q: torch.Tensor, output: torch.Tensor, forward) -> None:
+        """One layer's attention for the step ``attn_metadata`` (vLLM's per-layer-name metadata
+        dict): q bf16 [T, H, 512] (H may be below output's head count: zero-padded here), output
+        bf16 [T, padded_heads, 512] written in place. ``layer``: a layer set up by this planner
+        (``prefix``, ``swa_cache_layer``, ``dsv4_kind``, ``kv_cache``, ``topk_indices_buffer``,
+        ``attn_sink``, ``is_draft_layer``). ``forward``: a weak-referenceable object that lives as
+        long as the forward pass and no longer (vLLM's ForwardContext)."""
+        kind = layer.dsv4_kind
+        if getattr(layer, "is_draft_layer", False):
+            mla, plan = self._draft_plan(layer, attn_metadata, q.shape[0])
+        else:
+            mla, plan = self._target_plan(layer, attn_metadata, q.shape[0], forward)
+        if q.shape[1] < output.shape[1]:  # FlashInfer-SM120 base: q arrives at the live head count
+            q = F.pad(q, (0, 0, 0, output.shape[1] - q.shape[1]))
+        mla.forward(plan, kind, q, layer.swa_cache_layer.kv_cache,
+                    layer.kv_cache if kind.has_comp_scope else None,
+                    topk=layer.topk_indices_buffer if kind.uses_topk else None,
+                    sink=layer.attn_sink, out=output)
+
+    def _target_plan(self, layer, attn_metadata: dict, num_tokens: int, forward) -> tuple[SparseMLA, StepPlan]:
+        _metadata(attn_metadata, layer.swa_cache_layer.prefix, layer)
+        if layer.dsv4_kind.has_comp_scope:
+            _metadata(attn_metadata, layer.prefix, layer)
+        key = (id(attn_metadata), num_tokens)  # the dict lives while we plan from it: its id is unique
+        if self._forward is None or self._forward() is not forward or key != self._step_key:  # a new step
+            live = [t for t in self.layers
+                    if not getattr(t, "is_draft_layer", False) and _has_metadata(t, attn_metadata)]
+            self._layer_plan, self._groups = plan_groups(live, lambda prefix: id(attn_metadata[prefix]))
+            self._forward, self._step_key, self._plans = weakref.ref(forward, self._forward_ended), key, {}
+        index = self._layer_plan[layer.prefix]
+        if index not in self._plans:
+            group = self._groups[index]
+            comp = {ratio: attn_metadata[prefix] for ratio, prefix in group.comp_prefixes}
+            batch = self.step_batch(attn_metadata[group.swa_prefix], comp, num_tokens)
+            self._plans[index] = self._plan(self._slot(index, group), batch)
+        return self._plans[index]
+
+    def _forward_ended(self, ref: weakref.ref) -> None:
+        """The step's forward pass is gone: drop its plans (they point into vLLM's buffers)."""
+        if ref is self._forward:
+            self._forward, self._step_key, self._plans = None, None, {}
+
+    def _draft_plan(self, layer, attn_metadata: dict, num_tokens: int) -> tuple[SparseMLA, StepPlan]:
+        kind = layer.dsv4_kind
+        swa_md = _metadata(attn_metadata, layer.swa_cache_layer.prefix, layer)
+        comp = {kind.ratio: _metadata(attn_metadata, layer.prefix, layer)} if kind.has_comp_scope else {}
+        if self.draft_slot is None:
+            self._warn_unreserved("the draft (MTP) layers' slot")
+            self.draft_slot = self._new_slot()
+        return self._plan(self.draft_slot, self.step_batch(swa_md, comp, num_tokens))
+
+    def _slot(self, index: int, group: PlanGroup) -> SparseMLA:
+        while len(self.slots) <= index:
+            self._warn_unreserved(f"plan slot {len(self.slots)}")
+            self.slots.append(self._new_slot())
+        mla = self.slots[index]
+        if group.has_c128a and self.reserved_bytes is not None and _buffer_bytes(mla, all_rows_only=True) == 0:
+            self._warn_unreserved(f"the C128A rows of plan slot {index}")
+        return mla
+
+    def _plan(self, mla: SparseMLA, batch: StepBatch) -> tuple[SparseMLA, StepPlan]:
+        self.plans_built += 1
+        return mla, mla.plan(batch)
+
+    def step_batch(self, swa_md, comp_mds: dict, num_tokens: int) -> StepBatch:
+        """vLLM's DeepseekSparseSWAMetadata and the step's DeepseekV4FlashMLAMetadata per ratio
+        -> StepBatch (device tensors and host ints vLLM already holds: no sync)."""
+        block_sizes = {md.block_size for md in comp_mds.values()}
+        if len(block_sizes) > 1:
+            raise ValueError(f"attn_metadata: got compressed-cache block sizes {sorted(block_sizes)}; allowed: one "
+                             "block size (in uncompressed tokens) for every compressed cache of a step")
         return StepBatch(
             query_start_loc=swa_md.query_start_loc,
             seq_lens=swa_md.seq_lens,
             num_decode_tokens=swa_md.num_decode_tokens,
             swa_block_table=swa_md.block_table,
             swa_block_size=swa_md.block_size,
-            comp_block_tables={} if comp_md is None else {ratio: comp_md.block_table},
-            block_size=self.block_size if comp_md is None else comp_md.block_size,
+            comp_block_tables={ratio: md.block_table for ratio, md in comp_mds.items()},
+            block_size=block_sizes.pop() if block_sizes else self.block_size,
             max_model_len=self.spec.max_model_len,
             num_tokens=num_tokens,
         )
 
+    # ---- profiling -------------------------------------------------------------------------------
     def reserve(self, device: torch.device) -> None:
-        """Dummy run: allocate slot 0's plan buffers on ``device`` now (vLLM's memory profile)."""
-        if self._step is None:
-            empty = StepBatch.from_lists([], [], torch.zeros(0, 1, dtype=torch.int32), 64,
-                                         max_model_len=self.spec.max_model_len, device=device)
-            self.slots[0].plan(empty)
+        """Profiling / dummy run: allocate on ``device`` every plan buffer later steps will use,
+        as vLLM's KV-cache grouping predicts them (once; later dummy runs change nothing)."""
+        if self.reserved_bytes is not None:
+            return
+        targets = [t for t in self.layers if not getattr(t, "is_draft_layer", False)]
+        drafts = [t for t in self.layers if getattr(t, "is_draft_layer", False)]
+        groups = [PlanGroup("")]
+        if self.predict is not None and targets:
+            try:
+                groups = self.predict(targets)
+            except Exception as exc:  # noqa: BLE001 -- a prediction: serving goes on, loudly
+                logger.warning("dsv4_attn: could not predict vLLM's KV-cache groups (%s: %s); plan buffers beyond "
+                               "one slot will be allocated at the first step, outside vLLM's KV-cache budget",
+                               type(exc).__name__, exc)
+        while len(self.slots) < len(groups):
+            self.slots.append(self._new_slot())
+        for mla, group in zip(self.slots, groups):
+            self._allocate(mla, device, group.has_c128a)
+        if drafts:
+            self.draft_slot = self.draft_slot or self._new_slot()
+            self._allocate(self.draft_slot, device, any(t.dsv4_kind is LayerKind.C128A for t in drafts))
+        self.reserved_bytes = sum(_buffer_bytes(m) for m in self.slots + [self.draft_slot] if m is not None)
+        logger.info("dsv4_attn: reserved %.1f MiB of plan buffers during vLLM's memory profile (%d plan(s) per "
+                    "step%s, %d with C128A rows; %d tokens)", self.reserved_bytes / 2**20, len(groups),
+                    " + 1 per draft step" if drafts else "", sum(g.has_c128a for g in groups), self.max_tokens)
+
+    def _allocate(self, mla: SparseMLA, device: torch.device, c128a: bool) -> None:
+        """Allocate ``mla``'s plan buffers (and C128A rows) by planning an empty batch."""
+        empty = torch.zeros(0, 1, dtype=torch.int32)
+        batch = StepBatch.from_lists([], [], empty, 64, comp_block_tables={LayerKind.C128A.ratio: empty} if c128a
+                                     else {}, block_size=self.block_size, max_model_len=self.spec.max_model_len,
+                                     num_tokens=0, device=device)
+        mla.plan(batch)
+
+    def _warn_unreserved(self, what: str) -> None:
+        if self.reserved_bytes is not None:
+            logger.warning("dsv4_attn: allocating %s after vLLM's memory profile: it is outside vLLM's KV-cache "
+                           "budget (the KV-cache groups differ from the prediction at profiling)", what)
 
     def log(self, layer_cls: type) -> None:
         mla = self.slots[0]
         choice = {f"{k.name} {p.value}": mla.backend_for(k, p) for k in mla.spec.kinds for p in Phase}
         names = sorted(set(choice.values()))
-        logger.info("dsv4_attn: DeepSeek-V4 attention runs on dsv4_attn through %s (%s, %s, %d heads per "
+        logger.info("dsv4_attn: DeepSeek-V4 attention layers of class %s run on dsv4_attn (%s, %s, %d heads per "
                     "rank, backend %s)", layer_cls.__name__, mla.platform.arch, KVFormat.MODEL1_FP8.value,
                     self.spec.num_heads, names[0] if len(names) == 1 else choice)
+
+
+def _has_metadata(layer, attn_metadata: dict) -> bool:
+    return layer.swa_cache_layer.prefix in attn_metadata and (
+        not layer.dsv4_kind.has_comp_scope or layer.prefix in attn_metadata)
+
+
+def _metadata(attn_metadata: dict, prefix: str, layer):
+    if prefix not in attn_metadata:
+        raise ValueError(f"attn_metadata: has no entry for {prefix}; allowed: the step's metadata of every "
+                         f"cache of {layer.prefix} ({layer.dsv4_kind.name} layer)")
+    return attn_metadata[prefix]
+
+
+def _buffer_bytes(mla: SparseMLA, all_rows_only: bool = False) -> int:
+    """Bytes of ``mla``'s plan buffers (0 before its first plan); ``all_rows_only``: just the
+    rows of "all" kinds (C128A)."""
+    buffers = mla._buffers
+    if buffers is None:
+        return 0
+    tensors = [t for pair in buffers.all_rows.values() for t in pair]
+    if not all_rows_only:
+        tensors += [buffers.positions, buffers.token_to_req, buffers.token_valid, buffers.swa_rows, buffers.swa_lens]
+    return sum(t.numel() * t.element_size() for t in tensors)

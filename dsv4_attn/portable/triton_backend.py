@@ -1,9 +1,11 @@
 """Backend `triton`: portable Triton kernels (NVIDIA through Triton's CUDA backend, AMD through ROCm).
 
 One launch per layer (two when a small batch splits the key range): every token attends its SWA
-rows and its compressed rows with one online softmax and the sink, reading the caches in place
-(MODEL1_FP8 dequantized in registers, BF16, FP8_TENSOR), C4A local top-k translated to global
-slots inside the kernel. See ``dsv4_attn/portable/kernels/attention.py``.
+rows and its compressed rows with one online softmax and the sink, reading the caches in place,
+each in its own record (V4 fp8, V4.1 MXFP8 and NVFP4 dequantized in registers, BF16, FP8
+per-tensor), local top-k entries translated to global slots inside the kernel. On sm_90 the V4
+record runs the Gluon kernel (``kernels/hopper.py``), everything else the portable kernel
+(``kernels/attention.py``); ``choice()`` (shown by ``SparseMLA.explain()``) says which and why.
 
 Refusals beyond the declared capabilities: Triton not importable; no GPU (on CPU the kernels only
 run under ``TRITON_INTERPRET=1``, which tests use); NVIDIA GPUs older than sm_89 for the fp8
@@ -17,7 +19,7 @@ import importlib.util
 import torch
 
 from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
-from ..common.layout import Fp8Dialect, KVFormat, check_cache
+from ..common.layout import Fp8Dialect, KVFormat, Record, check_cache
 from ..common.platform import Platform, triton_interpreting
 from ..common.plan import StepPlan
 from ..common.spec import LayerKind, ModelSpec
@@ -28,11 +30,11 @@ class TritonBackend(Backend):
     capabilities = Capabilities(
         platforms=(PlatformSupport("cuda", min_capability=(8, 0), label="NVIDIA sm_80+ (fp8 formats sm_89+)"),
                    PlatformSupport("rocm", label="AMD ROCm (through Triton)")),
-        formats=(KVFormat.MODEL1_FP8, KVFormat.BF16, KVFormat.FP8_TENSOR),
+        formats=(KVFormat.MODEL1_FP8, KVFormat.BF16, KVFormat.FP8_TENSOR, KVFormat.MXFP8, KVFormat.NVFP4),
         kinds=None,  # every (ratio, selection): the kernels take the ratio as a parameter
         dialects=(Fp8Dialect.OCP, Fp8Dialect.FNUZ),
-        heads_note="blocks of 64; fewer heads padded inside the kernel",
-        validated="H100 (hardware); CPU via TRITON_INTERPRET=1 (logic only)",
+        heads_note="blocks of up to 64, 16 per wave on AMD; fewer heads padded inside the kernel",
+        validated="H100 (hardware); CPU via TRITON_INTERPRET=1 (logic only); AMD: compile-checked offline",
         notes="one launch per layer (+1 small combine when few tokens split the key range)",
     )
 
@@ -59,6 +61,22 @@ class TritonBackend(Backend):
             return [f"format {fmt.value} needs fp8 (e4m3) conversions: NVIDIA sm_89 or newer, got {platform.arch}"]
         return []
 
+    def choice(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
+               dialects) -> str:
+        """The Triton kernel and tile a layer runs with, and why (shown by ``SparseMLA.explain()``)."""
+        from .kernels import ops
+
+        config = self._config or ops.DEFAULT_CONFIG
+        kind = LayerKind.parse(kind)
+        scopes = 2 if kind.has_comp_scope else 1
+        records = (fmt.swa_record, fmt.comp_record)[:scopes]
+        impl, why = ops.kernel_choice(platform.arch, records, tuple(dialects)[:scopes], config)
+        if impl == "gluon":
+            return f"Gluon Hopper kernel, 64 heads x {config.g_block_n} keys per tile ({why}; 16-byte aligned caches)"
+        tile = config.tile(platform.arch, spec.num_heads)
+        return (f"portable kernel, {tile.block_h} heads x {tile.block_n} keys per tile, {tile.num_warps} warps "
+                f"({why})")
+
     # ---- forward --------------------------------------------------------------------------
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
         from .kernels import ops
@@ -67,27 +85,27 @@ class TritonBackend(Backend):
         if T == 0:
             return
         fmt = KVFormat.parse(layer.fmt)
-        swa_geo = check_cache(layer.swa_cache, fmt, "swa_cache", layer.swa_dialect)
-        self._check_model1_stride("swa_cache", layer.swa_cache, fmt, swa_geo.block_stride)
+        swa_geo = check_cache(layer.swa_cache, fmt.swa_record, "swa_cache", layer.swa_dialect)
+        self._check_v4_stride("swa_cache", layer.swa_cache, fmt.swa_record, swa_geo.block_stride)
         comp_rows = comp_lens = c4a = None
         comp_cache = None
-        if layer.kind.attends_all:
-            comp_cache = layer.comp_cache
-            comp_rows, comp_lens = plan.comp_scope(layer.kind)
-        elif layer.kind.uses_topk:  # local top-k translated inside the kernel
+        if plan.translates_topk(layer.kind):  # local top-k translated inside the kernel
             comp_cache = layer.comp_cache
             comp_rows = layer.topk[:T]
             c4a = (plan.batch.comp_block_table(layer.kind), plan.token_to_req, plan.positions)
+        elif layer.kind.has_comp_scope:  # global rows: "all" kinds, or a StepRows' GlobalRows
+            comp_cache = layer.comp_cache
+            comp_rows, comp_lens = plan.comp_scope(layer.kind)
         if comp_cache is not None:
-            geo = check_cache(comp_cache, fmt, "comp_cache", layer.comp_dialect)
-            self._check_model1_stride("comp_cache", comp_cache, fmt, geo.block_stride)
+            geo = check_cache(comp_cache, fmt.comp_record, "comp_cache", layer.comp_dialect)
+            self._check_v4_stride("comp_cache", comp_cache, fmt.comp_record, geo.block_stride)
             if comp_rows.stride(-1) != 1:
                 raise ValueError(f"topk: got strides {tuple(comp_rows.stride())}; allowed: last dim contiguous")
         kwargs = {}
         if self._config is not None:
             kwargs["config"] = self._config
         ops.sparse_mla_fwd(
-            layer.q, out, fmt.value, layer.swa_cache, plan.swa_rows, plan.swa_lens,
+            layer.q, out, fmt, layer.swa_cache, plan.swa_rows, plan.swa_lens,
             comp_cache=comp_cache, comp_rows=comp_rows, comp_lens=comp_lens, c4a=c4a, topk_ratio=layer.kind.ratio,
             sink=layer.sink, scale=layer.softmax_scale, kv_scale=layer.kv_scale,
             swa_fnuz=layer.swa_dialect is Fp8Dialect.FNUZ, comp_fnuz=layer.comp_dialect is Fp8Dialect.FNUZ,
@@ -95,9 +113,9 @@ class TritonBackend(Backend):
         )
 
     @staticmethod
-    def _check_model1_stride(name: str, cache: torch.Tensor, fmt: KVFormat, stride0: int) -> None:
-        # the kernel reads the bf16 RoPE values through a 2-byte view of the cache
-        if fmt is KVFormat.MODEL1_FP8 and (stride0 % 2 or cache.storage_offset() % 2):
+    def _check_v4_stride(name: str, cache: torch.Tensor, record: Record, stride0: int) -> None:
+        # the kernel reads the V4 record's bf16 RoPE values through a 2-byte view of the cache
+        if record is Record.V4_FP8 and (stride0 % 2 or cache.storage_offset() % 2):
             raise ValueError(f"{name}: got block stride {stride0} bytes and storage offset "
                              f"{cache.storage_offset()}; allowed: both even for the triton backend "
                              "(vLLM pages are multiples of 576 bytes)")

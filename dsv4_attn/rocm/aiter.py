@@ -1,8 +1,11 @@
-"""Backend `aiter`: DeepSeek-V4 sparse decode on AMD gfx950 (MI355X) / gfx942 (MI300X) via AITER.
+"""Backend `aiter`: DeepSeek-V4 / V4.1 sparse decode on AMD gfx950 (MI355X) / gfx942 (MI300X) via AITER.
 
 Decode only (``phases = (DECODE,)``): prefill tokens go to `triton` / `torch` through the front
 end. Three AITER entry points, tried in this order (``PATHS``; features are probed from the
-installed functions' signatures and the shipped code objects, never from the version string):
+installed functions' signatures and the shipped code objects, never from the version string).
+DeepSeek-V4.1's top-k kinds (C1A, C2A) run on ``sparse_mla_fwd`` only: that is the one AITER
+entry point vLLM 0.33 runs V4.1 through on ROCm (``models/deepseek_v41/amd/rocm.py``, V4 record);
+the other two refuse them with that reason.
 
 ``sparse_mla_fwd`` (``aiter.ops.triton.attention.sparse_mla``, gfx950)
     One call per layer: both scopes (``extra_*``), compacted ragged CSR of GLOBAL slots and the
@@ -357,14 +360,14 @@ class AiterBackend(Backend):
     capabilities = Capabilities(
         platforms=(PlatformSupport("rocm", archs=ARCHS, label="AMD gfx950 (MI355X), gfx942 (MI300X) via AITER"),),
         formats=(KVFormat.MODEL1_FP8, KVFormat.BF16, KVFormat.FP8_TENSOR),
-        kinds=V4_KINDS,
+        kinds=V4_KINDS + (LayerKind.C1A, LayerKind.C2A),  # V4.1's on sparse_mla_fwd only (path_reasons)
         phases=(Phase.DECODE,),
         dialects=(Fp8Dialect.OCP, Fp8Dialect.FNUZ),  # gathered rows are decoded in their own dialect
         heads_note="padded to what each kernel takes: 16/32/64/128",
         validated="emulated (a model of AITER 0.1.20's kernels: CPU CI, H100 CUDA-graph test); never run on "
                   "MI300X/MI355X",
-        notes="decode only; sparse_mla_fwd (gfx950, vLLM 0.33's AITER), else mla_decode_fwd_v4_nm (MODEL1, "
-              "gfx950, AITER >= 0.1.18), else mla_decode_fwd + LSE merge",
+        notes="decode only; sparse_mla_fwd (gfx950, vLLM 0.33's AITER; V4.1's C1A/C2A only there), else "
+              "mla_decode_fwd_v4_nm (MODEL1, gfx950, AITER >= 0.1.18), else mla_decode_fwd + LSE merge",
     )
 
     def __init__(self, path: str | None = None, persistent_max_batch: int | None = None,
@@ -409,6 +412,9 @@ class AiterBackend(Backend):
         encodings; ``heads`` defaults to the spec's."""
         if heads is None and spec is not None:
             heads = spec.num_heads
+        if path != "sparse_mla_fwd" and kind not in V4_KINDS:
+            return [f"serves DeepSeek-V4.1's {kind.name} layers through sparse_mla_fwd only, the AITER entry point "
+                    "vLLM 0.33 runs V4.1 through on ROCm (models/deepseek_v41/amd/rocm.py)"]
         if path == "sparse_mla_fwd":
             why = _sparse_reasons(api)
             in_place = fmt is not KVFormat.BF16

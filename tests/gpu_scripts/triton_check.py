@@ -13,7 +13,7 @@ import torch
 
 from dsv4_attn import bench
 from dsv4_attn.common import reference
-from dsv4_attn.common.spec import LayerKind
+from dsv4_attn.common.layout import KVFormat
 
 
 def compare(out, ref):
@@ -27,31 +27,34 @@ def main() -> int:
     dev = torch.device("cuda")
     names = {"gluon": bench.register_variant("gluon=impl=gluon") if torch.cuda.get_device_capability() == (9, 0)
              else None, "portable": bench.register_variant("portable=impl=triton")}
+    v4 = KVFormat.MODEL1_FP8
     cases = [
-        ("h64-c4a512", 3, 1), ("h64-c4a512", 2, 2), ("h128-c4a1024", 2, 1), ("h64-c128a", 4, 1),
-        ("h128-c128a", 2, 2), ("h64-c4a512", 70, 1), ("h128-c4a1024", 40, 1),
+        ("h64-c4a512", 3, 1, v4), ("h64-c4a512", 2, 2, v4), ("h128-c4a1024", 2, 1, v4), ("h64-c128a", 4, 1, v4),
+        ("h128-c128a", 2, 2, v4), ("h64-c4a512", 70, 1, v4), ("h128-c4a1024", 40, 1, v4),
+        # V4.1 layers in each record: V4 (SM90's), MXFP8, MXFP8 SWA + NVFP4 compressed (the portable kernel)
+        *((cfg, b, 1, fmt) for fmt in (v4, KVFormat.MXFP8, KVFormat.NVFP4)
+          for cfg, b in (("h64-c1a512", 3), ("h128-c2a1024", 40))),
     ]
     bad = 0
-    for cfg, b, sq in cases:
-        case = bench.make_decode_case(bench.DECODE_CONFIGS[cfg], b, sq, dev, seed=b + sq)
+    for cfg, b, sq, fmt in cases:
+        case = bench.make_decode_case(bench.DECODE_CONFIGS[cfg], b, sq, dev, fmt, seed=b + sq)
         case.sink[0], case.sink[1] = math.inf, -math.inf
         for impl, name in names.items():
-            if name is None:
+            if name is None or (impl == "gluon" and fmt is not v4):
                 continue
             run, out, plan = bench.api_runner(case, name)
             out.fill_(float("nan"))
             run()
             torch.cuda.synchronize()
-            rows, lens = plan.comp_scope(case.kind, case.c4a_topk)
+            rows, lens = plan.comp_scope(case.kind, case.topk)
             ref, _ = reference.sparse_mla(case.q, case.swa_cache, plan.swa_rows, plan.swa_lens, case.comp_cache, rows,
                                           lens, case.sink, case.spec.scale, case.fmt)
             nan = int(out.isnan().sum())
             mx, rel, cos = compare(out.nan_to_num(0), ref)
             ok = nan == 0 and rel < 1e-2 and cos > 0.9999 and float(out[:, 0].abs().max()) == 0
             bad += not ok
-            print(f"{'OK ' if ok else 'BAD'} {impl:<8} {case.label:<30} nan {nan} max_abs {mx:.2e} rel_l2 {rel:.2e} "
-                  f"cos {cos:.6f}", flush=True)
-        # SWA-only layer through the same kernels
+            print(f"{'OK ' if ok else 'BAD'} {impl:<8} {case.label:<30} {fmt.value:<12} nan {nan} max_abs {mx:.2e} "
+                  f"rel_l2 {rel:.2e} cos {cos:.6f}", flush=True)
     print("parity failures:", bad)
     return 1 if bad else 0
 

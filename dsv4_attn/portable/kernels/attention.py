@@ -5,14 +5,20 @@ split, one slice of that token's key tiles). It walks the token's SWA rows, then
 rows, in tiles of ``BLOCK_N`` keys, with ONE online softmax over both scopes:
 
 * each key row is read ONCE from the cache, in place, and used for K and V (V = K);
-* MODEL1_FP8 rows are dequantized in registers: the 448 e4m3 NoPE bytes become the dot dtype
-  and are multiplied by their tile's power-of-two scale ``2^(byte-127)`` (built from the
-  exponent byte with a shift, no exp2), the 64 bf16 RoPE values are loaded as they are;
+* each cache is read in its own record (``FMT_A`` SWA, ``FMT_B`` compressed; docs/semantics.md
+  "Cache records") and dequantized in registers, chunk by chunk, right before its dot:
+  V4 rows (``FMT_MODEL1``): 448 e4m3 bytes times their 64-dim group's power-of-two scale
+  ``2^(byte-127)`` (built from the exponent byte with a shift, no exp2), 64 bf16 RoPE values as
+  they are; MXFP8 rows: 512 e4m3 bytes, one such scale per 32 dims; NVFP4 rows: 512 e2m1 codes
+  (two per byte) rebuilt as e4m3 bytes (``_e2m1_as_e4m3``) so the same e4m3 conversion decodes
+  them, times their 16-dim group's e4m3 scale; BF16 rows as they are; FP8 per-tensor rows times
+  ``kv_scale``. When the two records differ (``nvfp4_ds_mla``) the SWA tiles and the compressed
+  tiles run in two loops of one online softmax (``_walk``), each compiled for its record;
 * the 512 dims are handled as four power-of-two chunks (256 + 128 + 64 NoPE, 64 RoPE), so
   ``Q·Kᵀ`` is four chained dots into one score tile and ``P·V`` four dots into four
   accumulators; no per-64 tile dots, no whole-row gathers into a workspace;
-* C4A local top-k entries are translated to global slots inside the kernel through the
-  ratio-4 block table (no extra launch per C4A layer);
+* local top-k entries (C4A, C1A, C2A) are translated to global slots inside the kernel through
+  the block table of the layer's ratio (no extra launch per top-k layer);
 * every slot -> byte offset product is int64 (caches larger than 2^31 bytes work);
 * any entry that does not name a row of its cache is skipped exactly like -1, never read
   (``RANGE_CHECKS``, one compare per key; docs/bad-input.md): a slot outside ``[0, slots)``, a
@@ -24,12 +30,13 @@ rows, in tiles of ``BLOCK_N`` keys, with ONE online softmax over both scopes:
 
 When the tokens are too few to fill the GPU the key tiles of a token are split over ``SPLIT``
 programs writing fp32 partials ``(acc, m, l)``; a small combine kernel merges them, applies the
-sink and writes bf16 (spec §8 merge rule). Scores are kept in base 2 (``qk_scale`` includes
+sink and writes bf16 (the LSE merge of docs/semantics.md). Scores are kept in base 2 (``qk_scale`` includes
 log2(e)); the returned lse is natural-log and excludes the sink.
 
-Dot dtype ``DT``: float16 (fast default on GPUs: e4m3 values and their power-of-two scales are
-exact in fp16 down to 2^-24, and RMS-normed q is bounded by sqrt(512)), bfloat16, or float32
-(used under ``TRITON_INTERPRET=1``, whose bf16/fp16 dots are wrong).
+Dot dtype ``DT``: bfloat16 (the default on GPUs), float16 (e4m3 values and their power-of-two
+scales are exact in fp16 down to 2^-24, e2m1 times an e4m3 scale down to 2^-10, and RMS-normed q
+is bounded by sqrt(512)), or float32 (used under ``TRITON_INTERPRET=1``, whose bf16/fp16 dots are
+wrong).
 """
 
 from __future__ import annotations
@@ -37,13 +44,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FMT_MODEL1 = 0
-FMT_BF16 = 1
-FMT_FP8 = 2
+# records of a cache as the kernels name them (constexpr FMT_A / FMT_B)
+FMT_MODEL1 = 0  # V4 record (584 B): 448 e4m3 + 64 bf16, UE8M0 scale per 64 dims, split pages
+FMT_BF16 = 1  # 512 bf16
+FMT_FP8 = 2  # 512 e4m3, one per-tensor scale (kv_scale)
+FMT_MXFP8 = 3  # V4.1 (528 B): 512 e4m3, UE8M0 scale per 32 dims, each token's scales after its data
+FMT_NVFP4 = 4  # V4.1 compressed (288 B): 512 e2m1 in 256 B, e4m3 scale per 16 dims, interleaved
 
 COMP_NONE = 0  # SWA-only layer
 COMP_GLOBAL = 1  # compressed rows are global slots (C128A rows from the plan)
-COMP_C4A_LOCAL = 2  # compressed rows are C4A local positions: translate in the kernel
+COMP_C4A_LOCAL = 2  # compressed rows are local top-k positions (C4A, C1A, C2A): translated in the kernel
 
 
 @triton.jit
@@ -90,21 +100,38 @@ def _tile_slots(g, lo_b, hi, a_rows, len_a, a_slots, b_rows, len_b, b_slots, vis
 
 
 @triton.jit
-def _load_kv_raw(cache_u8, cache_16, stride0, bs, slots, valid, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Issue every load of a tile of BLOCK_N rows (raw bytes; dequantized later, chunk by chunk).
+def _chunk_ptrs(base, row, start: tl.constexpr, K: tl.constexpr, W: tl.constexpr):
+    """Pointers [N, K, W] to the K groups of W elements at ``row + start`` of each row."""
+    t = tl.arange(0, K)
+    c = tl.arange(0, W)
+    return base + row[:, None, None] + start + (t * W)[None, :, None] + c[None, None, :]
 
-    Returns (a, b, c, r, e4, e2, e1): dims [0,256) as [N,4,64], [256,384) as [N,2,64], [384,448)
-    and [448,512) as [N,64] in the cache's storage type, and MODEL1's exponent bytes (tiles 0-3,
-    4-5, 6). Invalid rows read as 0."""
+
+@triton.jit
+def _span_ptrs(base, row, start: tl.constexpr, W: tl.constexpr):
+    """Pointers [N, W] to the W elements at ``row + start`` of each row."""
+    return base + row[:, None] + start + tl.arange(0, W)[None, :]
+
+
+@triton.jit
+def _load_kv_raw(cache_u8, cache_16, stride0, bs, slots, valid, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Issue every load of a tile of BLOCK_N rows (raw; dequantized later, chunk by chunk).
+
+    Returns (a, b, c, r, ea, eb, ec, er): dims [0,256), [256,384), [384,448), [448,512) of each row
+    in the cache's storage type, and their scale bytes. V4 rows: a [N,4,64], b [N,2,64], c [N,64]
+    e4m3, r [N,64] bf16, scales ea [N,4], eb [N,2], ec [N] (of the 64-dim groups). MXFP8: groups of
+    32 e4m3, a [N,8,32] .. r [N,2,32], scales [N,8] .. [N,2]. NVFP4: groups of 8 bytes (16 dims),
+    a [N,16,8] .. r [N,4,8], e4m3 scales [N,16] .. [N,4]. BF16 / FP8: a [N,4,64], b [N,2,64],
+    c, r [N,64], no scales. Invalid rows read as 0."""
     blk = slots // bs
     off = slots - blk * bs
-    t4 = tl.arange(0, 4)
-    t2 = tl.arange(0, 2)
-    c64 = tl.arange(0, 64)
     m3 = valid[:, None, None]
     m2 = valid[:, None]
     if FMT == 0:
         # MODEL1: data row at blk*stride0 + off*576; scale row at blk*stride0 + bs*576 + off*8
+        t4 = tl.arange(0, 4)
+        t2 = tl.arange(0, 2)
+        c64 = tl.arange(0, 64)
         base = blk.to(tl.int64) * stride0
         row = base + off.to(tl.int64) * 576
         srow = base + bs * 576 + off.to(tl.int64) * 8
@@ -113,10 +140,37 @@ def _load_kv_raw(cache_u8, cache_16, stride0, bs, slots, valid, FMT: tl.constexp
                     other=0)
         c = tl.load(cache_u8 + row[:, None] + 384 + c64[None, :], mask=m2, other=0)
         r = tl.load(cache_16 + (row[:, None] + 448) // 2 + c64[None, :], mask=m2, other=0.0)
-        e4 = tl.load(cache_u8 + srow[:, None] + t4[None, :], mask=m2, other=0)
-        e2 = tl.load(cache_u8 + srow[:, None] + 4 + t2[None, :], mask=m2, other=0)
-        e1 = tl.load(cache_u8 + srow + 6, mask=valid, other=0)
+        ea = tl.load(cache_u8 + srow[:, None] + t4[None, :], mask=m2, other=0)
+        eb = tl.load(cache_u8 + srow[:, None] + 4 + t2[None, :], mask=m2, other=0)
+        ec = tl.load(cache_u8 + srow + 6, mask=valid, other=0)
+        er = 0
+    elif FMT == 3:
+        # MXFP8: token at blk*stride0 + off*528, its 16 scale bytes at +512 (one per 32 dims)
+        row = blk.to(tl.int64) * stride0 + off.to(tl.int64) * 528
+        a = tl.load(_chunk_ptrs(cache_u8, row, 0, 8, 32), mask=m3, other=0)
+        b = tl.load(_chunk_ptrs(cache_u8, row, 256, 4, 32), mask=m3, other=0)
+        c = tl.load(_chunk_ptrs(cache_u8, row, 384, 2, 32), mask=m3, other=0)
+        r = tl.load(_chunk_ptrs(cache_u8, row, 448, 2, 32), mask=m3, other=0)
+        ea = tl.load(_span_ptrs(cache_u8, row, 512, 8), mask=m2, other=0)
+        eb = tl.load(_span_ptrs(cache_u8, row, 520, 4), mask=m2, other=0)
+        ec = tl.load(_span_ptrs(cache_u8, row, 524, 2), mask=m2, other=0)
+        er = tl.load(_span_ptrs(cache_u8, row, 526, 2), mask=m2, other=0)
+    elif FMT == 4:
+        # NVFP4: token at blk*stride0 + off*288: 256 bytes of e2m1 pairs (8 bytes = 16 dims per
+        # scale), then its 32 e4m3 scale bytes at +256
+        row = blk.to(tl.int64) * stride0 + off.to(tl.int64) * 288
+        a = tl.load(_chunk_ptrs(cache_u8, row, 0, 16, 8), mask=m3, other=0)
+        b = tl.load(_chunk_ptrs(cache_u8, row, 128, 8, 8), mask=m3, other=0)
+        c = tl.load(_chunk_ptrs(cache_u8, row, 192, 4, 8), mask=m3, other=0)
+        r = tl.load(_chunk_ptrs(cache_u8, row, 224, 4, 8), mask=m3, other=0)
+        ea = tl.load(_span_ptrs(cache_u8, row, 256, 16), mask=m2, other=0)
+        eb = tl.load(_span_ptrs(cache_u8, row, 272, 8), mask=m2, other=0)
+        ec = tl.load(_span_ptrs(cache_u8, row, 280, 4), mask=m2, other=0)
+        er = tl.load(_span_ptrs(cache_u8, row, 284, 4), mask=m2, other=0)
     else:
+        t4 = tl.arange(0, 4)
+        t2 = tl.arange(0, 2)
+        c64 = tl.arange(0, 64)
         row = blk.to(tl.int64) * stride0 + off.to(tl.int64) * 512
         if FMT == 1:
             ptr = cache_16
@@ -126,10 +180,11 @@ def _load_kv_raw(cache_u8, cache_16, stride0, bs, slots, valid, FMT: tl.constexp
         b = tl.load(ptr + row[:, None, None] + 256 + (t2 * 64)[None, :, None] + c64[None, None, :], mask=m3, other=0)
         c = tl.load(ptr + row[:, None] + 384 + c64[None, :], mask=m2, other=0)
         r = tl.load(ptr + row[:, None] + 448 + c64[None, :], mask=m2, other=0)
-        e4 = 0
-        e2 = 0
-        e1 = 0
-    return a, b, c, r, e4, e2, e1
+        ea = 0
+        eb = 0
+        ec = 0
+        er = 0
+    return a, b, c, r, ea, eb, ec, er
 
 
 @triton.jit
@@ -148,29 +203,48 @@ def _e4m3(x, exp_off, DT: tl.constexpr):
 
 
 @triton.jit
-def _dequant(x, e, kv_scale, exp_off, FMT: tl.constexpr, DT: tl.constexpr, TILED: tl.constexpr):
-    """One chunk to DT. MODEL1: e4m3 * 2^(byte-127) per 64-wide tile (x [N,k,64] with e [N,k], or
-    x [N,64] with e [N]); BF16: as is; FP8_TENSOR: e4m3 * kv_scale."""
-    if FMT == 0:
+def _e2m1_as_e4m3(x):
+    """Packed e2m1 pairs [N, k, 8] (even dim in the low nibble) -> e4m3 bytes [N, k, 16] in dim
+    order, each worth 2^-6 times its e2m1 value: e2m1's sign, 2 exponent bits (bias 1) and mantissa
+    bit land on e4m3's sign, low exponent bits (bias 7) and top mantissa bit, so e2m1's subnormal
+    0.5 becomes e4m3's subnormal 2^-7 (exact)."""
+    lo = ((x << 2) & 0x1C) | ((x << 4) & 0x80)
+    hi = ((x >> 2) & 0x1C) | (x & 0x80)
+    return tl.reshape(tl.join(lo, hi), (x.shape[0], x.shape[1], 2 * x.shape[2]))
+
+
+@triton.jit
+def _dequant(x, e, kv_scale, exp_off, FMT: tl.constexpr, DT: tl.constexpr, GROUPED: tl.constexpr):
+    """One chunk to DT [N, dims]. ``GROUPED``: x comes in groups [N, k, w] sharing a scale e [N, k]
+    (else x [N, w], e [N]). V4 / MXFP8: e4m3 * 2^(byte-127) per group of 64 / 32 dims; NVFP4: e2m1
+    * e4m3 scale per 16 dims (w = 8 bytes); BF16: as is; FP8_TENSOR: e4m3 * kv_scale."""
+    if FMT == 0 or FMT == 3:
         f = _e4m3(x, exp_off, DT)
-        if TILED:
+        if GROUPED:
             y = f * _exp_scale(e, exp_off, DT)[:, :, None]
         else:
             y = f * _exp_scale(e, exp_off, DT)[:, None]
+    elif FMT == 4:
+        # 64 = 2^6 undoes _e2m1_as_e4m3's factor (448 * 64 still fits fp16)
+        scale = e.to(tl.float8e4nv, bitcast=True).to(DT) * 64.0
+        y = _e2m1_as_e4m3(x).to(tl.float8e4nv, bitcast=True).to(DT) * scale[:, :, None]
     elif FMT == 1:
         y = x.to(DT)
     else:
         sc = kv_scale * tl.where(exp_off > 0, 0.5, 1.0)
         y = (_e4m3(x, exp_off, tl.float32) * sc).to(DT)
+    if GROUPED:
+        y = tl.reshape(y, (y.shape[0], y.shape[1] * y.shape[2]))
     return y
 
 
 @triton.jit
 def _attend_tile(qa, qb, qc, qr, raw, valid, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, exp_off,
                  scr_p, scr_a, FMT: tl.constexpr, DT: tl.constexpr, P_SCRATCH: tl.constexpr):
-    a, b, c, r, e4, e2, e1 = raw
+    a, b, c, r, ea, eb, ec, er = raw
     BLOCK_N: tl.constexpr = a.shape[0]
     BLOCK_H: tl.constexpr = qa.shape[0]
+    GROUPED_CR: tl.constexpr = FMT == 3 or FMT == 4  # V4.1 records: chunks c and r come in groups too
     # Each chunk is dequantized right before its score dot (only one chunk's registers live).
     # s = Q·Kᵀ [BLOCK_H, BLOCK_N]; the shared-memory K chunks are the B operands of both dots.
     # The four chunk dots are summed, not chained through the accumulator: a dot feeding a dot
@@ -179,13 +253,13 @@ def _attend_tile(qa, qb, qc, qr, raw, valid, m_i, l_i, acc_a, acc_b, acc_c, acc_
     if FMT == 0:
         kr = r.to(DT)
     else:
-        kr = _dequant(r, e1, kv_scale, exp_off, FMT, DT, False)
+        kr = _dequant(r, er, kv_scale, exp_off, FMT, DT, GROUPED_CR)
     s = tl.dot(qr, tl.trans(kr)) * qk_scale
-    ka = tl.reshape(_dequant(a, e4, kv_scale, exp_off, FMT, DT, True), (BLOCK_N, 256))
+    ka = _dequant(a, ea, kv_scale, exp_off, FMT, DT, True)
     s += tl.dot(qa, tl.trans(ka)) * qk_scale
-    kb = tl.reshape(_dequant(b, e2, kv_scale, exp_off, FMT, DT, True), (BLOCK_N, 128))
+    kb = _dequant(b, eb, kv_scale, exp_off, FMT, DT, True)
     s += tl.dot(qb, tl.trans(kb)) * qk_scale
-    kc = _dequant(c, e1, kv_scale, exp_off, FMT, DT, False)
+    kc = _dequant(c, ec, kv_scale, exp_off, FMT, DT, GROUPED_CR)
     s += tl.dot(qc, tl.trans(kc)) * qk_scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -213,6 +287,45 @@ def _attend_tile(qa, qb, qc, qr, raw, valid, m_i, l_i, acc_a, acc_b, acc_c, acc_
 
 
 @triton.jit
+def _walk(g0, g1, tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row, bt_cols, b_blocks,
+          A_U8, A_16, a_stride0, a_bs, a_exp_off, B_U8, B_16, b_stride0, b_bs, b_exp_off,
+          qa, qb, qc, qr, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, scr_p, scr_a,
+          FMT: tl.constexpr, COMP: tl.constexpr, SCOPE: tl.constexpr, RANGE_CHECKS: tl.constexpr,
+          BLOCK_N: tl.constexpr, DT: tl.constexpr, P_SCRATCH: tl.constexpr):
+    """The online softmax over global tiles [g0, g1) read in record FMT (tiles < tiles_a are SWA
+    tiles, the others compressed ones); returns (m, l, acc_a, acc_b, acc_c, acc_r) updated.
+    SCOPE 0: tiles of both caches (one record), base pointers chosen per tile; 1: SWA tiles only
+    (give COMP 0); 2: compressed tiles only."""
+    BLOCK_H: tl.constexpr = qa.shape[0]
+    # slots of the first tile; each iteration prefetches the next tile's slots (index loads and
+    # the top-k block-table lookup leave the critical path)
+    slots, valid, is_a = _tile_slots(g0, tiles_a, g1, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row,
+                                     bt_cols, b_bs, b_blocks, COMP, RANGE_CHECKS, BLOCK_N)
+    for g in range(g0, g1):
+        slots_n, valid_n, is_a_n = _tile_slots(g + 1, tiles_a, g1, a_rows, len_a, a_slots, b_rows, len_b, b_slots,
+                                               visible, bt_row, bt_cols, b_bs, b_blocks, COMP, RANGE_CHECKS, BLOCK_N)
+        if COMP == 0 or SCOPE == 1:
+            raw = _load_kv_raw(A_U8, A_16, a_stride0, a_bs, slots, valid, FMT, BLOCK_N)
+            exp_off = a_exp_off
+        elif SCOPE == 2:
+            raw = _load_kv_raw(B_U8, B_16, b_stride0, b_bs, slots, valid, FMT, BLOCK_N)
+            exp_off = b_exp_off
+        else:
+            raw = _load_kv_raw(tl.where(is_a, A_U8, B_U8), tl.where(is_a, A_16, B_16),
+                               tl.where(is_a, a_stride0, b_stride0), tl.where(is_a, a_bs, b_bs), slots, valid,
+                               FMT, BLOCK_N)
+            exp_off = tl.where(is_a, a_exp_off, b_exp_off)
+        par = g % 2
+        m_i, l_i, acc_a, acc_b, acc_c, acc_r = _attend_tile(
+            qa, qb, qc, qr, raw, valid, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, exp_off,
+            scr_p + par * (BLOCK_H * BLOCK_N), scr_a + par * BLOCK_H, FMT, DT, P_SCRATCH)
+        slots = slots_n
+        valid = valid_n
+        is_a = is_a_n
+    return m_i, l_i, acc_a, acc_b, acc_c, acc_r
+
+
+@triton.jit
 def _store_rows(row_ptrs, col0: tl.constexpr, val, hmask, WIDTH: tl.constexpr):
     d = col0 + tl.arange(0, WIDTH)
     tl.store(row_ptrs[:, None] + d[None, :], val, mask=hmask[:, None])
@@ -236,7 +349,7 @@ def sparse_mla_fwd_kernel(
     # per-program scratch for P (DT [grid, 2, BLOCK_H, BLOCK_N]) and alpha (fp32 [grid, 2, BLOCK_H])
     SCR_P, SCR_A,
     num_heads, qk_scale, kv_scale, split, a_exp_off, b_exp_off,
-    FMT: tl.constexpr, COMP: tl.constexpr, C4A_RATIO: tl.constexpr,
+    FMT_A: tl.constexpr, FMT_B: tl.constexpr, COMP: tl.constexpr, C4A_RATIO: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
     IS_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
     P_SCRATCH: tl.constexpr, RANGE_CHECKS: tl.constexpr,
@@ -298,28 +411,25 @@ def sparse_mla_fwd_kernel(
     scr_p = SCR_P + pid.to(tl.int64) * (2 * BLOCK_H * BLOCK_N)
     scr_a = SCR_A + pid.to(tl.int64) * (2 * BLOCK_H)
 
-    # slots of the first tile; each iteration prefetches the next tile's slots (index loads and
-    # the C4A block-table lookup leave the critical path)
-    slots, valid, is_a = _tile_slots(lo, tiles_a, hi, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row,
-                                     bt_cols, b_bs, b_blocks, COMP, RANGE_CHECKS, BLOCK_N)
-    for g in range(lo, hi):
-        slots_n, valid_n, is_a_n = _tile_slots(g + 1, tiles_a, hi, a_rows, len_a, a_slots, b_rows, len_b, b_slots,
-                                               visible, bt_row, bt_cols, b_bs, b_blocks, COMP, RANGE_CHECKS, BLOCK_N)
-        if COMP == 0:
-            raw = _load_kv_raw(A_U8, A_16, a_stride0, a_bs, slots, valid, FMT, BLOCK_N)
-            exp_off = a_exp_off
-        else:
-            raw = _load_kv_raw(tl.where(is_a, A_U8, B_U8), tl.where(is_a, A_16, B_16),
-                               tl.where(is_a, a_stride0, b_stride0), tl.where(is_a, a_bs, b_bs), slots, valid,
-                               FMT, BLOCK_N)
-            exp_off = tl.where(is_a, a_exp_off, b_exp_off)
-        par = g % 2
-        m_i, l_i, acc_a, acc_b, acc_c, acc_r = _attend_tile(
-            qa, qb, qc, qr, raw, valid, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, exp_off,
-            scr_p + par * (BLOCK_H * BLOCK_N), scr_a + par * BLOCK_H, FMT, DT, P_SCRATCH)
-        slots = slots_n
-        valid = valid_n
-        is_a = is_a_n
+    # each scope's tiles read in its cache's record: one walk when both caches share a record, else
+    # (nvfp4_ds_mla) the SWA tiles, then the compressed tiles, through one online softmax
+    if FMT_A == FMT_B:
+        m_i, l_i, acc_a, acc_b, acc_c, acc_r = _walk(
+            lo, hi, tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row, bt_cols, b_blocks,
+            A_U8, A_16, a_stride0, a_bs, a_exp_off, B_U8, B_16, b_stride0, b_bs, b_exp_off,
+            qa, qb, qc, qr, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, scr_p, scr_a,
+            FMT_A, COMP, 0, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH)
+    else:
+        m_i, l_i, acc_a, acc_b, acc_c, acc_r = _walk(
+            lo, tl.minimum(hi, tiles_a), tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row,
+            bt_cols, b_blocks, A_U8, A_16, a_stride0, a_bs, a_exp_off, B_U8, B_16, b_stride0, b_bs, b_exp_off,
+            qa, qb, qc, qr, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, scr_p, scr_a,
+            FMT_A, 0, 1, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH)
+        m_i, l_i, acc_a, acc_b, acc_c, acc_r = _walk(
+            tl.maximum(lo, tiles_a), hi, tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row,
+            bt_cols, b_blocks, A_U8, A_16, a_stride0, a_bs, a_exp_off, B_U8, B_16, b_stride0, b_bs, b_exp_off,
+            qa, qb, qc, qr, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, scr_p, scr_a,
+            FMT_B, COMP, 2, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH)
 
     if not IS_SPLIT:
         denom = l_i

@@ -1,7 +1,8 @@
 """Hopper (sm_90) fast path of the `triton` backend, written in Gluon (Triton's explicit-layout dialect).
 
-Same math and the same argument contract as ``attention.sparse_mla_fwd_kernel`` (MODEL1_FP8
-caches only), but with explicit shared memory, layouts, mbarriers and warp specialization,
+Same math and the same argument contract as ``attention.sparse_mla_fwd_kernel`` (V4 records in
+OCP e4m3 only: ``ops.kernel_choice`` sends every other record, and FNUZ caches, to the portable
+kernel), but with explicit shared memory, layouts, mbarriers and warp specialization,
 which the portable kernel cannot express. One program = one token x 64 heads (x key split):
 
 * a PRODUCER warpgroup (``_producer``, 120 registers) walks the key tiles: resolves their rows
@@ -147,21 +148,21 @@ def _chunk_ptrs(row_ptr, valid, C0: gl.constexpr, NC: gl.constexpr, L3: gl.const
 
 
 @gluon.jit
-def _dequant(x, e, B0: gl.constexpr, exp_off, BN: gl.constexpr):
-    """fp16 [BN, NC*64] = e4m3 bytes [BN, NC, 64] times their tiles' 2^(byte-127) (FNUZ:
-    2^(byte-128)); tile c's scale is byte B0 + c of the little-endian int32 ``e`` [BN]."""
+def _dequant(x, e, B0: gl.constexpr, BN: gl.constexpr):
+    """fp16 [BN, NC*64] = e4m3 bytes [BN, NC, 64] (OCP) times their tiles' 2^(byte-127); tile c's
+    scale is byte B0 + c of the little-endian int32 ``e`` [BN]."""
     NC: gl.constexpr = x.shape[1]
     c = gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(2, x.type.layout)))
     e2 = gl.expand_dims(gl.convert_layout(e, gl.SliceLayout(1, gl.SliceLayout(2, x.type.layout))), 1)
     byte = (e2 >> gl.expand_dims((c + B0) * 8, 0)) & 255
-    scale = (gl.maximum(byte - exp_off, 0) << 23).to(gl.float32, bitcast=True).to(gl.float16)
+    scale = (byte << 23).to(gl.float32, bitcast=True).to(gl.float16)
     x3 = x.to(gl.float8e4nv, bitcast=True).to(gl.float16)
     return gl.reshape(x3 * gl.expand_dims(scale, 2), [BN, NC * 64])
 
 
 @gluon.jit
 def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_rows, len_a, B_U8, b_stride0,
-              b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a, a_exp_off, b_exp_off,
+              b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a,
               A_SHIFT: gl.constexpr, B_SHIFT: gl.constexpr, COMP: gl.constexpr, BN: gl.constexpr,
               RANGE_CHECKS: gl.constexpr):
     """Producer warpgroup: for each key tile, load its rows (e4m3 bytes and scale words into
@@ -181,7 +182,6 @@ def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slot
     for g in range(lo, hi):
         i = g - lo
         stage = i % 2
-        is_a = g < tiles_a
         row = row_c
         valid = valid_c
         ptrs, m = _chunk_ptrs(row, valid, 0, 2, L3)
@@ -209,13 +209,12 @@ def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slot
         row_c, srow_c = _row_ptrs(g + 1, slots_c, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs,
                                   A_SHIFT, B_SHIFT)
         _prefetch_l2(row_c, srow_c)
-        exp_off = gl.where(is_a, a_exp_off, b_exp_off)
         mbarrier.wait(kempty.index(stage), ((i // 2) & 1) ^ 1)
         k_buf = k_smem.index(stage)
-        k_buf.slice(0, 128, dim=1).store(_dequant(x01, e0, 0, exp_off, BN))
-        k_buf.slice(128, 128, dim=1).store(_dequant(x23, e0, 2, exp_off, BN))
-        k_buf.slice(256, 128, dim=1).store(_dequant(x45, e1, 0, exp_off, BN))
-        k_buf.slice(384, 64, dim=1).store(_dequant(x6, e1, 2, exp_off, BN))
+        k_buf.slice(0, 128, dim=1).store(_dequant(x01, e0, 0, BN))
+        k_buf.slice(128, 128, dim=1).store(_dequant(x23, e0, 2, BN))
+        k_buf.slice(256, 128, dim=1).store(_dequant(x45, e1, 0, BN))
+        k_buf.slice(384, 64, dim=1).store(_dequant(x6, e1, 2, BN))
         async_copy.wait_group(0)
         k_buf.slice(448, 64, dim=1).store(rope.index(stage).load(Lr).to(gl.float16))
         vflag.index(stage).store(valid.to(gl.int8))
@@ -291,7 +290,7 @@ def sparse_mla_fwd_hopper(
     B_U8, b_stride0, b_bs, b_slots, B_ROWS, stride_br, B_LENS,
     BT, stride_bt, bt_cols, b_blocks, TOK2REQ, POS, b_width,
     PO, PML,
-    num_heads, qk_scale, split, a_exp_off, b_exp_off,
+    num_heads, qk_scale, split,
     COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
     IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64, A_SHIFT: gl.constexpr = -1, B_SHIFT: gl.constexpr = -1,
     RANGE_CHECKS: gl.constexpr = True,
@@ -360,7 +359,7 @@ def sparse_mla_fwd_hopper(
                      qk_scale, lo, hi, BH, BN)),
         (_producer, (k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_rows, len_a, B_U8,
                      b_stride0, b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a,
-                     a_exp_off, b_exp_off, A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS)),
+                     A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS)),
     ], [4], [PRODUCER_REGS])
 
     # ---- epilogue ------------------------------------------------------------------------------

@@ -1,13 +1,20 @@
-"""Python launchers of the Triton kernels (no validation here: the backend validates first)."""
+"""Python launchers of the Triton kernels (no validation here: the backend validates first).
+
+Which kernel runs (``kernel_choice``: the Gluon Hopper kernel or the portable one) and with which
+tile (``KernelConfig.tile``) follow from the GPU's arch, the caches' records and the config alone,
+so ``TritonBackend.choice`` (``SparseMLA.explain()``) and the offline compile checks
+(tests/test_amd_compile.py, docs/rocm.md) see exactly what a launch does.
+"""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 
+from ...common.layout import Fp8Dialect, KVFormat, Record
 from ...common.platform import triton_interpreting
 from . import attention as K
 
@@ -19,23 +26,69 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _num_sms(_index(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _device_arch(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip:
+        return props.gcnArchName.split(":")[0]
+    return f"sm{props.major}{props.minor}"
+
+
+def device_arch(device: torch.device) -> str:
+    """The arch the kernels are compiled for, named as ``Platform.arch`` names it ('sm90',
+    'gfx942', ...); 'cpu' under Triton's CPU interpreter."""
+    if triton_interpreting() or device.type != "cuda":
+        return "cpu"
+    return _device_arch(_index(device))
+
+
+@dataclass(frozen=True)
+class Tile:
+    """How the portable kernel is launched: query heads and keys per program, warps, stages, P and
+    alpha through a per-program scratch (``attention._attend_tile``), and backend options."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    p_scratch: bool
+    options: tuple[tuple[str, int], ...] = ()
+
+
+# AMD CDNA (gfx942 / gfx950): waves split the HEADS, 16 per wave (one 16x16 MFMA row block, forced
+# by matrix_instr_nonkdim=16), so every wave holds the whole K tile in registers as the B operand
+# of Q·Kᵀ and again of P·V, next to its q rows and its fp32 [16, 512] accumulators. 16 keys per
+# tile keep that within one wave per SIMD (256 VGPRs + 256 AGPRs): no spill, no scratch, for every
+# record and layer kind (docs/rocm.md "Triton kernels on AMD", tests/test_amd_compile.py). P stays
+# in registers: its scratch round trip (an NVIDIA layout fix) breaks the Q·Kᵀ -> P·V chain that
+# keeps Triton's MFMA layouts on [waves, 1]. The NVIDIA tile (64 keys, 8 warps) spills 330-750
+# VGPRs there.
+AMD_KEYS_PER_TILE = 16
+AMD_HEADS_PER_WAVE = 16
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Tile shape and launch knobs. ``split`` 0 = choose from the grid size."""
+    """Kernel choice and launch knobs. ``block_n`` / ``num_warps`` / ``p_scratch`` None: the
+    tile of the GPU's arch (``tile``); ``split`` 0: chosen from the grid size."""
 
-    block_n: int = 64
-    num_warps: int = 8
+    block_n: int | None = None
+    num_warps: int | None = None
     num_stages: int = 1
     split: int = 0
     dot_dtype: str = "auto"  # auto | fp16 | bf16 | fp32
-    p_scratch: int = 1  # 1: P/alpha round-trip through a per-program scratch (see attention.py)
-    impl: str = "auto"  # auto | gluon (Hopper kernel, MODEL1 only) | triton (portable kernel)
+    p_scratch: int | None = None  # 1: P/alpha round-trip through a per-program scratch (see attention.py)
+    impl: str = "auto"  # auto | gluon (Hopper kernel, V4 record only) | triton (portable kernel)
     g_block_n: int = 64  # Gluon kernel: keys per tile
     # 0 compiles the kernels WITHOUT their index range checks, so out-of-range entries are read
     # out of bounds: only for measuring the checks' cost (dsv4-attn bench --guard-cost)
@@ -47,10 +100,25 @@ class KernelConfig:
             name = "fp32" if triton_interpreting() else "bf16"
         return {"fp16": K.tl.float16, "bf16": K.tl.bfloat16, "fp32": K.tl.float32}[name]
 
+    def tile(self, arch: str, num_heads: int) -> Tile:
+        """The portable kernel's tile for ``num_heads`` query heads on ``arch`` ('cpu': the
+        interpreter), this config's fields overriding the arch's choice."""
+        block_h = 64 if num_heads >= 64 else max(16, triton.next_power_of_2(num_heads))
+        if arch.startswith("gfx"):
+            base = Tile(block_h, AMD_KEYS_PER_TILE, block_h // AMD_HEADS_PER_WAVE, 1, False,
+                        (("matrix_instr_nonkdim", 16),))
+        else:
+            base = Tile(block_h, 64, 8, 1, True)
+        return replace(base, block_n=self.block_n or base.block_n, num_warps=self.num_warps or base.num_warps,
+                       num_stages=self.num_stages,
+                       p_scratch=base.p_scratch if self.p_scratch is None else bool(self.p_scratch))
+
 
 DEFAULT_CONFIG = KernelConfig()
 _TORCH_DT = {K.tl.float16: torch.float16, K.tl.bfloat16: torch.bfloat16, K.tl.float32: torch.float32}
-_FMT_CODE = {"fp8_ds_mla": K.FMT_MODEL1, "bfloat16": K.FMT_BF16, "fp8_e4m3": K.FMT_FP8}
+# the kernels' code of each record (attention.FMT_*)
+RECORD_CODE = {Record.V4_FP8: K.FMT_MODEL1, Record.BF16: K.FMT_BF16, Record.FP8_TENSOR: K.FMT_FP8,
+               Record.MXFP8: K.FMT_MXFP8, Record.NVFP4: K.FMT_NVFP4}
 
 
 def _cache_views(cache: torch.Tensor, fmt_code: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
@@ -74,10 +142,7 @@ def _log2_or_minus1(block_size: int) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _gluon_ok(index: int) -> bool:
-    """Hopper GPU and an importable Gluon (Triton >= 3.5)."""
-    if torch.version.hip or torch.cuda.get_device_capability(index) != (9, 0):
-        return False
+def _gluon_importable() -> bool:
     try:
         from . import hopper  # noqa: F401
     except Exception:
@@ -93,14 +158,33 @@ def _aligned(cache: torch.Tensor | None) -> bool:
     return stride0 % 16 == 0 and cache.data_ptr() % 16 == 0
 
 
-def use_gluon(device: torch.device, fmt_code: int, config: KernelConfig, caches=()) -> bool:
-    if config.impl == "triton" or triton_interpreting() or device.type != "cuda" or fmt_code != K.FMT_MODEL1:
-        return False
-    ok = _gluon_ok(device.index if device.index is not None else torch.cuda.current_device())
-    ok = ok and all(_aligned(c) for c in caches)
+def kernel_choice(arch: str, records: tuple[Record, ...], dialects: tuple[Fp8Dialect, ...],
+                  config: KernelConfig = DEFAULT_CONFIG) -> tuple[str, str]:
+    """('gluon' | 'portable', why) for a layer whose caches hold ``records`` in FP8 ``dialects``
+    on ``arch``, before the run-time conditions ``use_gluon`` adds (Gluon importable, 16-byte
+    aligned caches)."""
+    if config.impl == "triton":
+        return "portable", "KernelConfig(impl='triton')"
+    if arch == "cpu":
+        return "portable", "Triton's CPU interpreter"
+    if arch != "sm90":
+        return "portable", f"the Gluon kernel is sm_90 only, this is {arch}"
+    other = sorted({r.value for r in records if r is not Record.V4_FP8})
+    if other:
+        return "portable", f"the Gluon kernel reads the V4 record (v4_fp8) only, not {'/'.join(other)}"
+    if Fp8Dialect.FNUZ in dialects:
+        # FNUZ 0x7F / 0xFF (±240) are NaN to its OCP conversion; the portable kernel decodes them
+        return "portable", "the Gluon kernel reads OCP e4m3 only, not FNUZ"
+    return "gluon", "sm_90, V4 records in OCP e4m3"
+
+
+def use_gluon(device: torch.device, records: tuple[Record, ...], dialects: tuple[Fp8Dialect, ...],
+              config: KernelConfig, caches=()) -> bool:
+    impl, _ = kernel_choice(device_arch(device), records, dialects, config)
+    ok = impl == "gluon" and _gluon_importable() and all(_aligned(c) for c in caches)
     if config.impl == "gluon" and not ok:
         raise ValueError("config.impl: got 'gluon'; allowed only on an sm_90 GPU with Triton's Gluon, the "
-                         "fp8_ds_mla format and 16-byte aligned cache blocks")
+                         "fp8_ds_mla format in OCP e4m3 and 16-byte aligned cache blocks")
     return ok
 
 
@@ -113,10 +197,23 @@ def choose_split(num_programs: int, max_tiles: int, device: torch.device, reques
     return max(1, min(max_tiles, sms // num_programs))
 
 
+def portable_constexprs(fmt_codes: tuple[int, int], comp_mode: int, topk_ratio: int, has_sink: bool,
+                        write_lse: bool, split: int, tile: Tile, dt, range_checks: bool) -> dict:
+    """The portable kernel's constexpr arguments (what one compiled variant is)."""
+    return dict(FMT_A=fmt_codes[0], FMT_B=fmt_codes[1], COMP=comp_mode, C4A_RATIO=topk_ratio, HAS_SINK=has_sink,
+                WRITE_LSE=write_lse and split == 1, IS_SPLIT=split > 1, BLOCK_H=tile.block_h,
+                BLOCK_N=tile.block_n, DT=dt, P_SCRATCH=tile.p_scratch, RANGE_CHECKS=bool(range_checks))
+
+
+def launch_options(tile: Tile) -> dict:
+    """The portable kernel's compile options (num_warps, num_stages, backend options)."""
+    return dict(num_warps=tile.num_warps, num_stages=tile.num_stages, **dict(tile.options))
+
+
 def sparse_mla_fwd(
     q: torch.Tensor,
     out: torch.Tensor,
-    fmt: str,
+    fmt,
     swa_cache: torch.Tensor,
     swa_rows: torch.Tensor,
     swa_lens: torch.Tensor,
@@ -136,11 +233,12 @@ def sparse_mla_fwd(
 ) -> torch.Tensor:
     """Two-scope sparse attention into ``out`` [T, H, 512] (bf16, written in place).
 
-    swa_rows int32 [T, W] global slots (+ swa_lens [T]). Compressed scope (optional):
-    ``comp_rows`` int32 [T, K] global slots + ``comp_lens`` [T], or, for a top-k layer (C4A, C1A,
-    C2A), ``comp_rows`` = LOCAL top-k [T, K] with ``c4a = (block_table int32 [R, nb], token_to_req
-    int32 [T], positions int64 [T])`` of the layer's ratio ``topk_ratio`` (translated in the
-    kernel; lens = min((pos+1)//topk_ratio, K)).
+    ``fmt`` a KVFormat (or its name): the record of each cache (``nvfp4_ds_mla``: MXFP8 SWA cache,
+    NVFP4 compressed cache). swa_rows int32 [T, W] global slots (+ swa_lens [T]). Compressed scope
+    (optional): ``comp_rows`` int32 [T, K] global slots + ``comp_lens`` [T], or, for a top-k layer
+    (C4A, C1A, C2A), ``comp_rows`` = LOCAL top-k [T, K] with ``c4a = (block_table int32 [R, nb],
+    token_to_req int32 [T], positions int64 [T])`` of the layer's ratio ``topk_ratio`` (translated
+    in the kernel; lens = min((pos+1)//topk_ratio, K)).
     ``lse`` optional float32 [T, H] (natural log, sink excluded, -inf for empty rows).
 
     Any entry naming no row of its cache is skipped like -1 without being read: a slot outside
@@ -151,10 +249,12 @@ def sparse_mla_fwd(
     T, H, _ = q.shape
     if T == 0:
         return out
-    fmt_code = _FMT_CODE[fmt]
-    a_u8, a_16, a_s0, a_bs, a_nb = _cache_views(swa_cache, fmt_code)
+    fmt = KVFormat.parse(fmt)
+    records = (fmt.swa_record,) if comp_cache is None else (fmt.swa_record, fmt.comp_record)
+    codes = (RECORD_CODE[records[0]], RECORD_CODE[records[-1]])
+    a_u8, a_16, a_s0, a_bs, a_nb = _cache_views(swa_cache, codes[0])
     if comp_cache is not None:
-        b_u8, b_16, b_s0, b_bs, b_nb = _cache_views(comp_cache, fmt_code)
+        b_u8, b_16, b_s0, b_bs, b_nb = _cache_views(comp_cache, codes[1])
         comp_mode = K.COMP_C4A_LOCAL if c4a is not None else K.COMP_GLOBAL
         b_width = comp_rows.shape[1]
     else:
@@ -169,10 +269,12 @@ def sparse_mla_fwd(
     else:
         bt, tok2req, pos = swa_rows, swa_lens, swa_lens
     ranges = (a_nb * a_bs, swa_rows.shape[1], b_nb * b_bs, bt.shape[1], b_nb)  # the range checks' bounds
-    gluon = use_gluon(q.device, fmt_code, config, (swa_cache, comp_cache))
-    block_h = 64 if (H >= 64 or gluon) else max(16, triton.next_power_of_2(H))
+    dialects = tuple(Fp8Dialect.FNUZ if fnuz else Fp8Dialect.OCP for fnuz in (swa_fnuz, comp_fnuz))[:len(records)]
+    gluon = use_gluon(q.device, records, dialects, config, (swa_cache, comp_cache))
+    tile = config.tile(device_arch(q.device), H)
+    block_h = 64 if gluon else tile.block_h
     n_hb = triton.cdiv(H, block_h)
-    bn = config.g_block_n if gluon else config.block_n
+    bn = config.g_block_n if gluon else tile.block_n
     max_tiles = triton.cdiv(swa_rows.shape[1], bn) + (triton.cdiv(b_width, bn) if comp_mode else 0)
     split = choose_split(T * n_hb, max_tiles, q.device, config.split)
     if split > 1:
@@ -199,16 +301,31 @@ def sparse_mla_fwd(
             b_u8, b_s0, b_bs, ranges[2], comp_rows, comp_rows.stride(0), comp_lens,
             bt, bt.stride(0), ranges[3], ranges[4], tok2req, pos, b_width,
             po, pml,
-            H, scale * LOG2E, split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
+            H, scale * LOG2E, split,
             COMP=comp_mode, C4A_RATIO=topk_ratio, HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
             IS_SPLIT=split > 1, BN=bn, A_SHIFT=_log2_or_minus1(a_bs), B_SHIFT=_log2_or_minus1(b_bs),
             RANGE_CHECKS=bool(config.range_checks), num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG,
         )
     else:
-        _launch_portable(q, out, lse_t, stride_lt, sink_t, a_u8, a_16, a_s0, a_bs, swa_rows, swa_lens, b_u8, b_16,
-                         b_s0, b_bs, comp_rows, comp_lens, bt, tok2req, pos, b_width, po, pml, H, scale, kv_scale,
-                         split, swa_fnuz, comp_fnuz, fmt_code, comp_mode, sink, write_lse, block_h, bn, grid, config,
-                         topk_ratio, ranges)
+        dt = config.dt()
+        if tile.p_scratch:
+            scr_p = torch.empty(grid[0] * 2 * block_h * bn, dtype=_TORCH_DT[dt], device=q.device)
+            scr_a = torch.empty(grid[0] * 2 * block_h, dtype=torch.float32, device=q.device)
+        else:
+            scr_p = scr_a = out
+        K.sparse_mla_fwd_kernel[grid](
+            q, q.stride(0), q.stride(1),
+            out, out.stride(0), out.stride(1),
+            lse_t, stride_lt, sink_t,
+            a_u8, a_16, a_s0, a_bs, ranges[0], swa_rows, swa_rows.stride(0), swa_lens, ranges[1],
+            b_u8, b_16, b_s0, b_bs, ranges[2], comp_rows, comp_rows.stride(0), comp_lens,
+            bt, bt.stride(0), ranges[3], ranges[4], tok2req, pos, b_width,
+            po, pml, scr_p, scr_a,
+            H, scale * LOG2E, float(kv_scale), split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
+            **portable_constexprs(codes, comp_mode, topk_ratio, sink is not None, write_lse, split, tile, dt,
+                                  config.range_checks),
+            **launch_options(tile),
+        )
     if split > 1:
         bh_c = min(16, block_h)
         bd = 128
@@ -218,30 +335,3 @@ def sparse_mla_fwd(
             WRITE_LSE=write_lse, BLOCK_H=bh_c, BLOCK_D=bd, num_warps=4,
         )
     return out
-
-
-def _launch_portable(q, out, lse_t, stride_lt, sink_t, a_u8, a_16, a_s0, a_bs, swa_rows, swa_lens, b_u8, b_16, b_s0,
-                     b_bs, comp_rows, comp_lens, bt, tok2req, pos, b_width, po, pml, H, scale, kv_scale, split,
-                     swa_fnuz, comp_fnuz, fmt_code, comp_mode, sink, write_lse, block_h, bn, grid, config,
-                     topk_ratio, ranges):
-    dt = config.dt()
-    p_scratch = bool(config.p_scratch)
-    if p_scratch:
-        scr_p = torch.empty(grid[0] * 2 * block_h * bn, dtype=_TORCH_DT[dt], device=q.device)
-        scr_a = torch.empty(grid[0] * 2 * block_h, dtype=torch.float32, device=q.device)
-    else:
-        scr_p = scr_a = out
-    K.sparse_mla_fwd_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        out, out.stride(0), out.stride(1),
-        lse_t, stride_lt, sink_t,
-        a_u8, a_16, a_s0, a_bs, ranges[0], swa_rows, swa_rows.stride(0), swa_lens, ranges[1],
-        b_u8, b_16, b_s0, b_bs, ranges[2], comp_rows, comp_rows.stride(0), comp_lens,
-        bt, bt.stride(0), ranges[3], ranges[4], tok2req, pos, b_width,
-        po, pml, scr_p, scr_a,
-        H, scale * LOG2E, float(kv_scale), split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
-        FMT=fmt_code, COMP=comp_mode, C4A_RATIO=topk_ratio,
-        HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
-        IS_SPLIT=split > 1, BLOCK_H=block_h, BLOCK_N=bn, DT=dt, P_SCRATCH=p_scratch,
-        RANGE_CHECKS=bool(config.range_checks), num_warps=config.num_warps, num_stages=config.num_stages,
-    )

@@ -1,0 +1,129 @@
+"""Measured backend choices (common/choices.py): a table built from a bench report, its token
+ranges, and auto selection trying the measured order first -- never past a refusal."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import dsv4_attn as dsv4
+from dsv4_attn.common import backend as bm
+from dsv4_attn.common import choices
+from dsv4_attn.common.layout import KVFormat
+from dsv4_attn.common.platform import Platform
+from dsv4_attn.common.spec import LayerKind, ModelSpec
+
+
+def _result(case, tokens, heads, times, kind="C4A", phase="decode"):
+    return {"case": case, "phase": phase, "kind": kind, "heads": heads, "tokens": tokens,
+            "backends": {name: {"us": us} for name, us in times.items()}}
+
+
+REPORT = {"meta": {"format": "fp8_ds_mla", "device": "NVIDIA H100"}, "results": [
+    _result("h64 b=2", 2, 64, {"triton": 17.5, "flashmla": 19.2}),
+    _result("h64 b=64", 64, 64, {"triton": 38.4, "flashmla": 53.6}),
+    _result("h64 b=256", 256, 64, {"triton": 99.0, "flashmla": 95.0}),
+    _result("h128 b=128", 128, 128, {"triton": 130.0, "flashmla": 125.2}),
+    _result("failed", 8, 64, {}),  # a row without timings is left out
+    {"case": "broken", "phase": "decode", "error": "RuntimeError"},
+]}
+
+
+def test_table_from_a_bench_report_splits_ranges_between_measured_points():
+    table = choices.from_bench(REPORT, "sm90")
+    assert table["arch"] == "sm90" and table["device"] == "NVIDIA H100"
+    h64 = [e for e in table["entries"] if e["heads"] == 64]
+    # points 2, 64, 256: cuts halfway, (2+64)//2+1 = 34 and (64+256)//2+1 = 161
+    assert [(e["tokens"], e["order"]) for e in h64] == [([1, 34], ["triton", "flashmla"]),
+                                                        ([34, 161], ["triton", "flashmla"]),
+                                                        ([161, 2**31], ["flashmla", "triton"])]
+    assert h64[1]["evidence"] == "h64 b=64: triton 38.4 us, flashmla 53.6 us"
+    h128 = [e for e in table["entries"] if e["heads"] == 128]
+    assert [(e["tokens"], e["order"]) for e in h128] == [([1, 2**31], ["flashmla", "triton"])]
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    path = tmp_path / "choices.json"
+    path.write_text(json.dumps(choices.from_bench(REPORT, "sm90")))
+    monkeypatch.setenv("DSV4_ATTN_CHOICES", str(path))
+    choices._load.cache_clear()
+    yield str(path)
+    choices._load.cache_clear()
+
+
+class _Any(dsv4.Backend):
+    def __init__(self, name, refuse=False):
+        self.name, self._refuse = name, refuse
+        self.capabilities = bm.Capabilities(platforms=(bm.PlatformSupport("*"),), formats=tuple(KVFormat))
+
+    def extra_reasons(self, platform, spec, fmt, kind, phase, dialects):
+        return ["refuses for the test"] if self._refuse else []
+
+
+@pytest.fixture
+def fakes():
+    saved_registry, saved_priority = dict(bm._REGISTRY), {k: list(v) for k, v in bm.PRIORITY.items()}
+    saved_instances = dict(bm._instances)
+    bm._REGISTRY.clear()
+    bm._instances.clear()
+    for key in list(bm.PRIORITY):
+        if key.startswith("cuda"):
+            bm.PRIORITY[key] = []
+
+    def add(name, refuse=False, index=None):
+        bm.register_backend(name, _Any(name, refuse), priority=None if index is None else {"cuda": index})
+
+    yield add
+    bm._REGISTRY.clear(), bm._REGISTRY.update(saved_registry)
+    bm.PRIORITY.clear(), bm.PRIORITY.update(saved_priority)
+    bm._instances.clear(), bm._instances.update(saved_instances)
+    bm._import_errors.clear()
+
+
+SM90 = Platform("cuda", "sm90", "fake H100", "2.x")
+SPEC = ModelSpec(num_heads=48)  # bucketed with the 64-head measurements
+
+
+def _pick(tokens):
+    return bm.select(SM90, SPEC, KVFormat.MODEL1_FP8, LayerKind.C4A, dsv4.Phase.DECODE, num_tokens=tokens)
+
+
+def test_auto_follows_the_measured_order_in_range_and_the_priority_list_elsewhere(table, fakes):
+    fakes("flashmla", index=0)
+    fakes("triton", index=1)
+    assert [_pick(t) for t in (1, 64, 160, 161, 5000)] == ["triton", "triton", "triton", "flashmla", "flashmla"]
+    assert _pick(None) == "flashmla"  # no token count: the priority list
+    order, why = bm.auto_order(SM90, SPEC, KVFormat.MODEL1_FP8, LayerKind.C4A, dsv4.Phase.DECODE, 64)
+    assert order == ["triton", "flashmla"] and why.startswith(f"measured ({table}: h64 b=64: triton 38.4 us")
+    # unmeasured kind, format or arch: the priority list
+    assert bm.select(SM90, SPEC, KVFormat.BF16, LayerKind.C4A, dsv4.Phase.DECODE, num_tokens=64) == "flashmla"
+    assert bm.select(Platform("cuda", "sm100", "B200", "2.x"), SPEC, KVFormat.MODEL1_FP8, LayerKind.C4A,
+                     dsv4.Phase.DECODE, num_tokens=64) == "flashmla"
+
+
+def test_a_measured_choice_never_passes_a_refusal(table, fakes):
+    fakes("flashmla", index=0)
+    fakes("triton", refuse=True, index=1)
+    assert _pick(64) == "flashmla"
+
+
+def test_a_bad_choices_file_is_a_value_error_naming_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4_ATTN_CHOICES", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match=r"^DSV4_ATTN_CHOICES: got '.*missing.json'; allowed: an existing"):
+        choices.table_for("sm90")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"arch": "sm90", "entries": [{"phase": "decode"}]}))
+    monkeypatch.setenv("DSV4_ATTN_CHOICES", str(bad))
+    choices._load.cache_clear()
+    with pytest.raises(ValueError, match=r"bad.json: got a file that is not a choices table"):
+        choices.table_for("sm90")
+    choices._load.cache_clear()
+
+
+def test_explain_lists_the_measurements_for_the_model(table, monkeypatch):
+    monkeypatch.setattr(dsv4.SparseMLA, "platform", property(lambda self: SM90))
+    text = dsv4.SparseMLA(ModelSpec(num_heads=64), "fp8_ds_mla", backend="auto", device="cpu").explain()
+    assert f"measured choices ({table}" in text
+    assert "C4A    decode   tokens 34-160: triton > flashmla  [h64 b=64: triton 38.4 us, flashmla 53.6 us]" in text
