@@ -640,9 +640,9 @@ HEADER = (f"{'case':<30} {'format':<12} {'backend':<9} {'us':>8} {'us_p90':>8} {
 
 # One CSV row per (case, backend): the case's facts, then its timing (median, fastest, 90th
 # percentile), rates against the floor, and FlashMLA's timing beside it.
-CSV_COLUMNS = ("case", "phase", "config", "batch", "s_q_per_req", "heads", "tokens", "valid_keys", "backend", "timing",
-               "runs", "us", "us_min", "us_p90", "tflops", "gbps", "floor_us", "x_floor", "flashmla_us",
-               "flashmla_us_p90", "speedup_vs_flashmla", "flashmla_raw_us", "flashmla_raw_us_p90",
+CSV_COLUMNS = ("case", "phase", "config", "kind", "format", "batch", "s_q_per_req", "heads", "tokens", "valid_keys",
+               "backend", "timing", "runs", "us", "us_min", "us_p90", "tflops", "gbps", "floor_us", "x_floor",
+               "flashmla_us", "flashmla_us_p90", "speedup_vs_flashmla", "flashmla_raw_us", "flashmla_raw_us_p90",
                "speedup_vs_flashmla_raw", "error")
 
 

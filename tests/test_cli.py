@@ -198,6 +198,7 @@ def test_bench_png_without_matplotlib_is_exit_2_before_any_work(monkeypatch, cap
     (["--mode", "prefill"], "--mode: prefill configs are production-sized"),
     (["--backends", "triton"], "only the torch backend runs on CPU"),
     (["--guard-cost"], "--guard-cost: it times Triton kernels"),
+    (["--write-choices", "c.json"], "--write-choices: CPU timings choose no GPU backend"),
 ])
 def test_bench_on_cpu_refuses_what_only_a_gpu_runs(monkeypatch, capsys, argv, message):
     assert _bench_in_process(monkeypatch, ["--device", "cpu", *argv]) == 2
@@ -222,6 +223,24 @@ def test_bench_on_cpu_times_the_torch_backend_and_writes_csv_and_json(monkeypatc
     assert row["valid_keys"] == "1280" and row["flashmla_us"] == ""  # 2 tokens x (128 SWA + 512 top-k)
     (res,) = json.loads(json_path.read_text())["results"]
     assert res["backends"]["torch"]["us_p90"] == pytest.approx(float(row["us_p90"]))
+
+
+def test_bench_config_groups_and_formats_on_cpu(monkeypatch, capsys, tmp_path):
+    """--configs takes the groups 'v4' / 'v41' beside names, --format several formats: one row per
+    (config, format) that the format stores (the V4.1 records: V4.1 configs only)."""
+    import csv
+
+    from dsv4_attn import bench
+
+    assert bench.main(["--device", "cpu", "--configs", "v5"]) == 2
+    assert "'v4', 'v41']" in capsys.readouterr().err  # the groups are named among the allowed
+    csv_path = tmp_path / "b.csv"
+    rc = _bench_in_process(monkeypatch, ["--device", "cpu", "--configs", "h64-c4a512", "h64-c1a512", "--reps", "2",
+                                         "--format", "fp8_ds_mla", "mxfp8_ds_mla", "--csv", str(csv_path)])
+    assert rc == 0
+    rows = [(r["config"], r["kind"], r["format"]) for r in csv.DictReader(csv_path.open())]
+    assert rows == [("h64-c4a512", "C4A", "fp8_ds_mla"), ("h64-c1a512", "C1A", "fp8_ds_mla"),
+                    ("h64-c1a512", "C1A", "mxfp8_ds_mla")]
 
 
 def test_timing_spread():
