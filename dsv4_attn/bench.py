@@ -126,6 +126,18 @@ COMP_BLOCK = 256  # uncompressed tokens per compressed-cache block (vLLM)
 # ---- device ceilings --------------------------------------------------------------------------
 
 
+def warm_up(device: torch.device, seconds: float = 2.0) -> None:
+    """Keep the GPU busy with matrix products for ``seconds`` so clocks leave idle before the
+    ceilings and the first case are timed (a cold first case read 10x slow)."""
+    x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        for _ in range(10):
+            torch.mm(x, x)
+        torch.cuda.synchronize(device)
+    del x
+
+
 def measure_ceilings(device: torch.device) -> dict:
     """Copy bandwidth (bytes read + written per second) and the bf16 matrix rate, measured (on a
     CPU at small sizes: a second, not a minute)."""
@@ -413,19 +425,26 @@ def api_runner(case: Case, backend: str):
     return run, out, plan
 
 
+def _valid_slots(rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The slots a launch attends (int32 [T, W] rows, their first ``lens`` entries that are >= 0),
+    flattened: one entry per (token, key)."""
+    col = torch.arange(rows.shape[1], device=rows.device)[None, :]
+    return rows[(rows >= 0) & (col < lens[:, None])]
+
+
 def case_work(case: Case, plan) -> tuple[float, float, int]:
-    """(flops, bytes, valid keys) of a case, from the plan's row lengths; each key row counted once
-    at its cache record's size."""
-    swa_keys = int(plan.swa_lens.sum())
-    comp_keys = 0
+    """(flops, bytes, valid keys) of a case from the plan's rows: FLOPs per (token, key) pair;
+    bytes: each DISTINCT key row once at its cache record's size (tokens of one request share
+    most rows: MTP tokens nearly all, prefill tokens their window and many top-k rows, so counting
+    pairs would put the floor above what a kernel reading each row once needs), + q and out."""
+    scopes = [(_valid_slots(plan.swa_rows, plan.swa_lens), case.fmt.swa_record)]
     if case.kind.has_comp_scope:
         rows, lens = plan.comp_scope(case.kind, case.topk)
-        comp_keys = int(((rows >= 0) & (torch.arange(rows.shape[1], device=rows.device)[None, :] < lens[:, None]))
-                        .sum())
+        scopes.append((_valid_slots(rows, lens), case.fmt.comp_record))
     T, H, D = case.q.shape
-    keys = swa_keys + comp_keys
+    keys = sum(slots.numel() for slots, _ in scopes)
     flops = 4.0 * H * D * keys
-    kv_bytes = swa_keys * row_bytes(case.fmt.swa_record) + comp_keys * row_bytes(case.fmt.comp_record)
+    kv_bytes = sum(torch.unique(slots).numel() * row_bytes(record) for slots, record in scopes)
     nbytes = kv_bytes + 2 * T * H * D * 2
     return flops, nbytes, keys
 
@@ -560,6 +579,8 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
         run()
         _sync(case.q.device)
         rows[name] = timing.as_us()
+        if name == "auto":
+            rows[name]["picked"] = plan.owner.backend_for(case.kind, case.phase, case.q.shape[0])
         if ref_out is None:
             ref_out = out.clone()
         else:
@@ -582,7 +603,7 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
                 result[label] = {**timing.as_us(), "via": how, "vs_ours": _compare(ref_out, out)}
             except Exception as exc:
                 result[label] = {"unavailable": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    for name, r in rows.items():
+    for r in rows.values():
         s = r["us"] * 1e-6
         r["tflops"] = flops / s / 1e12
         r["gbps"] = nbytes / s / 1e9
@@ -592,6 +613,35 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
             if fm:
                 r[f"speedup_vs_{label}"] = fm / r["us"]
     return result
+
+
+def auto_gaps(results: list[dict]) -> list[tuple[float, float, str, str, str]]:
+    """Per case timed with ``auto`` and named backends: (the backend auto picked, timed under its
+    own name, vs the fastest named backend - 1; auto's own time vs that - 1, the same launches
+    timed again: run-to-run spread; case; picked; fastest), worst pick first."""
+    gaps = []
+    for r in results:
+        rows = r.get("backends", {})
+        named = {name: b["us"] for name, b in rows.items() if name != "auto" and "us" in b}
+        auto = rows.get("auto", {})
+        if "us" in auto and named:
+            best = min(named, key=named.__getitem__)
+            picked = auto.get("picked", "?")
+            pick_us = named.get(picked, auto["us"])
+            gaps.append((pick_us / named[best] - 1, auto["us"] / pick_us - 1, f"{r['case']} {r.get('format', '')}",
+                         picked, best))
+    return sorted(gaps, reverse=True)
+
+
+def print_auto_gaps(results: list[dict]) -> None:
+    gaps = auto_gaps(results)
+    if not gaps:
+        return
+    hits = sum(picked == best for *_, picked, best in gaps)
+    print(f"auto picked the fastest backend in {hits} of {len(gaps)} cases; worst picks (the picked backend's time "
+          "vs the fastest; auto's own replay vs the picked backend's):")
+    for gap, spread, case, picked, best in gaps[:10]:
+        print(f"  {gap * 100:+6.1f} %  ({spread * 100:+5.1f} %)  {case:<40} auto -> {picked:<10} fastest {best}")
 
 
 def guard_variants(fmt: KVFormat) -> dict[str, tuple[str, str]]:
@@ -747,8 +797,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp", type=int, nargs="+", default=None,
                    help="query tokens per request, decode (default 1 2; on the CPU 1)")
     p.add_argument("--backends", nargs="+", metavar="NAME", default=None,
-                   help="backends to time (names or comma lists; 'all' = every registered backend). Default: "
-                        "triton; aiter and triton on ROCm; torch on the CPU")
+                   help="backends to time (names or comma lists; 'all' = every registered backend; 'auto' = what "
+                        "the dispatcher picks per case, compared with the named ones). Default: triton; aiter and "
+                        "triton on ROCm; torch on the CPU")
     p.add_argument("--backend", nargs="+", dest="backends", help=argparse.SUPPRESS)  # the old name
     p.add_argument("--variant", action="append", default=[],
                    help="development: also time a triton kernel config, e.g. "
@@ -800,7 +851,8 @@ def settle(args) -> torch.device:
         if values is not None and min(values if isinstance(values, list) else [values]) < 1:
             raise ValueError(f"--{name}: got {values}; allowed: positive ints")
     cpu = device.type == "cpu"
-    args.backends = resolve_backends(args.backends) if args.backends else (["torch"] if cpu else default_backends())
+    args.backends = (resolve_backends(args.backends, also=("auto",)) if args.backends
+                     else ["torch"] if cpu else default_backends())
     if cpu:
         refused = {"--mode": args.mode != "decode" and "prefill configs are production-sized (4k-8k query tokens)",
                    "--backends": args.backends != ["torch"] and f"{args.backends}: only the torch backend runs on CPU",
@@ -837,6 +889,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec_str in args.variant:
         args.backends.append(register_variant(spec_str))
     t0 = time.time()
+    if device.type != "cpu":
+        warm_up(device)
     ceilings = measure_ceilings(device)
     flush = L2Flush(device) if device.type != "cpu" else None
     meta = {**_device_facts(device), "torch": torch.__version__, "triton": _version("triton"), "ceilings": ceilings,
@@ -887,6 +941,8 @@ def main(argv: list[str] | None = None) -> int:
         if device.type != "cpu":
             torch.cuda.empty_cache()
     meta["seconds"] = time.time() - t0
+    if "auto" in args.backends:
+        print_auto_gaps(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1, default=str)

@@ -156,6 +156,16 @@ def test_every_command_takes_backends_by_the_same_flag(command, tmp_path):
     assert res.returncode == 2 and "--backends: got 'nope'; allowed: 'all' or any of" in res.stderr
 
 
+def test_bench_takes_auto_among_its_backends():
+    """bench also times 'auto' (the dispatcher's pick) beside named backends; parity has no such
+    name (each of its cells runs one named backend)."""
+    from dsv4_attn.parity.runner import resolve_backends
+
+    assert resolve_backends(["triton,auto", "torch"], also=("auto",)) == ["triton", "auto", "torch"]
+    with pytest.raises(ValueError, match=r"--backends: got 'auto'; allowed: 'all' or any of \['torch'"):
+        resolve_backends("auto")
+
+
 # ---- bench: checked before any work, CPU runs of the torch backend, CSV / JSON with spread ---------
 def _bench_in_process(monkeypatch, argv):
     """bench.main(argv) with the device ceilings faked (the real ones take seconds to measure)."""

@@ -43,8 +43,9 @@ def default_backends(matrix: Matrix, device: torch.device) -> list[str]:
     return resolve_backends(names)
 
 
-def resolve_backends(names) -> list[str]:
-    """Backend names from a list / comma-separated string; ``all`` = every registered backend.
+def resolve_backends(names, also: tuple[str, ...] = ()) -> list[str]:
+    """Backend names from a list / comma-separated string; ``all`` = every registered backend;
+    ``also``: further names the caller takes (bench: ``auto``, the dispatcher's own choice).
     Raises ValueError for a name the registry does not know."""
     if isinstance(names, str):
         names = [names]
@@ -53,8 +54,8 @@ def resolve_backends(names) -> list[str]:
     out: list[str] = []
     for n in flat:
         for name in (known if n == "all" else [n]):
-            if name not in known:
-                raise ValueError(f"--backends: got {name!r}; allowed: 'all' or any of {known}")
+            if name not in known and name not in also:
+                raise ValueError(f"--backends: got {name!r}; allowed: 'all' or any of {[*known, *also]}")
             if name not in out:
                 out.append(name)
     return out
