@@ -187,7 +187,6 @@ def test_deepseek_v41_selection(monkeypatch):
     attention (a FlashMLA subclass), is served on FlashMLA's class; named mega attention and
     the FlashInfer classes are refused with the reason."""
     from vllm.models.deepseek_v41.nvidia.flash_mla_mega_attn import DeepseekV4MegaAttnAttention
-    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import DeepseekV4FlashInferMLAAttention
     from vllm.models.deepseek_v41.nvidia.flashmla import DeepseekV4FlashMLAAttention
 
     v41 = v41_model_module()

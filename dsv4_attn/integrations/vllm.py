@@ -723,8 +723,8 @@ class StepPlanner:
         dict): q bf16 [T, H, 512] (H may be below output's head count: zero-padded here), output
         bf16 [T, padded_heads, 512] written in place. ``layer``: a layer set up by this planner
         (``prefix``, ``swa_cache_layer``, ``dsv4_kind``, ``dsv4_comp_prefix``, ``dsv4_comp_cache()``,
-        ``topk_indices_buffer``, ``attn_sink``, ``is_draft_layer``). ``forward``: a weak-referenceable object that lives as
-        long as the forward pass and no longer (vLLM's ForwardContext)."""
+        ``topk_indices_buffer``, ``attn_sink``, ``is_draft_layer``). ``forward``: a weak-referenceable
+        object that lives as long as the forward pass and no longer (vLLM's ForwardContext)."""
         kind = layer.dsv4_kind
         if getattr(layer, "is_draft_layer", False):
             mla, plan = self._draft_plan(layer, attn_metadata, q.shape[0])
