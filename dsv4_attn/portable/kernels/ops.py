@@ -65,16 +65,15 @@ class Tile:
     options: tuple[tuple[str, int], ...] = ()
 
 
-# AMD CDNA (gfx942 / gfx950): waves split the HEADS, 16 per wave (one 16x16 MFMA row block, forced
-# by matrix_instr_nonkdim=16), so every wave holds the whole K tile in registers as the B operand
-# of Q·Kᵀ and again of P·V, next to its q rows and its fp32 [16, 512] accumulators. 16 keys per
-# tile keep that within one wave per SIMD (256 VGPRs + 256 AGPRs): no spill, no scratch, for every
-# record and layer kind (docs/rocm.md "Triton kernels on AMD", tests/test_amd_compile.py). P stays
-# in registers: its scratch round trip (an NVIDIA layout fix) breaks the Q·Kᵀ -> P·V chain that
-# keeps Triton's MFMA layouts on [waves, 1]. The NVIDIA tile (64 keys, 8 warps) spills 330-750
-# VGPRs there.
+# AMD CDNA (gfx942 / gfx950): 4 waves per workgroup, so each SIMD runs one wave and a wave may use
+# 512 VGPRs (256 arch + 256 AGPRs; 8 waves halve that, and the kernel spills), and 16 keys per tile
+# (one MFMA K step of P·V): with 32 or 64 keys every wave holds a K tile too many to fit next to
+# its q rows and fp32 [heads, 512] accumulators. P goes through the per-program scratch on the
+# 64-head block only: there it frees the registers that keep the split variant spill-free, on the
+# smaller blocks it costs them. Measured offline for every record x layer kind x split
+# (docs/rocm.md "Triton kernels on AMD"; tests/test_amd_compile.py keeps these tiles spill-free).
 AMD_KEYS_PER_TILE = 16
-AMD_HEADS_PER_WAVE = 16
+AMD_WARPS = 4
 
 
 @dataclass(frozen=True)
@@ -105,8 +104,7 @@ class KernelConfig:
         interpreter), this config's fields overriding the arch's choice."""
         block_h = 64 if num_heads >= 64 else max(16, triton.next_power_of_2(num_heads))
         if arch.startswith("gfx"):
-            base = Tile(block_h, AMD_KEYS_PER_TILE, block_h // AMD_HEADS_PER_WAVE, 1, False,
-                        (("matrix_instr_nonkdim", 16),))
+            base = Tile(block_h, AMD_KEYS_PER_TILE, AMD_WARPS, 1, block_h == 64, (("matrix_instr_nonkdim", 16),))
         else:
             base = Tile(block_h, 64, 8, 1, True)
         return replace(base, block_n=self.block_n or base.block_n, num_warps=self.num_warps or base.num_warps,
