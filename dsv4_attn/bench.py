@@ -121,6 +121,18 @@ COMP_BLOCK = 256  # uncompressed tokens per compressed-cache block (vLLM)
 # ---- device ceilings --------------------------------------------------------------------------
 
 
+def warm_up(device: torch.device, seconds: float = 2.0) -> None:
+    """Keep the GPU busy with matrix products for ``seconds`` so clocks leave idle before the
+    ceilings and the first case are timed (a cold first case read 10x slow)."""
+    x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        for _ in range(10):
+            torch.mm(x, x)
+        torch.cuda.synchronize(device)
+    del x
+
+
 def measure_ceilings(device: torch.device) -> dict:
     """Copy bandwidth (bytes read + written per second) and the bf16 matrix rate, measured."""
     n = 1 << 30
@@ -510,6 +522,8 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
         run()
         torch.cuda.synchronize()
         rows[name] = {"us": sec * 1e6, "timing": how}
+        if name == "auto":
+            rows[name]["picked"] = plan.owner.backend_for(case.kind, case.phase, case.q.shape[0])
         if ref_out is None:
             ref_out = out.clone()
         else:
@@ -532,7 +546,7 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
                 result[label] = {"us": sec * 1e6, "via": how, "timing": timing, "vs_ours": _compare(ref_out, out)}
             except Exception as exc:
                 result[label] = {"unavailable": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    for name, r in rows.items():
+    for r in rows.values():
         s = r["us"] * 1e-6
         r["tflops"] = flops / s / 1e12
         r["gbps"] = nbytes / s / 1e9
@@ -542,6 +556,29 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
             if fm:
                 r[f"speedup_vs_{label}"] = fm / r["us"]
     return result
+
+
+def auto_gaps(results: list[dict]) -> list[tuple[float, str, str, str]]:
+    """Per case timed with ``auto`` and at least one named backend: (auto's time / the fastest
+    named backend's - 1, case, what auto picked, the fastest), worst first."""
+    gaps = []
+    for r in results:
+        rows = r.get("backends", {})
+        named = [(b["us"], name) for name, b in rows.items() if name != "auto" and "us" in b]
+        if "us" in rows.get("auto", {}) and named:
+            best_us, best = min(named)
+            gaps.append((rows["auto"]["us"] / best_us - 1, f"{r['case']} {r.get('format', '')}",
+                         rows["auto"].get("picked", "?"), best))
+    return sorted(gaps, reverse=True)
+
+
+def print_auto_gaps(results: list[dict]) -> None:
+    gaps = auto_gaps(results)
+    if not gaps:
+        return
+    print(f"auto vs the fastest named backend, {len(gaps)} cases (worst first):")
+    for gap, case, picked, best in gaps[:10]:
+        print(f"  {gap * 100:+6.1f} %  {case:<40} auto -> {picked:<10} fastest {best}")
 
 
 def guard_variants(fmt: KVFormat) -> dict[str, tuple[str, str]]:
@@ -689,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
 
     props = torch.cuda.get_device_properties(device)
     t0 = time.time()
+    warm_up(device)
     ceilings = measure_ceilings(device)
     flush = L2Flush(device)
     meta = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
@@ -734,6 +772,8 @@ def main(argv: list[str] | None = None) -> int:
         del case
         torch.cuda.empty_cache()
     meta["seconds"] = time.time() - t0
+    if "auto" in args.backend:
+        print_auto_gaps(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1, default=str)

@@ -16,13 +16,13 @@ from dsv4_attn.common.spec import LayerKind, ModelSpec
 
 
 def _result(case, tokens, heads, times, kind="C4A", phase="decode"):
-    return {"case": case, "phase": phase, "kind": kind, "heads": heads, "tokens": tokens,
+    return {"case": case, "phase": phase, "kind": kind, "heads": heads, "tokens": tokens, "format": "fp8_ds_mla",
             "backends": {name: {"us": us} for name, us in times.items()}}
 
 
-REPORT = {"meta": {"format": "fp8_ds_mla", "device": "NVIDIA H100"}, "results": [
+REPORT = {"meta": {"device": "NVIDIA H100"}, "results": [
     _result("h64 b=2", 2, 64, {"triton": 17.5, "flashmla": 19.2}),
-    _result("h64 b=64", 64, 64, {"triton": 38.4, "flashmla": 53.6}),
+    _result("h64 b=64", 64, 64, {"triton": 38.4, "flashmla": 53.6, "auto": 38.0}),  # auto: not a backend
     _result("h64 b=256", 256, 64, {"triton": 99.0, "flashmla": 95.0}),
     _result("h128 b=128", 128, 128, {"triton": 130.0, "flashmla": 125.2}),
     _result("failed", 8, 64, {}),  # a row without timings is left out
@@ -127,3 +127,30 @@ def test_explain_lists_the_measurements_for_the_model(table, monkeypatch):
     text = dsv4.SparseMLA(ModelSpec(num_heads=64), "fp8_ds_mla", backend="auto", device="cpu").explain()
     assert f"measured choices ({table}" in text
     assert "C4A    decode   tokens 34-160: triton > flashmla  [h64 b=64: triton 38.4 us, flashmla 53.6 us]" in text
+
+
+def test_bench_reports_auto_against_the_fastest_named_backend():
+    from dsv4_attn.bench import auto_gaps
+
+    results = [{"case": "a", "format": "fp8_ds_mla", "backends": {"auto": {"us": 21.0, "picked": "flashmla"},
+                                                                  "triton": {"us": 20.0}, "flashmla": {"us": 21.0}}},
+               {"case": "b", "format": "fp8_ds_mla", "backends": {"auto": {"us": 10.0, "picked": "triton"},
+                                                                  "triton": {"us": 10.0}, "flashmla": {"us": 13.0}}},
+               {"case": "c", "backends": {"triton": {"us": 1.0}}},  # no auto row: not a gap
+               {"case": "d", "error": "RuntimeError"}]
+    gaps = auto_gaps(results)
+    assert [(round(g, 6), case, picked, best) for g, case, picked, best in gaps] == [
+        (0.05, "a fp8_ds_mla", "flashmla", "triton"), (0.0, "b fp8_ds_mla", "triton", "triton")]
+
+
+def test_cases_at_one_token_count_are_ordered_by_their_summed_time():
+    """b=64 x s_q=2 and b=128 x s_q=1 both launch 128 tokens: one entry, ordered by the sum."""
+    report = {"meta": {}, "results": [
+        _result("b=64 s_q=2", 128, 64, {"triton": 50.0, "flashmla": 40.0}),
+        _result("b=128 s_q=1", 128, 64, {"triton": 60.0, "flashmla": 80.0}),
+        _result("b=256 s_q=1", 256, 64, {"triton": 90.0, "flashmla": 95.0})]}
+    entries = choices.from_bench(report, "sm90")["entries"]
+    assert [(e["tokens"], e["order"]) for e in entries] == [([1, 193], ["triton", "flashmla"]),
+                                                            ([193, 2**31], ["triton", "flashmla"])]
+    assert entries[0]["evidence"] == ("b=64 s_q=2: triton 50.0 us, flashmla 40.0 us; "
+                                      "b=128 s_q=1: triton 60.0 us, flashmla 80.0 us")

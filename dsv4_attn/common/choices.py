@@ -95,28 +95,36 @@ def measured(arch: str, phase: str, kind: str, heads: int, fmt: str, num_tokens:
     return None
 
 
+def _point(tokens: int, rows: list[dict]) -> tuple[int, list[str], str] | None:
+    """(tokens, backends fastest first, evidence) from the bench rows measured at one token count
+    (several when batch x s_q coincide: ordered by their summed time), None with < 2 backends."""
+    named = [{n: b["us"] for n, b in r["backends"].items() if "us" in b and n != "auto"} for r in rows]
+    common = set.intersection(*(set(t) for t in named))
+    if len(common) < 2:
+        return None
+    total = sorted((sum(t[n] for t in named), n) for n in common)
+    evidence = "; ".join(f"{r['case']}: " + ", ".join(f"{n} {t[n]:.1f} us" for _, n in total)
+                         for r, t in zip(rows, named))
+    return tokens, [n for _, n in total], evidence
+
+
 def from_bench(report: dict, arch: str) -> dict:
     """A choices table from a ``dsv4-attn bench --json`` report: per (phase, kind, heads, format)
     the backends ordered by measured time at each token count, ranges split halfway between
-    neighbouring measured counts (the first starts at 1, the last ends at 2**31)."""
-    groups: dict[tuple, list[tuple[int, list[tuple[float, str]], str]]] = {}
-    fmt = report["meta"]["format"]
+    neighbouring measured counts (the first starts at 1, the last ends at 2**31). A row timed as
+    ``auto`` is the dispatcher itself, not a backend to order: left out."""
+    groups: dict[tuple, dict[int, list[dict]]] = {}
     for r in report["results"]:
         if "error" in r or not r.get("backends"):
             continue
-        times = sorted((b["us"], name) for name, b in r["backends"].items() if "us" in b)
-        if len(times) < 2:
-            continue
-        key = (r["phase"], str(r["kind"]).upper(), heads_bucket(int(r["heads"])), fmt)
-        evidence = f"{r['case']}: " + ", ".join(f"{name} {us:.1f} us" for us, name in times)
-        groups.setdefault(key, []).append((int(r["tokens"]), times, evidence))
+        key = (r["phase"], str(r["kind"]).upper(), heads_bucket(int(r["heads"])), r["format"])
+        groups.setdefault(key, {}).setdefault(int(r["tokens"]), []).append(r)
     entries = []
-    for (phase, kind, heads, fmt_), points in sorted(groups.items()):
-        points.sort(key=lambda p: p[0])
+    for (phase, kind, heads, fmt), by_tokens in sorted(groups.items()):
+        points = [p for p in (_point(tokens, rows) for tokens, rows in sorted(by_tokens.items())) if p]
         cuts = [1] + [(a[0] + b[0]) // 2 + 1 for a, b in zip(points, points[1:])] + [2**31]
-        for (tokens, times, evidence), lo, hi in zip(points, cuts, cuts[1:]):
-            if lo < hi:
-                entries.append({"phase": phase, "kind": kind, "heads": heads, "format": fmt_, "tokens": [lo, hi],
-                                "order": [name for _, name in times], "evidence": evidence})
+        for (_, order, evidence), lo, hi in zip(points, cuts, cuts[1:]):
+            entries.append({"phase": phase, "kind": kind, "heads": heads, "format": fmt, "tokens": [lo, hi],
+                            "order": order, "evidence": evidence})
     return {"arch": arch, "device": report["meta"].get("device"), "source": "dsv4-attn bench --write-choices",
             "entries": entries}
