@@ -153,15 +153,14 @@ def test_kernel_lse_and_all_invalid_rows(device, fmt, swa_dialect, gen):
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("heads", [16, 24, 40])
 def test_amd_tiles(device, heads, gen):
-    """The tile each head count gets on AMD (16 keys, 4 warps; P in registers below 64 heads),
-    one launch and split, in the two-record walk (MXFP8 SWA + NVFP4 compressed)."""
+    """AMD's tile (blocks of 16 heads, 16 keys, 4 warps, P in registers), one launch and split,
+    in the two-record walk (MXFP8 SWA + NVFP4 compressed), with 1-3 head blocks."""
     from dsv4_attn.portable.kernels.ops import KernelConfig
 
     for arch in ("gfx942", "gfx950"):
         tile = KernelConfig().tile(arch, heads)
-        assert tile.block_n == 16 and tile.num_warps == 4 and tile.p_scratch == (heads > 32), tile
-    configs = [KernelConfig(block_n=tile.block_n, num_warps=tile.num_warps, p_scratch=int(tile.p_scratch), split=split)
-               for split in (1, 3)]
+        assert (tile.block_h, tile.block_n, tile.num_warps, tile.p_scratch) == (16, 16, 4, False), tile
+    configs = [KernelConfig(block_h=16, block_n=16, num_warps=4, p_scratch=0, split=split) for split in (1, 3)]
     _check_raw_kernel("nvfp4_ds_mla", "ocp", heads, configs, gen)
 
 
@@ -498,7 +497,7 @@ def test_nvfp4_every_code_and_extreme_scales(device, gen):
 def test_kernel_choice_is_visible_in_explain(monkeypatch):
     """Which Triton kernel and tile a layer gets, and why, from the arch alone: the Gluon kernel on
     sm_90 for V4 records in OCP e4m3 only; V4.1 records and FNUZ caches on the portable kernel; AMD's
-    own tile (16 keys, 4 warps); the choice shows in explain()."""
+    own tile (16 heads x 16 keys, 4 warps); the choice shows in explain()."""
     from dsv4_attn.common.layout import Fp8Dialect, KVFormat
     from dsv4_attn.common.platform import Platform
     from dsv4_attn.portable.triton_backend import TritonBackend
@@ -518,7 +517,7 @@ def test_kernel_choice_is_visible_in_explain(monkeypatch):
     assert "not mxfp8)" in b.choice(h100, spec, KVFormat.NVFP4, LayerKind.SWA, phase, ocp)
     assert "not FNUZ" in b.choice(h100, spec, KVFormat.MODEL1_FP8, LayerKind.C4A, phase, fnuz)
     amd = b.choice(mi355, dsv4.ModelSpec(num_heads=32), KVFormat.NVFP4, LayerKind.C1A, phase, ocp)
-    assert amd == "portable kernel, 32 heads x 16 keys per tile, 4 warps (the Gluon kernel is sm_90 only, " \
+    assert amd == "portable kernel, 16 heads x 16 keys per tile, 4 warps (the Gluon kernel is sm_90 only, " \
                   "this is gfx950)", amd
     mla = dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16, layers=("swa", "c1a")), "nvfp4_ds_mla", backend="triton")
     assert "portable kernel, 16 heads x 64 keys per tile, 8 warps (Triton's CPU interpreter)" in mla.explain()

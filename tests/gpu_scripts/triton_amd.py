@@ -10,8 +10,8 @@ The variants are what ``ops.sparse_mla_fwd`` launches: the tile ``KernelConfig.t
 picks for any head count 1..MAX_HEADS, each KV format x layer kind (SWA, every-entry, top-k) it
 serves, one launch and split launches, and the split's combine kernel. No GPU needed; run it
 without TRITON_INTERPRET. ``--quick`` keeps, per tile, the variants with the most registers live
-(the two-record top-k walk with its LSE, the split top-k walk); the full run shows they are the
-worst (docs/rocm.md "Triton kernels on AMD").
+(the top-k walk with its LSE in nvfp4_ds_mla's two records and in the V4 record) and the split
+epilogue; the full run shows they are the worst (docs/rocm.md "Triton kernels on AMD").
 """
 
 from __future__ import annotations
@@ -46,27 +46,29 @@ class Variant:
     kind: str = ""
     split: int = 1
 
-    def label(self) -> str:
+    def label(self, kind: bool = True) -> str:
+        """'arch tile format [kind [split]]' (``kind`` False: the row of ``--summary``)."""
         if self.kernel == "combine":
             return f"{self.arch} combine (split merge)"
         t = self.tile
-        return (f"{self.arch} {t.block_h}h x {t.block_n}k {t.num_warps}w {self.fmt.value} {self.kind}"
-                f"{' split' if self.split > 1 else ''}")
+        head = f"{self.arch} {t.block_h}h x {t.block_n}k {t.num_warps}w{' P scratch' if t.p_scratch else ''} "
+        return head + self.fmt.value + (f" {self.kind}{' split' if self.split > 1 else ''}" if kind else "")
 
 
-def picked_tiles(arch: str) -> list[ops.Tile]:
-    """Every tile the default config picks on ``arch`` for 1..MAX_HEADS query heads."""
-    return sorted({ops.DEFAULT_CONFIG.tile(arch, h) for h in range(1, MAX_HEADS + 1)}, key=lambda t: t.block_h)
+def picked_tiles(arch: str, heads: range = range(1, MAX_HEADS + 1)) -> list[ops.Tile]:
+    """Every tile the default config picks on ``arch`` for these head counts."""
+    return sorted({ops.DEFAULT_CONFIG.tile(arch, h) for h in heads}, key=lambda t: t.block_h)
 
 
-def variants(arch: str, quick: bool, tiles_of: str | None = None) -> list[Variant]:
+def variants(arch: str, quick: bool, tiles_of: str | None = None,
+             heads: range = range(1, MAX_HEADS + 1)) -> list[Variant]:
     """What runs on ``arch``: the combine kernel and the attention kernel in the tiles picked
-    there (or, ``tiles_of``, on another arch: to see them fail)."""
+    there for ``heads`` (or, ``tiles_of``, on another arch: to see them fail)."""
     out = [Variant(arch, "combine")]
-    for tile in picked_tiles(tiles_of or arch):
+    for tile in picked_tiles(tiles_of or arch, heads):
         if quick:
-            out += [Variant(arch, "attention", tile, KVFormat.NVFP4, "top-k", 1),
-                    Variant(arch, "attention", tile, KVFormat.MODEL1_FP8, "top-k", 2)]
+            out += [Variant(arch, "attention", tile, fmt, "top-k", split)
+                    for fmt, split in ((KVFormat.NVFP4, 1), (KVFormat.MODEL1_FP8, 1), (KVFormat.MODEL1_FP8, 2))]
             continue
         seen = set()
         for fmt in KVFormat:
@@ -98,21 +100,32 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="the worst variants per tile only (CI)")
     p.add_argument("--json", action="store_true", help="one JSON list on stdout instead of the table")
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    p.add_argument("--summary", action="store_true",
+                   help="one row per arch x tile x format: the most over its layer kinds and splits")
     p.add_argument("--tiles-of", metavar="ARCH", help="compile the tiles picked on ARCH (e.g. sm90) instead")
+    p.add_argument("--heads", type=int, help="only the tile picked for this many heads (default: 1..128)")
     args = p.parse_args()
-    todo = [v for arch in args.arch or ARCHS for v in variants(arch, args.quick, args.tiles_of)]
+    heads = range(args.heads, args.heads + 1) if args.heads else range(1, MAX_HEADS + 1)
+    todo = [v for arch in args.arch or ARCHS for v in variants(arch, args.quick, args.tiles_of, heads)]
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(measure, todo))
-    rows = []
-    for v, res in zip(todo, results):
-        rows.append({"label": v.label(), "arch": v.arch, "kernel": v.kernel,
-                     "tile": asdict(v.tile) if v.tile else None, **res})
-        if not args.json:
-            print(f"| {v.label()} | {res['lds']} | {res['vgprs']} ({res['agprs']} AGPR) | {res['sgprs']} | "
-                  f"{res['vgpr_spills']} | {res['sgpr_spills']} | {res['scratch']} | {'yes' if res['ok'] else 'NO'} |",
-                  flush=True)
+    rows = [{"label": v.label(), "arch": v.arch, "kernel": v.kernel, "tile": asdict(v.tile) if v.tile else None,
+             **res} for v, res in zip(todo, results)]
     if args.json:
         json.dump(rows, sys.stdout)
+        return
+    print("| variant | LDS B | VGPRs (of them AGPRs) | SGPRs | VGPR spills | SGPR spills | scratch B | ok |\n"
+          "|---|---|---|---|---|---|---|---|")
+    groups: dict[str, list[tuple[Variant, dict]]] = {}
+    for v, res in zip(todo, results):
+        groups.setdefault(v.label(not args.summary), []).append((v, res))
+    for key, members in groups.items():
+        top = {k: max(r[k] for _, r in members) for k in ("lds", "vgprs", "agprs", "sgprs", "vgpr_spills",
+                                                            "sgpr_spills", "scratch")}
+        ok = all(r["ok"] for _, r in members)
+        kinds = f" ({len(members)} variants)" if len(members) > 1 else ""
+        print(f"| {key}{kinds} | {top['lds']} | {top['vgprs']} ({top['agprs']}) | {top['sgprs']} | "
+              f"{top['vgpr_spills']} | {top['sgpr_spills']} | {top['scratch']} | {'yes' if ok else 'NO'} |")
 
 
 if __name__ == "__main__":
