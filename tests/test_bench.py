@@ -1,5 +1,5 @@
-"""`dsv4-attn bench` on CPU: its V4.1 configs, the bytes it charges each case (each key row at its
-cache record's size, counted here from the step's definition, not from the plan) and the random
+"""`dsv4-attn bench` on CPU: its V4.1 configs, the bytes it charges each case (each distinct key
+row once at its cache record's size, counted here from the step's definition, not from the plan) and the random
 caches it fills (finite, nonzero, in every record)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ FORMATS = ["fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla"]
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kind", [LayerKind.C1A, LayerKind.C2A, LayerKind.C4A])
-def test_decode_case_bytes_count_each_row_at_its_record_size(fmt, kind):
+def test_decode_case_bytes_count_each_distinct_row_at_its_record_size(fmt, kind):
     fmt = KVFormat.parse(fmt)
     cfg = bench.DecodeConfig("tiny", 16, kind, 48, seq_len=300, max_model_len=4096)
     case = bench.make_decode_case(cfg, 3, 2, torch.device("cpu"), fmt, seed=1)
@@ -28,9 +28,14 @@ def test_decode_case_bytes_count_each_row_at_its_record_size(fmt, kind):
     pos = torch.tensor([298, 299] * 3)  # 3 requests of 300 tokens decoding their last 2
     swa_keys = int(torch.clamp(pos + 1, max=128).sum())
     comp_keys = int(torch.clamp((pos + 1) // kind.ratio, max=48).sum())
+    # distinct rows: a request's two tokens share their window (positions 171..299: 129 rows) and
+    # whatever their top-k rows (local entries of one request) have in common
+    swa_rows = 3 * 129
+    comp_rows = sum(len(set(case.topk[2 * r][case.topk[2 * r] >= 0].tolist())
+                        | set(case.topk[2 * r + 1][case.topk[2 * r + 1] >= 0].tolist())) for r in range(3))
     size = {Record.V4_FP8: 584, Record.MXFP8: 528, Record.NVFP4: 288}
     assert keys == swa_keys + comp_keys
-    assert nbytes == swa_keys * size[fmt.swa_record] + comp_keys * size[fmt.comp_record] + 2 * 6 * 16 * 512 * 2
+    assert nbytes == swa_rows * size[fmt.swa_record] + comp_rows * size[fmt.comp_record] + 2 * 6 * 16 * 512 * 2
     assert flops == 4.0 * 16 * 512 * keys
     # the local top-k rows hold distinct visible entries (what the count above assumes)
     for t in range(6):

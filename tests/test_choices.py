@@ -139,8 +139,8 @@ def test_bench_reports_auto_against_the_fastest_named_backend():
                {"case": "c", "backends": {"triton": {"us": 1.0}}},  # no auto row: not a gap
                {"case": "d", "error": "RuntimeError"}]
     gaps = auto_gaps(results)
-    assert [(round(g, 6), case, picked, best) for g, case, picked, best in gaps] == [
-        (0.05, "a fp8_ds_mla", "flashmla", "triton"), (0.0, "b fp8_ds_mla", "triton", "triton")]
+    assert [(round(g, 6), round(spread, 6), case, picked, best) for g, spread, case, picked, best in gaps] == [
+        (0.05, 0.0, "a fp8_ds_mla", "flashmla", "triton"), (0.0, 0.0, "b fp8_ds_mla", "triton", "triton")]
 
 
 def test_cases_at_one_token_count_are_ordered_by_their_summed_time():

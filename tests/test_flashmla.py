@@ -414,7 +414,7 @@ def _vllm_flashmla_binary() -> bytes:
     path = os.environ.get(flashmla.ENV_LIB) or str(Path(__file__).resolve().parents[1] / ".flashmla" /
                                                    "_flashmla_C.abi3.so")
     if not os.path.isfile(path):
-        pytest.skip(f"vLLM 0.33.0's FlashMLA build not at hand ({path}; ../shared/tools/flashmla-from-vllm .flashmla)")
+        pytest.skip(f"vLLM 0.33.0's FlashMLA build not at hand ({path}; docs/nvidia.md \"Getting FlashMLA\")")
     return Path(path).read_bytes()
 
 

@@ -1,7 +1,7 @@
 """common/indices.py: every row builder against an independent per-token Python loop.
 
 The loop walks the requests token by token (pos = seq_len - query_len + i) and writes each
-token's keys straight from the definitions (spec/dsv4-semantics.md §5-7):
+token's keys straight from the definitions (docs/semantics.md "SWA rows", "Compressed visibility"):
 SWA keys = positions max(0, pos-W+1) .. pos; compressed entry c visible iff c < (pos+1)//r;
 slot(p) = block_table[req, p // bs] * bs + p % bs. Batches mix decode, MTP and prefill requests,
 include pos < W, tokens with no compressed entry yet, padding tokens, permuted block tables with

@@ -1,6 +1,6 @@
 """common/layout.py: cache formats byte by byte, round trips, strides, dialects, bad input.
 
-Expected bytes are derived by hand in the comments (spec/dsv4-semantics.md §3.1):
+Expected bytes are derived by hand in the comments (docs/semantics.md "V4 FP8 record"):
 per 64-wide NoPE tile, amax = max(max|x|, 1e-4), e = ceil(log2(amax / 448)), stored exponent
 byte e + 127, q = e4m3(x / 2^e) rounded to nearest even. e4m3fn: bias 7, 1.0 = 0x38, 448 = 0x7E.
 """

@@ -1,4 +1,5 @@
-"""Backend `triton` against the float64 reference (DESIGN.md §5 edge cases, small shapes).
+"""Backend `triton` against the float64 reference (docs/testing.md "Edge cases every backend meets",
+small shapes).
 
 On a machine without a GPU the kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``
 is set before the kernels are imported; the interpreter is process-wide, so these CPU tests are

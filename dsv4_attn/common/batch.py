@@ -1,4 +1,4 @@
-"""StepBatch: what the engine hands over once per step (spec/dsv4-semantics.md §5-6).
+"""StepBatch: what the engine hands over once per step (docs/semantics.md "Positions").
 
 Tokens are laid out request by request (decodes first, as vLLM reorders them); token t of
 request r sits at ``pos = seq_lens[r] - query_len[r] + (t - query_start_loc[r])``. Tokens at

@@ -1,4 +1,4 @@
-"""Per-step sparse index builders (spec/dsv4-semantics.md §5-7), vectorized torch.
+"""Per-step sparse index builders (docs/semantics.md "Slots and block tables"), vectorized torch.
 
 Every builder returns ``(rows, lens)``: ``rows`` int32 ``[T, width]`` of GLOBAL cache slots
 (``block_table[req, p // bs] * bs + p % bs``) whose first ``lens[t]`` columns are the keys of

@@ -1,4 +1,4 @@
-"""LSE merge of per-scope attention results and sink application (DESIGN.md §1.3, spec §8).
+"""LSE merge of per-scope attention results and sink application (docs/semantics.md "LSE").
 
 For kernels without a sink or a second scope: attend each scope separately, returning
 ``(out_i, lse_i)`` with ``out_i`` normalized over scope i and ``lse_i`` its natural-log

@@ -70,7 +70,7 @@ def _dist_version(dist: str) -> str | None:
 
 def _cubin_reason(version: str | None) -> str | None:
     """TRTLLM-gen cubins come from FLASHINFER_CUBIN_DIR or a flashinfer-cubin of the SAME version;
-    otherwise FlashInfer downloads them at first use (vendor-apis §2.3)."""
+    otherwise FlashInfer downloads them at first use (docs/vendor-apis.md "JIT and cubins")."""
     cubin_dir = os.environ.get("FLASHINFER_CUBIN_DIR")
     if cubin_dir and os.path.isdir(cubin_dir) and os.listdir(cubin_dir):
         return None

@@ -66,8 +66,8 @@ V41_RELEASE_OP = "fused_norm_rope_attn_rope_cast_decode"
 DECODE_MAX_ROWS = 8192  # the decode scheduler kernel keeps 20*b+4 B in shared memory: b <~ 11k
 _GATHER_ROWS = 1 << 16  # rows dequantized per gather call (bounds the float32 temporaries)
 
-# Op schemas this adapter is written against (vendor-apis §1.6). Compared by argument names and
-# types and by return types (alias annotations ignored); anything else is refused.
+# Op schemas this adapter is written against (docs/vendor-apis.md "Builds and op schemas"). Compared
+# by argument names and types and by return types (alias annotations ignored); anything else is refused.
 _VLLM_DECODE = (
     "sparse_decode_fwd(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
     "Tensor(a)? tile_scheduler_metadata, Tensor(b)? num_splits, Tensor? extra_kv, Tensor? extra_indices, "

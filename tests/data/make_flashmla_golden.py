@@ -1,8 +1,10 @@
 """Trim FlashMLA's recorded golden outputs into tests/data/flashmla_golden_small.pt.
 
-Source: shared/spec/golden/flashmla-v4-golden.pt (5 cases recorded on an H100 from FlashMLA's
-sparse_decode_fwd / sparse_prefill_fwd, vllm 0.33.0 build; see the README beside it). Tests must
-run from a clone alone, so this keeps a small, still exact, subset:
+Source: flashmla-v4-golden.pt, the untrimmed recording (13.8 MB, not in the repository): 5 cases
+recorded on an H100 (torch 2.11) from FlashMLA's sparse_decode_fwd / sparse_prefill_fwd of the
+vllm 0.33.0 build, each a dict of CPU tensors with FlashMLA's ``out`` and ``lse_without_sink``
+(docs/testing.md "The float64 reference"). Tests must run from a clone alone, so this keeps a
+small, still exact, subset:
 
 * heads: the first 4 and the last 4 of each case (head 0 has sink -inf, head 1 a large sink);
   attention is per head, so FlashMLA's numbers for the kept heads are unchanged;
@@ -12,7 +14,8 @@ run from a clone alone, so this keeps a small, still exact, subset:
   ``bs*576 + t*8`` of the block, block stride ``stride(0)`` = bs*584 as in the source), with the
   row indices remapped. The keys each token sees, and so FlashMLA's output, are unchanged.
 
-Run: python tests/data/make_flashmla_golden.py /work/shared/spec/golden/flashmla-v4-golden.pt
+Run: python tests/data/make_flashmla_golden.py PATH/TO/flashmla-v4-golden.pt
+(then check the result with DSV4_ATTN_FLASHMLA_GOLDEN=PATH/TO/flashmla-v4-golden.pt pytest tests/test_golden.py)
 """
 
 from __future__ import annotations
@@ -91,4 +94,6 @@ def main(src: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/work/shared/spec/golden/flashmla-v4-golden.pt")
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: python {sys.argv[0]} PATH/TO/flashmla-v4-golden.pt")
+    main(sys.argv[1])

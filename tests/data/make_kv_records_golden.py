@@ -35,7 +35,7 @@ Set-up (a scratch environment; vLLM's wheel metadata pins a CUDA torch, hence --
 Run from the repository root (CUDA_VISIBLE_DEVICES= lets vLLM accept Triton with no active GPU
 driver; the package is imported only for its patch of Triton 3.6's interpreter under NumPy 2.4):
     CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 PYTHONPATH=. python tests/data/make_kv_records_golden.py \
-        [--sglang /path/to/sglang-0.5.23]
+        --sglang /path/to/sglang-0.5.23    # the unpacked SGLang 0.5.23 wheel
 """
 
 from __future__ import annotations
@@ -218,9 +218,11 @@ def _check_against_sglang(sglang_root: Path, cases: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--sglang", type=Path, default=Path("/work/src/sglang-0.5.23"),
+    parser.add_argument("--sglang", type=Path, required=True,
                         help="unpacked SGLang 0.5.23 (its test/ oracle is cross-checked)")
     args = parser.parse_args()
+    if not args.sglang.is_dir():
+        parser.error(f"--sglang: got {args.sglang}; allowed: the directory of the unpacked SGLang 0.5.23 wheel")
 
     import dsv4_attn.portable.kernels  # noqa: F401  (only its interpreter patch: loops over tensor bounds)
     _patch_interpreter_casts()
@@ -238,8 +240,7 @@ def main() -> None:
             width = {"v4_fp8": 584, "mxfp8": 528, "nvfp4": 288}[case["record"]]
             cache = case["raw"].as_strided((NUM_BLOCKS, BLOCK_SIZE, width), (case["block_stride"], width, 1))
             case["gathered"] = _gather(cache_utils, cache)
-    if args.sglang.exists():
-        _check_against_sglang(args.sglang, [c for c in cases if c["writer"] == "rope_quant_insert"])
+    _check_against_sglang(args.sglang, [c for c in cases if c["writer"] == "rope_quant_insert"])
     torch.save(dict(vllm=vllm.__version__, garbage=GARBAGE, cos_sin=cos_sin, cases=cases), OUT)
     print(f"wrote {len(cases)} cases to {OUT} ({OUT.stat().st_size} bytes)")
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command of docs/rocm.md "What an MI355X / MI300X run must check": on a ROCm machine with
+# The one command of docs/rocm.md "What an MI355X (gfx950) / MI300X (gfx942) run must check": on a ROCm machine with
 # AITER installed (no emulator), run the hardware checks, the parity matrix per AITER path and the
 # decode benchmarks, and write everything to OUT (default ./amd-<arch>):
 #

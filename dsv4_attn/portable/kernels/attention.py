@@ -108,6 +108,15 @@ def _chunk_ptrs(base, row, start: tl.constexpr, K: tl.constexpr, W: tl.constexpr
 
 
 @triton.jit
+def _nibble_ptrs(base, row, start: tl.constexpr, K: tl.constexpr):
+    """Pointers [N, K, 16] to the bytes holding K groups of 16 e2m1 dims at ``row + start``: dim d
+    of a group is in byte d // 2 of its 8 (``_e2m1_as_e4m3`` picks the nibble)."""
+    t = tl.arange(0, K)
+    c = tl.arange(0, 16) // 2
+    return base + row[:, None, None] + start + (t * 8)[None, :, None] + c[None, None, :]
+
+
+@triton.jit
 def _span_ptrs(base, row, start: tl.constexpr, W: tl.constexpr):
     """Pointers [N, W] to the W elements at ``row + start`` of each row."""
     return base + row[:, None] + start + tl.arange(0, W)[None, :]
@@ -120,8 +129,8 @@ def _load_kv_raw(cache_u8, cache_16, stride0, bs, slots, valid, FMT: tl.constexp
     Returns (a, b, c, r, ea, eb, ec, er): dims [0,256), [256,384), [384,448), [448,512) of each row
     in the cache's storage type, and their scale bytes. V4 rows: a [N,4,64], b [N,2,64], c [N,64]
     e4m3, r [N,64] bf16, scales ea [N,4], eb [N,2], ec [N] (of the 64-dim groups). MXFP8: groups of
-    32 e4m3, a [N,8,32] .. r [N,2,32], scales [N,8] .. [N,2]. NVFP4: groups of 8 bytes (16 dims),
-    a [N,16,8] .. r [N,4,8], e4m3 scales [N,16] .. [N,4]. BF16 / FP8: a [N,4,64], b [N,2,64],
+    32 e4m3, a [N,8,32] .. r [N,2,32], scales [N,8] .. [N,2]. NVFP4: groups of 16 dims, each dim
+    its byte (``_nibble_ptrs``), a [N,16,16] .. r [N,4,16], e4m3 scales [N,16] .. [N,4]. BF16 / FP8: a [N,4,64], b [N,2,64],
     c, r [N,64], no scales. Invalid rows read as 0."""
     blk = slots // bs
     off = slots - blk * bs
@@ -159,10 +168,10 @@ def _load_kv_raw(cache_u8, cache_16, stride0, bs, slots, valid, FMT: tl.constexp
         # NVFP4: token at blk*stride0 + off*288: 256 bytes of e2m1 pairs (8 bytes = 16 dims per
         # scale), then its 32 e4m3 scale bytes at +256
         row = blk.to(tl.int64) * stride0 + off.to(tl.int64) * 288
-        a = tl.load(_chunk_ptrs(cache_u8, row, 0, 16, 8), mask=m3, other=0)
-        b = tl.load(_chunk_ptrs(cache_u8, row, 128, 8, 8), mask=m3, other=0)
-        c = tl.load(_chunk_ptrs(cache_u8, row, 192, 4, 8), mask=m3, other=0)
-        r = tl.load(_chunk_ptrs(cache_u8, row, 224, 4, 8), mask=m3, other=0)
+        a = tl.load(_nibble_ptrs(cache_u8, row, 0, 16), mask=m3, other=0)
+        b = tl.load(_nibble_ptrs(cache_u8, row, 128, 8), mask=m3, other=0)
+        c = tl.load(_nibble_ptrs(cache_u8, row, 192, 4), mask=m3, other=0)
+        r = tl.load(_nibble_ptrs(cache_u8, row, 224, 4), mask=m3, other=0)
         ea = tl.load(_span_ptrs(cache_u8, row, 256, 16), mask=m2, other=0)
         eb = tl.load(_span_ptrs(cache_u8, row, 272, 8), mask=m2, other=0)
         ec = tl.load(_span_ptrs(cache_u8, row, 280, 4), mask=m2, other=0)
@@ -204,20 +213,23 @@ def _e4m3(x, exp_off, DT: tl.constexpr):
 
 @triton.jit
 def _e2m1_as_e4m3(x):
-    """Packed e2m1 pairs [N, k, 8] (even dim in the low nibble) -> e4m3 bytes [N, k, 16] in dim
-    order, each worth 2^-6 times its e2m1 value: e2m1's sign, 2 exponent bits (bias 1) and mantissa
-    bit land on e4m3's sign, low exponent bits (bias 7) and top mantissa bit, so e2m1's subnormal
-    0.5 becomes e4m3's subnormal 2^-7 (exact)."""
-    lo = ((x << 2) & 0x1C) | ((x << 4) & 0x80)
-    hi = ((x >> 2) & 0x1C) | (x & 0x80)
-    return tl.reshape(tl.join(lo, hi), (x.shape[0], x.shape[1], 2 * x.shape[2]))
+    """e2m1 codes [N, k, 16] in dim order, each read from its byte (``_nibble_ptrs``: dims 2j and
+    2j+1 both hold byte j, the even dim's code in the low nibble) -> e4m3 bytes worth 2^-6 times
+    their e2m1 value: e2m1's sign, 2 exponent bits (bias 1) and mantissa bit land on e4m3's sign,
+    low exponent bits (bias 7) and top mantissa bit, so e2m1's subnormal 0.5 becomes e4m3's
+    subnormal 2^-7 (exact). Each byte is loaded twice instead of split into nibble halves joined
+    and reshaped in registers: that version gave wrong NVFP4 outputs compiled for sm_90 (Triton
+    3.6; right in the interpreter and when its decoded values were only stored)."""
+    odd = (tl.arange(0, 16) % 2 == 1)[None, None, :]
+    code = tl.where(odd, x >> 4, x) & 0xF
+    return ((code << 2) & 0x1C) | ((code << 4) & 0x80)
 
 
 @triton.jit
 def _dequant(x, e, kv_scale, exp_off, FMT: tl.constexpr, DT: tl.constexpr, GROUPED: tl.constexpr):
     """One chunk to DT [N, dims]. ``GROUPED``: x comes in groups [N, k, w] sharing a scale e [N, k]
     (else x [N, w], e [N]). V4 / MXFP8: e4m3 * 2^(byte-127) per group of 64 / 32 dims; NVFP4: e2m1
-    * e4m3 scale per 16 dims (w = 8 bytes); BF16: as is; FP8_TENSOR: e4m3 * kv_scale."""
+    * e4m3 scale per 16 dims (w = 16 dims, one byte each); BF16: as is; FP8_TENSOR: e4m3 * kv_scale."""
     if FMT == 0 or FMT == 3:
         f = _e4m3(x, exp_off, DT)
         if GROUPED:
