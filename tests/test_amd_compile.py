@@ -3,8 +3,8 @@ in every tile the package picks there, checked offline with PyPI Triton's AMD ba
 
 tests/gpu_scripts/triton_amd.py compiles them in a child process (this process runs Triton's
 interpreter): per arch the split-merge kernel and, per picked tile, the attention kernel's
-variants with the most registers live (the top-k walk with its LSE in nvfp4_ds_mla's two records
-and in the V4 record) and its split epilogue. The full sweep (every record x layer kind x split)
+top-k walk with its LSE in the records with the most registers live (V4, bf16), in nvfp4_ds_mla's
+two records, and its split epilogue. The full sweep (every record x layer kind x split)
 is the table in docs/rocm.md. Triton's kernel cache makes reruns fast.
 """
 

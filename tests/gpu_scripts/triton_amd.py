@@ -9,9 +9,9 @@ compiled, LDS within the arch's limit, no VGPR spill, no scratch.
 The variants are what ``ops.sparse_mla_fwd`` launches: the tile ``KernelConfig.tile(arch, heads)``
 picks for any head count 1..MAX_HEADS, each KV format x layer kind (SWA, every-entry, top-k) it
 serves, one launch and split launches, and the split's combine kernel. No GPU needed; run it
-without TRITON_INTERPRET. ``--quick`` keeps, per tile, the variants with the most registers live
-(the top-k walk with its LSE in nvfp4_ds_mla's two records and in the V4 record) and the split
-epilogue; the full run shows they are the worst (docs/rocm.md "Triton kernels on AMD").
+without TRITON_INTERPRET. ``--quick`` keeps, per tile, the top-k walk with its LSE in the records with
+the most registers live (V4, bf16; the full run shows they are the worst: docs/rocm.md "Triton
+kernels on AMD"), in nvfp4_ds_mla's two records, and the split epilogue.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def variants(arch: str, quick: bool, tiles_of: str | None = None,
     for tile in picked_tiles(tiles_of or arch, heads):
         if quick:
             out += [Variant(arch, "attention", tile, fmt, "top-k", split)
-                    for fmt, split in ((KVFormat.NVFP4, 1), (KVFormat.MODEL1_FP8, 1), (KVFormat.MODEL1_FP8, 2))]
+                    for fmt, split in ((KVFormat.MODEL1_FP8, 1), (KVFormat.BF16, 1), (KVFormat.NVFP4, 1),
+                                       (KVFormat.MODEL1_FP8, 2))]
             continue
         seen = set()
         for fmt in KVFormat:

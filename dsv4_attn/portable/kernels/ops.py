@@ -70,7 +70,7 @@ class Tile:
 # waves halve that and the kernel spills). 16 keys (one MFMA K step of P·V) and 16 heads: each wave
 # holds its q rows, fp32 accumulators and a dequantized K tile, and larger tiles do not fit: 32 or
 # 64 keys spill 2-293 VGPRs, 32- and 64-head blocks 2-17 in some record x layer kind (with P in
-# registers or through scratch), the 16-head block none, at most 380 VGPRs. More heads run as
+# registers or through scratch), the 16-head block none, at most 372 VGPRs. More heads run as
 # more blocks, which re-read a token's rows from L2. Measured offline for every record x layer
 # kind x split (docs/rocm.md "Triton kernels on AMD"; tests/test_amd_compile.py holds it).
 AMD_TILE = Tile(16, 16, 4, 1, False, (("matrix_instr_nonkdim", 16),))
