@@ -4,7 +4,8 @@
 
 The wheel: the package with its parity matrix and the ``py.typed`` marker, the Apache-2.0 license
 text and its SPDX expression in the metadata, and nothing from tests/. The sdist: every file git
-tracks under tests/, ci/ and .ci/ (conftest, recorded data, the CI matrix), so its tests run.
+tracks under tests/, ci/, .ci/ and examples/ (conftest, recorded data, the CI matrix, the example
+the README runs), so its tests run.
 Exit status 1 with the list of what is missing.
 """
 
@@ -19,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL_FILES = ("dsv4_attn/__init__.py", "dsv4_attn/parity/__init__.py", "dsv4_attn/data/parity.yaml",
                "dsv4_attn/py.typed")
-SDIST_FILES = ("LICENSE", "README.md", "pyproject.toml", "tests/conftest.py", "tests/data/flashmla_golden_small.pt",
-               "ci/parity.yaml", ".ci/run")
+SDIST_FILES = ("LICENSE", "README.md", "pyproject.toml", "examples/run_step.py", "tests/conftest.py",
+               "tests/data/flashmla_golden_small.pt", "ci/parity.yaml", ".ci/run")
 LICENSE_MARKS = ("Apache License", "Version 2.0, January 2004")
 
 
@@ -41,10 +42,10 @@ def wheel_problems(path: Path) -> list[str]:
 
 
 def tracked_files() -> list[str]:
-    """Files git tracks under tests/, ci/ and .ci/ ([] outside a git checkout, e.g. in an sdist)."""
+    """Files git tracks under tests/, ci/, .ci/ and examples/ ([] outside a git checkout, e.g. in an sdist)."""
     try:
-        out = subprocess.run(["git", "ls-files", "tests", "ci", ".ci"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(["git", "ls-files", "tests", "ci", ".ci", "examples"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return []
     return out.split()

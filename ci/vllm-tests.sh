@@ -12,7 +12,7 @@
 #   bash ci/vllm-tests.sh              # venv in ~/.cache/dsv4-attn/vllm-venv (reused when present)
 #   VLLM_VENV=/tmp/v bash ci/vllm-tests.sh -k reference   # extra args go to pytest
 #
-# Measured on the 2-core CI-size machine: fresh venv + installs ~1.5 min, tests ~1 min.
+# Measured on the 2-core CI-size machine: fresh venv + installs ~1.5 min, tests ~2 min (V4 and V4.1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/dsv4-attn/vllm-venv}

@@ -123,12 +123,12 @@ class SparseMLA:
         lines = [
             f"dsv4_attn on {plat.vendor}/{plat.arch} ({plat.device_name}), format {self.fmt.value}, "
             f"{self.spec.num_heads} heads, requested backend: {requested} ({source}), index front end: {front}",
-            f"{'backend':<18} {'kind':<6} {'phase':<8} {'status':<8} reasons",
+            f"{'backend':<18} {'kinds':<14} {'phase':<8} {'status':<8} reasons",
         ]
         for name in backend_mod.backend_names():
-            cells = []
-            for kind in self.spec.kinds:
-                for phase in Phase:
+            verdicts: dict[tuple[str, str, str], list[str]] = {}  # (phase, status, why) -> kinds, each reason once
+            for phase in Phase:
+                for kind in self.spec.kinds:
                     reasons = backend_mod.reasons_for(name, plat, self.spec, self.fmt, kind, phase, self.dialects)
                     try:
                         chosen = self.backend_for(kind, phase) == name
@@ -137,10 +137,13 @@ class SparseMLA:
                     status = "chosen" if chosen else ("ok" if not reasons else "refused")
                     why = reasons or [backend_mod.get_backend(name).choice(plat, self.spec, self.fmt, kind, phase,
                                                                            self.dialects)]
-                    cells.append((kind.name, phase.value, status, "; ".join(r for r in why if r)))
-            if len({c[2:] for c in cells}) == 1:  # same verdict everywhere: one line
-                cells = [("all", "all") + cells[0][2:]]
-            lines.extend(f"{name:<18} {k:<6} {p:<8} {st:<8} {why}" for k, p, st, why in cells)
+                    verdicts.setdefault((phase.value, status, "; ".join(r for r in why if r)), []).append(kind.name)
+            every_kind = len(self.spec.kinds)
+            rows = [("all" if len(kinds) == every_kind else ",".join(kinds), phase, status, why)
+                    for (phase, status, why), kinds in verdicts.items()]
+            if len({row[2:] for row in rows}) == 1 and all(row[0] == "all" for row in rows):
+                rows = [("all", "all") + rows[0][2:]]  # the same verdict everywhere: one line
+            lines.extend(f"{name:<18} {k:<14} {p:<8} {st:<8} {why}" for k, p, st, why in rows)
         return "\n".join(lines + self._measured_lines(plat, requested))
 
     def _measured_lines(self, plat: Platform, requested: str) -> list[str]:

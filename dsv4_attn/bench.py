@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import statistics
@@ -104,16 +105,20 @@ def runs_in(kind: LayerKind, fmt: KVFormat) -> bool:
     return kind in V41_KINDS or not {fmt.swa_record, fmt.comp_record} & set(V41_RECORDS)
 
 
+# --configs groups: which configs each takes
+CONFIG_GROUPS = {"v4": lambda cfg: cfg.kind not in V41_KINDS, "v41": lambda cfg: cfg.kind in V41_KINDS}
+
+
 def select_configs(table: dict, names: list[str] | None) -> list[str]:
     """Config names from ``--configs``: names, or the groups 'v4' / 'v41' (default: all)."""
     if not names:
         return list(table)
-    groups = {"v41": [n for n, c in table.items() if c.kind in V41_KINDS],
-              "v4": [n for n, c in table.items() if c.kind not in V41_KINDS]}
     out = []
     for name in names:
-        out += [n for n in groups.get(name, [name]) if n in table and n not in out]
+        members = [n for n, c in table.items() if CONFIG_GROUPS[name](c)] if name in CONFIG_GROUPS else [name]
+        out += [n for n in members if n in table and n not in out]
     return out
+
 
 SWA_BLOCK = 64
 COMP_BLOCK = 256  # uncompressed tokens per compressed-cache block (vLLM)
@@ -135,19 +140,22 @@ def warm_up(device: torch.device, seconds: float = 2.0) -> None:
 
 
 def measure_ceilings(device: torch.device) -> dict:
-    """Copy bandwidth (bytes read + written per second) and the bf16 matrix rate, measured."""
-    n = 1 << 30
+    """Copy bandwidth (bytes read + written per second) and the bf16 matrix rate, measured (on a
+    CPU at small sizes: a second, not a minute)."""
+    cpu = device.type == "cpu"
+    n = 1 << (26 if cpu else 30)
     a = torch.empty(n, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     a.random_(0, 255)
-    copy_s = _median_time(functools.partial(b.copy_, a), reps=20, flush=None)
+    copy_s = statistics.median(_samples(functools.partial(b.copy_, a), reps=5 if cpu else 20, flush=None, device=device))
     del a, b
-    m = 8192
+    m = 512 if cpu else 8192
     x = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-    mm_s = _median_time(functools.partial(torch.mm, x, y), reps=20, flush=None)
+    mm_s = statistics.median(_samples(functools.partial(torch.mm, x, y), reps=5 if cpu else 20, flush=None, device=device))
     del x, y
-    torch.cuda.empty_cache()
+    if not cpu:
+        torch.cuda.empty_cache()
     return {"copy_bytes_per_s": 2 * n / copy_s, "bf16_flops_per_s": 2 * m**3 / mm_s}
 
 
@@ -162,11 +170,49 @@ class L2Flush:
         self.buf.zero_()
 
 
-def _median_time(fn, reps: int, flush, warmup: int = 3) -> float:
-    """Median seconds of ``fn`` over ``reps`` event-timed runs (``flush()`` before each)."""
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per run of a timed callable over ``runs`` runs: median, fastest and 90th percentile
+    (the spread: how much slower one run in ten was), and how it ran ('graph' | 'eager')."""
+
+    median: float
+    min: float
+    p90: float
+    runs: int
+    how: str
+
+    @classmethod
+    def of(cls, samples: list[float], how: str) -> Timing:
+        p90 = statistics.quantiles(samples, n=10, method="inclusive")[-1] if len(samples) > 1 else samples[0]
+        return cls(statistics.median(samples), min(samples), p90, len(samples), how)
+
+    def as_us(self) -> dict:
+        """The JSON record: µs (median), µs_min, µs_p90, runs, timing."""
+        return {"us": self.median * 1e6, "us_min": self.min * 1e6, "us_p90": self.p90 * 1e6, "runs": self.runs,
+                "timing": self.how}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.cuda.synchronize()
+
+
+def _samples(fn, reps: int, flush, warmup: int = 3, device: torch.device | None = None) -> list[float]:
+    """Seconds of each of ``reps`` runs of ``fn`` (``flush()`` before each): one CUDA event pair
+    per run on a GPU, the host clock around a finished run on the CPU."""
+    device = device or torch.device("cuda")
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    _sync(device)
+    if device.type == "cpu":
+        out = []
+        for _ in range(reps):
+            if flush is not None:
+                flush()
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return out
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
@@ -176,11 +222,15 @@ def _median_time(fn, reps: int, flush, warmup: int = 3) -> float:
         fn()
         ends[i].record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e-3
+    return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
 
 
-def time_callable(fn, reps: int, flush, graph: bool) -> tuple[float, str]:
-    """(median seconds, 'graph' | 'eager')."""
+def time_callable(fn, reps: int, flush, graph: bool, device: torch.device | None = None) -> Timing:
+    """``reps`` timed runs of ``fn``: CUDA-graph replays when ``graph`` (eager launches when the
+    capture fails), else eager calls; on the CPU always eager, with no flush."""
+    device = device or torch.device("cuda")
+    if device.type == "cpu":
+        return Timing.of(_samples(fn, reps, None, device=device), "eager")
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -195,12 +245,12 @@ def time_callable(fn, reps: int, flush, graph: bool) -> tuple[float, str]:
             with torch.cuda.graph(g):
                 fn()
             torch.cuda.synchronize()
-            return _median_time(g.replay, reps, flush, warmup=2), "graph"
+            return Timing.of(_samples(g.replay, reps, flush, warmup=2), "graph")
         except Exception as exc:  # capture unsupported by this callable: time eager launches
             print(f"  (graph capture failed: {type(exc).__name__}: {str(exc)[:120]}; timing eager launches)",
                   file=sys.stderr)
             torch.cuda.synchronize()
-    return _median_time(fn, reps, flush), "eager"
+    return Timing.of(_samples(fn, reps, flush), "eager")
 
 
 # ---- random caches ----------------------------------------------------------------------------
@@ -526,10 +576,10 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
     for name in backends:
         run, out, plan = api_runner(case, name)
         plan0 = plan0 or plan
-        sec, how = time_callable(run, args.reps, flush, not args.no_graph)
+        timing = time_callable(run, args.reps, flush, not args.no_graph, case.q.device)
         run()
-        torch.cuda.synchronize()
-        rows[name] = {"us": sec * 1e6, "timing": how}
+        _sync(case.q.device)
+        rows[name] = timing.as_us()
         if name == "auto":
             rows[name]["picked"] = plan.owner.backend_for(case.kind, case.phase, case.q.shape[0])
         if ref_out is None:
@@ -548,10 +598,10 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
                 result[label] = {"unavailable": how}
                 continue
             try:
-                sec, timing = time_callable(run, args.reps, flush, not args.no_graph)
+                timing = time_callable(run, args.reps, flush, not args.no_graph)
                 run()
                 torch.cuda.synchronize()
-                result[label] = {"us": sec * 1e6, "via": how, "timing": timing, "vs_ours": _compare(ref_out, out)}
+                result[label] = {**timing.as_us(), "via": how, "vs_ours": _compare(ref_out, out)}
             except Exception as exc:
                 result[label] = {"unavailable": f"{type(exc).__name__}: {str(exc)[:200]}"}
     for r in rows.values():
@@ -613,7 +663,7 @@ def guard_cost(case: Case, variants: dict[str, tuple[str, str]], args, flush) ->
         runs = {name: api_runner(case, name) for name in (checked, unchecked)}
         times = {checked: [], unchecked: []}
         for name in (checked, unchecked, unchecked, checked):
-            times[name].append(time_callable(runs[name][0], args.reps, flush, not args.no_graph)[0])
+            times[name].append(time_callable(runs[name][0], args.reps, flush, not args.no_graph).median)
         for run, _, _ in runs.values():
             run()
         torch.cuda.synchronize()
@@ -631,12 +681,46 @@ def _fmt_row(res: dict, name: str) -> str:
         cells.append(f"{fm['us']:9.1f}" if "us" in fm else f"{'n/a':>9}")
         key = f"speedup_vs_{label}"
         cells.append(f"{r[key]:6.2f}x" if key in r else f"{'':>7}")
-    return (f"{res['case']:<30} {res['format']:<12} {name:<9} {r['us']:8.1f} {r['tflops']:7.1f} {r['gbps']:6.0f} "
-            f"{res['floor_us']:7.1f} {r['x_floor']:6.2f} " + " ".join(cells))
+    return (f"{res['case']:<30} {res['format']:<12} {name:<9} {r['us']:8.1f} {r['us_p90']:8.1f} {r['tflops']:7.1f} "
+            f"{r['gbps']:6.0f} {res['floor_us']:7.1f} {r['x_floor']:6.2f} " + " ".join(cells))
 
 
-HEADER = (f"{'case':<30} {'format':<12} {'backend':<9} {'us':>8} {'TFLOP/s':>7} {'GB/s':>6} {'floor':>7} {'x_flr':>6} "
+HEADER = (f"{'case':<30} {'format':<12} {'backend':<9} {'us':>8} {'us_p90':>8} {'TFLOP/s':>7} {'GB/s':>6} {'floor':>7} "
+          f"{'x_flr':>6} "
           f"{'fmla_api':>9} {'speedup':>7} {'fmla_raw':>9} {'speedup':>7}")
+
+# One CSV row per (case, backend): the case's facts, then its timing (median, fastest, 90th
+# percentile), rates against the floor, and FlashMLA's timing beside it.
+CSV_COLUMNS = ("case", "phase", "config", "kind", "format", "batch", "s_q_per_req", "heads", "tokens", "valid_keys",
+               "backend", "timing", "runs", "us", "us_min", "us_p90", "tflops", "gbps", "floor_us", "x_floor",
+               "flashmla_us", "flashmla_us_p90", "speedup_vs_flashmla", "flashmla_raw_us", "flashmla_raw_us_p90",
+               "speedup_vs_flashmla_raw", "error")
+
+
+def csv_rows(results: list[dict]) -> list[dict]:
+    """The results as CSV rows (``CSV_COLUMNS``; a failed case is one row with its error)."""
+    rows = []
+    for res in results:
+        case = {k: res.get(k) for k in CSV_COLUMNS if k in res}
+        if "error" in res:
+            rows.append(case)
+            continue
+        for name, r in res["backends"].items():
+            row = {**case, "backend": name, **{k: r.get(k) for k in CSV_COLUMNS if k in r}}
+            for label in ("flashmla", "flashmla_raw"):
+                fm = res.get(label, {})
+                row[f"{label}_us"], row[f"{label}_us_p90"] = fm.get("us"), fm.get("us_p90")
+            rows.append(row)
+    return rows
+
+
+def write_csv(results: list[dict], path: str) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, restval="")
+        writer.writeheader()
+        writer.writerows(csv_rows(results))
 
 
 def plot(results: list[dict], path: str, backend: str) -> None:
@@ -700,56 +784,127 @@ def default_backends() -> list[str]:
     return ["aiter", "triton"] if probe().vendor == "rocm" else ["triton"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dsv4-attn bench", description=__doc__.split("\n\n")[0])
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dsv4-attn bench", description=__doc__.split("\n\n")[0] + " Exit status: 0 every case ran, 1 a case "
+        "failed, 2 bad arguments. On a machine without a GPU, --device cpu times the torch backend at small decode "
+        "shapes: it exists to try the tool and its outputs, the numbers say nothing about GPU kernels.")
     p.add_argument("--mode", choices=["decode", "prefill", "all"], default="decode")
-    p.add_argument("--configs", nargs="*", default=None,
-                   help=f"decode: {sorted(DECODE_CONFIGS)}; prefill: {sorted(PREFILL_CONFIGS)}; or the groups "
-                        "'v4' / 'v41' (default all)")
-    p.add_argument("--batches", type=int, nargs="*", default=[2, 64, 128, 256])
-    p.add_argument("--mtp", type=int, nargs="*", default=[1, 2], help="query tokens per request (decode)")
-    p.add_argument("--backend", nargs="*", default=None,
-                   help="our backend(s) to time (default: triton; aiter and triton on ROCm)")
+    p.add_argument("--configs", nargs="+", metavar="NAME", default=None,
+                   help=f"decode: {', '.join(DECODE_CONFIGS)}; prefill: {', '.join(PREFILL_CONFIGS)}; or the groups "
+                        "'v4' / 'v41' (default: all of --mode); an unknown name is an error")
+    p.add_argument("--batches", type=int, nargs="+", default=None,
+                   help="requests per decode case (default 2 64 128 256; on the CPU 2)")
+    p.add_argument("--mtp", type=int, nargs="+", default=None,
+                   help="query tokens per request, decode (default 1 2; on the CPU 1)")
+    p.add_argument("--backends", nargs="+", metavar="NAME", default=None,
+                   help="backends to time (names or comma lists; 'all' = every registered backend; 'auto' = what "
+                        "the dispatcher picks per case, compared with the named ones). Default: triton; aiter and "
+                        "triton on ROCm; torch on the CPU")
+    p.add_argument("--backend", nargs="+", dest="backends", help=argparse.SUPPRESS)  # the old name
     p.add_argument("--variant", action="append", default=[],
                    help="development: also time a triton kernel config, e.g. "
                         "'bn64=block_n=64,num_warps=8,num_stages=2,dot_dtype=bf16' (repeatable)")
     p.add_argument("--format", nargs="+", default=["fp8_ds_mla"],
                    help="KV format(s): fp8_ds_mla, bfloat16, fp8_e4m3, mxfp8_ds_mla, nvfp4_ds_mla (V4.1 records: "
                         "V4.1 configs only)")
-    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--device", help="cuda (default when torch sees a GPU) or cpu (the torch backend only)")
+    p.add_argument("--reps", type=int, default=None, help="timed runs per case (default 50; on the CPU 5)")
     p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replays")
-    p.add_argument("--no-flashmla", action="store_true")
+    p.add_argument("--no-flashmla", action="store_true", help="do not time FlashMLA beside our backends")
     p.add_argument("--guard-cost", action="store_true",
                    help="also time each Triton kernel with and without its index range checks (same case, "
                         "A-B-B-A) and print the checks' cost")
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--write-choices", default=None, metavar="PATH",
+    p.add_argument("--json", metavar="PATH", help="write every result (with min / median / p90) and the run's facts")
+    p.add_argument("--csv", metavar="PATH", help="write one row per case and backend (min / median / p90 µs, rates)")
+    p.add_argument("--write-choices", metavar="PATH",
                    help="write a measured-choices table (fastest backend per shape, common/choices.py) from this "
                         "run's backends here; use it with DSV4_ATTN_CHOICES=PATH or ship it in dsv4_attn/data/choices/")
-    p.add_argument("--png", default=None, help="plot time vs batch (ours, FlashMLA, floor) here")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("dsv4-attn bench: needs a CUDA/ROCm GPU (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
-    device = torch.device("cuda")
-    formats = [KVFormat.parse(f) for f in args.format]
-    if args.backend is None:
-        args.backend = default_backends()
-    for spec_str in args.variant:
-        args.backend.append(register_variant(spec_str))
+    p.add_argument("--png", metavar="PATH", help="plot time vs batch (ours, FlashMLA, floor); needs matplotlib")
+    return p
 
+
+def unknown_configs(names: list[str], mode: str) -> list[str]:
+    """The ``--configs`` names that name no config (nor group) of ``mode``."""
+    tables = [t for m, t in (("decode", DECODE_CONFIGS), ("prefill", PREFILL_CONFIGS)) if mode in (m, "all")]
+    return [n for n in names if not any(select_configs(t, [n]) for t in tables)]
+
+
+def settle(args) -> torch.device:
+    """Check the arguments and fill the device-dependent defaults in ``args``, before any work;
+    the device to run on. Raises ValueError with what is wrong and what is allowed."""
+    from .cli import parse_device
+    from .parity.runner import resolve_backends
+
+    device = parse_device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for fmt in args.format:
+        KVFormat.parse(fmt)
+    if args.configs and unknown_configs(args.configs, args.mode):
+        names = (*DECODE_CONFIGS, *PREFILL_CONFIGS, *CONFIG_GROUPS)
+        allowed = [n for n in names if not unknown_configs([n], args.mode)]
+        raise ValueError(f"--configs: got {unknown_configs(args.configs, args.mode)} (--mode {args.mode}); "
+                         f"allowed: {allowed}")
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"--png: got {args.png!r}, but matplotlib is not installed; allowed: after "
+                         "pip install matplotlib (or the package's [bench] extra), or no --png")
+    for name in ("batches", "mtp", "reps"):
+        values = getattr(args, name)
+        if values is not None and min(values if isinstance(values, list) else [values]) < 1:
+            raise ValueError(f"--{name}: got {values}; allowed: positive ints")
+    cpu = device.type == "cpu"
+    args.backends = (resolve_backends(args.backends, also=("auto",)) if args.backends
+                     else ["torch"] if cpu else default_backends())
+    if cpu:
+        refused = {"--mode": args.mode != "decode" and "prefill configs are production-sized (4k-8k query tokens)",
+                   "--backends": args.backends != ["torch"] and f"{args.backends}: only the torch backend runs on CPU",
+                   "--guard-cost": args.guard_cost and "it times Triton kernels", "--variant": args.variant and
+                   "it times Triton kernels",
+                   "--write-choices": args.write_choices and "CPU timings choose no GPU backend"}
+        for flag, why in refused.items():
+            if why:
+                raise ValueError(f"{flag}: {why}; allowed on --device cpu: the torch backend at decode shapes")
+        args.no_flashmla, args.no_graph = True, True
+    args.batches = args.batches or ([2] if cpu else [2, 64, 128, 256])
+    args.mtp = args.mtp or ([1] if cpu else [1, 2])
+    args.reps = args.reps or (5 if cpu else 50)
+    return device
+
+
+def _device_facts(device: torch.device) -> dict:
+    if device.type == "cpu":
+        import platform
+
+        return {"device": platform.processor() or platform.machine() or "cpu", "sms": None}
     props = torch.cuda.get_device_properties(device)
+    return {"device": props.name, "sms": props.multi_processor_count}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        device = settle(args)
+    except ValueError as exc:
+        print(f"dsv4-attn bench: {exc}", file=sys.stderr)
+        return 2
+    formats = [KVFormat.parse(f) for f in args.format]
+    for spec_str in args.variant:
+        args.backends.append(register_variant(spec_str))
     t0 = time.time()
-    warm_up(device)
+    if device.type != "cpu":
+        warm_up(device)
     ceilings = measure_ceilings(device)
-    flush = L2Flush(device)
-    meta = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-            "triton": _version("triton"), "ceilings": ceilings, "formats": [f.value for f in formats],
-            "flashmla_lib": _flashmla_lib(), "reps": args.reps, "graph": not args.no_graph}
-    print(f"device {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
-          f"triton {meta['triton']}; copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-          f"bf16 mm {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s; timing: "
-          f"{'graph replay' if not args.no_graph else 'eager'}, L2 flushed, median of {args.reps}")
+    flush = L2Flush(device) if device.type != "cpu" else None
+    meta = {**_device_facts(device), "torch": torch.__version__, "triton": _version("triton"), "ceilings": ceilings,
+            "formats": [f.value for f in formats], "flashmla_lib": _flashmla_lib(), "reps": args.reps,
+            "graph": not args.no_graph}
+    if device.type == "cpu":
+        print("CPU run: the torch backend at small decode shapes, to try the tool and its outputs; the numbers say "
+              "nothing about GPU kernels")
+    print(f"device {meta['device']}" + (f" ({meta['sms']} SMs)" if meta["sms"] else "") +
+          f", torch {torch.__version__}, triton {meta['triton']}; copy {ceilings['copy_bytes_per_s'] / 1e9:.0f} "
+          f"GB/s, bf16 mm {ceilings['bf16_flops_per_s'] / 1e12:.2f} TFLOP/s; timing: "
+          f"{'graph replay' if not args.no_graph else 'eager'}"
+          f"{', L2 flushed' if flush else ''}, median and p90 of {args.reps}")
     results = []
     print(HEADER)
     cases = []
@@ -766,7 +921,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             case = (make_decode_case(DECODE_CONFIGS[name], b, sq, device, fmt) if phase == "decode"
                     else make_prefill_case(PREFILL_CONFIGS[name], device, fmt))
-            res = run_case(case, args.backend, args, ceilings, flush)
+            res = run_case(case, args.backends, args, ceilings, flush)
             if guards:
                 res["guard_cost"] = guard_cost(case, guards[fmt], args, flush)
         except Exception as exc:
@@ -775,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
                             "error": f"{type(exc).__name__}: {exc}"})
             continue
         results.append(res)
-        for name_b in args.backend:
+        for name_b in args.backends:
             print(_fmt_row(res, name_b), flush=True)
         for label in ("flashmla", "flashmla_raw"):
             if "unavailable" in res.get(label, {}):
@@ -784,13 +939,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  range checks, {impl} kernel: {g['us_checked']:.1f} us with, {g['us_unchecked']:.1f} us without: "
                   f"{g['cost_pct']:+.2f} % (same bits: {g['same_bits']})")
         del case
-        torch.cuda.empty_cache()
+        if device.type != "cpu":
+            torch.cuda.empty_cache()
     meta["seconds"] = time.time() - t0
-    if "auto" in args.backend:
+    if "auto" in args.backends:
         print_auto_gaps(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
+    if args.csv:
+        write_csv(results, args.csv)
     if args.write_choices:
         from .common.platform import probe
 
@@ -800,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {len(table['entries'])} measured choices for {table['arch']} to {args.write_choices}")
     if args.png:
         try:
-            plot([r for r in results if "error" not in r], args.png, args.backend[0])
+            plot([r for r in results if "error" not in r], args.png, args.backends[0])
         except Exception as exc:
             print(f"plot failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     return 1 if any("error" in r for r in results) else 0

@@ -1,27 +1,69 @@
-"""`dsv4-attn probe | parity | bench` (also `python -m dsv4_attn`)."""
+"""`dsv4-attn probe | parity | bench` (also `python -m dsv4_attn`), and the argument checks the
+subcommands share.
+
+Every subcommand exits 0 on success, 1 when what it checked failed (a parity cell, a bench case)
+and 2 for bad arguments or environment variables, reported before any long work starts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+import torch
+
+# name -> (module whose main(argv) runs it, one line for `dsv4-attn --help`)
+COMMANDS = {
+    "probe": ("dsv4_attn.probe_cli", "what this machine offers: platform, libraries, vendor binaries, environment "
+                                     "variables, and which backend runs each layer kind and why"),
+    "parity": ("dsv4_attn.parity", "every backend against the float64 reference on named, seeded cases; --merge "
+                                   "runs of several machines into one cross-vendor table"),
+    "bench": ("dsv4_attn.bench", "decode / prefill timings (min, median, p90) beside the roofline floor and FlashMLA; "
+                                 "GPU, or --device cpu to try the tool on the torch backend"),
+}
+
+
+def parse_device(text: str) -> torch.device:
+    """``--device``'s value as a torch device; ValueError for a malformed name or a GPU that torch
+    cannot see (never a silent fallback to the CPU)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device: got {text!r}; allowed: a torch device such as cpu, cuda, cuda:1") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: got {text!r}, but torch sees no GPU (torch {torch.__version__}); allowed: cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device: got {text!r}; allowed: cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: got {text!r}; allowed: cpu or cuda[:N] (ROCm GPUs are cuda devices to torch)")
+    return device
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="dsv4-attn", description="DeepSeek-V4 sparse MLA attention on every vendor: check this machine, "
+        "compare the backends with the float64 reference, time them.",
+        epilog="`dsv4-attn COMMAND --help` gives a command's options. Exit status: 0 ok, 1 a check failed, "
+               "2 bad arguments.")
+    parser.add_argument("--version", action="version", version=f"dsv4-attn {__version__} (torch {torch.__version__}, "
+                                                               f"python {sys.version.split()[0]})")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for name, (_, summary) in COMMANDS.items():
+        commands.add_parser(name, help=summary, add_help=False)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="dsv4-attn", description=__doc__)
-    parser.add_argument("command", choices=["probe", "parity", "bench"])
-    args, rest = parser.parse_known_args(argv[:1])
-    if args.command == "bench":
-        from . import bench
-
-        return bench.main(argv[1:])
-    if args.command == "parity":
-        from . import parity
-
-        return parity.main(argv[1:])
-    from . import probe_cli
-
-    return probe_cli.main(argv[1:])
+    if argv and argv[0] in COMMANDS:
+        return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+    parser = _parser()
+    parser.parse_args(argv)  # --help, --version, or a usage error (exit 2) for anything else
+    parser.error("a command is required")
+    return 2
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import sys
 import torch
 
 from . import envs
+from .cli import parse_device
 from .common import backend as backend_mod
 from .common.backend import BackendUnavailableError, Phase
 from .common.layout import KVFormat
@@ -197,19 +198,16 @@ def render(info: dict) -> str:
         if lib.get("location") and lib.get("note"):
             extra += f" ({lib['note']})"
         lines.append(f"  {name:<14} {'yes' if lib['found'] else 'no':<6} {lib.get('version') or '-':<22} {extra}")
-    lines += ["", "vendor binaries"]
+    lines += ["", "vendor binaries (what each vendor backend found to run on)"]
     for key, desc in info["vendor_binaries"].items():
-        body = desc["info"]
-        if isinstance(body, dict):
-            lines.append(f"  {key:<11} [{desc['status']}]")
-            lines += [f"  {'':<11} {k}: {_one_line(v)}" for k, v in _flatten(body)]
-        else:
-            lines.append(f"  {key:<11} [{desc['status']}] {_one_line(body)}")
+        first, *more = vendor_text(key, desc, info["libraries"])
+        lines.append(f"  {key:<11} {first}")
+        lines += [f"  {'':<11} {line}" for line in more]
     for engine in ("vllm", "sglang"):
         lines += ["", f"{engine} plugin"] + [f"  {k:<17} {v}" for k, v in info[f"{engine}_plugin"].items()]
-    lines += ["", "backends"]
+    lines += ["", "backends (registered; whether each can run here is under backend choice and explain())"]
     for name, b in info["backends"].items():
-        state = f"phases {'/'.join(b['phases'])}" if b["importable"] else f"not importable: {b['error']}"
+        state = f"implements {', '.join(b['phases'])}" if b["importable"] else f"cannot be imported: {b['error']}"
         lines.append(f"  {name:<18} {state}")
     sel = info["selection"]
     lines += ["", f"backend choice for {sel['heads']} heads, {sel['format']}, C4A top-k {sel['c4a_topk']}, "
@@ -225,13 +223,55 @@ def render(info: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _flatten(d: dict, prefix: str = ""):
-    """(dotted key, value) pairs of a nested dict."""
-    for k, v in d.items():
-        if isinstance(v, dict):
-            yield from _flatten(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
+def vendor_text(key: str, desc: dict, libraries: dict) -> list[str]:
+    """A vendor's section of the probe in words: first line a status (loaded, usable, not
+    found, not used, ...), then details; every reason once, no raw None / False."""
+    body = desc["info"]
+    if desc["status"] == "absent":
+        return ["module not in this dsv4_attn build"]
+    if desc["status"] == "error":
+        return [f"the probe failed: {_one_line(body)}"]
+    return _VENDOR_TEXT[key](body, libraries)
+
+
+def _flashmla_text(info: dict, libraries: dict) -> list[str]:
+    if info["loaded"]:
+        return [f"loaded: {_one_line(info['summary'])}"]
+    return ["not found: " + _one_line(info["summary"]).removeprefix("FlashMLA not loaded: ")]
+
+
+def _flashinfer_text(info, libraries: dict) -> list[str]:
+    lib = libraries.get("flashinfer", {})
+    found = f"flashinfer-python {lib.get('version')} installed; " if lib.get("found") else ""
+    if isinstance(info, str):  # not loaded on this platform
+        return [f"not used: {found}" + info.removeprefix("not loaded: ")]
+    if info["usable"]:
+        return [f"usable: flashinfer-python {info['version']} with its TRTLLM-gen DSv4 kernel"]
+    return [f"not usable: {found}" + "; ".join(info["reasons"])]
+
+
+def _aiter_text(info: dict, libraries: dict) -> list[str]:
+    lib = libraries.get("aiter", {})
+    if not info["found"]:
+        where = (f"AITER {lib.get('version') or '(version unknown)'} installed at {lib.get('location')}; "
+                 if lib.get("found") else "")
+        return [f"not usable: {where}{_one_line(info['error'])}"]
+    emulated = ", EMULATED" if info["emulated"] else ""
+    lines = [f"found: AITER {info['version']} on {info['arch']} (fp8 dialect {info['dialect']}{emulated})"]
+    enabled = [f"{path} ({status.removeprefix('enabled').strip(' ()')})" if status != "enabled" else path
+               for path, status in info["paths"].items() if status.startswith("enabled")]
+    lines.append(f"serves: {', '.join(enabled) or 'nothing'}")
+    lacking: dict[str, list[str]] = {}  # reason -> paths, so that each reason is printed once
+    for path, status in info["paths"].items():
+        if not status.startswith("enabled"):
+            lacking.setdefault(status, []).append(path)
+    lines += [f"lacks ({', '.join(paths)}): {_one_line(why)}" for why, paths in lacking.items()]
+    if lacking:
+        lines.append('what each AITER version has: docs/rocm.md "Install AITER"')
+    return lines
+
+
+_VENDOR_TEXT = {"flashmla": _flashmla_text, "flashinfer": _flashinfer_text, "aiter": _aiter_text}
 
 
 def _one_line(value) -> str:
@@ -246,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", default="fp8_ds_mla", help="KV format: fp8_ds_mla, bfloat16, fp8_e4m3")
     parser.add_argument("--c4a-topk", type=int, default=512, help="C4A top-k width (default 512)")
     parser.add_argument("--max-model-len", type=int, default=65536, help="longest sequence (default 65536)")
-    parser.add_argument("--device", help="device the backends would run on (default: cuda when available)")
+    parser.add_argument("--device", help="device the backends would run on: cpu or cuda[:N] (default: cuda when "
+                        "torch sees a GPU); a GPU torch cannot see is an error")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     bad = [row["error"] for row in envs.table() if row["error"]]
@@ -254,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"dsv4-attn probe: {why}" for why in bad), file=sys.stderr)
         return 2
     try:
+        if args.device:
+            parse_device(args.device)
         info = collect(args.heads, args.format, args.c4a_topk, args.max_model_len, args.device)
     except (ValueError, RuntimeError) as exc:  # bad --heads / --format / --device
         print(f"dsv4-attn probe: {exc}", file=sys.stderr)

@@ -10,11 +10,16 @@ garbage in unused columns, and garbage in the unused C4A top-k lanes.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+
 import pytest
 import torch
 
+from dsv4_attn import SparseMLA
 from dsv4_attn.common import indices
 from dsv4_attn.common.batch import StepBatch
+from dsv4_attn.common.spec import ModelSpec
 
 I32 = dict(dtype=torch.int32)
 
@@ -94,6 +99,32 @@ def test_swa_rows_match_loop(gen, swa_bs, window):
         rows[t][:len(keys)] = keys
         lens[t] = len(keys)
     _check(indices.swa_rows(batch, window), rows, lens)
+
+
+def _with_window_starts(gen, batch, ql, sl):
+    """The batch with a per-request window start (vLLM's SWA bounded replay): 0, or a random
+    position up to the request's first query position."""
+    starts = [0 if int(_rand(gen, 0, 3)) == 0 else int(_rand(gen, 0, s - q + 1)) for q, s in zip(ql, sl)]
+    starts[4] = sl[4] - ql[4]  # the latest allowed start: the first query token sees only itself
+    starts[6] = sl[6] - ql[6] - 5  # a start inside the first query token's window
+    return dataclasses.replace(batch, swa_start=torch.tensor(starts + [7], **I32)), starts  # [>= R]
+
+
+@pytest.mark.parametrize("front_end", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="Triton is not installed"))])
+def test_swa_rows_start_at_each_requests_window_start(gen, front_end):
+    batch, ql, sl = _batch(gen, (32, 256))
+    batch, starts = _with_window_starts(gen, batch, ql, sl)
+    window = 128
+    rows, lens = _empty(batch.num_tokens, window)
+    for t, r, pos in _tokens(ql, sl):
+        keys = [_slot(batch.swa_block_table, r, p, 32) for p in range(max(0, pos - window + 1, starts[r]), pos + 1)]
+        rows[t][:len(keys)] = keys
+        lens[t] = len(keys)
+    _check(indices.swa_rows(batch.validate(), window), rows, lens)
+    spec = ModelSpec(num_heads=16, topk=64, max_model_len=4096, window=window)
+    plan = SparseMLA(spec, "fp8_ds_mla", backend="torch", front_end=front_end).plan(batch)
+    _check((plan.swa_rows, plan.swa_lens), rows, lens)
 
 
 def _c4a_local_topk(gen, batch, ql, sl, K):
@@ -301,6 +332,17 @@ _C = torch.zeros(3, 8, **I32)
 def test_bad_input_raises_value_error_naming_the_argument(call, name):
     with pytest.raises(ValueError, match=rf"^{name}: got .*allowed"):
         call()
+
+
+@pytest.mark.parametrize("starts, match", [
+    (torch.zeros(1, **I32), r"swa_start: got shape \(1,\); allowed: \[>= 2\]"),
+    (torch.zeros(2), "swa_start: got dtype torch.float32; allowed: torch.int32"),
+    (torch.tensor([-1, 0], **I32), r"swa_start: got swa_start\[0\] = -1; allowed: 0 \.\. 8"),
+    (torch.tensor([0, 4], **I32), r"swa_start: got swa_start\[1\] = 4; allowed: 0 \.\. 3, the request's first"),
+])
+def test_window_starts_past_a_requests_first_query_position_are_refused(starts, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(_small_batch(), swa_start=starts).validate()
 
 
 def test_c4a_and_c128a_need_their_block_tables():

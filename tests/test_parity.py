@@ -423,10 +423,64 @@ def test_main_exit_status_and_files(tmp_path, tiny_path, fake_backends, capsys, 
     rc = parity.main(["--matrix", str(tiny_path), "--backends", "torch,drops-comp", "--out", str(out),
                       "--no-progress", "--cases", "tiny.c4a.*"])
     assert rc == 1
-    assert "**FAIL**" in capsys.readouterr().out
-    saved = json.loads((out / "parity-cpu-cpu.json").read_text())
+    stdout = capsys.readouterr().out
+    # stdout: the summary and the failing cells; every case only in the Markdown file
+    assert "| drops-comp | 0 | 4 | 0 | 0 |" in stdout and "| tiny.c4a." not in stdout
+    assert "4 cell(s) failed or raised:" in stdout and "tiny.c4a.h16.fp8_ds_mla.mixed.short on drops-comp: fail" \
+        in stdout
+    saved = json.loads((out / "parity-cpu-cpu-torch+drops-comp.json").read_text())
     assert saved["schema"] == parity.SCHEMA and len(saved["cases"]) == 4
-    assert (out / "parity-cpu-cpu.md").read_text().startswith("# dsv4-attn parity")
+    md = (out / "parity-cpu-cpu-torch+drops-comp.md").read_text()
+    assert md.startswith("# dsv4-attn parity") and "| tiny.c4a.h16.fp8_ds_mla.mixed.short | pass" in md
+    assert f"full table (every case, skip reasons): {out / 'parity-cpu-cpu-torch+drops-comp.md'}" in stdout
     assert parity.main(["--matrix", str(tiny_path), "--backends", "refuses", "--out", str(out),
                         "--no-progress"]) == 1  # nothing ran
     assert parity.main(["--matrix", str(tiny_path), "--backends", "nope", "--out", str(out)]) == 2
+
+
+def test_runs_of_other_backends_or_emulators_get_their_own_files(report):
+    assert parity.runner.run_name(report, full=False) == "parity-cpu-cpu-" + "+".join(report["backends"])
+    emulated = {**report, "backends": ["torch", "aiter"], "emulated": ["aiter"]}
+    name = parity.runner.run_name(emulated, full=True)
+    assert name.startswith("parity-cpu-cpu-torch+aiter-emulated-aiter") and name.endswith("-full")
+    variant = {**report, "backends": ["t:bn64"], "emulated": []}
+    assert parity.runner.run_name(variant, full=False) == "parity-cpu-cpu-t_bn64"  # no ':' in file names
+
+
+def test_matrix_path_is_never_a_home_directory(tiny_path, monkeypatch):
+    assert parity.load_matrix().shown_path == "dsv4_attn/data/parity.yaml"
+    monkeypatch.chdir(tiny_path.parent.parent)
+    matrix = parity.load_matrix(tiny_path)
+    assert matrix.shown_path == f"{tiny_path.parent.name}/{tiny_path.name}"
+    monkeypatch.chdir(tiny_path.parent)
+    assert parity.load_matrix(tiny_path.name).shown_path == tiny_path.name
+
+
+def test_merge_skips_merged_tables_and_says_so(tmp_path, report, capsys):
+    run = tmp_path / "parity-cpu-cpu-torch.json"
+    run.write_text(json.dumps(finite_json(_as_machine(report, "torch", "cpu"))))
+    assert parity.main(["--merge", str(run), str(run), "--out", str(tmp_path)]) == 0
+    first = capsys.readouterr()
+    assert "merged 2 run(s)" in first.out and "| torch@cpu#1 | torch@cpu#2 | 12 | 12 | 0.0e+00 |" in first.out
+    assert "| tiny." not in first.out  # the per-case table is in merged.md only
+    # a glob over the directory now also catches merged.json: skipped with a note, not an error
+    assert parity.main(["--merge", *sorted(map(str, tmp_path.glob("*.json"))), "--out", str(tmp_path)]) == 0
+    second = capsys.readouterr()
+    assert f"skipped {tmp_path / 'merged.json'}: a merged table" in second.err and "merged 1 run(s)" in second.out
+    assert parity.main(["--merge", str(tmp_path / "merged.json"), "--out", str(tmp_path)]) == 2
+    assert "no parity run among them" in capsys.readouterr().err
+
+
+def test_long_runs_are_announced(monkeypatch):
+    from dsv4_attn.parity.cli import long_run_note
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cases = parity.load_matrix().cases
+    assert long_run_note(set(), ["torch"], cpu, cases) is None
+    assert long_run_note({"aiter"}, ["torch", "aiter"], cpu, cases[:10]) is None  # seconds: no note
+    note = long_run_note({"aiter"}, ["torch", "aiter"], cpu, cases[:504])
+    assert "about 4 min for 504 cases" in note and "1.7 GB" in note
+    assert "CPU interpreter" in long_run_note(set(), ["triton"], cpu, cases[:3])
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert long_run_note(set(), ["triton"], cpu, cases[:3]) is None  # refused on CPU: every cell a quick skip

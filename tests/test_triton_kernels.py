@@ -145,9 +145,29 @@ def test_kernel_lse_and_all_invalid_rows(device, fmt, swa_dialect, gen):
     compressed): natural-log lse without the sink, rows whose indices are all -1, interleaved -1
     entries, an SWA cache with a padded block stride (other layers' pages), a compressed cache of
     12-token blocks (not a power of two), and the split path."""
-    from dsv4_attn.portable.kernels.ops import KernelConfig, sparse_mla_fwd
+    from dsv4_attn.portable.kernels.ops import KernelConfig
 
-    T, H, W, K = 4, 16, 24, 40
+    _check_raw_kernel(fmt, swa_dialect, 16, [KernelConfig(block_n=16, split=split) for split in (1, 4)], gen)
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("heads", [16, 24, 40])
+def test_amd_tiles(device, heads, gen):
+    """AMD's tile (blocks of 16 heads, 16 keys, 4 warps, P in registers), one launch and split,
+    in the two-record walk (MXFP8 SWA + NVFP4 compressed), with 1-3 head blocks."""
+    from dsv4_attn.portable.kernels.ops import KernelConfig
+
+    for arch in ("gfx942", "gfx950"):
+        tile = KernelConfig().tile(arch, heads)
+        assert (tile.block_h, tile.block_n, tile.num_warps, tile.p_scratch) == (16, 16, 4, False), tile
+    configs = [KernelConfig(block_h=16, block_n=16, num_warps=4, p_scratch=0, split=split) for split in (1, 3)]
+    _check_raw_kernel("nvfp4_ds_mla", "ocp", heads, configs, gen)
+
+
+def _check_raw_kernel(fmt, swa_dialect, H, configs, gen):
+    from dsv4_attn.portable.kernels.ops import sparse_mla_fwd
+
+    T, W, K = 4, 24, 40
     records = layout.KVFormat.parse(fmt)
     stride = layout.default_block_stride(records.swa_record, 16) + 576
     swa = _filled_cache(records.swa_record, 6, 16, gen, block_stride=stride, dialect=swa_dialect)
@@ -165,14 +185,14 @@ def test_kernel_lse_and_all_invalid_rows(device, fmt, swa_dialect, gen):
     rows, lens, crows, clens, q, sink = args
     ref, ref_lse = reference.sparse_mla(q, swa, rows, lens, comp, crows, clens, sink, 512**-0.5, fmt,
                                         swa_dialect=swa_dialect)
-    for split in (1, 4):
+    for config in configs:
         out = torch.full_like(q, float("nan"))
         lse = torch.full((T, H), float("nan"), device=DEVICE)
         sparse_mla_fwd(q, out, fmt, swa, rows, lens, comp, crows, clens, sink=sink, lse=lse,
-                       swa_fnuz=swa_dialect == "fnuz", config=KernelConfig(block_n=16, split=split))
+                       swa_fnuz=swa_dialect == "fnuz", config=config)
         assert not out.isnan().any() and not lse.isnan().any()
         err = compare(out, ref)
-        assert_close(err, max_abs=False)
+        assert_close(err, max_abs=False, what=config)
         assert out[2].abs().max() == 0 and torch.isinf(lse[2]).all() and (lse[2] < 0).all()
         fin = torch.isfinite(ref_lse)
         assert (lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-3
@@ -477,7 +497,7 @@ def test_nvfp4_every_code_and_extreme_scales(device, gen):
 def test_kernel_choice_is_visible_in_explain(monkeypatch):
     """Which Triton kernel and tile a layer gets, and why, from the arch alone: the Gluon kernel on
     sm_90 for V4 records in OCP e4m3 only; V4.1 records and FNUZ caches on the portable kernel; AMD's
-    own tile (16 heads per wave, 16 keys); the choice shows in explain()."""
+    own tile (16 heads x 16 keys, 4 warps); the choice shows in explain()."""
     from dsv4_attn.common.layout import Fp8Dialect, KVFormat
     from dsv4_attn.common.platform import Platform
     from dsv4_attn.portable.triton_backend import TritonBackend
@@ -497,7 +517,7 @@ def test_kernel_choice_is_visible_in_explain(monkeypatch):
     assert "not mxfp8)" in b.choice(h100, spec, KVFormat.NVFP4, LayerKind.SWA, phase, ocp)
     assert "not FNUZ" in b.choice(h100, spec, KVFormat.MODEL1_FP8, LayerKind.C4A, phase, fnuz)
     amd = b.choice(mi355, dsv4.ModelSpec(num_heads=32), KVFormat.NVFP4, LayerKind.C1A, phase, ocp)
-    assert amd == "portable kernel, 32 heads x 16 keys per tile, 2 warps (the Gluon kernel is sm_90 only, " \
+    assert amd == "portable kernel, 16 heads x 16 keys per tile, 4 warps (the Gluon kernel is sm_90 only, " \
                   "this is gfx950)", amd
     mla = dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16, layers=("swa", "c1a")), "nvfp4_ds_mla", backend="triton")
     assert "portable kernel, 16 heads x 64 keys per tile, 8 warps (Triton's CPU interpreter)" in mla.explain()

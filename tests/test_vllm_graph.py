@@ -68,14 +68,16 @@ class Engine:
     def _layer(self, prefix: str, kind: LayerKind, swa_group: str, draft: bool) -> SimpleNamespace:
         sink = torch.full((HEADS,), -math.inf)
         sink[: HEADS - 8] = torch.randn(HEADS - 8, generator=self.gen)  # the last 8 heads: padding
-        return SimpleNamespace(
-            prefix=prefix, dsv4_kind=kind, is_draft_layer=draft, swa_group=swa_group,
+        layer = SimpleNamespace(
+            prefix=prefix, dsv4_kind=kind, dsv4_comp_prefix=prefix, is_draft_layer=draft, swa_group=swa_group,
             swa_cache_layer=SimpleNamespace(prefix=f"{prefix}.swa_cache",
                                             kv_cache=layout.new_cache("fp8_ds_mla", NUM_BLOCKS, SWA_BS, self.device)),
             kv_cache=(layout.new_cache("fp8_ds_mla", NUM_BLOCKS, BS // kind.ratio, self.device)
                       if kind.has_comp_scope else torch.tensor([], device=self.device)),
             topk_indices_buffer=self.topk if kind.uses_topk else None,
             attn_sink=sink.to(self.device))
+        layer.dsv4_comp_cache = lambda: layer.kv_cache  # the layer's own compressed cache (V4)
+        return layer
 
     # ---- a batch, written into the persistent buffers ------------------------------------------
     def load(self, query_lens: list[int], seq_lens: list[int], num_reqs: int, extra: int = 0) -> list:
@@ -248,7 +250,8 @@ def test_plan_groups_follow_the_kv_cache_groups():
     """Per SWA-cache group one plan per compressed group of each ratio; two C4A caches in
     different groups (not vLLM 0.33's V4 grouping, where one group holds them all) need two."""
     def layer(prefix, kind):
-        return SimpleNamespace(prefix=prefix, dsv4_kind=kind, swa_cache_layer=SimpleNamespace(prefix=f"{prefix}.swa"))
+        return SimpleNamespace(prefix=prefix, dsv4_kind=kind, dsv4_comp_prefix=prefix,
+                               swa_cache_layer=SimpleNamespace(prefix=f"{prefix}.swa"))
 
     layers = [layer("a", LayerKind.SWA), layer("b", LayerKind.C4A), layer("c", LayerKind.C4A),
               layer("d", LayerKind.C128A), layer("e", LayerKind.C4A), layer("f", LayerKind.C128A)]
@@ -259,6 +262,21 @@ def test_plan_groups_follow_the_kv_cache_groups():
                       shim.PlanGroup("d.swa", ((128, "d"), (4, "e")))]
     assert index == {"a": 0, "b": 0, "c": 1, "d": 2, "e": 2, "f": 0}
     assert [g.has_c128a for g in groups] == [True, False, True]
+
+
+def test_plan_groups_of_shared_compressed_caches():
+    """DeepSeek-V4.1: a layer reads its KV source's compressed cache, so its plan is keyed by the
+    source's metadata; readers of one source share the source's plan."""
+    def layer(prefix, kind, source):
+        return SimpleNamespace(prefix=prefix, dsv4_kind=kind, dsv4_comp_prefix=source,
+                               swa_cache_layer=SimpleNamespace(prefix=f"{prefix}.swa"))
+
+    layers = [layer("a", LayerKind.SWA, "a"), layer("b", LayerKind.C1A, "b"), layer("c", LayerKind.C1A, "b"),
+              layer("d", LayerKind.C2A, "d"), layer("e", LayerKind.C2A, "d")]
+    group_of = {f"{p}.swa": "S" for p in "abcde"} | {"b": "C1", "d": "C2"}
+    index, groups = shim.plan_groups(layers, group_of.__getitem__)
+    assert groups == [shim.PlanGroup("a.swa", ((1, "b"), (2, "d")))]
+    assert index == {p: 0 for p in "abcde"}
 
 
 def test_vllm_shaped_decode_steps_eager(gen, monkeypatch):

@@ -174,21 +174,49 @@ def test_selection_returns_ours_only_when_enabled(monkeypatch):
         model._select_dsv4_attn_cls(basic_config())
 
 
-def test_deepseek_v41_is_refused_while_on(monkeypatch):
-    """V4.1's own (CUDA) model module: its layer selection raises while the plugin is on."""
+def v41_model_module():
+    """vLLM's CUDA DeepSeek-V4.1 model module, with the plugin's hook installed."""
     shim.register()
-    from vllm.models.deepseek_v41.nvidia import model as v41
+    from vllm.models.deepseek_v41.nvidia import model
 
+    return model
+
+
+def test_deepseek_v41_selection(monkeypatch):
+    """V4.1's CUDA selection: vLLM's FlashMLA class becomes ours; its default on SM100, mega
+    attention (a FlashMLA subclass), is served on FlashMLA's class; named mega attention and
+    the FlashInfer classes are refused with the reason."""
+    from vllm.models.deepseek_v41.nvidia.flash_mla_mega_attn import DeepseekV4MegaAttnAttention
+    from vllm.models.deepseek_v41.nvidia.flashmla import DeepseekV4FlashMLAAttention
+
+    v41 = v41_model_module()
     assert v41._select_dsv4_attn_cls._dsv4_attn_hook
-    vllms_choice = type("VllmsChoice", (), {})
-    monkeypatch.setattr(v41, "_select_dsv4_attn_cls", lambda config: vllms_choice)  # needs a V4.1 model: stubbed
-    shim._patch_v41_model(v41)
-    assert v41._select_dsv4_attn_cls(basic_config()) is vllms_choice  # off: vLLM's choice
-    with pytest.raises(ValueError, match=r"got a DeepSeek-V4\.1 model .* does not hook V4\.1"):
-        v41._select_dsv4_attn_cls(basic_config(shim.BACKEND_NAME))
+    assert v41._select_dsv4_attn_cls(basic_config()) is DeepseekV4FlashMLAAttention  # off: vLLM's choice (SM90 here)
+    ours = v41._select_dsv4_attn_cls(basic_config(shim.BACKEND_NAME))
+    assert issubclass(ours, DeepseekV4FlashMLAAttention) and issubclass(ours, shim.DSv41AttnLayerMixin)
+    assert ours.backend_cls is DeepseekV4FlashMLAAttention.backend_cls  # vLLM's builders and KV specs stay
+    assert ours.swa_backend_cls is DeepseekV4FlashMLAAttention.swa_backend_cls
     monkeypatch.setenv(shim.ENV_ENABLE, "1")
-    with pytest.raises(ValueError, match=r"DeepSeek-V4\.1"):
-        v41._select_dsv4_attn_cls(basic_config())
+    assert v41._select_dsv4_attn_cls(basic_config("FLASHMLA_SPARSE_DSV41")) is ours
+    flashmla = DeepseekV4FlashMLAAttention
+    assert shim.v41_layer_class_for(basic_config(), DeepseekV4MegaAttnAttention, flashmla) is ours  # SM100 default
+    with pytest.raises(ValueError, match=r"vLLM chose DeepseekV4MegaAttnAttention for DeepSeek-V4\.1 "
+                                         r"\(FLASHMLA_MEGA_ATTN_DSV41\): its kernel takes the un-normed"):
+        shim.v41_layer_class_for(basic_config("FLASHMLA_MEGA_ATTN_DSV41"), DeepseekV4MegaAttnAttention, flashmla)
+    with pytest.raises(ValueError, match=r"vLLM chose DeepseekV4FlashInferMLAAttention .* FlashInfer kernels'"):
+        v41._select_dsv4_attn_cls(basic_config("FLASHINFER_MLA_SPARSE_DSV41"))
+
+
+def test_deepseek_v41_on_rocm_is_refused_while_on(monkeypatch):
+    """V4.1's ROCm module needs a ROCm GPU to import: its hook runs on a stand-in module."""
+    module = types.ModuleType("stand_in_v41_amd_model")
+    vllms_choice = type("VllmsChoice", (), {})
+    module._select_dsv4_attn_cls = lambda config: vllms_choice
+    shim._patch_v41_rocm_model(module)
+    shim._patch_v41_rocm_model(module)  # idempotent
+    assert module._select_dsv4_attn_cls(basic_config()) is vllms_choice  # off: vLLM's choice
+    with pytest.raises(ValueError, match=r"got a DeepSeek-V4\.1 model on ROCm .* is not hooked"):
+        module._select_dsv4_attn_cls(basic_config(shim.BACKEND_NAME))
 
 
 def test_mismatched_vllm_version_is_refused(monkeypatch):
@@ -215,7 +243,7 @@ def test_startup_log_says_what_runs(monkeypatch, caplog):
         shim.register()
     line = caplog.records[-1].getMessage()
     assert "DeepSeek-V4 attention layers built in this process will run on dsv4_attn" in line
-    assert "DeepSeek-V4.1 is refused" in line and "other models are not affected" in line
+    assert "DeepSeek-V4.1's too" in line and "other models are not affected" in line
 
 
 def test_status_reports_the_plugin_state(monkeypatch):
@@ -304,18 +332,21 @@ def test_cache_writers_agree(gen):
 # ---- the shim vs vLLM's own forward_mqa ---------------------------------------------------------
 def run_all(stack, layers, step, num_tokens=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[(shim output, vLLM output)] of ``layers`` in one forward pass over ``step``, layer by
-    layer as vLLM's model runs them; every output poisoned with NaN first."""
+    layer as vLLM's model runs them (a V4.1 index source's indexer rewrites the shared top-k
+    buffer before its attention); every output poisoned with NaN first."""
     from vllm.forward_context import set_forward_context
 
     T = step.num_tokens if num_tokens is None else num_tokens
     results = []
     with set_forward_context(step.attn_metadata, stack.config):
         for layer in layers:
+            if getattr(layer, "is_index_source", False):
+                stack.write_topk(step, layer.dsv4_kind.ratio)
             q = stack.random_q(layer, T)
             ours = torch.full((T, layer.padded_heads, 512), float("nan"), dtype=torch.bfloat16)
             theirs = ours.clone()
             layer.forward_mqa(q, None, step.positions[:T], ours)
-            flashmla_layer_class().forward_mqa(layer, q, None, step.positions[:T], theirs)
+            stack.vllm_cls.forward_mqa(layer, q, None, step.positions[:T], theirs)
             assert not ours.isnan().any(), "the shim left output elements unwritten"
             results.append((ours, theirs))
     return results
@@ -327,7 +358,8 @@ def run_both(stack, layer, step, num_tokens=None) -> tuple[torch.Tensor, torch.T
 
 
 def assert_agree(ours, theirs, real_tokens: int):
-    assert not theirs[:real_tokens].isnan().any()
+    # vLLM's V4.1 SM90 prefill writes the live heads only (_prefill_num_heads); it keeps no other
+    assert not theirs[:real_tokens, :HEADS].isnan().any()
     err = compare(ours[:real_tokens, :HEADS], theirs[:real_tokens, :HEADS])  # the live heads vLLM keeps
     assert err["rel_l2"] < REL_L2 and err["max_abs"] < MAX_ABS and err["cosine"] > 0.99999, err
     return err
@@ -554,3 +586,129 @@ def test_rocm_hook_on_a_stand_in_module():
     assert type(layer.attn) is ours and isinstance(layer.attn, VllmRocmAttention) and setups == [config]
     assert issubclass(ours, shim.DSv4AttnRocmLayerMixin)
     assert module.DeepseekV4ROCMAiterMLAAttention is VllmRocmAttention  # the name is vLLM's again
+
+
+# ---- DeepSeek-V4.1: vLLM's own V4.1 layers, caches, builders ----------------------------------
+@pytest.fixture(scope="module")
+def model_dir41(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dsv41_small")
+    vllm_stack.write_v41_model_config(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def built_stack41(sm90, model_dir41) -> VllmStack:
+    return VllmStack(model_dir41, torch.Generator().manual_seed(1), vllm_stack.V41)
+
+
+@pytest.fixture
+def stack41(built_stack41, gen) -> VllmStack:
+    built_stack41.gen = gen
+    return built_stack41
+
+
+def test_v41_layers_share_their_sources_caches(stack41):
+    """vLLM's V4.1 __init__ through the hook: kinds from compress_ratios, readers keyed to their
+    KV source's metadata and reading its cache TENSOR (no copy), V4 record on SM90, SWA blocks
+    of 32; the plans follow vLLM's grouping as predicted at profiling."""
+    from vllm.models.deepseek_v41.nvidia.flashmla import DeepseekV4FlashMLAAttention
+
+    layers = stack41.layers
+    assert all(isinstance(layer, shim.DSv41AttnLayerMixin) and isinstance(layer, DeepseekV4FlashMLAAttention)
+               for layer in layers)
+    assert [layer.dsv4_kind.name for layer in layers] == ["SWA", "C1A", "C1A", "C2A", "C2A", "SWA"]
+    assert [layer.dsv4_comp_prefix for layer in layers[1:5]] == [layers[i].prefix for i in (1, 1, 3, 3)]
+    assert layers[2].dsv4_comp_cache() is layers[1].kv_cache and layers[4].dsv4_comp_cache() is layers[3].kv_cache
+    assert layers[2].get_kv_cache_spec(stack41.config) is None  # readers own no compressed cache
+    planner = layers[0].dsv4_planner
+    assert all(layer.dsv4_planner is planner for layer in layers)
+    assert planner.fmt is layout.KVFormat.MODEL1_FP8 and planner.spec.kinds == tuple(shim.V41_KINDS.values())
+    assert layers[0].swa_cache_layer.block_size == 32
+    step = stack41.step([1, 3], [40, 70])
+    _, groups = shim.plan_groups(layers, lambda prefix: id(step.attn_metadata[prefix]))
+    assert groups == stack41.predicted_groups
+    assert {p for g in groups for _, p in g.comp_prefixes} == {layers[1].prefix, layers[3].prefix}
+
+
+def test_v41_mixed_step_matches_vllm(stack41):
+    """Decode, n-gram verification (4 tokens, a decode for vLLM), chunked and fresh prefill and 2
+    piecewise-graph padding tokens on every V4.1 layer -- SWA-only, C1A and C2A, sources and
+    readers of a shared compressed cache -- vs vLLM's own forward_mqa."""
+    step = stack41.step([1, 4, 9, 5], [200, 131, 160, 5], pad_tokens=2)
+    swa_md = step.attn_metadata[stack41.layers[0].swa_cache_layer.prefix]
+    assert (swa_md.num_decodes, swa_md.num_decode_tokens, swa_md.num_prefills) == (2, 5, 2)
+    planner = stack41.layers[0].dsv4_planner
+    built = planner.plans_built
+    for ours, theirs in run_all(stack41, stack41.layers, step):
+        assert_agree(ours, theirs, step.num_tokens - 2)
+        assert ours[-2:].abs().max() == 0
+    assert planner.plans_built - built == len(stack41.predicted_groups)
+
+
+def test_v41_full_graph_padding_matches_vllm(stack41):
+    """A uniform verification batch padded like a FULL CUDA graph (2 zero-length requests, 8
+    padding tokens), on a C1A reader and a C2A source."""
+    q = 1 + NUM_SPEC_TOKENS
+    step = stack41.step([q, q, q], [90, 300, 4], pad_tokens=2 * q, pad_reqs=2, full_graph=True)
+    for ours, theirs in run_all(stack41, [stack41.layers[i] for i in (1, 2, 3)], step):
+        assert_agree(ours, theirs, 3 * q)
+        assert ours[3 * q:].abs().max() == 0
+
+
+def test_v41_swa_bounded_replay_matches_vllm(stack41):
+    """SWA bounded replay: prefills of prefix hits rebuild their window from replay_start (vLLM's
+    model state hands it to the SWA builders); no window key below it is read -- the cache rows
+    there hold no written key -- on an SWA-only, a C1A and a C2A layer."""
+    starts = [0, 0, 150, 58]  # decodes carry none (vLLM's model state zeroes them); 58: the first query position
+    step = stack41.step([1, 1, 30, 12], [200, 131, 190, 70], replay_start=starts)
+    swa_md = step.attn_metadata[stack41.layers[0].swa_cache_layer.prefix]
+    assert swa_md.replay_start.tolist()[:4] == starts
+    batch = stack41.layers[0].dsv4_planner.step_batch(swa_md, {}, step.num_tokens)
+    assert batch.swa_start is swa_md.replay_start
+    for ours, theirs in run_all(stack41, [stack41.layers[i] for i in (0, 2, 3)], step):
+        assert_agree(ours, theirs, step.num_tokens)
+
+
+@pytest.mark.parametrize("mxfp8, dtype, fmt", [
+    (False, "fp8_ds_mla", layout.KVFormat.MODEL1_FP8),  # every GPU but SM100 keeps the V4 record
+    (True, "fp8_ds_mla", layout.KVFormat.MXFP8),  # SM100: vLLM's fp8_ds_mla is the MXFP8 record
+    (True, "nvfp4_ds_mla", layout.KVFormat.NVFP4),
+])
+def test_v41_kv_format_follows_vllms_record(mxfp8, dtype, fmt):
+    """vLLM's V4.1 layer attributes (kv_mxfp8 on SM100, the resolved kv_cache_dtype) -> the
+    package's format. Contract only: SM100 records cannot be built on this machine."""
+    layer = types.SimpleNamespace(kv_mxfp8=mxfp8, kv_cache_dtype=dtype)
+    assert shim.DSv41AttnLayerMixin.dsv4_kv_format(layer) is fmt
+
+
+def build_v41_layer(config, index: int = 1):
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(config):
+        cls = v41_model_module()._select_dsv4_attn_cls(config)
+        topk = torch.empty(vllm_stack.MAX_TOKENS, vllm_stack.TOPK, dtype=torch.int32)
+        return cls(config, prefix=f"model.layers.{index}.attn", topk_indices_buffer=topk)
+
+
+@pytest.mark.parametrize("setting, match", [
+    (lambda c: setattr(c, "additional_config", {"decode_backend": "latency_specialized"}),
+     "additional_config decode_backend='latency_specialized': DeepSeek-V4.1's specialized decode"),
+    (lambda c: setattr(c.parallel_config, "ubatch_size", 2), r"micro-batching \(--ubatch-size 2"),
+])
+def test_v41_engine_start_refusals(built_stack41, model_dir41, setting, match):
+    config = vllm_stack.vllm_config(model_dir41, speculative=False, block_size=64)
+    setting(config)
+    with pytest.raises(ValueError, match=f"dsv4_attn cannot serve model.layers.1.attn .*\n  - {match}"):
+        build_v41_layer(config)
+
+
+def test_v41_dspark_is_refused():
+    """V4.1's only draft method is DSpark (vLLM rejects classic MTP for it), whose non-causal
+    draft windows dsv4_attn does not model: refused at engine start."""
+    config = types.SimpleNamespace(speculative_config=types.SimpleNamespace(use_dspark=lambda: True),
+                                   cache_config=types.SimpleNamespace(block_size=64),
+                                   parallel_config=types.SimpleNamespace(use_ubatching=False), additional_config={},
+                                   kernel_config=types.SimpleNamespace())
+    layer = types.SimpleNamespace(compress_ratio=1)
+    assert shim.unsupported_reasons(layer, config) == [
+        "DSpark speculative decoding: non-causal draft windows are not modelled by dsv4_attn"]

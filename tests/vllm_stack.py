@@ -19,8 +19,10 @@ and input preparation would hand over, written out here.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,16 +40,39 @@ MAX_TOKENS, MAX_SEQS, NUM_SPEC_TOKENS = 256, 16, 3
 KV_CACHE_BYTES = 48 << 20
 
 
-def write_model_config(directory: Path) -> None:
+# A small DeepSeek-V4.1 (compress_ratios: 0 window only, 1 C1A, 2 C2A): each compressed ratio has
+# a KV + index source and a layer sharing both; vLLM's V4.1 has no classic MTP (DSpark only).
+V41_RATIOS, V41_SOURCES = [0, 1, 1, 2, 2, 0], [1, 3]
+
+
+def _v4_config(num_layers: int, layer_types: list[str]):
     from transformers import DeepseekV4Config
 
-    config = DeepseekV4Config(
-        hidden_size=256, num_hidden_layers=len(LAYER_TYPES), num_attention_heads=HEADS, q_lora_rank=128,
+    return DeepseekV4Config(
+        hidden_size=256, num_hidden_layers=num_layers, num_attention_heads=HEADS, q_lora_rank=128,
         o_lora_rank=64, o_groups=2, index_n_heads=4, index_topk=TOPK, n_routed_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=64, vocab_size=256, layer_types=LAYER_TYPES, mlp_layer_types=["moe"] * len(LAYER_TYPES),
+        moe_intermediate_size=64, vocab_size=256, layer_types=layer_types, mlp_layer_types=["moe"] * num_layers,
         max_position_embeddings=MAX_MODEL_LEN, num_nextn_predict_layers=1)
+
+
+def write_model_config(directory: Path) -> None:
+    config = _v4_config(len(LAYER_TYPES), LAYER_TYPES)
     config.architectures = ["DeepseekV4ForCausalLM"]
     config.save_pretrained(directory)
+
+
+def write_v41_model_config(directory: Path) -> None:
+    """V4.1's config.json: the text model nested under ``text_config`` (vLLM's DeepseekV41Config
+    flattens it), V4's fields plus the V4.1 topology."""
+    n = len(V41_RATIOS)
+    text = _v4_config(n, ["sliding_attention"] * n).to_dict()
+    for key in ("layer_types", "compress_rates", "mlp_layer_types", "model_type", "architectures",
+                "transformers_version"):
+        text.pop(key, None)
+    text.update(compress_ratios=V41_RATIOS, kv_source_layer_ids=V41_SOURCES, index_source_layer_ids=V41_SOURCES,
+                num_nextn_predict_layers=0)
+    config = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"], "text_config": text}
+    (directory / "config.json").write_text(json.dumps(config))
 
 
 # ---- FlashMLA in float64 --------------------------------------------------------------------------
@@ -133,19 +158,28 @@ def as_sm90_cpu(mp: pytest.MonkeyPatch) -> None:
     """vLLM sees an SM90 CUDA device whose tensors live on the CPU; FlashMLA is float64."""
     from vllm.models.deepseek_v4.common.ops import cache_utils
     from vllm.models.deepseek_v4.nvidia import flashmla as vllm_flashmla
+    from vllm.models.deepseek_v41.common.ops import cache_utils as v41_cache_utils
+    from vllm.models.deepseek_v41.nvidia import flashmla as v41_flashmla
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention.backends.mla import sparse_swa
 
     mp.setattr(current_platform, "get_device_capability", lambda device_id=0: DeviceCapability(9, 0))
+    # is_device_capability_family (V4.1's kernel block size) asks the class
+    mp.setattr(type(current_platform), "get_device_capability",
+               classmethod(lambda cls, device_id=0: DeviceCapability(9, 0)))
     mp.setattr(current_platform, "device_type", "cpu")
     mp.setattr(sparse_swa, "get_mla_metadata", lambda *args, **kwargs: (SchedMeta(), None))
     mp.setattr(vllm_flashmla, "flash_mla_with_kvcache", flash_mla_with_kvcache)
     mp.setattr(vllm_flashmla, "flash_mla_sparse_fwd", flash_mla_sparse_fwd)
+    mp.setattr(v41_flashmla, "flash_mla_with_kvcache", flash_mla_with_kvcache)
+    mp.setattr(v41_flashmla, "flash_mla_sparse_fwd", flash_mla_sparse_fwd)
     # Programs that share one request's rows, striding by tl.num_programs(1): fewer programs read
     # the same rows, in far less interpreter time.
     mp.setattr(cache_utils.DequantizeAndGatherKCacheKernel, "NUM_WORKERS", 4)
     mp.setattr(cache_utils.CombineTopkSwaIndicesKernel, "NUM_WORKERS", 4)
+    mp.setattr(v41_cache_utils, "_GATHER_MIN_WORKERS", 4)
+    mp.setattr(v41_cache_utils, "_COMBINE_TOPK_SWA_NUM_WORKERS", 4)
     mp.setattr(shim, "vllm_platform", lambda: "cuda")
 
 
@@ -163,10 +197,11 @@ def init_process_state() -> None:
         init_workspace_manager(torch.device("cpu"))
 
 
-def vllm_config(model_dir: Path, backend: str | None = shim.BACKEND_NAME, speculative: bool = True,
+def vllm_config(model_dir: Path, backend: str | None = shim.BACKEND_NAME, speculative: bool | str = True,
                 max_model_len: int = MAX_MODEL_LEN, max_tokens: int = MAX_TOKENS, max_seqs: int = MAX_SEQS, **cache):
     """A real VllmConfig of the model in ``model_dir``: FlashMLA's class family, the given cache
-    settings, MTP with NUM_SPEC_TOKENS draft tokens, and the hybrid KV-cache manager on as on CUDA."""
+    settings, speculative decoding with NUM_SPEC_TOKENS draft tokens (True: MTP; or a method
+    name), and the hybrid KV-cache manager on as on CUDA."""
     from vllm.config import (
         AttentionConfig,
         CacheConfig,
@@ -180,7 +215,8 @@ def vllm_config(model_dir: Path, backend: str | None = shim.BACKEND_NAME, specul
 
     shim.register()  # vLLM loads plugins before it parses the backend name
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len, dtype="bfloat16")
-    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=NUM_SPEC_TOKENS, target_model_config=model,
+    method = "mtp" if speculative is True else speculative
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=NUM_SPEC_TOKENS, target_model_config=model,
                              target_parallel_config=ParallelConfig()) if speculative else None
     config = VllmConfig(
         model_config=model, device_config=DeviceConfig(device="cpu"), speculative_config=spec,
@@ -207,34 +243,80 @@ class Step:
         return self.positions.shape[0]
 
 
-class VllmStack:
-    """The small model's attention layers (4 target, 1 MTP) with vLLM's caches and builders."""
+@dataclass(frozen=True)
+class Model:
+    """A small model of one version: its config writer, vLLM's CUDA model module (whose
+    ``_select_dsv4_attn_cls`` the plugin hooks), layer count, whether it has an MTP layer, the
+    speculative method, vLLM's FlashMLA layer class of that version and the --block-size."""
 
-    def __init__(self, model_dir: Path, gen: torch.Generator) -> None:
+    name: str
+    write_config: Callable[[Path], None]
+    module: str
+    num_layers: int
+    mtp: bool
+    speculative: bool | str
+    flashmla_class: str
+    block_size: int
+
+
+V4 = Model("v4", write_model_config, "vllm.models.deepseek_v4.nvidia.model", len(LAYER_TYPES), True, True,
+           "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention", 256)
+# V4.1 verifies n-gram drafts (multi-token decode queries); block size 64 = FlashMLA's on SM90.
+V41 = Model("v41", write_v41_model_config, "vllm.models.deepseek_v41.nvidia.model", len(V41_RATIOS), False,
+            "ngram", "vllm.models.deepseek_v41.nvidia.flashmla:DeepseekV4FlashMLAAttention", 64)
+
+
+def import_attr(path: str):
+    import importlib
+
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class VllmStack:
+    """The small model's attention layers (V4: 4 target, 1 MTP) with vLLM's caches and builders."""
+
+    def __init__(self, model_dir: Path, gen: torch.Generator, model: Model = V4) -> None:
+        import importlib
+
         from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-        from vllm.models.deepseek_v4.nvidia import model as cuda_model
 
-        self.gen = gen
-        self.config = config = vllm_config(model_dir)
+        self.gen, self.model = gen, model
+        self.vllm_cls = import_attr(model.flashmla_class)
+        self.config = config = vllm_config(model_dir, speculative=model.speculative, block_size=model.block_size)
         with set_current_vllm_config(config):
             init_process_state()
-            cls = cuda_model._select_dsv4_attn_cls(config)  # the plugin's hook picks our class
+            # the plugin's hook picks our class
+            cls = importlib.import_module(model.module)._select_dsv4_attn_cls(config)
             self.topk = torch.empty(MAX_TOKENS, TOPK, dtype=torch.int32)
             self.layers = [cls(config, prefix=f"model.layers.{i}.attn", topk_indices_buffer=self.topk)
-                           for i in range(len(LAYER_TYPES))]
+                           for i in range(model.num_layers)]
+            self.mtp = None
+            if not model.mtp:
+                self._finish(config)
+                return
             # The MTP layer as vLLM's speculator adds it: its own top-k buffer, then every attention
             # layer the draft model added is flagged (DraftModelSpeculator.load_model).
             target_names = set(get_layers_from_vllm_config(config, AttentionLayerBase))
-            self.mtp = cls(config, prefix=f"model.layers.{len(LAYER_TYPES)}.attn",
+            self.mtp = cls(config, prefix=f"model.layers.{model.num_layers}.attn",
                            topk_indices_buffer=torch.full_like(self.topk, -1))
             layers = get_layers_from_vllm_config(config, AttentionLayerBase)
             self.draft_names = set(layers) - target_names
             for name in self.draft_names:
                 layers[name].is_draft_layer = True
-            for layer in self.layers + [self.mtp]:
-                layer.attn_sink.data[:HEADS] = torch.randn(HEADS, generator=gen)
-            self._init_kv_caches()
+            self._finish(config)
+
+    @property
+    def all_layers(self) -> list:
+        return self.layers + ([self.mtp] if self.mtp is not None else [])
+
+    def _finish(self, config) -> None:
+        if self.mtp is None:
+            self.draft_names = set()
+        for layer in self.all_layers:
+            layer.attn_sink.data[:HEADS] = torch.randn(HEADS, generator=self.gen)
+        self._init_kv_caches()
 
     def _init_kv_caches(self) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
@@ -250,10 +332,12 @@ class VllmStack:
         groups = get_global_kv_cache_groups(config, [specs])
         self.kv_cache_config = kv = get_kv_cache_configs(config, [specs], [KV_CACHE_BYTES], groups)[0]
         # Only the attention layers' metadata is built here: the indexer's builder needs a real GPU.
-        ours = {n for layer in self.layers + [self.mtp] for n in (layer.prefix, layer.swa_cache_layer.prefix)}
+        ours = {n for layer in self.all_layers for n in (layer.dsv4_comp_prefix, layer.swa_cache_layer.prefix)}
         self.target_groups, _, block_sizes = init_attn_backend(kv, config, cpu,
                                                                active_layer_names=ours - self.draft_names)
-        self.draft_groups, _, _ = init_attn_backend(kv, config, cpu, active_layer_names=ours & self.draft_names)
+        self.draft_groups = []
+        if self.draft_names:
+            self.draft_groups, _, _ = init_attn_backend(kv, config, cpu, active_layer_names=ours & self.draft_names)
         init_kv_cache(config.compilation_config.static_forward_context, kv, cpu, block_sizes, config,
                       attn_groups=[g for groups in self.target_groups + self.draft_groups for g in groups])
         self.block_sizes = [g.kv_cache_spec.block_size for g in kv.kv_cache_groups]
@@ -261,11 +345,13 @@ class VllmStack:
 
     # ---- a batch ------------------------------------------------------------------------------
     def step(self, query_lens: list[int], seq_lens: list[int], pad_tokens: int = 0, pad_reqs: int = 0,
-             draft: bool = False, full_graph: bool = False) -> Step:
+             draft: bool = False, full_graph: bool = False, replay_start: list[int] | None = None) -> Step:
         """Block tables, slot mappings and positions of a batch (decodes first), vLLM's metadata
         for it (the target's or the draft's builders), fresh keys in every cache row it reads
         and fresh local top-k rows. ``pad_reqs`` zero-length requests and ``pad_tokens`` tokens
-        pad it as for a CUDA graph; ``full_graph``: metadata built for the padded sizes."""
+        pad it as for a CUDA graph; ``full_graph``: metadata built for the padded sizes.
+        ``replay_start`` (V4.1's SWA bounded replay, per request): handed to the SWA builders
+        through vLLM's own ``ReplayAttnMetadata``, as its model state does."""
         from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
 
         gen, R = self.gen, len(query_lens) + pad_reqs
@@ -277,17 +363,27 @@ class VllmStack:
         T = len(toks) + pad_tokens
         positions = torch.tensor([p for _, p in toks] + [0] * pad_tokens, dtype=torch.int64)
         tables, slots = [], torch.full((len(self.block_sizes), T), -1, dtype=torch.int64)
+        # One block pool for every group, as vLLM's: a block holds a page of each layer sharing a
+        # KV-cache tensor, so one block id never serves two groups at once.
+        pool = torch.randperm(self.kv_cache_config.num_blocks - 1, generator=gen) + 1
         for g, bs in enumerate(self.block_sizes):
             cols = -(-MAX_MODEL_LEN // bs)
             table = torch.zeros(R, cols, dtype=torch.int32)
             used = [-(-s // bs) for s in seq_lens]
-            ids = torch.randperm(self.kv_cache_config.num_blocks - 1, generator=gen)[: sum(used)] + 1
+            assert sum(used) <= pool.numel(), "the batch needs more blocks than the KV cache holds"
+            ids, pool = pool[: sum(used)], pool[sum(used):]
             for r, n in enumerate(used):
                 table[r, :n], ids = ids[:n].int(), ids[n:]
             tables.append(table)
             for t, (r, p) in enumerate(toks):
                 slots[g, t] = int(table[r, p // bs]) * bs + p % bs
         num_tokens = T if full_graph else len(toks)
+        extra = {}
+        if replay_start is not None:
+            from vllm.models.deepseek_v41.nvidia.model_state import ReplayAttnMetadata
+
+            starts = torch.tensor(replay_start + [0] * (R - len(replay_start)), dtype=torch.int32)
+            extra["model_specific_attn_metadata"] = ReplayAttnMetadata(starts)
         attn_metadata = build_attn_metadata(
             attn_groups=self.draft_groups if draft else self.target_groups,
             num_reqs=R if full_graph else len(query_lens),
@@ -297,35 +393,44 @@ class VllmStack:
             max_seq_len=MAX_MODEL_LEN if full_graph else max(seq_lens), block_tables=tables,
             slot_mappings=slots[:, :num_tokens], kv_cache_config=self.kv_cache_config,
             seq_lens_cpu_upper_bound=seq.clone(), positions=positions[:num_tokens],
-            for_cudagraph_capture=full_graph)
+            for_cudagraph_capture=full_graph, **extra)
         step = Step(attn_metadata, positions, qsl, seq, tables, slots)
-        self.write_keys(step, query_lens, seq_lens, draft)
-        # The indexer's rows: LOCAL positions, a valid prefix, then -1; padding tokens' rows all -1,
-        # as vLLM writes them for position 0 (its global top-k kernel masks lanes by row value only).
-        self.topk.fill_(-1)
-        for t, (_, p) in enumerate(toks):
-            n = min((p + 1) // 4, TOPK)
-            self.topk[t, :n] = torch.randperm((p + 1) // 4, generator=gen)[:n].int()
+        self.write_keys(step, query_lens, seq_lens, draft, replay_start)
+        self.write_topk(step, 4)
         return step
 
-    def write_keys(self, step: Step, query_lens: list[int], seq_lens: list[int], draft: bool) -> None:
+    def write_topk(self, step: Step, ratio: int) -> None:
+        """What an indexer of ``ratio`` writes into the shared buffer: LOCAL positions, a valid
+        prefix, then -1; padding tokens' rows all -1, as vLLM writes them for position 0 (its
+        global top-k kernel masks lanes by row value only)."""
+        self.topk.fill_(-1)
+        real = int(step.query_start_loc[-1])
+        for t, p in enumerate(step.positions[:real].tolist()):
+            n = min((p + 1) // ratio, TOPK)
+            self.topk[t, :n] = torch.randperm((p + 1) // ratio, generator=self.gen)[:n].int()
+
+    def write_keys(self, step: Step, query_lens: list[int], seq_lens: list[int], draft: bool,
+                   replay_start: list[int] | None = None) -> None:
         """Fresh random keys in every cache row the batch reads: the step's own tokens through
         vLLM's writer into the SWA caches (what vLLM's forward writes before attention), the
-        history -- each request's earlier window rows and its compressed entries -- through
-        dsv4_attn's writer (byte-identical: test_cache_writers_agree), which is much faster
-        under the Triton interpreter."""
+        history -- each request's earlier window rows (from its ``replay_start``) and its
+        compressed entries (in the cache of their owner: V4.1 readers share their KV source's)
+        -- through dsv4_attn's writer (byte-identical: test_cache_writers_agree), which is much
+        faster under the Triton interpreter."""
         from vllm.models.deepseek_v4.common.ops.cache_utils import quantize_and_insert_k_cache
 
+        starts = replay_start or [0] * len(query_lens)
         for layer in [self.mtp] if draft else self.layers:
-            caches = [(layer.swa_cache_layer.prefix, layer.swa_cache_layer.kv_cache, 1)]
-            if layer.compress_ratio > 1:
-                caches.append((layer.prefix, layer.kv_cache, layer.compress_ratio))
+            caches = [(layer.swa_cache_layer.prefix, layer.swa_cache_layer.kv_cache, 0)]
+            if layer.dsv4_kind.has_comp_scope and layer.dsv4_comp_prefix == layer.prefix:
+                caches.append((layer.prefix, layer.kv_cache, layer.dsv4_kind.ratio))
             for name, cache, ratio in caches:
                 g = self.group_of[name]
-                bs = self.block_sizes[g] // ratio  # entries per block of this cache
+                bs = self.block_sizes[g] // max(ratio, 1)  # entries per block of this cache
                 history = []
                 for r, (q, s) in enumerate(zip(query_lens, seq_lens)):
-                    entries = range(max(0, s - q - WINDOW + 1), s - q) if ratio == 1 else range(s // ratio)
+                    entries = range(max(0, s - q - WINDOW + 1, starts[r]), s - q) if ratio == 0 else \
+                        range(s // ratio)
                     history += [int(step.block_tables[g][r, e // bs]) * bs + e % bs for e in entries]
                 if history:
                     layout.insert(cache, "fp8_ds_mla", torch.tensor(history), self.random_keys(len(history)))

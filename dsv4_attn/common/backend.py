@@ -278,14 +278,16 @@ _REGISTRY: dict[str, str | Backend] = {
     "flashinfer-trtllm": "dsv4_attn.cuda.flashinfer:FlashInferTRTLLMBackend",
     "aiter": "dsv4_attn.rocm.aiter:AiterBackend",
 }
+PACKAGED = tuple(_REGISTRY)  # the backends this package ships (the README's support matrix)
 
 # Auto-selection order per vendor, refined per "vendor/arch/phase" where measurements say so
 # (priority_for). The torch backend is the CPU default; on GPUs it is slow (~30x FlashMLA) and
 # is never picked silently: force it with backend="torch".
+# Where the measured choices table of the arch covers a launch (common/choices.py,
+# dsv4_attn/data/choices/<arch>.json), its order comes first; these lists order everything else.
 # sm90 prefill: triton reads the fp8 cache in place (no host sync, no bf16 workspace) and took
-# 0.43-1.02x the time of the flashmla backend (bf16 gather + FlashMLA prefill) on the 8
-# `dsv4-attn bench` prefill configs in two H100 runs (2026-11-23; parity only on the largest H=128
-# ones); decode stays FlashMLA-first (triton 0.82-1.48x its speed, by heads and batch).
+# 0.38-0.85x the time of the flashmla backend (bf16 gather + FlashMLA prefill) on the 12
+# `dsv4-attn bench` prefill configs (H100, 2026-11-23, notes/perf-wave2.md).
 PRIORITY: dict[str, list[str]] = {
     "cuda": ["flashmla", "flashinfer-trtllm", "triton"],
     "cuda/sm90/prefill": ["triton", "flashmla", "flashinfer-trtllm"],
@@ -471,13 +473,14 @@ def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, 
     raise BackendUnavailableError("\n".join(lines))
 
 
-def support_matrix() -> str:
-    """Markdown support matrix rendered from every registered backend's declared capabilities."""
+def support_matrix(names: tuple[str, ...] = PACKAGED) -> str:
+    """Markdown support matrix rendered from the declared capabilities of ``names`` (default: the
+    packaged backends, not the variants tests and the bench register at run time)."""
     fmt_names = {KVFormat.MODEL1_FP8: "MODEL1 fp8", KVFormat.BF16: "bf16", KVFormat.FP8_TENSOR: "fp8 per-tensor",
                  KVFormat.MXFP8: "V4.1 MXFP8", KVFormat.NVFP4: "V4.1 MXFP8 + NVFP4"}
     lines = ["| backend | platforms | KV formats | layer kinds | heads | phases | validated | notes |",
              "|---|---|---|---|---|---|---|---|"]
-    for name in _REGISTRY:
+    for name in names:
         backend = get_backend(name)
         caps = getattr(backend, "capabilities", None)
         if backend is None or caps is None:

@@ -81,6 +81,10 @@ class StepBatch:
     max_model_len     int          longest sequence the engine serves
     num_tokens        int | None   T including padding tokens; default query_start_loc[-1],
                       re-read at every plan() (reading it from a GPU tensor syncs: engines pass it)
+    swa_start         int32 [>= R] | None   the first position each request holds window keys
+                      for: its tokens' SWA rows start at max(pos - W + 1, swa_start[r]). vLLM's
+                      SWA bounded replay for DeepSeek-V4.1 rebuilds a prefix hit's window from
+                      there (docs/semantics.md#swa-rows). None: 0 for every request.
     """
 
     query_start_loc: torch.Tensor
@@ -92,6 +96,7 @@ class StepBatch:
     block_size: int = 256
     max_model_len: int = 65536
     num_tokens: int | None = None
+    swa_start: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self._num_tokens_given = self.num_tokens is not None
@@ -129,6 +134,12 @@ class StepBatch:
             raise ValueError(
                 f"swa_block_table: got {self.swa_block_table.shape[0]} rows; allowed: >= {num_reqs} (R)"
             )
+        if self.swa_start is not None:
+            _check_int_tensor("swa_start", self.swa_start, 1, dev)
+            if self.swa_start.shape[0] < num_reqs:
+                raise ValueError(
+                    f"swa_start: got shape {tuple(self.swa_start.shape)}; allowed: [>= {num_reqs}] (one per request)"
+                )
         for name, value in (("swa_block_size", self.swa_block_size), ("block_size", self.block_size),
                             ("max_model_len", self.max_model_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -190,6 +201,15 @@ class StepBatch:
                 f"seq_lens: got seq_lens[{r}] = {int(seq[r])} < its query length {int(qlen[r])}; "
                 "allowed: seq_lens include this step's tokens"
             )
+        if self.swa_start is not None:
+            start = self.swa_start[: self.num_reqs].long().cpu()
+            late = (start < 0) | ((qlen > 0) & (start > seq - qlen))
+            if late.any():
+                r = int(late.nonzero()[0])
+                raise ValueError(
+                    f"swa_start: got swa_start[{r}] = {int(start[r])}; allowed: 0 .. {int(seq[r] - qlen[r])}, the "
+                    "request's first query position (its tokens must see their own keys)"
+                )
         if seq.numel() and int(seq.max()) > self.max_model_len:
             raise ValueError(f"seq_lens: got max {int(seq.max())}; allowed: <= max_model_len ({self.max_model_len})")
         _check_table("swa_block_table", self.swa_block_table, seq, self.swa_block_size, cache_blocks.get("swa"),
@@ -224,6 +244,15 @@ class StepBatch:
                 f"comp_block_tables[{kind.ratio}] to run {kind.name} layers"
             )
         return self.comp_block_tables[kind.ratio]
+
+    def window_starts(self, token_to_req: torch.Tensor) -> torch.Tensor | None:
+        """int64 [T]: ``swa_start`` of each token's request (0 for padding tokens), or None
+        without ``swa_start``. ``token_to_req`` int32 [T] as ``token_facts`` gives it."""
+        if self.swa_start is None:
+            return None
+        start = self.swa_start.long()[token_to_req.long().clamp(min=0)] if token_to_req.numel() else \
+            torch.zeros(0, dtype=torch.int64, device=self.device)
+        return torch.where(token_to_req >= 0, start, torch.zeros_like(start))
 
     def token_facts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions int64 [T], token_to_req int32 [T], token_valid bool [T]) computed now from
@@ -269,6 +298,7 @@ class StepBatch:
         num_decode_tokens: int | None = None,
         num_tokens: int | None = None,
         device: torch.device | str | None = None,
+        swa_start: list[int] | None = None,
     ) -> StepBatch:
         """Convenience constructor from host lists. ``num_decode_tokens`` defaults to the tokens
         of the leading requests whose query length is 1."""
@@ -295,4 +325,5 @@ class StepBatch:
             block_size=block_size,
             max_model_len=max_model_len,
             num_tokens=num_tokens,
+            swa_start=None if swa_start is None else torch.tensor(swa_start, dtype=torch.int32, device=dev),
         )

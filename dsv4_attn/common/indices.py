@@ -90,24 +90,31 @@ class Tokens(NamedTuple):
 
 
 def swa_rows(batch: StepBatch, window: int = 128, out: IndexPair | None = None) -> IndexPair:
-    """Sliding-window rows: slots of positions ``max(0, pos-W+1) .. pos`` ascending.
+    """Sliding-window rows: slots of positions ``max(0, pos-W+1, swa_start[r]) .. pos`` ascending
+    (``batch.swa_start`` None: no per-request bound).
 
-    Returns rows int32 ``[T, window]``, lens int32 ``[T]`` = ``min(pos+1, window)``.
+    Returns rows int32 ``[T, window]``, lens int32 ``[T]`` = the number of those positions
+    (``min(pos+1, window)`` without ``swa_start``).
     """
-    return swa_rows_for(Tokens.of(batch), batch.swa_block_table, batch.swa_block_size, window, out)
+    tokens = Tokens.of(batch)
+    return swa_rows_for(tokens, batch.swa_block_table, batch.swa_block_size, window, out,
+                        batch.window_starts(tokens.token_to_req))
 
 
 def swa_rows_for(tokens: Tokens, table: torch.Tensor, block_size: int, window: int = 128,
-                 out: IndexPair | None = None) -> IndexPair:
-    """:func:`swa_rows` from per-token facts and the SWA block table."""
+                 out: IndexPair | None = None, starts: torch.Tensor | None = None) -> IndexPair:
+    """:func:`swa_rows` from per-token facts and the SWA block table; ``starts`` int64 [T]: each
+    token's lowest window position (``StepBatch.window_starts``), None for 0."""
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"window: got {window!r}; allowed: a positive int")
     pos, valid_tok = tokens.positions, tokens.valid
     start = (pos - (window - 1)).clamp(min=0)
+    if starts is not None:
+        start = torch.maximum(start, starts)
     logical = start[:, None] + torch.arange(window, device=pos.device)[None, :]
     valid = (logical <= pos[:, None]) & valid_tok[:, None]
     rows = _lookup_slots(table, tokens.token_to_req, logical, block_size, valid)
-    lens = torch.where(valid_tok, torch.clamp(pos + 1, max=window), torch.zeros_like(pos))
+    lens = torch.where(valid_tok, (pos + 1 - start).clamp(min=0), torch.zeros_like(pos))
     return _emit(rows, lens, out)
 
 

@@ -113,7 +113,8 @@ class TorchFrontEnd:
             buf[:T].copy_(fact)
         tokens = Tokens(buffers.positions[:T], buffers.token_to_req[:T], buffers.token_valid[:T])
         swa_rows_for(tokens, batch.swa_block_table, batch.swa_block_size, buffers.spec.window,
-                     out=(buffers.swa_rows[:T], buffers.swa_lens[:T]))
+                     out=(buffers.swa_rows[:T], buffers.swa_lens[:T]),
+                     starts=batch.window_starts(tokens.token_to_req))
         for kind in buffers.all_kinds(batch):
             rows, lens = buffers.rows_of(kind)
             comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind),

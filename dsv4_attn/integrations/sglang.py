@@ -108,7 +108,8 @@ def status() -> dict[str, str]:
     elif not is_tested_version(version):
         verdict = f"refused (SGLang {version}; tested: {', '.join(TESTED_SGLANG_VERSIONS)})"
     elif not declared:
-        verdict = "off (dsv4-attn's sglang.srt.plugins entry point is not installed: pip install dsv4-attn)"
+        verdict = ("off (dsv4-attn's sglang.srt.plugins entry point is not installed: pip install -e <a clone of "
+                   "dsv4-attn> in this environment)")
     elif on is None:
         verdict = f"refused at engine start ({bad})"
     elif on:

@@ -12,8 +12,11 @@ in every vLLM process) wraps that choice:
   layer, MTP layer included, is built) returns our subclass of the class vLLM picked;
 * ROCm: the decoder layer's ``__init__`` sees our subclass under the module-global name
   ``DeepseekV4ROCMAiterMLAAttention`` while it builds its attention;
-* DeepSeek-V4.1 (``vllm.models.deepseek_v41``): its layer selection raises while the plugin is
-  on -- its layers are not hooked, so serving it "on dsv4_attn" would be a false claim.
+* DeepSeek-V4.1 on CUDA: ``vllm.models.deepseek_v41.nvidia.model._select_dsv4_attn_cls`` returns
+  our subclass of V4.1's FlashMLA layer class (``DeepseekV4FlashMLAAttention`` of that package),
+  whose caches, KV sharing and metadata builders the shim keeps; the V4.1 classes whose contract
+  differs (mega attention, FlashInfer) and V4.1 on ROCm are refused at engine start, with reasons
+  (docs/vllm.md, "DeepSeek-V4.1").
 
 The model modules are patched right after they are imported (a post-import hook), so loading
 the plugin never imports vLLM's model code. Our subclass keeps everything of vLLM's layer
@@ -37,12 +40,17 @@ swa_block_table / size         ``.block_table`` (this layer's SWA-cache group) /
                                (64 tokens per block)
 comp_block_tables[ratio]       ``DeepseekV4FlashMLAMetadata.block_table`` of the compressed-cache
                                group of each ratio among the plan's layers (none for a plan of
-                               SWA-only layers)
-block_size                     ``DeepseekV4FlashMLAMetadata.block_size`` (256, in UNCOMPRESSED
-                               tokens; ratio-r blocks hold 256 // r entries)
+                               SWA-only layers); V4.1: the metadata of the layer's KV source
+                               (``compressed_cache_prefix``), whose cache tensor it reads
+block_size                     ``DeepseekV4FlashMLAMetadata.block_size`` (in UNCOMPRESSED tokens;
+                               ratio-r blocks hold block_size // r entries): V4 256; V4.1 64 on
+                               SM90, 128 on SM100
+swa_start                      ``DeepseekSparseSWAMetadata.replay_start`` (V4.1 SWA bounded
+                               replay; None otherwise)
 num_tokens                     ``q.shape[0]`` (padded token count)
-topk (per C4A layer)           the model's shared ``topk_indices_buffer`` [max_tokens, index_topk]
-                               of LOCAL compressed positions, just written by this layer's indexer
+topk (top-k layers)            the model's shared ``topk_indices_buffer`` [max_tokens, index_topk]
+                               of LOCAL compressed positions, last written by the layer's indexer
+                               (V4 C4A) or by its index source (V4.1 C1A / C2A)
 =============================  ==============================================================
 
 Positions are derived from query_start_loc/seq_lens on the device (they equal vLLM's
@@ -78,7 +86,8 @@ BACKEND_NAME = "DSV4_ATTN"  # the --attention-backend name this plugin adds
 TESTED_VLLM_SERIES = "0.33"  # vLLM internals the hooks touch move between minor releases
 CUDA_MODEL_MODULE = "vllm.models.deepseek_v4.nvidia.model"
 ROCM_MODEL_MODULE = "vllm.models.deepseek_v4.amd.model"
-V41_MODEL_MODULES = ("vllm.models.deepseek_v41.nvidia.model", "vllm.models.deepseek_v41.amd.model")
+V41_CUDA_MODEL_MODULE = "vllm.models.deepseek_v41.nvidia.model"
+V41_ROCM_MODEL_MODULE = "vllm.models.deepseek_v41.amd.model"
 
 # Under the "vllm" logger so that vLLM's logging configuration prints it.
 logger = logging.getLogger("vllm.dsv4_attn")
@@ -149,9 +158,11 @@ def status() -> dict[str, str]:
     elif not is_tested_version(version):
         verdict = f"refused (vLLM {version}; tested: {TESTED_VLLM_SERIES}.x)"
     elif not declared:
-        verdict = "off (dsv4-attn's vllm.general_plugins entry point is not installed: pip install dsv4-attn)"
+        verdict = ("off (dsv4-attn's vllm.general_plugins entry point is not installed: pip install -e <a clone of "
+                   "dsv4-attn> in this environment)")
     elif env == "1":
-        verdict = f"on ({ENV_ENABLE}=1): DeepSeek-V4 attention layers run on dsv4_attn"
+        verdict = (f"on ({ENV_ENABLE}=1): DeepSeek-V4 attention layers run on dsv4_attn, and DeepSeek-V4.1's on "
+                   "CUDA (FlashMLA layer class; refusals: docs/vllm.md)")
     else:
         verdict = f"available: on with {ENV_ENABLE}=1 or --attention-backend {BACKEND_NAME}"
     return {"vllm": version or "not installed", "entry point": "installed" if declared else "missing",
@@ -186,14 +197,15 @@ def register() -> None:
     _register_backend_name()
     if platform == "cuda":
         _after_import(CUDA_MODEL_MODULE, _patch_cuda_model)
+        _after_import(V41_CUDA_MODEL_MODULE, _patch_v41_cuda_model)
     else:
         _after_import(ROCM_MODEL_MODULE, _patch_rocm_model)
-    for name in V41_MODEL_MODULES:
-        _after_import(name, _patch_v41_model)
+        _after_import(V41_ROCM_MODEL_MODULE, _patch_v41_rocm_model)
     if enabled:
+        v41 = "DeepSeek-V4.1's too" if platform == "cuda" else "DeepSeek-V4.1 is refused on ROCm"
         logger.info("dsv4_attn: %s=1, vLLM %s on %s: DeepSeek-V4 attention layers built in this process will "
-                    "run on dsv4_attn (a log line per layer class follows when they are built); DeepSeek-V4.1 "
-                    "is refused; other models are not affected", ENV_ENABLE, version, platform)
+                    "run on dsv4_attn, %s (a log line per layer class follows when they are built); other "
+                    "models are not affected", ENV_ENABLE, version, platform, v41)
 
 
 def _register_backend_name() -> None:
@@ -254,13 +266,43 @@ def layer_class_for(vllm_config, vllm_cls: type, rocm: bool = False) -> type:
             "allowed with dsv4_attn: the fp8_ds_mla KV layout (FlashMLA / ROCm / FlashInfer-SM120 layer "
             "classes). Drop --attention-backend FLASHINFER_MLA_SPARSE_DSV4 or turn the plugin off."
         )
-    return _subclass(vllm_cls, rocm)
+    return _subclass(vllm_cls, DSv4AttnRocmLayerMixin if rocm else DSv4AttnLayerMixin)
+
+
+def v41_layer_class_for(vllm_config, vllm_cls: type, flashmla_cls: type) -> type:
+    """DeepSeek-V4.1 on CUDA: ``vllm_cls`` unless the plugin is on for this config, else our
+    subclass of V4.1's FlashMLA layer class ``flashmla_cls``. vLLM's default on SM100, mega
+    attention, is a subclass of it with the same caches and metadata but another layer contract
+    (un-normed, un-roped Q in; inverse-RoPE'd FP8 out): by default the shim builds on FlashMLA's
+    class instead; named explicitly it is refused, as are the FlashInfer classes."""
+    if not enabled_for(vllm_config):
+        return vllm_cls
+    check_vllm_version(vllm_version())
+    backend = getattr(vllm_config.attention_config.backend, "name", None)
+    named = backend not in (None, BACKEND_NAME)
+    if vllm_cls is flashmla_cls or (issubclass(vllm_cls, flashmla_cls) and not named):
+        if vllm_cls is not flashmla_cls:
+            logger.info("dsv4_attn: vLLM picked %s for DeepSeek-V4.1; dsv4_attn serves the layers on the caches and "
+                        "metadata of %s instead (the same geometry; --kv-cache-dtype auto stores the fp8_ds_mla "
+                        "record)", vllm_cls.__name__, flashmla_cls.__name__)
+        return _subclass(flashmla_cls, DSv41AttnLayerMixin)
+    if issubclass(vllm_cls, flashmla_cls):
+        why = ("its kernel takes the un-normed, un-roped query in its own interleaved layout and returns the "
+               "output inverse-RoPE'd and FP8-quantized, a layer contract dsv4_attn does not implement")
+    else:
+        why = "its KV caches and metadata are the FlashInfer kernels' (the shim serves V4.1 on FlashMLA's)"
+    raise ValueError(
+        f"--attention-backend: vLLM chose {vllm_cls.__name__} for DeepSeek-V4.1 ({backend or 'default for this GPU'}): "
+        f"{why}; allowed with dsv4_attn: FLASHMLA_SPARSE_DSV41, {BACKEND_NAME} or no --attention-backend on SM90 / "
+        f"SM100. Or turn the plugin off (unset {ENV_ENABLE}, drop --attention-backend {BACKEND_NAME})."
+    )
 
 
 @functools.cache
-def _subclass(base: type, rocm: bool) -> type:
-    mixin = DSv4AttnRocmLayerMixin if rocm else DSv4AttnLayerMixin
+def _subclass(base: type, mixin: type) -> type:
     name = "DSv4Attn" + base.__name__.removeprefix("DeepseekV4")
+    if mixin is DSv41AttnLayerMixin:
+        name = name.replace("DSv4Attn", "DSv41Attn")
     doc = f"{base.__name__} with its sparse attention run by dsv4_attn (see {__name__})."
     return type(name, (mixin, base), {"__module__": __name__, "__doc__": doc})
 
@@ -301,16 +343,29 @@ def _patch_rocm_model(module) -> None:
     layer_cls.__init__ = __init__
 
 
-def _patch_v41_model(module) -> None:
-    """DeepSeek-V4.1's layer selection (CUDA and ROCm modules alike) refuses while the plugin is
-    on (idempotent)."""
+def _patch_v41_cuda_model(module) -> None:
+    """Wrap DeepSeek-V4.1's CUDA layer-class selection (idempotent)."""
     select = module._select_dsv4_attn_cls
     if getattr(select, "_dsv4_attn_hook", False):
         return
 
     @functools.wraps(select)
     def _select_dsv4_attn_cls(vllm_config):
-        refuse_v41(vllm_config)
+        return v41_layer_class_for(vllm_config, select(vllm_config), module.DeepseekV4FlashMLAAttention)
+
+    _select_dsv4_attn_cls._dsv4_attn_hook = True
+    module._select_dsv4_attn_cls = _select_dsv4_attn_cls
+
+
+def _patch_v41_rocm_model(module) -> None:
+    """DeepSeek-V4.1's ROCm layer selection refuses while the plugin is on (idempotent)."""
+    select = module._select_dsv4_attn_cls
+    if getattr(select, "_dsv4_attn_hook", False):
+        return
+
+    @functools.wraps(select)
+    def _select_dsv4_attn_cls(vllm_config):
+        refuse_v41_rocm(vllm_config)
         return select(vllm_config)
 
     _select_dsv4_attn_cls._dsv4_attn_hook = True
@@ -390,10 +445,31 @@ class DSv4AttnLayerMixin:
         if reasons:
             raise ValueError(f"dsv4_attn cannot serve {self.prefix} ({type(self).__name__}):\n"
                              + "\n".join(f"  - {r}" for r in reasons))
-        # vLLM's V4 layers number window-only layers 1 (max(1, config ratio)); config ratio 1 is V4.1's C1A
-        self.dsv4_kind = LayerKind.SWA if self.compress_ratio <= 1 else LayerKind.from_ratio(self.compress_ratio)
+        self.dsv4_kind = self.dsv4_layer_kind(self.compress_ratio)
+        self.dsv4_comp_prefix = self.dsv4_comp_owner()
         self.dsv4_planner = planner_for(self, vllm_config)
         self.dsv4_planner.add_layer(self)
+
+    # ---- what differs between the model versions --------------------------------------------------
+    @staticmethod
+    def dsv4_layer_kind(ratio: int) -> LayerKind:
+        """V4 stores window-only layers as ratio 1 (``max(1, config ratio)``)."""
+        return LayerKind.SWA if ratio <= 1 else LayerKind.from_ratio(ratio)
+
+    def dsv4_model_kinds(self, vllm_config) -> tuple[LayerKind, ...]:
+        return tuple(LayerKind.parse(k) for k in ("swa", "c4a", "c128a"))
+
+    def dsv4_kv_format(self) -> KVFormat:
+        """The records vLLM stores (its __init__ turned every fp8 dtype into fp8_ds_mla)."""
+        return KVFormat.MODEL1_FP8
+
+    def dsv4_comp_owner(self) -> str:
+        """The layer whose compressed cache (and metadata entry) this layer reads."""
+        return self.prefix
+
+    def dsv4_comp_cache(self) -> torch.Tensor:
+        """The compressed cache this layer reads (bound after __init__)."""
+        return self.kv_cache
 
     def forward_mqa(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
                     output: torch.Tensor) -> None:
@@ -409,6 +485,36 @@ class DSv4AttnLayerMixin:
             raise ValueError(f"attn_metadata: got {type(attn_metadata).__name__}; allowed: one dict per "
                              "step (micro-batching is not supported by dsv4_attn)")
         self.dsv4_planner.attend(self, attn_metadata, q, output, forward)
+
+
+class DSv41AttnLayerMixin(DSv4AttnLayerMixin):
+    """Put in front of vLLM 0.33's DeepSeek-V4.1 FlashMLA layer class: the V4 contract, with V4.1's
+    layer numbering (0 window only, 1 C1A, 2 C2A), KV sharing (a layer reads the compressed cache
+    and block table of its KV source, ``compressed_cache_prefix``; its top-k is what its index
+    source's indexer last wrote into the shared buffer) and records (SM100 stores the MXFP8
+    record under the name fp8_ds_mla, and nvfp4_ds_mla's NVFP4 compressed cache)."""
+
+    @staticmethod
+    def dsv4_layer_kind(ratio: int) -> LayerKind:
+        return V41_KINDS[ratio]  # vLLM's __init__ accepts 0, 1 and 2 only
+
+    def dsv4_model_kinds(self, vllm_config) -> tuple[LayerKind, ...]:
+        ratios = getattr(vllm_config.model_config.hf_config, "compress_ratios", None) or [0]
+        return tuple(dict.fromkeys([LayerKind.SWA] + [V41_KINDS[int(r)] for r in ratios]))
+
+    def dsv4_kv_format(self) -> KVFormat:
+        if not self.kv_mxfp8:  # every GPU but SM100 keeps the V4 record for V4.1
+            return KVFormat.MODEL1_FP8
+        return KVFormat.NVFP4 if self.kv_cache_dtype == "nvfp4_ds_mla" else KVFormat.MXFP8
+
+    def dsv4_comp_owner(self) -> str:
+        return self.compressed_cache_prefix or self.prefix  # None for window-only layers
+
+    def dsv4_comp_cache(self) -> torch.Tensor:
+        return self._compressed_kv_cache()
+
+
+V41_KINDS = {0: LayerKind.SWA, 1: LayerKind.C1A, 2: LayerKind.C2A}
 
 
 class DSv4AttnRocmLayerMixin(DSv4AttnLayerMixin):
@@ -440,7 +546,7 @@ def unsupported_reasons(layer, vllm_config) -> list[str]:
     if ratio > 1 and block_size % ratio:
         reasons.append(f"--block-size: got {block_size}; allowed: a multiple of {ratio} (the ratio-{ratio} "
                        f"cache holds block_size // {ratio} entries per block)")
-    if layer.max_image_tokens:
+    if getattr(layer, "max_image_tokens", 0):  # V4 only: V4.1 image tokens keep the causal window
         reasons.append("vision variant (vision_max_n_token > 0): in-image bidirectional SWA windows are "
                        "not modelled by dsv4_attn")
     spec = vllm_config.speculative_config
@@ -456,20 +562,25 @@ def unsupported_reasons(layer, vllm_config) -> list[str]:
         if getattr(parallel, name, 1) > 1:
             reasons.append(f"{name}: got {getattr(parallel, name)}; allowed: 1 (context-parallel KV sharding "
                            "is not modelled by dsv4_attn)")
+    extra = vllm_config.additional_config
+    if isinstance(extra, dict) and extra.get("decode_backend", "auto") != "auto":
+        reasons.append(f"additional_config decode_backend={extra['decode_backend']!r}: DeepSeek-V4.1's specialized "
+                       "decode runs FULL-graph decode steps on its own attention kernels, which never reach this "
+                       "layer's, so dsv4_attn would be bypassed; allowed: decode_backend 'auto'")
     if getattr(vllm_config.kernel_config, "monokernel", False):
         reasons.append("--monokernel: decode steps of the eligible layers run vLLM's mono decode kernel and "
                        "never reach this layer's attention, so dsv4_attn would be bypassed; drop --monokernel")
     return reasons
 
 
-def refuse_v41(vllm_config) -> None:
-    """Engine start of a DeepSeek-V4.1 model with the plugin on: refused (V4.1 layers are not hooked)."""
+def refuse_v41_rocm(vllm_config) -> None:
+    """Engine start of DeepSeek-V4.1 on ROCm with the plugin on: refused (its layer is not hooked)."""
     if enabled_for(vllm_config):
         raise ValueError(
-            "dsv4_attn vLLM plugin: got a DeepSeek-V4.1 model (vllm.models.deepseek_v41); allowed: DeepSeek-V4 "
-            "(DeepseekV4ForCausalLM and its MTP layers). dsv4_attn does not hook V4.1's layers yet, so it "
-            f"would not run; unset {ENV_ENABLE} and drop --attention-backend {BACKEND_NAME} to serve V4.1 "
-            "on vLLM's own kernels."
+            "dsv4_attn vLLM plugin: got a DeepSeek-V4.1 model on ROCm (vllm.models.deepseek_v41.amd); allowed: "
+            "DeepSeek-V4 on ROCm, DeepSeek-V4.1 on CUDA. V4.1's ROCm layer (DeepseekV41ROCMAiterMLAAttention) "
+            "is not hooked, so dsv4_attn would not run; unset "
+            f"{ENV_ENABLE} and drop --attention-backend {BACKEND_NAME} to serve it on vLLM's own kernels."
         )
 
 
@@ -497,7 +608,8 @@ def plan_groups(layers, group_of: Callable[[str], Any]) -> tuple[dict[str, int],
     their compressed caches are too: per SWA group, one plan per distinct compressed group of
     each ratio (one in vLLM 0.33's DeepSeek-V4 grouping, see docs/vllm.md). ``group_of(prefix)``
     names the KV-cache group of a cache (its metadata object at run time, vLLM's group index
-    when predicting); ``layers`` have ``prefix``, ``swa_cache_layer.prefix`` and ``dsv4_kind``.
+    when predicting); ``layers`` have ``prefix``, ``swa_cache_layer.prefix``, ``dsv4_kind`` and
+    ``dsv4_comp_prefix`` (the layer owning its compressed cache: itself, or V4.1's KV source).
     """
     per_swa: dict[Any, tuple[str, dict[int, list[tuple[Any, str]]]]] = {}  # SWA group -> ratio -> comp groups
     for layer in layers:
@@ -505,8 +617,8 @@ def plan_groups(layers, group_of: Callable[[str], Any]) -> tuple[dict[str, int],
         _, comps = per_swa.setdefault(group_of(swa_prefix), (swa_prefix, {}))
         if layer.dsv4_kind.has_comp_scope:
             seen = comps.setdefault(layer.dsv4_kind.ratio, [])
-            if all(gid != group_of(layer.prefix) for gid, _ in seen):
-                seen.append((group_of(layer.prefix), layer.prefix))
+            if all(gid != group_of(layer.dsv4_comp_prefix) for gid, _ in seen):
+                seen.append((group_of(layer.dsv4_comp_prefix), layer.dsv4_comp_prefix))
     groups: list[PlanGroup] = []
     first: dict[Any, int] = {}
     for swa_gid, (swa_prefix, comps) in per_swa.items():
@@ -517,7 +629,7 @@ def plan_groups(layers, group_of: Callable[[str], Any]) -> tuple[dict[str, int],
     for layer in layers:
         swa_gid, j = group_of(layer.swa_cache_layer.prefix), 0
         if layer.dsv4_kind.has_comp_scope:
-            j = [gid for gid, _ in per_swa[swa_gid][1][layer.dsv4_kind.ratio]].index(group_of(layer.prefix))
+            j = [gid for gid, _ in per_swa[swa_gid][1][layer.dsv4_kind.ratio]].index(group_of(layer.dsv4_comp_prefix))
         index[layer.prefix] = first[swa_gid] + j
     return index, groups
 
@@ -546,12 +658,13 @@ def planner_for(layer, vllm_config) -> StepPlanner:
         max_model_len=layer.max_model_len,
         window=layer.window_size,
         softmax_scale=layer.scale,
+        layers=layer.dsv4_model_kinds(vllm_config),
     )
     sched = vllm_config.scheduler_config
     max_tokens = sched.max_num_batched_tokens
     # gfx942 writes the SWA cache in FNUZ fp8 and the compressed cache in OCP (docs/rocm.md).
     key = (spec, max_tokens, max(sched.max_num_seqs, max_tokens), probe().fp8_dialect,
-           vllm_config.cache_config.block_size)
+           vllm_config.cache_config.block_size, layer.dsv4_kv_format())
     if key not in _planners:
         planner = StepPlanner(*key, predict=functools.partial(predicted_plan_groups, vllm_config))
         planner.log(type(layer))
@@ -560,7 +673,8 @@ def planner_for(layer, vllm_config) -> StepPlanner:
 
 
 class StepPlanner:
-    """The StepPlans of every layer of one model setup (spec, token budget, dialect, block size).
+    """The StepPlans of every layer of one model setup (spec, token budget, dialect, block size,
+    KV format).
 
     A step is one forward pass: vLLM's ForwardContext (a new one per forward, holding that
     forward's ``attn_metadata`` dict), weakly referenced, so that no plan -- and none of vLLM's
@@ -581,9 +695,10 @@ class StepPlanner:
     """
 
     def __init__(self, spec: ModelSpec, max_tokens: int, max_reqs: int, swa_dialect: Fp8Dialect,
-                 block_size: int, predict: Callable[[list], list[PlanGroup]] | None = None) -> None:
+                 block_size: int, fmt: KVFormat = KVFormat.MODEL1_FP8,
+                 predict: Callable[[list], list[PlanGroup]] | None = None) -> None:
         self.spec, self.max_tokens, self.max_reqs = spec, max_tokens, max_reqs
-        self.swa_dialect, self.block_size = swa_dialect, block_size
+        self.swa_dialect, self.block_size, self.fmt = swa_dialect, block_size, fmt
         self.predict = predict
         self.layers: list = []
         self.slots: list[SparseMLA] = [self._new_slot()]  # backend refusals surface here: engine start
@@ -597,7 +712,7 @@ class StepPlanner:
         self._plans: dict[int, tuple[SparseMLA, StepPlan]] = {}
 
     def _new_slot(self) -> SparseMLA:
-        return SparseMLA(self.spec, KVFormat.MODEL1_FP8, max_tokens=self.max_tokens, max_reqs=self.max_reqs,
+        return SparseMLA(self.spec, self.fmt, max_tokens=self.max_tokens, max_reqs=self.max_reqs,
                          swa_dialect=self.swa_dialect, comp_dialect=Fp8Dialect.OCP)
 
     def add_layer(self, layer) -> None:
@@ -608,9 +723,9 @@ class StepPlanner:
         """One layer's attention for the step ``attn_metadata`` (vLLM's per-layer-name metadata
         dict): q bf16 [T, H, 512] (H may be below output's head count: zero-padded here), output
         bf16 [T, padded_heads, 512] written in place. ``layer``: a layer set up by this planner
-        (``prefix``, ``swa_cache_layer``, ``dsv4_kind``, ``kv_cache``, ``topk_indices_buffer``,
-        ``attn_sink``, ``is_draft_layer``). ``forward``: a weak-referenceable object that lives as
-        long as the forward pass and no longer (vLLM's ForwardContext)."""
+        (``prefix``, ``swa_cache_layer``, ``dsv4_kind``, ``dsv4_comp_prefix``, ``dsv4_comp_cache()``,
+        ``topk_indices_buffer``, ``attn_sink``, ``is_draft_layer``). ``forward``: a weak-referenceable
+        object that lives as long as the forward pass and no longer (vLLM's ForwardContext)."""
         kind = layer.dsv4_kind
         if getattr(layer, "is_draft_layer", False):
             mla, plan = self._draft_plan(layer, attn_metadata, q.shape[0])
@@ -619,14 +734,14 @@ class StepPlanner:
         if q.shape[1] < output.shape[1]:  # FlashInfer-SM120 base: q arrives at the live head count
             q = F.pad(q, (0, 0, 0, output.shape[1] - q.shape[1]))
         mla.forward(plan, kind, q, layer.swa_cache_layer.kv_cache,
-                    layer.kv_cache if kind.has_comp_scope else None,
+                    layer.dsv4_comp_cache() if kind.has_comp_scope else None,
                     topk=layer.topk_indices_buffer if kind.uses_topk else None,
                     sink=layer.attn_sink, out=output)
 
     def _target_plan(self, layer, attn_metadata: dict, num_tokens: int, forward) -> tuple[SparseMLA, StepPlan]:
         _metadata(attn_metadata, layer.swa_cache_layer.prefix, layer)
         if layer.dsv4_kind.has_comp_scope:
-            _metadata(attn_metadata, layer.prefix, layer)
+            _metadata(attn_metadata, layer.dsv4_comp_prefix, layer)
         key = (id(attn_metadata), num_tokens)  # the dict lives while we plan from it: its id is unique
         if self._forward is None or self._forward() is not forward or key != self._step_key:  # a new step
             live = [t for t in self.layers
@@ -649,7 +764,7 @@ class StepPlanner:
     def _draft_plan(self, layer, attn_metadata: dict, num_tokens: int) -> tuple[SparseMLA, StepPlan]:
         kind = layer.dsv4_kind
         swa_md = _metadata(attn_metadata, layer.swa_cache_layer.prefix, layer)
-        comp = {kind.ratio: _metadata(attn_metadata, layer.prefix, layer)} if kind.has_comp_scope else {}
+        comp = {kind.ratio: _metadata(attn_metadata, layer.dsv4_comp_prefix, layer)} if kind.has_comp_scope else {}
         if self.draft_slot is None:
             self._warn_unreserved("the draft (MTP) layers' slot")
             self.draft_slot = self._new_slot()
@@ -670,7 +785,8 @@ class StepPlanner:
 
     def step_batch(self, swa_md, comp_mds: dict, num_tokens: int) -> StepBatch:
         """vLLM's DeepseekSparseSWAMetadata and the step's DeepseekV4FlashMLAMetadata per ratio
-        -> StepBatch (device tensors and host ints vLLM already holds: no sync)."""
+        -> StepBatch (device tensors and host ints vLLM already holds: no sync). vLLM's SWA
+        builder hands V4.1 steps a ``replay_start`` (zeros when nothing replays)."""
         block_sizes = {md.block_size for md in comp_mds.values()}
         if len(block_sizes) > 1:
             raise ValueError(f"attn_metadata: got compressed-cache block sizes {sorted(block_sizes)}; allowed: one "
@@ -685,6 +801,7 @@ class StepPlanner:
             block_size=block_sizes.pop() if block_sizes else self.block_size,
             max_model_len=self.spec.max_model_len,
             num_tokens=num_tokens,
+            swa_start=getattr(swa_md, "replay_start", None),  # V4.1 SWA bounded replay
         )
 
     # ---- profiling -------------------------------------------------------------------------------
@@ -733,13 +850,13 @@ class StepPlanner:
         choice = {f"{k.name} {p.value}": mla.backend_for(k, p) for k in mla.spec.kinds for p in Phase}
         names = sorted(set(choice.values()))
         logger.info("dsv4_attn: DeepSeek-V4 attention layers of class %s run on dsv4_attn (%s, %s, %d heads per "
-                    "rank, backend %s)", layer_cls.__name__, mla.platform.arch, KVFormat.MODEL1_FP8.value,
+                    "rank, backend %s)", layer_cls.__name__, mla.platform.arch, self.fmt.value,
                     self.spec.num_heads, names[0] if len(names) == 1 else choice)
 
 
 def _has_metadata(layer, attn_metadata: dict) -> bool:
     return layer.swa_cache_layer.prefix in attn_metadata and (
-        not layer.dsv4_kind.has_comp_scope or layer.prefix in attn_metadata)
+        not layer.dsv4_kind.has_comp_scope or layer.dsv4_comp_prefix in attn_metadata)
 
 
 def _metadata(attn_metadata: dict, prefix: str, layer):

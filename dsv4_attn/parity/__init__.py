@@ -2,7 +2,7 @@
 
     dsv4-attn parity                                   # packaged default matrix, this machine
     dsv4-attn parity --backends all --cases 'core.c4a.*'
-    dsv4-attn parity --merge cpu/parity-cpu-cpu.json h100/parity-cuda-sm90.json
+    dsv4-attn parity --merge cpu/*.json h100/*.json
 
 One module per job (docs/parity.md describes the matrix format, what a run does and the JSON):
 

@@ -131,6 +131,19 @@ class Matrix:
     output_full_max: int = 8192
     output_sample: int = 2048
 
+    @property
+    def shown_path(self) -> str:
+        """The file as reports name it: the packaged matrix by its place in the package, another
+        one relative to the working directory when it lies below it (no home directories in
+        tables shared between machines)."""
+        path = Path(self.path).resolve()
+        if path == default_matrix_path().resolve():
+            return "dsv4_attn/data/parity.yaml"
+        try:
+            return str(path.relative_to(Path.cwd().resolve()))
+        except ValueError:
+            return self.path
+
     def tolerance(self, case: Case, backend: str) -> Tolerance:
         """Default tolerance with every matching override applied in order."""
         return self.tolerance_for(backend, case.fmt, case.kind)

@@ -19,6 +19,27 @@ from .report import SCHEMA, Notes, decode_values, short_number
 MERGE_SCHEMA = "dsv4-attn-parity-merge/1"
 
 
+def load_runs(paths: list[str]) -> tuple[list[dict], list[str], list[str]]:
+    """(reports, their paths, one note per file skipped) of the files to merge. A merged table
+    (this command's own output, which a glob like ``out/*.json`` also catches) is skipped with a
+    note, not merged; anything else that is not a run's JSON is a ValueError."""
+    reports, names, skipped = [], [], []
+    for path in paths:
+        try:
+            schema = json.loads(Path(path).read_text()).get("schema")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            schema = None  # load_report says what is wrong with it
+        if schema == MERGE_SCHEMA:
+            skipped.append(f"skipped {path}: a merged table ({MERGE_SCHEMA}), not a run")
+            continue
+        reports.append(load_report(path))
+        names.append(path)
+    if not reports:
+        raise ValueError(f"--merge: got {paths}, no parity run among them; allowed: JSON files written by "
+                         "`dsv4-attn parity`")
+    return reports, names, skipped
+
+
 def load_report(path: str | os.PathLike) -> dict:
     try:
         report = json.loads(Path(path).read_text())

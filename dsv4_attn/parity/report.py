@@ -105,6 +105,28 @@ def render_report(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_summary(report: dict, markdown_path: Path, max_failures: int = 20) -> str:
+    """What a run prints on stdout: the machine, the per-backend counts, the cells that failed or
+    raised (at most ``max_failures``), and where the full table is."""
+    plat, backends, emulated = report["platform"], report["backends"], set(report["emulated"])
+    lines = [f"dsv4-attn parity on {plat['vendor']}/{plat['arch']} ({plat['device_name']}), device "
+             f"{report['device']}: {report['matrix']['cases_run']} cases x {len(backends)} backend(s) in "
+             f"{report['elapsed_s']} s, matrix {report['matrix']['path']}", "",
+             "| backend | pass | fail | error | skip |", "|---|---|---|---|---|"]
+    for b in backends:
+        s = report["summary"][b]
+        lines.append(f"| {_column(b, b in emulated)} | {s['pass']} | {s['fail']} | {s['error']} | {s['skip']} |")
+    bad = [(rec["name"], b, cell) for rec in report["cases"] for b in backends
+           if (cell := rec["cells"][b])["status"] in ("fail", "error")]
+    if bad:
+        lines += ["", f"{len(bad)} cell(s) failed or raised" + (f", the first {max_failures}:" if len(bad) >
+                                                                  max_failures else ":")]
+        lines += [f"  {name} on {b}: {cell['status']}: {'; '.join(cell['reasons'])[:200]}"
+                  for name, b, cell in bad[:max_failures]]
+    lines += ["", f"full table (every case, skip reasons): {markdown_path}"]
+    return "\n".join(lines) + "\n"
+
+
 def write_files(out_dir: Path, stem: str, report: dict, markdown: str) -> tuple[Path, Path]:
     """``<stem>.json`` (strict JSON) and ``<stem>.md`` in ``out_dir``; returns both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -43,8 +43,9 @@ def default_backends(matrix: Matrix, device: torch.device) -> list[str]:
     return resolve_backends(names)
 
 
-def resolve_backends(names) -> list[str]:
-    """Backend names from a list / comma-separated string; ``all`` = every registered backend.
+def resolve_backends(names, also: tuple[str, ...] = ()) -> list[str]:
+    """Backend names from a list / comma-separated string; ``all`` = every registered backend;
+    ``also``: further names the caller takes (bench: ``auto``, the dispatcher's own choice).
     Raises ValueError for a name the registry does not know."""
     if isinstance(names, str):
         names = [names]
@@ -53,8 +54,8 @@ def resolve_backends(names) -> list[str]:
     out: list[str] = []
     for n in flat:
         for name in (known if n == "all" else [n]):
-            if name not in known:
-                raise ValueError(f"--backends: got {name!r}; allowed: 'all' or any of {known}")
+            if name not in known and name not in also:
+                raise ValueError(f"--backends: got {name!r}; allowed: 'all' or any of {[*known, *also]}")
             if name not in out:
                 out.append(name)
     return out
@@ -74,6 +75,38 @@ def emulated_backends(backends: list[str]) -> set[str]:
         except Exception:  # no aiter module in this build: its cells are skipped with the reason
             pass
     return names
+
+
+def emulation_tags(emulated: set[str]) -> list[str]:
+    """Per emulated backend, what it emulates, for file names: ``aiter-gfx950-0.1.20.post1`` (the
+    emulated arch and AITER version), else the backend's name."""
+    tags = []
+    for name in sorted(emulated):
+        tag = name
+        if name == "aiter":
+            try:
+                from ..rocm.aiter import load_aiter
+
+                api = load_aiter()
+                tag = f"aiter-{api.arch}-{api.version}"
+            except Exception:  # no aiter module in this build: the name alone
+                pass
+        tags.append(tag)
+    return tags
+
+
+def run_name(report: dict, full: bool) -> str:
+    """The stem of a run's result files: machine, backends, emulation (and ``full``), so runs of
+    different backends or emulators on one machine never overwrite each other, e.g.
+    ``parity-cpu-cpu-torch``, ``parity-cpu-cpu-torch+aiter-emulated-aiter-gfx950-0.1.20.post1``,
+    ``parity-cuda-sm90-torch+triton+flashmla-full``."""
+    plat = report["platform"]
+    parts = ["parity", plat["vendor"], plat["arch"], "+".join(report["backends"])]
+    if report["emulated"]:
+        parts += ["emulated", "+".join(emulation_tags(set(report["emulated"])))]
+    if full:
+        parts.append("full")
+    return "".join(c if c.isalnum() or c in "+-._" else "_" for c in "-".join(parts))
 
 
 def backend_labels(backends: list[str]) -> dict[str, str]:
@@ -116,7 +149,7 @@ def run(matrix: Matrix, backends: list[str], device: torch.device | str | None =
         "schema": SCHEMA,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "elapsed_s": round(time.monotonic() - t0, 1),
-        "matrix": {"path": matrix.path, "sha256": matrix.sha256, "seed": matrix.seed,
+        "matrix": {"path": matrix.shown_path, "sha256": matrix.sha256, "seed": matrix.seed,
                    "cases_in_matrix": len(matrix.cases), "cases_run": len(cases)},
         "device": str(device),
         "machine": _machine_label(device),

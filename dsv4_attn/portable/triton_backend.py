@@ -33,7 +33,7 @@ class TritonBackend(Backend):
         formats=(KVFormat.MODEL1_FP8, KVFormat.BF16, KVFormat.FP8_TENSOR, KVFormat.MXFP8, KVFormat.NVFP4),
         kinds=None,  # every (ratio, selection): the kernels take the ratio as a parameter
         dialects=(Fp8Dialect.OCP, Fp8Dialect.FNUZ),
-        heads_note="blocks of up to 64, 16 per wave on AMD; fewer heads padded inside the kernel",
+        heads_note="blocks of 16, 32 or 64 heads (16 on AMD); fewer heads padded inside the kernel",
         validated="H100 (hardware); CPU via TRITON_INTERPRET=1 (logic only); AMD: compile-checked offline",
         notes="one launch per layer (+1 small combine when few tokens split the key range)",
     )

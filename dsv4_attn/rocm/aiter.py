@@ -172,7 +172,7 @@ def _load_real(arch: str) -> AiterAPI:
         from aiter import mla
     except Exception as exc:  # missing, or broken (rocminfo, JIT) -> a refusal reason
         return AiterAPI(None, arch, False, error=f"cannot import aiter: {type(exc).__name__}: {exc} "
-                        "(pip install amd-aiter, or use a ROCm image with AITER)")
+                        "(PyPI's amd-aiter is too old: docs/rocm.md \"Install AITER\")")
     try:
         from aiter.ops.triton.attention.sparse_mla import sparse_mla_fwd
     except Exception:

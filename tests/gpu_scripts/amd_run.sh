@@ -41,14 +41,14 @@ done
 step "parity (aiter: mla_decode_fwd split only)" env DSV4_ATTN_AITER_PATH=mla_decode_fwd \
     DSV4_ATTN_AITER_PERSISTENT_MAX_BATCH=0 $PY -m dsv4_attn parity --full --backends aiter --out "$OUT/parity-split"
 for fmt in fp8_ds_mla bfloat16 fp8_e4m3; do
-    step "bench $fmt" $PY -m dsv4_attn bench --mode decode --format $fmt --backend aiter triton \
+    step "bench $fmt" $PY -m dsv4_attn bench --mode decode --format $fmt --backends aiter triton \
         --json "$OUT/bench-$fmt.json"
 done
 for mode in persistent split; do  # where the persistent/split crossover lies (persistent_max_batch)
     limit=$([ $mode = persistent ] && echo 1000000 || echo 0)
     step "bench fp8_ds_mla mla_decode_fwd $mode" env DSV4_ATTN_AITER_PATH=mla_decode_fwd \
         DSV4_ATTN_AITER_PERSISTENT_MAX_BATCH=$limit $PY -m dsv4_attn bench --mode decode --format fp8_ds_mla \
-        --backend aiter --json "$OUT/bench-fp8_ds_mla-mla_decode_fwd-$mode.json"
+        --backends aiter --json "$OUT/bench-fp8_ds_mla-mla_decode_fwd-$mode.json"
 done
 echo "results in $OUT (failed steps: $failed)"
 exit $failed

@@ -9,7 +9,8 @@ without any host synchronisation (no ``searchsorted`` / ``.item()``), into calle
 
   token t, request r = #{i >= 1 : query_start_loc[i] <= t}   (valid iff t < query_start_loc[R])
   pos = seq_lens[r] - (qsl[r+1] - qsl[r]) + (t - qsl[r])
-  SWA row:   slots of positions max(0, pos-W+1) .. pos, then -1;  len = min(pos+1, W)
+  SWA row:   slots of positions s .. pos, then -1;  s = max(0, pos-W+1, swa_start[r]),
+             len = pos + 1 - s (min(pos+1, W) without swa_start)
   C128A row: slots of compressed entries 0 .. n-1, then -1;    n = min((pos+1)//128, width)
   C4A row:   slot(local[t, c]) for c < n with 0 <= local[t, c] < (pos+1)//4, else -1;
              n = min((pos+1)//4, K)
@@ -32,13 +33,14 @@ from ...common.spec import LayerKind
 
 @triton.jit
 def _step_rows_kernel(
-    QSL, SEQ, num_reqs,
+    QSL, SEQ, num_reqs, SWA_START,
     POS, TOK2REQ, VALID,
     SWA_TABLE, stride_swa_t, swa_bs, swa_cols,
     SWA_ROWS, stride_swa_r, SWA_LENS,
     C_TABLE, stride_c_t, c_bs, c_cols,
     C_ROWS, stride_c_r, C_LENS, c_width,
-    WINDOW: tl.constexpr, W_P2: tl.constexpr, HAS_C128: tl.constexpr, C_RATIO: tl.constexpr,
+    WINDOW: tl.constexpr, W_P2: tl.constexpr, HAS_START: tl.constexpr, HAS_C128: tl.constexpr,
+    C_RATIO: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -65,6 +67,8 @@ def _step_rows_kernel(
     # SWA row
     j = tl.arange(0, W_P2)
     start = tl.maximum(pos - (WINDOW - 1), 0)
+    if HAS_START:  # SWA bounded replay: no window keys below the request's start
+        start = tl.maximum(start, tl.load(SWA_START + req, mask=has_req, other=0).to(tl.int64))
     logical = start + j
     ok = (j < WINDOW) & (logical <= pos) & valid
     col = logical // swa_bs
@@ -73,7 +77,7 @@ def _step_rows_kernel(
     slot = blk * swa_bs + (logical - col * swa_bs)
     ok = ok & (blk >= 0) & (slot < 2147483648)
     tl.store(SWA_ROWS + t.to(tl.int64) * stride_swa_r + j, tl.where(ok, slot, -1).to(tl.int32), mask=j < WINDOW)
-    tl.store(SWA_LENS + t, tl.where(valid, tl.minimum(pos + 1, WINDOW), 0).to(tl.int32))
+    tl.store(SWA_LENS + t, tl.where(valid, tl.maximum(pos + 1 - start, 0), 0).to(tl.int32))
 
     if HAS_C128:
         n = tl.where(valid, tl.minimum((pos + 1) // C_RATIO, c_width), 0)
@@ -100,13 +104,14 @@ def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
                     swa_rows: torch.Tensor, swa_lens: torch.Tensor,
                     c128_table: torch.Tensor | None = None, c128_block_size: int = 2,
                     c128_rows: torch.Tensor | None = None, c128_lens: torch.Tensor | None = None,
-                    all_ratio: int = 128) -> None:
+                    all_ratio: int = 128, swa_start: torch.Tensor | None = None) -> None:
     """Fill the step buffers (first ``num_tokens`` rows of each) in one launch.
 
     positions int64 [>=T], token_to_req int32 [>=T], token_valid bool [>=T], swa_rows int32
     [>=T, window] (last dim contiguous), swa_lens int32 [>=T]; optionally the rows int32
-    [>=T, width] and lens of an "all" kind (C128A) from its ratio-``all_ratio`` block table.
-    Inputs are not validated here.
+    [>=T, width] and lens of an "all" kind (C128A) from its ratio-``all_ratio`` block table;
+    ``swa_start`` int32 [>=R] bounds each request's window from below. Inputs are not validated
+    here.
     """
     T = num_tokens
     if T == 0:
@@ -118,13 +123,14 @@ def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
     cl = c128_lens if has_c else swa_lens
     width = cr.shape[1] if has_c else 0
     _step_rows_kernel[(T,)](
-        query_start_loc, seq_lens, R,
+        query_start_loc, seq_lens, R, swa_start if swa_start is not None else seq_lens,
         positions, token_to_req, token_valid,
         swa_table, swa_table.stride(0), swa_block_size, swa_table.shape[1],
         swa_rows, swa_rows.stride(0), swa_lens,
         ct, ct.stride(0), c128_block_size if has_c else 1, ct.shape[1],
         cr, cr.stride(0), cl, width,
-        WINDOW=window, W_P2=triton.next_power_of_2(window), HAS_C128=has_c, C_RATIO=all_ratio,
+        WINDOW=window, W_P2=triton.next_power_of_2(window), HAS_START=swa_start is not None,
+        HAS_C128=has_c, C_RATIO=all_ratio,
         BLOCK_R=_block(R), BLOCK_C=_block(width), num_warps=4,
     )
 
@@ -188,7 +194,7 @@ class TritonFrontEnd:
                         buffers.token_valid, buffers.swa_rows, buffers.swa_lens,
                         batch.comp_block_tables[fused.ratio] if fused else None,
                         batch.comp_block_size(fused) if fused else 1, rows, lens,
-                        fused.ratio if fused else 1)
+                        fused.ratio if fused else 1, batch.swa_start)
         # No released model has a second "all" kind; any further one takes the torch ops.
         T = num_tokens
         tokens = Tokens(buffers.positions[:T], buffers.token_to_req[:T], buffers.token_valid[:T])

@@ -65,23 +65,23 @@ class Tile:
     options: tuple[tuple[str, int], ...] = ()
 
 
-# AMD CDNA (gfx942 / gfx950): waves split the HEADS, 16 per wave (one 16x16 MFMA row block, forced
-# by matrix_instr_nonkdim=16), so every wave holds the whole K tile in registers as the B operand
-# of Q·Kᵀ and again of P·V, next to its q rows and its fp32 [16, 512] accumulators. 16 keys per
-# tile keep that within one wave per SIMD (256 VGPRs + 256 AGPRs): no spill, no scratch, for every
-# record and layer kind (docs/rocm.md "Triton kernels on AMD", tests/test_amd_compile.py). P stays
-# in registers: its scratch round trip (an NVIDIA layout fix) breaks the Q·Kᵀ -> P·V chain that
-# keeps Triton's MFMA layouts on [waves, 1]. The NVIDIA tile (64 keys, 8 warps) spills 330-750
-# VGPRs there.
-AMD_KEYS_PER_TILE = 16
-AMD_HEADS_PER_WAVE = 16
+# AMD CDNA (gfx942 / gfx950): blocks of 16 heads, 16 keys per tile, 4 waves per workgroup, P in
+# registers. 4 waves: each SIMD runs one, which may then use 512 VGPRs (256 arch + 256 AGPRs; 8
+# waves halve that and the kernel spills). 16 keys (one MFMA K step of P·V) and 16 heads: each wave
+# holds its q rows, fp32 accumulators and a dequantized K tile, and larger tiles do not fit: 32 or
+# 64 keys spill 2-293 VGPRs, 32- and 64-head blocks 2-17 in some record x layer kind (with P in
+# registers or through scratch), the 16-head block none, at most 372 VGPRs. More heads run as
+# more blocks, which re-read a token's rows from L2. Measured offline for every record x layer
+# kind x split (docs/rocm.md "Triton kernels on AMD"; tests/test_amd_compile.py holds it).
+AMD_TILE = Tile(16, 16, 4, 1, False, (("matrix_instr_nonkdim", 16),))
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Kernel choice and launch knobs. ``block_n`` / ``num_warps`` / ``p_scratch`` None: the
-    tile of the GPU's arch (``tile``); ``split`` 0: chosen from the grid size."""
+    """Kernel choice and launch knobs. ``block_h`` / ``block_n`` / ``num_warps`` / ``p_scratch``
+    None: the tile of the GPU's arch (``tile``); ``split`` 0: chosen from the grid size."""
 
+    block_h: int | None = None  # query heads per program: 16, 32 or 64
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int = 1
@@ -94,6 +94,10 @@ class KernelConfig:
     # out of bounds: only for measuring the checks' cost (dsv4-attn bench --guard-cost)
     range_checks: int = 1
 
+    def __post_init__(self) -> None:
+        if self.block_h not in (None, 16, 32, 64):
+            raise ValueError(f"block_h: got {self.block_h!r}; allowed: None (the arch's), 16, 32 or 64")
+
     def dt(self):
         name = self.dot_dtype
         if name == "auto":
@@ -103,14 +107,12 @@ class KernelConfig:
     def tile(self, arch: str, num_heads: int) -> Tile:
         """The portable kernel's tile for ``num_heads`` query heads on ``arch`` ('cpu': the
         interpreter), this config's fields overriding the arch's choice."""
-        block_h = 64 if num_heads >= 64 else max(16, triton.next_power_of_2(num_heads))
         if arch.startswith("gfx"):
-            base = Tile(block_h, AMD_KEYS_PER_TILE, block_h // AMD_HEADS_PER_WAVE, 1, False,
-                        (("matrix_instr_nonkdim", 16),))
+            base = AMD_TILE
         else:
-            base = Tile(block_h, 64, 8, 1, True)
-        return replace(base, block_n=self.block_n or base.block_n, num_warps=self.num_warps or base.num_warps,
-                       num_stages=self.num_stages,
+            base = Tile(64 if num_heads >= 64 else max(16, triton.next_power_of_2(num_heads)), 64, 8, 1, True)
+        return replace(base, block_h=self.block_h or base.block_h, block_n=self.block_n or base.block_n,
+                       num_warps=self.num_warps or base.num_warps, num_stages=self.num_stages,
                        p_scratch=base.p_scratch if self.p_scratch is None else bool(self.p_scratch))
 
 
