@@ -147,12 +147,13 @@ def measure_ceilings(device: torch.device) -> dict:
     a = torch.empty(n, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     a.random_(0, 255)
-    copy_s = statistics.median(_samples(functools.partial(b.copy_, a), reps=5 if cpu else 20, flush=None, device=device))
+    reps = 5 if cpu else 20
+    copy_s = statistics.median(_samples(functools.partial(b.copy_, a), reps=reps, flush=None, device=device))
     del a, b
     m = 512 if cpu else 8192
     x = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-    mm_s = statistics.median(_samples(functools.partial(torch.mm, x, y), reps=5 if cpu else 20, flush=None, device=device))
+    mm_s = statistics.median(_samples(functools.partial(torch.mm, x, y), reps=reps, flush=None, device=device))
     del x, y
     if not cpu:
         torch.cuda.empty_cache()
