@@ -181,6 +181,30 @@ def as_sm90_cpu(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(v41_cache_utils, "_GATHER_MIN_WORKERS", 4)
     mp.setattr(v41_cache_utils, "_COMBINE_TOPK_SWA_NUM_WORKERS", 4)
     mp.setattr(shim, "vllm_platform", lambda: "cuda")
+    # A CPU build of torch (what CI installs) raises where vLLM, built against a CUDA torch, expects
+    # no-ops on a machine without a GPU: its V4 layers create CUDA events for their auxiliary
+    # streams (never used here), its workspace manager empties the accelerator's cache as it grows.
+    mp.setattr(torch.cuda, "Event", CpuEvent)
+    mp.setattr(torch.accelerator, "empty_cache", lambda: None)
+
+
+class CpuEvent:
+    """torch.cuda.Event's interface for a CPU build of torch: nothing to order, all done."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def init_process_state() -> None:
