@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_attn.common import reference
 from dsv4_attn.common.spec import V4_KINDS
 
-from step_cases import StepCase, make_step
+from step_cases import StepCase, filled_cache, make_step
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 CLASSES = ("minus_one", "below_minus_one", "int32_min", "at_count", "past_count", "int32_max")
@@ -137,3 +138,41 @@ def garbage_rows(gen, rows: torch.Tensor, lens: torch.Tensor, count: int, classe
 def clean_rows(rows: torch.Tensor, count: int) -> torch.Tensor:
     """Rows with every entry outside ``[0, count)`` replaced by -1 (the definition of skipping)."""
     return torch.where((rows >= 0) & (rows < count), rows, torch.full_like(rows, -1))
+
+
+@dataclass
+class RawRowsCase:
+    """The kernel entry's inputs with garbage global-slot rows and lengths outside [0, width]:
+    caches (on the device), rows / lengths / q / sink (CPU), and the clean twin's float64 answer
+    ``want`` [T, H, 512] and natural-log ``want_lse`` [T, H] (CPU)."""
+
+    swa: torch.Tensor
+    comp: torch.Tensor
+    rows: torch.Tensor
+    lens: torch.Tensor
+    comp_rows: torch.Tensor
+    comp_lens: torch.Tensor
+    q: torch.Tensor
+    sink: torch.Tensor
+    want: torch.Tensor
+    want_lse: torch.Tensor
+
+
+def raw_rows_case(heads: int, device, classes=CLASSES) -> RawRowsCase:
+    """6 tokens of 24 SWA rows into 96 slots and 40 compressed rows into 80 slots, each class of
+    ``classes`` planted in both, lengths past the row, negative and int32 extremes."""
+    gen = torch.Generator().manual_seed(20)
+    T, W, K = 6, 24, 40
+    swa = filled_cache("fp8_ds_mla", 6, 16, gen, device=device)
+    comp = filled_cache("fp8_ds_mla", 5, 16, gen, device=device)
+    rows = torch.randint(0, 96, (T, W), generator=gen).int()
+    crows = torch.randint(0, 80, (T, K), generator=gen).int()
+    lens = torch.tensor([24, 7, 1000, -5, 24, INT32_MAX], dtype=torch.int32)
+    clens = torch.tensor([40, INT32_MIN, 13, 40, 99, 0], dtype=torch.int32)
+    bad = garbage_rows(gen, rows, lens.clamp(0, W), 96, classes)
+    cbad = garbage_rows(gen, crows, clens.clamp(0, K), 80, classes)
+    q = torch.randn(T, heads, 512, generator=gen).bfloat16()
+    sink = torch.randn(heads, generator=gen)
+    want, want_lse = reference.sparse_mla(q, swa.cpu(), clean_rows(bad, 96), lens.clamp(0, W), comp.cpu(),
+                                          clean_rows(cbad, 80), clens.clamp(0, K), sink, 512**-0.5, "fp8_ds_mla")
+    return RawRowsCase(swa, comp, bad, lens, cbad, clens, q, sink, want, want_lse)

@@ -114,6 +114,16 @@ def test_constructor_rejects_bad_input(over, name):
         StepBatch(**_kwargs(**over))
 
 
+def test_num_tokens_set_to_none_after_check_is_refused_until_check_rereads_it():
+    batch = StepBatch(**_kwargs(num_tokens=6))
+    assert batch.checked_num_tokens == 6
+    batch.num_tokens = None
+    for call in (batch.token_facts, batch.validate):
+        with pytest.raises(ValueError, match=r"^num_tokens: got None since the last check\(\); allowed: an int"):
+            call()
+    assert batch.check().checked_num_tokens == 4  # query_start_loc[-1]
+
+
 @pytest.mark.parametrize("over, name", [
     (dict(query_start_loc=torch.tensor([1, 1, 4], **I32)), "query_start_loc"),
     (dict(query_start_loc=torch.tensor([0, 3, 2], **I32), num_tokens=3), "query_start_loc"),

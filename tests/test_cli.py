@@ -49,6 +49,20 @@ def test_probe_json():
         assert all(c["backend"] == "torch" for c in info["selection"]["choices"].values())
 
 
+def test_probe_locates_a_library_by_its_file_or_its_first_namespace_dir(monkeypatch, tmp_path):
+    from dsv4_attn.common.platform import LibraryInfo, _library_info
+
+    (tmp_path / "regular_pkg").mkdir()
+    (tmp_path / "regular_pkg" / "__init__.py").write_text("")
+    (tmp_path / "namespace_pkg").mkdir()  # no __init__.py: no file, only search directories
+    monkeypatch.syspath_prepend(str(tmp_path))
+    regular = _library_info("regular", "regular_pkg", "no-such-dist-dsv4")
+    assert (regular.found, regular.version) == (True, None)
+    assert regular.location == str(tmp_path / "regular_pkg" / "__init__.py")
+    assert _library_info("ns", "namespace_pkg", "no-such-dist-dsv4").location == str(tmp_path / "namespace_pkg")
+    assert _library_info("absent", "no_such_module_dsv4", "no-such-dist-dsv4") == LibraryInfo("absent", False)
+
+
 def test_probe_says_each_vendor_status_in_words_with_each_reason_once(monkeypatch):
     from dsv4_attn import probe_cli
 

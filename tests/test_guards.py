@@ -27,7 +27,7 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
 
-from garbage_cases import CLASSES, clean_rows, garbage_rows, garbage_step, garbage_value  # noqa: E402
+from garbage_cases import CLASSES, clean_rows, garbage_rows, garbage_step, garbage_value, raw_rows_case  # noqa: E402
 
 import dsv4_attn as dsv4  # noqa: E402
 from dsv4_attn.common import backend as backend_mod  # noqa: E402
@@ -213,30 +213,20 @@ def test_raw_kernel_rows_and_lens_out_of_range(device, impl):
     class and lens outside [0, row width], unsplit and split: the clean twin's answer and lse."""
     from dsv4_attn.portable.kernels.ops import KernelConfig, sparse_mla_fwd
 
-    gen = torch.Generator().manual_seed(20)
-    T, H, W, K = 6, 16, 24, 40
-    swa = filled_cache("fp8_ds_mla", 6, 16, gen, device=device)
-    comp = filled_cache("fp8_ds_mla", 5, 16, gen, device=device)
-    rows = torch.randint(0, 96, (T, W), generator=gen).int()
-    crows = torch.randint(0, 80, (T, K), generator=gen).int()
-    lens = torch.tensor([24, 7, 1000, -5, 24, 2**31 - 1], dtype=torch.int32)
-    clens = torch.tensor([40, -(2**31), 13, 40, 99, 0], dtype=torch.int32)
-    bad = garbage_rows(gen, rows, lens.clamp(0, W), 96)
-    cbad = garbage_rows(gen, crows, clens.clamp(0, K), 80)
-    q = torch.randn(T, H, 512, generator=gen).bfloat16()
-    sink = torch.randn(H, generator=gen)
-    want, want_lse = reference.sparse_mla(q, swa.cpu(), clean_rows(bad, 96), lens.clamp(0, W), comp.cpu(),
-                                          clean_rows(cbad, 80), clens.clamp(0, K), sink, 512**-0.5, "fp8_ds_mla")
-    bad, cbad, lens, clens, q, sink = (x.to(device) for x in (bad, cbad, lens, clens, q, sink))
+    case = raw_rows_case(16, device)
+    bad, cbad, lens, clens, q, sink = (x.to(device) for x in (case.rows, case.comp_rows, case.lens, case.comp_lens,
+                                                              case.q, case.sink))
     for split in (1, 3):
         cfg = KernelConfig(impl="gluon", split=split) if impl == "gluon" else \
             KernelConfig(impl="triton", block_n=16, split=split)
         out = torch.full_like(q, float("nan"))
-        lse = torch.full((T, H), float("nan"), device=device)
-        sparse_mla_fwd(q, out, "fp8_ds_mla", swa, bad, lens, comp, cbad, clens, sink=sink, lse=lse, config=cfg)
+        lse = torch.full(q.shape[:2], float("nan"), device=device)
+        sparse_mla_fwd(q, out, "fp8_ds_mla", case.swa, bad, lens, case.comp, cbad, clens, sink=sink, lse=lse,
+                       config=cfg)
         if HAS_CUDA:
             torch.cuda.synchronize()
-        _check_close(out.cpu(), want)
+        _check_close(out.cpu(), case.want)
+        want_lse = case.want_lse
         fin = torch.isfinite(want_lse)
         assert torch.equal(torch.isfinite(lse).cpu(), fin)
         assert (lse.cpu().double()[fin] - want_lse[fin]).abs().max() < 1e-3

@@ -322,6 +322,7 @@ _C = torch.zeros(3, 8, **I32)
     (lambda: indices.merged_rows(_R, _L, _C[:2], _L), "comp_rows"),
     (lambda: indices.merged_rows(_R, _L, _C.float(), _L), "comp_rows"),
     (lambda: indices.merged_rows(_R, _L, _C, None), "comp_lens"),
+    (lambda: indices.merged_rows(_R, _L, None, _L), "comp_lens"),  # lens of an SWA-only layer
     (lambda: indices.merged_rows(_R, _L, _C, _L.to("meta")), "comp_lens"),
     (lambda: indices.ragged(_R[0], _L), "rows"),
     (lambda: indices.ragged(_R.float(), _L), "rows"),

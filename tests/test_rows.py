@@ -274,6 +274,16 @@ def test_plan_refuses_rows_that_do_not_fit_the_model(gen, make, match):
         dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch", max_tokens=8).plan(rows)
 
 
+def test_num_tokens_set_to_none_after_check_is_refused_until_check_defaults_it(gen):
+    _, rows = _good(gen)
+    rows.num_tokens = None
+    for call in (rows.token_facts, rows.validate):
+        with pytest.raises(ValueError, match=r"^num_tokens: got None since the last check\(\); allowed: an int"):
+            call()
+    T = len(_tokens()) + PAD
+    assert _with(rows, swa_rows=rows.swa_rows[:T], num_tokens=None).checked_num_tokens == T  # the default
+
+
 def test_validate_reads_the_values(gen):
     case, rows = _good(gen)
     mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")

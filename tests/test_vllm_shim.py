@@ -508,12 +508,13 @@ def test_unpredicted_plan_buffers_are_allocated_loudly(stack, caplog):
 
 
 # ---- engine-start refusals and the backend choice ----------------------------------------------
-def build_layer(config, index: int = 1):
-    """One attention layer of ``config``'s model through the hook and vLLM's __init__."""
+def build_layer(config, index: int = 1, model_module=None):
+    """One attention layer of ``config``'s model through the hook and vLLM's __init__;
+    ``model_module``: the model's CUDA module (default DeepSeek-V4's, cuda_model_module())."""
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(config):
-        cls = cuda_model_module()._select_dsv4_attn_cls(config)
+        cls = (model_module or cuda_model_module())._select_dsv4_attn_cls(config)
         topk = torch.empty(vllm_stack.MAX_TOKENS, vllm_stack.TOPK, dtype=torch.int32)
         return cls(config, prefix=f"model.layers.{index}.attn", topk_indices_buffer=topk)
 
@@ -681,15 +682,6 @@ def test_v41_kv_format_follows_vllms_record(mxfp8, dtype, fmt):
     assert shim.DSv41AttnLayerMixin.dsv4_kv_format(layer) is fmt
 
 
-def build_v41_layer(config, index: int = 1):
-    from vllm.config import set_current_vllm_config
-
-    with set_current_vllm_config(config):
-        cls = v41_model_module()._select_dsv4_attn_cls(config)
-        topk = torch.empty(vllm_stack.MAX_TOKENS, vllm_stack.TOPK, dtype=torch.int32)
-        return cls(config, prefix=f"model.layers.{index}.attn", topk_indices_buffer=topk)
-
-
 @pytest.mark.parametrize("setting, match", [
     (lambda c: setattr(c, "additional_config", {"decode_backend": "latency_specialized"}),
      "additional_config decode_backend='latency_specialized': DeepSeek-V4.1's specialized decode"),
@@ -699,7 +691,7 @@ def test_v41_engine_start_refusals(built_stack41, model_dir41, setting, match):
     config = vllm_stack.vllm_config(model_dir41, speculative=False, block_size=64)
     setting(config)
     with pytest.raises(ValueError, match=f"dsv4_attn cannot serve model.layers.1.attn .*\n  - {match}"):
-        build_v41_layer(config)
+        build_layer(config, model_module=v41_model_module())
 
 
 def test_v41_dspark_is_refused():

@@ -187,7 +187,7 @@ class StepBatch:
         if (qlen < 0).any():
             r = int((qlen < 0).nonzero()[0])
             raise ValueError(f"query_start_loc: got decreasing offsets at request {r}; allowed: non-decreasing")
-        if int(qsl[-1]) > self.num_tokens:
+        if int(qsl[-1]) > self.checked_num_tokens:
             raise ValueError(
                 f"num_tokens: got {self.num_tokens}; allowed: >= query_start_loc[-1] = {int(qsl[-1])}"
             )
@@ -229,6 +229,15 @@ class StepBatch:
     def device(self) -> torch.device:
         return self.query_start_loc.device
 
+    @property
+    def checked_num_tokens(self) -> int:
+        """``num_tokens`` as the last :meth:`check` left it (construction and every ``plan()``
+        run it): never None, unless set to None since."""
+        if self.num_tokens is None:
+            raise ValueError("num_tokens: got None since the last check(); allowed: an int, or call check() "
+                             "to re-read query_start_loc[-1]")
+        return self.num_tokens
+
     def comp_block_size(self, kind: LayerKind) -> int:
         """Entries per compressed-cache block of a compressed layer kind: block_size // ratio."""
         kind = LayerKind.parse(kind)
@@ -257,7 +266,7 @@ class StepBatch:
     def token_facts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions int64 [T], token_to_req int32 [T], token_valid bool [T]) computed now from
         the tensors' current contents (never cached: engines rewrite them in place)."""
-        t = torch.arange(self.num_tokens, device=self.device, dtype=torch.int64)
+        t = torch.arange(self.checked_num_tokens, device=self.device, dtype=torch.int64)
         qsl = self.query_start_loc.long()
         req = torch.searchsorted(qsl, t, right=True) - 1
         valid = t < qsl[-1]

@@ -46,8 +46,9 @@ def _lookup_slots(table: torch.Tensor, req: torch.Tensor, logical: torch.Tensor,
 
 
 def _check_ints(name: str, t, shape: tuple, device: torch.device | None = None,
-                dtypes: tuple = (torch.int32,)) -> None:
-    """``t`` must be a tensor of one of ``dtypes`` with ``shape`` (None: any extent) on ``device``."""
+                dtypes: tuple = (torch.int32,)) -> torch.Tensor:
+    """``t`` must be a tensor of one of ``dtypes`` with ``shape`` (None: any extent) on ``device``;
+    returns it (typed: callers narrow an optional argument through the check)."""
     ok = isinstance(t, torch.Tensor) and t.dtype in dtypes and t.dim() == len(shape) and all(
         want is None or got == want for got, want in zip(t.shape, shape))
     if not ok:
@@ -56,6 +57,7 @@ def _check_ints(name: str, t, shape: tuple, device: torch.device | None = None,
         raise ValueError(f"{name}: got {got}; allowed: {' or '.join(map(str, dtypes))} [{dims}]")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: got device {t.device}; allowed: {device}")
+    return t
 
 
 def _emit(rows64: torch.Tensor, lens: torch.Tensor, out: IndexPair | None) -> IndexPair:
@@ -119,10 +121,10 @@ def swa_rows_for(tokens: Tokens, table: torch.Tensor, block_size: int, window: i
 
 
 def check_local_topk(local_topk, num_tokens: int, device: torch.device, name: str = "topk",
-                     width: int | None = None) -> None:
+                     width: int | None = None) -> torch.Tensor:
     """``local_topk`` (the argument ``name``) is int32/int64 ``[T' >= num_tokens, width]`` on
     ``device`` (``width`` None: any; the model's top-k width otherwise, so a narrower row never
-    silently drops keys)."""
+    silently drops keys); returns it."""
     want = "K" if width is None else str(width)
     if not isinstance(local_topk, torch.Tensor) or local_topk.dtype not in (torch.int32, torch.int64) \
             or local_topk.dim() != 2 or local_topk.shape[0] < num_tokens \
@@ -133,6 +135,7 @@ def check_local_topk(local_topk, num_tokens: int, device: torch.device, name: st
                          "positions" + ("" if width is None else f" ({width} = the model's top-k width)"))
     if local_topk.device != device:
         raise ValueError(f"{name}: got device {local_topk.device}; allowed: {device}")
+    return local_topk
 
 
 def topk_rows(batch: StepBatch, kind: LayerKind, local_topk: torch.Tensor,
@@ -147,9 +150,10 @@ def topk_rows(batch: StepBatch, kind: LayerKind, local_topk: torch.Tensor,
     kind = LayerKind.parse(kind)
     if not kind.uses_topk:
         raise ValueError(f"kind: got {kind.name}; allowed: a top-k layer kind (C4A, C1A, C2A)")
-    check_local_topk(local_topk, batch.num_tokens, batch.device, name)
+    T = batch.checked_num_tokens
+    check_local_topk(local_topk, T, batch.device, name)
     return comp_rows_for(Tokens.of(batch), kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
-                         local_topk[: batch.num_tokens], out)
+                         local_topk[:T], out)
 
 
 def validate_local_topk(tokens: Tokens, local_topk: torch.Tensor, ratio: int, name: str = "topk") -> None:
@@ -244,14 +248,14 @@ def merged_rows(swa_rows: torch.Tensor, swa_lens: torch.Tensor, comp_rows: torch
     T, W = swa_rows.shape
     dev = swa_rows.device
     _check_ints("swa_lens", swa_lens, (T,), dev, _LEN_DTYPES)
-    if comp_rows is not None:
-        _check_ints("comp_rows", comp_rows, (T, None), dev)
-        _check_ints("comp_lens", comp_lens, (T,), dev, _LEN_DTYPES)
-    elif comp_lens is not None:
-        raise ValueError("comp_lens: got a tensor without comp_rows; allowed: None for SWA-only layers")
-    swa, _ = compact_rows(swa_rows, swa_lens)
     if comp_rows is None:
+        if comp_lens is not None:
+            raise ValueError("comp_lens: got a tensor without comp_rows; allowed: None for SWA-only layers")
+        swa, _ = compact_rows(swa_rows, swa_lens)
         return swa.contiguous(), torch.full_like(swa_lens, W, dtype=torch.int32)
+    _check_ints("comp_rows", comp_rows, (T, None), dev)
+    comp_lens = _check_ints("comp_lens", comp_lens, (T,), dev, _LEN_DTYPES)
+    swa, _ = compact_rows(swa_rows, swa_lens)
     K = comp_rows.shape[1]
     comp, count = compact_rows(comp_rows, comp_lens)
     rows = torch.full((T, W + round_up(K, 4)), -1, dtype=torch.int32, device=dev)

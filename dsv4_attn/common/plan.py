@@ -59,14 +59,13 @@ class PlanBuffers:
 
     @classmethod
     def allocate(cls, spec: ModelSpec, max_tokens: int, device: torch.device) -> PlanBuffers:
-        i32 = dict(dtype=torch.int32, device=device)
         return cls(
             spec=spec,
             positions=torch.zeros(max_tokens, dtype=torch.int64, device=device),
-            token_to_req=torch.zeros(max_tokens, **i32),
+            token_to_req=torch.zeros(max_tokens, dtype=torch.int32, device=device),
             token_valid=torch.zeros(max_tokens, dtype=torch.bool, device=device),
-            swa_rows=torch.full((max_tokens, spec.window), -1, **i32),
-            swa_lens=torch.zeros(max_tokens, **i32),
+            swa_rows=torch.full((max_tokens, spec.window), -1, dtype=torch.int32, device=device),
+            swa_lens=torch.zeros(max_tokens, dtype=torch.int32, device=device),
         )
 
     @property
@@ -203,9 +202,11 @@ class StepPlan:
             what = "StepRows has no GlobalRows" if isinstance(self.batch, StepRows) else "batch has no table"
             raise ValueError(f"comp: the step's {what} for ratio {kind.ratio}; allowed: provide ratio "
                              f"{kind.ratio} (comp_block_tables / StepRows.comp) to run {kind.name} layers")
-        check_local_topk(topk, self.num_tokens, self.device, width=self.spec.comp_width(kind))
-        return self.front_end.topk_rows(self.tokens, kind, self.batch.comp_block_table(kind),
-                                        self.batch.comp_block_size(kind), topk[: self.num_tokens])
+        topk = check_local_topk(topk, self.num_tokens, self.device, width=self.spec.comp_width(kind))
+        table = self.batch.comp_block_table(kind)
+        block_size = self.batch.comp_block_size(kind)
+        assert block_size is not None  # comp_block_table raised unless the ratio has a block table
+        return self.front_end.topk_rows(self.tokens, kind, table, block_size, topk[: self.num_tokens])
 
     def phase_plan(self, phase) -> StepPlan:
         """Sub-plan of the decode tokens [0, num_decode_tokens) or the rest (prefill + padding)."""
@@ -229,7 +230,7 @@ def check_step(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers) -> None:
     """Every check a step must pass before ``build_plan`` writes the buffers (host only): a
     refused step leaves the previous plan valid."""
     batch.check()
-    if batch.num_tokens > buffers.max_tokens:
+    if batch.checked_num_tokens > buffers.max_tokens:
         raise ValueError(f"batch.num_tokens: got {batch.num_tokens}; allowed: <= max_tokens ({buffers.max_tokens}) "
                          "of this SparseMLA (raise max_tokens)")
     if batch.max_model_len > spec.max_model_len:
@@ -249,9 +250,12 @@ def build_plan(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers, owner: A
     """Fill ``buffers`` for ``batch`` (which passed :func:`check_step`) with ``front_end``
     (default torch; no host sync given batch.num_tokens) and view them."""
     front_end = front_end or TorchFrontEnd()
-    T = batch.num_tokens
+    T = batch.checked_num_tokens
     front_end.step_rows(batch, buffers, T)
-    all_rows = {k.ratio: tuple(t[:T] for t in buffers.rows_of(k)) for k in buffers.all_kinds(batch)}
+    all_rows: dict[int, IndexPair] = {}
+    for kind in buffers.all_kinds(batch):
+        rows, lens = buffers.rows_of(kind)
+        all_rows[kind.ratio] = (rows[:T], lens[:T])
     return StepPlan(spec, batch, owner, generation, 0, T, batch.num_decode_tokens, buffers.positions[:T],
                     buffers.token_to_req[:T], buffers.token_valid[:T], buffers.swa_rows[:T], buffers.swa_lens[:T],
                     all_rows, front_end)
@@ -262,7 +266,7 @@ def build_rows_plan(spec: ModelSpec, rows: StepRows, buffers: PlanBuffers, owner
     """A plan over ready-made rows (which passed ``rows.check()`` and ``rows.check_model(spec)``):
     the per-token facts are copied into ``buffers`` (positions cast to int64; a few bytes per
     token), the rows are views of the caller's tensors (no copy, no host sync)."""
-    T = rows.num_tokens
+    T = rows.checked_num_tokens
     for buf, fact in zip((buffers.positions, buffers.token_to_req, buffers.token_valid), rows.token_facts()):
         buf[:T].copy_(fact)
     comp = {r: (e.rows[:T], e.lens[:T]) for r, e in rows.comp.items() if isinstance(e, GlobalRows)}

@@ -169,7 +169,7 @@ def _library_info(key: str, module: str, dist: str) -> LibraryInfo:
         version = importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         version = None
-    location = spec.origin or (list(spec.submodule_search_locations or []) or [None])[0]
+    location = spec.origin or next(iter(spec.submodule_search_locations or []), None)
     return LibraryInfo(key, True, version, location)
 
 

@@ -31,24 +31,28 @@ from .spec import HEAD_DIM
 
 _TOKEN_CHUNK = 64  # bounds the float64 [chunk, keys, 512] gather
 _INTS = (torch.int32, torch.int64)
+# one attended scope: (argument prefix "swa" / "comp", cache, rows int [T, K], lens int [T], record, dialect)
+_Scope = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, Record, Fp8Dialect]
 
 
-def _check_inputs(q, scopes, sink, scale, validate: bool) -> None:
+def _check_inputs(q, scopes, sink, scale, validate: bool) -> list[_Scope]:
     """Shapes, dtypes and devices of every argument; with ``validate`` also the slot ranges
-    (entries inside lens)."""
+    (entries inside lens). Returns the scopes, checked."""
     if not isinstance(q, torch.Tensor) or not q.is_floating_point() or q.dim() != 3 or q.shape[2] != HEAD_DIM:
         got = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
         raise ValueError(f"q: got {got}; allowed: a float tensor [T, H, {HEAD_DIM}]")
     T, H, dev = q.shape[0], q.shape[1], q.device
+    checked: list[_Scope] = []
     for prefix, cache, rows, lens, record, dialect in scopes:
         geo = check_cache(cache, record, f"{prefix}_cache", dialect)
         if cache.device != dev:
             raise ValueError(f"{prefix}_cache: got device {cache.device}; allowed: {dev} (q's device)")
-        _check_ints(f"{prefix}_rows", rows, (T, None), dev, _INTS)
-        _check_ints(f"{prefix}_lens", lens, (T,), dev, _INTS)
+        rows = _check_ints(f"{prefix}_rows", rows, (T, None), dev, _INTS)
+        lens = _check_ints(f"{prefix}_lens", lens, (T,), dev, _INTS)
         if validate:
             col = torch.arange(rows.shape[1], device=dev)[None, :]
             _check_slots(torch.where(col < lens[:, None], rows, -1), f"{prefix}_rows", dev, geo.num_slots)
+        checked.append((prefix, cache, rows, lens, record, dialect))
     if sink is not None and not (isinstance(sink, torch.Tensor) and sink.is_floating_point()
                                  and sink.shape == (H,) and sink.device == dev):
         got = f"{sink.dtype} {tuple(sink.shape)} on {sink.device}" if isinstance(sink, torch.Tensor) \
@@ -56,6 +60,7 @@ def _check_inputs(q, scopes, sink, scale, validate: bool) -> None:
         raise ValueError(f"sink: got {got}; allowed: None or a float tensor [{H}] on {dev}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
         raise ValueError(f"scale: got {scale!r}; allowed: a finite float > 0")
+    return checked
 
 
 def _scope_keys(cache, record: Record, rows, lens, kv_scale, dialect, name):
@@ -100,10 +105,10 @@ def sparse_mla(
     """
     fmt = KVFormat.parse(fmt)
     swa_dialect, comp_dialect = Fp8Dialect.parse(swa_dialect), Fp8Dialect.parse(comp_dialect)
-    scopes = [("swa", swa_cache, swa_rows, swa_lens, fmt.swa_record, swa_dialect)]
+    given: list[tuple] = [("swa", swa_cache, swa_rows, swa_lens, fmt.swa_record, swa_dialect)]  # unchecked
     if comp_cache is not None:
-        scopes.append(("comp", comp_cache, comp_rows, comp_lens, fmt.comp_record, comp_dialect))
-    _check_inputs(q, scopes, sink, scale, validate)
+        given.append(("comp", comp_cache, comp_rows, comp_lens, fmt.comp_record, comp_dialect))
+    scopes = _check_inputs(q, given, sink, scale, validate)
     scale_kv = 1.0 if kv_scale is None else float(kv_scale)
     T, H, _ = q.shape
     out = torch.zeros(T, H, q.shape[-1], dtype=dtype, device=q.device)
@@ -111,13 +116,10 @@ def sparse_mla(
     sink_d = None if sink is None else sink.to(dtype)
     for t0 in range(0, T, _TOKEN_CHUNK):
         t1 = min(T, t0 + _TOKEN_CHUNK)
-        keys, valid = _scope_keys(swa_cache, fmt.swa_record, swa_rows[t0:t1], swa_lens[t0:t1], scale_kv,
-                                  swa_dialect, "swa_cache")
-        if comp_cache is not None:
-            ck, cv = _scope_keys(comp_cache, fmt.comp_record, comp_rows[t0:t1], comp_lens[t0:t1], scale_kv,
-                                 comp_dialect, "comp_cache")
-            keys, valid = torch.cat([keys, ck], dim=1), torch.cat([valid, cv], dim=1)
-        keys = keys.to(dtype)
+        parts = [_scope_keys(cache, record, rows[t0:t1], lens[t0:t1], scale_kv, dialect, f"{prefix}_cache")
+                 for prefix, cache, rows, lens, record, dialect in scopes]
+        keys = torch.cat([k for k, _ in parts], dim=1).to(dtype)
+        valid = torch.cat([v for _, v in parts], dim=1)
         scores = scale * torch.einsum("thd,tkd->thk", q[t0:t1].to(dtype), keys)
         scores = scores.masked_fill(~valid[:, None, :], -math.inf)
         chunk_lse = torch.logsumexp(scores, dim=-1)  # -inf for empty rows, NaN for NaN keys

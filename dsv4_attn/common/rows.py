@@ -179,8 +179,10 @@ class StepRows:
         ratios -> slots of the caches the rows index) every slot inside a length is -1 or in
         [0, num_slots)."""
         num_slots = num_slots or {}
-        T = self.num_tokens
-        scopes = [("swa", "swa_rows", "swa_lens", self.swa_rows, self.swa_lens)]
+        T = self.checked_num_tokens
+        # (key of num_slots: "swa" or a ratio, rows' name, lens' name, rows, lens)
+        scopes: list[tuple[str | int, str, str, torch.Tensor, torch.Tensor]] = [
+            ("swa", "swa_rows", "swa_lens", self.swa_rows, self.swa_lens)]
         scopes += [(r, f"comp[{r}].rows", f"comp[{r}].lens", e.rows, e.lens)
                    for r, e in self.comp.items() if isinstance(e, GlobalRows)]
         for key, rows_name, lens_name, rows, lens in scopes:
@@ -204,6 +206,7 @@ class StepRows:
             raise ValueError(f"positions: got {int(pos.min())}; allowed: >= 0")
         tables = {r: e for r, e in self.comp.items() if isinstance(e, TopkTable)}
         if tables:
+            assert self.token_to_req is not None  # check() refuses a TopkTable without token_to_req
             req = self.token_to_req[:T].cpu().long()
             R = min(e.block_table.shape[0] for e in tables.values())
             bad = (req < -1) | (req >= R)
@@ -217,6 +220,15 @@ class StepRows:
     @property
     def device(self) -> torch.device:
         return self.swa_rows.device
+
+    @property
+    def checked_num_tokens(self) -> int:
+        """``num_tokens`` as the last :meth:`check` left it (construction and every ``plan()``
+        run it): never None, unless set to None since."""
+        if self.num_tokens is None:
+            raise ValueError("num_tokens: got None since the last check(); allowed: an int, or call check() "
+                             "to default it to swa_rows.shape[0]")
+        return self.num_tokens
 
     swa_block_size = None  # SWA rows are global slots: any cache block size
 
@@ -242,7 +254,7 @@ class StepRows:
     def token_facts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions int64 [T], token_to_req int32 [T], token_valid bool [T]): padding tokens
         (request -1) are invalid; without token_to_req every token is valid, request 0."""
-        T = self.num_tokens
+        T = self.checked_num_tokens
         pos = self.positions[:T].long()
         if self.token_to_req is None:
             req = torch.zeros(T, dtype=torch.int32, device=self.device)

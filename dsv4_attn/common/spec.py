@@ -331,10 +331,11 @@ class ModelSpec:
                 source = below[-1] if below else index
             layers.append(Layer(index, kind, source, mtp=index >= num_hidden))
         for layer in layers:
-            if layer.shares_comp_cache and layers[layer.comp_source].kind.ratio != layer.kind.ratio:
+            owner = layers[layer.comp_source] if layer.comp_source is not None else layer
+            if owner.kind.ratio != layer.kind.ratio:
                 raise ValueError(f"kv_source_layer_ids: layer {layer.index} ({layer.kind.name}) would share the "
-                                 f"compressed cache of layer {layer.comp_source} "
-                                 f"({layers[layer.comp_source].kind.name}); allowed: sources of the same ratio")
+                                 f"compressed cache of layer {owner.index} ({owner.kind.name}); allowed: sources "
+                                 "of the same ratio")
         for name in ("head_dim", "qk_rope_head_dim"):
             if name in cfg:
                 want = HEAD_DIM if name == "head_dim" else ROPE_DIM

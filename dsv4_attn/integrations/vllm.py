@@ -307,18 +307,24 @@ def _subclass(base: type, mixin: type) -> type:
     return type(name, (mixin, base), {"__module__": __name__, "__doc__": doc})
 
 
-def _patch_cuda_model(module) -> None:
-    """Wrap the CUDA model module's layer-class selection (idempotent)."""
+def _wrap_selection(module, choose: Callable[[Any, Callable[[Any], type]], type]) -> None:
+    """Route ``module._select_dsv4_attn_cls(vllm_config)`` through ``choose(vllm_config, vLLM's
+    own selection)`` (idempotent: a wrapped selection is left as it is)."""
     select = module._select_dsv4_attn_cls
     if getattr(select, "_dsv4_attn_hook", False):
         return
 
     @functools.wraps(select)
     def _select_dsv4_attn_cls(vllm_config):
-        return layer_class_for(vllm_config, select(vllm_config))
+        return choose(vllm_config, select)
 
     _select_dsv4_attn_cls._dsv4_attn_hook = True
     module._select_dsv4_attn_cls = _select_dsv4_attn_cls
+
+
+def _patch_cuda_model(module) -> None:
+    """Wrap the CUDA model module's layer-class selection."""
+    _wrap_selection(module, lambda vllm_config, select: layer_class_for(vllm_config, select(vllm_config)))
 
 
 def _patch_rocm_model(module) -> None:
@@ -344,32 +350,19 @@ def _patch_rocm_model(module) -> None:
 
 
 def _patch_v41_cuda_model(module) -> None:
-    """Wrap DeepSeek-V4.1's CUDA layer-class selection (idempotent)."""
-    select = module._select_dsv4_attn_cls
-    if getattr(select, "_dsv4_attn_hook", False):
-        return
-
-    @functools.wraps(select)
-    def _select_dsv4_attn_cls(vllm_config):
-        return v41_layer_class_for(vllm_config, select(vllm_config), module.DeepseekV4FlashMLAAttention)
-
-    _select_dsv4_attn_cls._dsv4_attn_hook = True
-    module._select_dsv4_attn_cls = _select_dsv4_attn_cls
+    """Wrap DeepSeek-V4.1's CUDA layer-class selection."""
+    _wrap_selection(module, lambda vllm_config, select: v41_layer_class_for(
+        vllm_config, select(vllm_config), module.DeepseekV4FlashMLAAttention))
 
 
 def _patch_v41_rocm_model(module) -> None:
-    """DeepSeek-V4.1's ROCm layer selection refuses while the plugin is on (idempotent)."""
-    select = module._select_dsv4_attn_cls
-    if getattr(select, "_dsv4_attn_hook", False):
-        return
+    """DeepSeek-V4.1's ROCm layer selection refuses while the plugin is on (before vLLM selects)."""
 
-    @functools.wraps(select)
-    def _select_dsv4_attn_cls(vllm_config):
+    def choose(vllm_config, select):
         refuse_v41_rocm(vllm_config)
         return select(vllm_config)
 
-    _select_dsv4_attn_cls._dsv4_attn_hook = True
-    module._select_dsv4_attn_cls = _select_dsv4_attn_cls
+    _wrap_selection(module, choose)
 
 
 _hooks: dict[str, _PatchAfterImport] = {}

@@ -2,8 +2,8 @@
 target, with exactly the constexprs and options the launcher uses (``ops.portable_constexprs``,
 ``ops.launch_options``), and read what decides its speed from the binary: AMD (``GPUTarget("hip",
 arch, 64)``, PyPI Triton's AMD backend): LDS bytes, VGPR / AGPR / SGPR counts, spills, scratch;
-NVIDIA (sm_90a): ptxas' registers and spills, SASS instruction count. Used by triton_amd.py,
-triton_sass.py and tests/test_amd_compile.py. Needs a real (not interpreted) Triton: run it in
+NVIDIA (sm_90a): ptxas' report and the SASS (``ptxas_and_sass``). Used by triton_amd.py (which
+tests/test_amd_compile.py runs) and triton_sass.py. Needs a real (not interpreted) Triton: run it in
 a process without ``TRITON_INTERPRET``.
 """
 
@@ -82,9 +82,9 @@ def amd_resources(kernel) -> dict:
             "scratch": _amd_field(asm, "private_segment_fixed_size")}
 
 
-def cuda_resources(kernel) -> dict:
-    """ptxas' registers and spill bytes (sm_90a) and the SASS instruction count of a CUDA
-    CompiledKernel, with Triton's bundled ptxas / nvdisasm."""
+def ptxas_and_sass(kernel) -> tuple[str, str]:
+    """(ptxas -v's report, nvdisasm's SASS) of a CUDA CompiledKernel for sm_90a, with Triton's
+    bundled ptxas / nvdisasm."""
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
@@ -95,9 +95,4 @@ def cuda_resources(kernel) -> dict:
         report = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
                                  os.path.join(tmp, "v.cubin")], capture_output=True, text=True).stderr
         sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
-    regs = re.search(r"Used (\d+) registers", report)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    return {"registers": int(regs.group(1)) if regs else None,
-            "spill_stores": int(spill.group(1)) if spill else None,
-            "spill_loads": int(spill.group(2)) if spill else None,
-            "smem": kernel.metadata.shared, "sass": sass.count(";")}
+    return report, sass

@@ -40,7 +40,7 @@ if DEVICE == "cpu":
 IS_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from garbage_cases import CLASSES, clean_rows, garbage_rows, garbage_step  # noqa: E402
+from garbage_cases import CLASSES, garbage_step, raw_rows_case  # noqa: E402
 
 import dsv4_attn as dsv4  # noqa: E402
 from dsv4_attn.common import backend as backend_mod  # noqa: E402
@@ -48,8 +48,6 @@ from dsv4_attn.common import reference  # noqa: E402
 from dsv4_attn.common.backend import Phase  # noqa: E402
 from dsv4_attn.portable.kernels.ops import KernelConfig, sparse_mla_fwd  # noqa: E402
 from dsv4_attn.portable.triton_backend import TritonBackend  # noqa: E402
-
-from step_cases import filled_cache  # noqa: E402
 
 RESULTS: Counter = Counter()
 FAILED: list[str] = []
@@ -136,28 +134,15 @@ def check_step(cls: str, names: dict[str, str]) -> None:
 
 def check_raw_rows(cls: str) -> None:
     """Global slot rows (SWA and compressed) with out-of-range slots, lens past the row."""
-    gen = torch.Generator().manual_seed(20)
-    T, H, W, K = 6, 64, 24, 40
-    swa = filled_cache("fp8_ds_mla", 6, 16, gen, device=DEVICE)
-    comp = filled_cache("fp8_ds_mla", 5, 16, gen, device=DEVICE)
-    rows = torch.randint(0, 96, (T, W), generator=gen).int()
-    crows = torch.randint(0, 80, (T, K), generator=gen).int()
-    lens = torch.tensor([24, 7, 1000, -5, 24, 2**31 - 1], dtype=torch.int32)
-    clens = torch.tensor([40, -(2**31), 13, 40, 99, 0], dtype=torch.int32)
-    bad, cbad = garbage_rows(gen, rows, lens.clamp(0, W), 96, (cls,)), garbage_rows(gen, crows, clens.clamp(0, K), 80,
-                                                                                     (cls,))
-    q = torch.randn(T, H, 512, generator=gen).bfloat16()
-    sink = torch.randn(H, generator=gen)
-    want, _ = reference.sparse_mla(q, swa.cpu(), clean_rows(bad, 96), lens.clamp(0, W), comp.cpu(),
-                                   clean_rows(cbad, 80), clens.clamp(0, K), sink, 512**-0.5, "fp8_ds_mla")
+    case = raw_rows_case(64, DEVICE, (cls,))
+    on = [x.to(DEVICE) for x in (case.q, case.rows, case.lens, case.comp_rows, case.comp_lens, case.sink)]
     for impl in ["triton"] + (["gluon"] if IS_SM90 else []):
         for split in (1, 3):
-            out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-            on = [x.to(DEVICE) for x in (q, bad, lens, cbad, clens, sink)]
-            sparse_mla_fwd(on[0], out, "fp8_ds_mla", swa, on[1], on[2], comp, on[3], on[4], sink=on[5],
+            out = torch.full_like(on[0], float("nan"))
+            sparse_mla_fwd(on[0], out, "fp8_ds_mla", case.swa, on[1], on[2], case.comp, on[3], on[4], sink=on[5],
                            config=KernelConfig(impl=impl, split=split))
             sync()
-            ok, note = compare(out, want)
+            ok, note = compare(out, case.want)
             record(cls, f"{'portable' if impl == 'triton' else impl} global rows, split {split}", ok, note)
 
 

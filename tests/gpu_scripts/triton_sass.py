@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import tempfile
+import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from dsv4_attn.portable.kernels import hopper
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from portable_build import ptxas_and_sass  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32", "A_U8": "*u8", "B_U8": "*u8",
             "A_ROWS": "*i32", "A_LENS": "*i32", "B_ROWS": "*i32", "B_LENS": "*i32", "BT": "*i32",
@@ -45,18 +48,8 @@ def main() -> None:
     attrs = {(i,): [["tt.divisibility", 16]] for i, prm in enumerate(fn.params) if prm.name in DIV16}
     kernel = triton.compile(GluonASTSource(fn, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG))
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        report = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
-                                 os.path.join(tmp, "v.cubin")], capture_output=True, text=True)
-        sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", cubin], capture_output=True,
-                              text=True).stdout
-    print("\n".join(line for line in report.stderr.splitlines() if "stack" in line or "egisters" in line
+    report, sass = ptxas_and_sass(kernel)
+    print("\n".join(line for line in report.splitlines() if "stack" in line or "egisters" in line
                     or "C75" in line))
     print(f"shared memory {kernel.metadata.shared} B; HGMMA {sass.count('HGMMA')}, "
           f"WARPGROUP.DEPBAR {sass.count('WARPGROUP.DEPBAR')}, local loads/stores "
