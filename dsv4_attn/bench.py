@@ -21,12 +21,26 @@ portable one everywhere) compiled with and without its index range checks (out-o
 skipped, never read: docs/bad-input.md) on the same case, interleaved A-B-B-A, and prints the
 checks' cost in percent (target < 1 %) and whether both builds gave the same bits.
 
+``--mode step`` times one whole decode step of DeepSeek-V4-Flash (``v4-flash``: 64 heads, top-k
+512, 43 layers: 0-1 window only, then C4A on even and C128A on odd layers, per the public model
+card) and DeepSeek-V4-Pro (``v4-pro``: 128 heads, top-k 1024, 61 layers: 0-1 C128A, then C4A /
+C128A alternating; from third-party summaries of its config, not its config.json), the layer
+list built by ``ModelSpec.from_hf_config`` (the MTP draft layer left out: it runs in the
+drafter's own forward). One step = ``plan()`` once + every attention layer, captured as ONE
+graph, for ``auto`` (``SparseMLA(backend="auto")``), each ``--backends`` name and FlashMLA driven
+the way vLLM 0.33 drives it (``flashmla_vllm_step_runner``: its per-step metadata, a C4A layer's
+top-k translation and the raw ``sparse_decode_fwd`` per layer); it prints µs per step and per
+layer and each one's speed-up over FlashMLA-as-vLLM (target: auto >= 1.2x). Every layer owns
+its SWA cache and C128A cache; the C4A layers share one compressed cache (memory), each with
+its own top-k and q. On ``--device cpu`` it runs the torch backend at context lengths <= 2048.
+
 FlashMLA is timed through ``SparseMLA(..., backend="flashmla")`` when that backend is usable
 (so its adapter is timed too); otherwise through the raw op ``torch.ops._flashmla_C`` from
 ``$DSV4_ATTN_FLASHMLA_LIB`` or ``.flashmla/_flashmla_C.abi3.so`` (noted in the output: raw
 prefill then times the kernel on a ready bf16 workspace, without the gather).
 
     dsv4-attn bench --mode decode --batches 2 64 128 256 --json out.json --png out.png
+    dsv4-attn bench --mode step --backends triton flashmla --batches 64 128 256 --json step.json
     dsv4-attn bench --configs v41 --format fp8_ds_mla mxfp8_ds_mla nvfp4_ds_mla --json v41.json
 """
 
@@ -47,7 +61,7 @@ import torch
 from .common import choices
 from .common.batch import StepBatch
 from .common.layout import KVFormat, Record, new_cache
-from .common.spec import LayerKind, ModelSpec
+from .common.spec import HEAD_DIM, LayerKind, ModelSpec
 
 # ---- production configurations ----------------------------------------------------------------
 
@@ -106,7 +120,9 @@ def runs_in(kind: LayerKind, fmt: KVFormat) -> bool:
 
 
 # --configs groups: which configs each takes
-CONFIG_GROUPS = {"v4": lambda cfg: cfg.kind not in V41_KINDS, "v41": lambda cfg: cfg.kind in V41_KINDS}
+# (a whole-step model has no single kind: the V4 models are 'v4')
+CONFIG_GROUPS = {"v4": lambda cfg: getattr(cfg, "kind", None) not in V41_KINDS,
+                 "v41": lambda cfg: getattr(cfg, "kind", None) in V41_KINDS}
 
 
 def select_configs(table: dict, names: list[str] | None) -> list[str]:
@@ -228,10 +244,10 @@ def _samples(fn, reps: int, flush, warmup: int = 3, device: torch.device | None 
 
 def time_callable(fn, reps: int, flush, graph: bool, device: torch.device | None = None) -> Timing:
     """``reps`` timed runs of ``fn``: CUDA-graph replays when ``graph`` (eager launches when the
-    capture fails), else eager calls; on the CPU always eager, with no flush."""
+    capture fails), else eager calls; on the CPU always eager, with no flush and one warm-up run."""
     device = device or torch.device("cuda")
     if device.type == "cpu":
-        return Timing.of(_samples(fn, reps, None, device=device), "eager")
+        return Timing.of(_samples(fn, reps, None, warmup=1, device=device), "eager")
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -347,17 +363,14 @@ def _spec(heads: int, kind: LayerKind, topk: int, max_model_len: int) -> ModelSp
     return ModelSpec(num_heads=heads, topk=topk, max_model_len=max_model_len, layers=layers)
 
 
-def make_decode_case(cfg: DecodeConfig, b: int, s_q: int, device, fmt: KVFormat = KVFormat.MODEL1_FP8,
-                     seed: int = 0) -> Case:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    torch.manual_seed(seed)
-    R, T, W = b, b * s_q, 128
-    if cfg.kind.uses_topk:
-        seq = [cfg.seq_len] * R
-    else:  # C128A: lengths spread over the whole model length (the extra scope has variable lengths)
-        seq = torch.randint(s_q + 128, cfg.max_model_len + 1, (R,), generator=gen).tolist()
+def _decode_batch(gen, seq: list[int], s_q: int, ratios: tuple[int, ...], max_model_len: int,
+                  device) -> tuple[StepBatch, int, dict[int, int]]:
+    """A decode step of requests of lengths ``seq`` (``s_q`` query tokens each) over shuffled
+    block tables: each request owns the (distinct) SWA blocks of its last W + s_q positions and
+    the compressed blocks of its longest possible history at every ratio. Returns the batch, the
+    SWA cache's block count and each ratio's compressed block count."""
+    R, W = len(seq), 128
     max_seq = max(seq)
-    # SWA: each request owns the (distinct, shuffled) blocks of its last W + s_q positions
     swa_cols = -(-max_seq // SWA_BLOCK)
     swa_table = torch.zeros(R, swa_cols, dtype=torch.int32)
     tail_blocks = -(-(W + s_q) // SWA_BLOCK) + 1
@@ -366,14 +379,29 @@ def make_decode_case(cfg: DecodeConfig, b: int, s_q: int, device, fmt: KVFormat 
         last = (s - 1) // SWA_BLOCK
         first = max(0, last - tail_blocks + 1)
         swa_table[r, first:last + 1] = perm[r, : last - first + 1]
-    swa_cache = _new_cache(fmt.swa_record, R * tail_blocks, SWA_BLOCK, device)
+    comp_tables = {}
+    for ratio in ratios:
+        comp_cols = -(-(max_seq // ratio) // (COMP_BLOCK // ratio))
+        comp_tables[ratio] = torch.randperm(R * comp_cols, generator=gen).to(torch.int32).view(R, comp_cols)
+    batch = StepBatch.from_lists([s_q] * R, seq, swa_table, SWA_BLOCK, comp_tables, block_size=COMP_BLOCK,
+                                 max_model_len=max_model_len, num_decode_tokens=R * s_q, num_tokens=R * s_q,
+                                 device=device)  # num_tokens given: plan() needs no sync (graph capture)
+    return batch, R * tail_blocks, {ratio: t.numel() for ratio, t in comp_tables.items()}
+
+
+def make_decode_case(cfg: DecodeConfig, b: int, s_q: int, device, fmt: KVFormat = KVFormat.MODEL1_FP8,
+                     seed: int = 0) -> Case:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    torch.manual_seed(seed)
+    R, T = b, b * s_q
+    if cfg.kind.uses_topk:
+        seq = [cfg.seq_len] * R
+    else:  # C128A: lengths spread over the whole model length (the extra scope has variable lengths)
+        seq = torch.randint(s_q + 128, cfg.max_model_len + 1, (R,), generator=gen).tolist()
     ratio = cfg.kind.ratio
-    bs_c = COMP_BLOCK // ratio
-    comp_cols = -(-(max_seq // ratio) // bs_c)
-    comp_table = torch.randperm(R * comp_cols, generator=gen).to(torch.int32).view(R, comp_cols)
-    comp_cache = _new_cache(fmt.comp_record, R * comp_cols, bs_c, device)
-    batch = StepBatch.from_lists([s_q] * R, seq, swa_table, SWA_BLOCK, {ratio: comp_table}, block_size=COMP_BLOCK,
-                                 max_model_len=cfg.max_model_len, num_decode_tokens=T, device=device)
+    batch, swa_blocks, comp_blocks = _decode_batch(gen, seq, s_q, (ratio,), cfg.max_model_len, device)
+    swa_cache = _new_cache(fmt.swa_record, swa_blocks, SWA_BLOCK, device)
+    comp_cache = _new_cache(fmt.comp_record, comp_blocks[ratio], COMP_BLOCK // ratio, device)
     topk = _local_topk(gen, batch.positions, ratio, cfg.comp_width) if cfg.kind.uses_topk else None
     q, sink = _q_and_sink(T, cfg.heads, device, gen)
     spec = _spec(cfg.heads, cfg.kind, cfg.comp_width if cfg.kind.uses_topk else 512, cfg.max_model_len)
@@ -500,6 +528,19 @@ def flashmla_api_runner(case: Case):
     return None, None, "; ".join(reasons)
 
 
+def raw_decode(ops, q, swa_kv, swa_idx, swa_lens, sink, sched: list, comp, scale: float, out) -> None:
+    """One ``sparse_decode_fwd`` call as vLLM 0.33 makes it (models/deepseek_v4/nvidia/flashmla.py):
+    q bf16 [T, 1, H, 512], swa_kv uint8 [nb, bs, 1, 584], swa_idx int32 [T, 1, W], swa_lens int32
+    [T], sink float32 [H]; ``comp`` None (window-only layer) or the extra scope (kv, rows int32
+    [T, 1, K], lens int32 [T]); ``sched`` [tile_scheduler_metadata, num_splits]: [None, None]
+    makes this call plan them, kept in ``sched`` for the next calls of the same launch shape;
+    out bf16 [T, 1, H, 512], written."""
+    comp_kv, comp_idx, comp_lens = comp or (None, None, None)
+    res = ops.sparse_decode_fwd(q, swa_kv, swa_idx, swa_lens, sink, sched[0], sched[1], comp_kv, comp_idx, comp_lens,
+                                512, scale, out, False)  # False: split-KV allowed (enable_batch_invariant)
+    sched[0], sched[1] = res[2], res[3]
+
+
 def flashmla_raw_runner(case: Case, plan):
     """The raw FlashMLA op on the plan's rows (vLLM's call), or (None, None, why)."""
     ops = raw_flashmla_ops()
@@ -518,15 +559,13 @@ def flashmla_raw_runner(case: Case, plan):
         idx = plan.swa_rows.view(T, 1, -1)
         eidx = comp_rows.view(T, 1, -1)
         out = torch.empty_like(case.q)
-        # plan FlashMLA's tile scheduler once, then reuse it (as vLLM does for later layers of a kind)
-        res = ops.sparse_decode_fwd(q4, swa_kv, idx, plan.swa_lens, case.sink, None, None, comp_kv, eidx, comp_lens,
-                                    512, scale, out.view(T, 1, H, D))
-        sched, splits = res[2], res[3]
+        sched: list = [None, None]
 
         def run():
-            ops.sparse_decode_fwd(q4, swa_kv, idx, plan.swa_lens, case.sink, sched, splits, comp_kv, eidx, comp_lens,
-                                  512, scale, out.view(T, 1, H, D))
+            raw_decode(ops, q4, swa_kv, idx, plan.swa_lens, case.sink, sched, (comp_kv, eidx, comp_lens), scale,
+                       out.view(T, 1, H, D))
 
+        run()  # plans FlashMLA's tile scheduler once; the timed calls reuse it (as vLLM's later layers of a kind)
         return run, out, "raw op (scheduler planned once, reused)"
     # prefill: kernel only, on a ready bf16 workspace holding the token's keys (dequantized rows)
     from .common.layout import gather
@@ -646,6 +685,275 @@ def print_auto_gaps(results: list[dict]) -> None:
         print(f"  {gap * 100:+6.1f} %  ({spread * 100:+5.1f} %)  {case:<40} auto -> {picked:<10} fastest {best}")
 
 
+# ---- whole decode steps (--mode step) -----------------------------------------------------------
+
+_CSA, _HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def _v4_config(heads: int, topk: int, first: list[str], num_layers: int) -> dict:
+    """The attention fields of a DeepSeek-V4 config.json (examples/run_step.py shows them): layers
+    ``first``, then C4A on even and C128A on odd layer indices up to ``num_layers``; one MTP layer."""
+    layer_types = first + [_CSA if i % 2 == 0 else _HCA for i in range(len(first), num_layers)]
+    return {"model_type": "deepseek_v4", "num_attention_heads": heads, "head_dim": 512, "qk_rope_head_dim": 64,
+            "index_topk": topk, "sliding_window": 128, "max_position_embeddings": 1048576,
+            "num_hidden_layers": num_layers, "num_nextn_predict_layers": 1, "layer_types": layer_types,
+            "compress_rates": {_CSA: 4, _HCA: 128}}
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """A model whose whole decode step ``--mode step`` times: its config.json's attention fields
+    (the layer list through ``ModelSpec.from_hf_config``) and where its layer pattern comes from."""
+
+    name: str
+    config: dict
+    source: str
+
+
+STEP_MODELS = {
+    "v4-flash": StepModel("v4-flash", _v4_config(64, 512, ["sliding_attention"] * 2, 43),
+                          "DeepSeek-V4-Flash's public model card: 43 layers, 0-1 window only, then C4A (even) / "
+                          "C128A (odd); 64 heads, top-k 512"),
+    "v4-pro": StepModel("v4-pro", _v4_config(128, 1024, [_HCA] * 2, 61),
+                        "third-party summaries of DeepSeek-V4-Pro's config (not its config.json): 61 layers, 0-1 "
+                        "C128A, then C4A (even) / C128A (odd); 128 heads, top-k 1024"),
+}
+STEP_MAX_MODEL_LEN = 131072  # context lengths are drawn up to this (on the CPU: STEP_CPU_MAX_MODEL_LEN)
+STEP_CPU_MAX_MODEL_LEN = 2048
+# What the layers of a step read: the L2 is flushed before each replay, but layers sharing a cache
+# would find each other's rows in it, so every layer owns its SWA cache and (C128A layers, which
+# read every entry) its compressed cache; top-k layers share one compressed cache (each is a
+# quarter of the context: 5 GB per layer at b=256) and each reads it through its own top-k.
+STEP_CACHES = "own SWA cache per layer; own C128A cache per layer; one C4A cache shared by the C4A layers (own top-k)"
+
+
+@dataclass
+class StepLayer:
+    """One attention layer of a step: q bf16 [T, H, 512], its caches, top-k int32 [T, K] (top-k
+    kinds) and sink float32 [H]."""
+
+    index: int
+    kind: LayerKind
+    q: torch.Tensor
+    swa_cache: torch.Tensor
+    comp_cache: torch.Tensor | None
+    topk: torch.Tensor | None
+    sink: torch.Tensor
+
+
+@dataclass
+class StepCase:
+    """A whole decode step of a StepModel: one batch, every (non-MTP) layer's inputs."""
+
+    label: str
+    model: StepModel
+    spec: ModelSpec
+    batch: StepBatch
+    fmt: KVFormat
+    layers: list[StepLayer]
+    num_reqs: int
+    s_q: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch.num_tokens
+
+
+def make_step_case(model: StepModel, b: int, s_q: int, device, fmt: KVFormat = KVFormat.MODEL1_FP8,
+                   seed: int = 0, max_model_len: int = STEP_MAX_MODEL_LEN) -> StepCase:
+    """``b`` decode requests of ``s_q`` tokens, lengths drawn uniformly in [s_q + 128,
+    ``max_model_len``], every layer of ``model`` but its MTP draft layer (it runs in the drafter's
+    own forward), caches as STEP_CACHES says."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    torch.manual_seed(seed)
+    spec = ModelSpec.from_hf_config(model.config, max_model_len=max_model_len)
+    seq = torch.randint(s_q + 128, max_model_len + 1, (b,), generator=gen).tolist()
+    batch, swa_blocks, comp_blocks = _decode_batch(gen, seq, s_q, spec.comp_ratios, max_model_len, device)
+    shared = {k.ratio: _new_cache(fmt.comp_record, comp_blocks[k.ratio], COMP_BLOCK // k.ratio, device)
+              for k in spec.kinds if k.uses_topk}
+    layers = []
+    for layer in (la for la in spec.layers if not la.mtp):
+        kind = layer.kind
+        comp = None
+        if kind.has_comp_scope:
+            comp = shared.get(kind.ratio) if kind.uses_topk else _new_cache(
+                fmt.comp_record, comp_blocks[kind.ratio], COMP_BLOCK // kind.ratio, device)
+        topk = _local_topk(gen, batch.positions, kind.ratio, spec.comp_width(kind)) if kind.uses_topk else None
+        q, sink = _q_and_sink(b * s_q, spec.num_heads, device, gen)
+        layers.append(StepLayer(layer.index, kind, q, _new_cache(fmt.swa_record, swa_blocks, SWA_BLOCK, device),
+                                comp, topk, sink))
+    return StepCase(f"{model.name} b={b} s_q={s_q}", model, spec, batch, fmt, layers, b, s_q,
+                    {"config": model.name, "batch": b, "format": fmt.value})
+
+
+def api_step_runner(case: StepCase, backend: str):
+    """(callable, outs, SparseMLA): one step through the public API, ``plan()`` once and then
+    ``forward()`` of every layer into ``outs`` (bf16 [T, H, 512] per layer)."""
+    from .api import SparseMLA
+
+    mla = SparseMLA(case.spec, case.fmt, backend=backend, device=case.batch.device, max_tokens=case.num_tokens,
+                    max_reqs=case.num_reqs)
+    outs = [torch.empty_like(layer.q) for layer in case.layers]
+
+    def run():
+        plan = mla.plan(case.batch)
+        for layer, out in zip(case.layers, outs):
+            mla.forward(plan, layer.kind, layer.q, layer.swa_cache, layer.comp_cache, topk=layer.topk,
+                        sink=layer.sink, out=out)
+
+    return run, outs, mla
+
+
+def vllm_c128a_width(max_seq_len: int, model_width: int) -> int:
+    """The C128A row width vLLM 0.33 builds per step (models/deepseek_v4/sparse_mla.py
+    ``_build_c128a_metadata``): the next power of two >= the longest request's entries, at least
+    128, at most the model's width (``ModelSpec.all_width(128)``)."""
+    entries = max(max_seq_len // 128, 1)
+    return min(max(1 << (entries - 1).bit_length(), 128), model_width)
+
+
+def flashmla_vllm_step_runner(case: StepCase):
+    """FlashMLA driven the way vLLM 0.33 drives a decode step, or (None, None, why).
+
+    Per step (vLLM: v1/attention/backends/mla/sparse_swa.py ``build`` and
+    models/deepseek_v4/sparse_mla.py ``_build_c128a_metadata``): token -> request, token
+    validity, the SWA rows and lengths, the C128A global rows at vLLM's width
+    (``vllm_c128a_width``) and one empty scheduler holder per layer kind. Here ONE launch of this
+    package's step kernel computes them, where vLLM spends several: a lower bound on vLLM's
+    metadata work. Per layer (models/deepseek_v4/nvidia/flashmla.py ``_forward_decode``): a C4A
+    layer translates its local top-k into global rows in one launch (vLLM's
+    ``compute_global_topk_indices_and_lens``; here the front end's equivalent kernel), then
+    ``sparse_decode_fwd``; the first layer of each kind plans the tile scheduler for the others."""
+    ops = raw_flashmla_ops()
+    if ops is None:
+        return None, None, "FlashMLA library not found (DSV4_ATTN_FLASHMLA_LIB)"
+    if case.fmt is not KVFormat.MODEL1_FP8:
+        return None, None, f"vLLM runs FlashMLA on fp8_ds_mla caches, not {case.fmt.value}"
+    T, H = case.num_tokens, case.spec.num_heads
+    if H not in (64, 128):
+        return None, None, f"FlashMLA needs 64 or 128 heads, got {H}"
+    from .common.indices import Tokens
+    from .portable.kernels.indices import build_step_rows, topk_rows
+
+    batch, dev, i32 = case.batch, case.batch.device, dict(dtype=torch.int32, device=case.batch.device)
+    facts = Tokens(torch.zeros(T, dtype=torch.int64, device=dev), torch.zeros(T, **i32),
+                   torch.zeros(T, dtype=torch.bool, device=dev))
+    swa_rows, swa_lens = torch.empty(T, case.spec.window, **i32), torch.empty(T, **i32)
+    c128 = LayerKind.C128A
+    has_c128 = c128.ratio in batch.comp_block_tables
+    width = vllm_c128a_width(int(batch.seq_lens.max()), case.spec.all_width(c128.ratio))
+    c128_rows, c128_lens = torch.empty(T, width, **i32), torch.empty(T, **i32)
+    outs = [torch.empty_like(layer.q) for layer in case.layers]
+
+    def run():
+        build_step_rows(batch.query_start_loc, batch.seq_lens, T, batch.swa_block_table, batch.swa_block_size,
+                        case.spec.window, *facts, swa_rows, swa_lens,
+                        batch.comp_block_tables.get(c128.ratio), batch.comp_block_size(c128) if has_c128 else 1,
+                        c128_rows if has_c128 else None, c128_lens if has_c128 else None, c128.ratio)
+        sched: dict = {}
+        for layer, out in zip(case.layers, outs):
+            comp = None
+            if layer.kind.uses_topk:
+                rows, lens = topk_rows(facts, layer.kind.ratio, batch.comp_block_table(layer.kind),
+                                       batch.comp_block_size(layer.kind), layer.topk)
+                comp = (layer.comp_cache.unsqueeze(2), rows.view(T, 1, -1), lens)
+            elif layer.kind.has_comp_scope:
+                comp = (layer.comp_cache.unsqueeze(2), c128_rows.view(T, 1, -1), c128_lens)
+            raw_decode(ops, layer.q.view(T, 1, H, HEAD_DIM), layer.swa_cache.unsqueeze(2), swa_rows.view(T, 1, -1),
+                       swa_lens, layer.sink, sched.setdefault(layer.kind, [None, None]), comp, case.spec.scale,
+                       out.view(T, 1, H, HEAD_DIM))
+
+    return run, outs, f"vLLM 0.33's decode step: metadata once + per layer (C4A: translation) + raw op; C128A " \
+                      f"rows {width} wide"
+
+
+def _layers_written(run, outs: list[torch.Tensor], device: torch.device) -> int:
+    """Layers whose every output element one more run of ``run`` wrote (NaN-poisoned first)."""
+    for out in outs:
+        out.fill_(float("nan"))
+    run()
+    _sync(device)
+    return sum(not bool(out.isnan().any()) for out in outs)
+
+
+def _compare_layers(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> dict:
+    """The worst layer's differences between two runs' outputs."""
+    per_layer = [_compare(out, ref) for out, ref in zip(outs, refs)]
+    return {"max_rel_l2": max(m["rel_l2"] for m in per_layer), "min_cosine": min(m["cosine"] for m in per_layer)}
+
+
+def run_step_case(case: StepCase, backends: list[str], args, flush) -> dict:
+    """Times the whole step for ``auto`` and every named backend, and FlashMLA driven as vLLM
+    drives it (unless --no-flashmla), in one run; per backend µs per step and per layer, the
+    layers every element of whose output was written, what auto picked per kind, and the worst
+    layer's difference from auto's outputs."""
+    device, n = case.batch.device, len(case.layers)
+    kinds = [layer.kind for layer in case.layers]
+    rows, auto_outs = {}, None
+    for name in ["auto"] + [b for b in backends if b != "auto"]:
+        run, outs, mla = api_step_runner(case, name)
+        timing = time_callable(run, args.reps, flush, not args.no_graph, device)
+        rows[name] = {**timing.as_us(), "us_per_layer": timing.median * 1e6 / n,
+                      "layers_written": _layers_written(run, outs, device),
+                      "picked": {k.name: mla.backend_for(k, "decode", case.num_tokens) for k in dict.fromkeys(kinds)}}
+        if auto_outs is None:
+            auto_outs = outs
+        else:
+            rows[name]["vs_auto"] = _compare_layers(outs, auto_outs)
+    result = {"case": case.label, "phase": "step", **case.extra, "s_q_per_req": case.s_q,
+              "heads": case.spec.num_heads, "tokens": case.num_tokens, "layers": n,
+              "layer_kinds": {k.name: kinds.count(k) for k in dict.fromkeys(kinds)}, "caches": STEP_CACHES,
+              "backends": rows}
+    if not args.no_flashmla:
+        run, outs, how = flashmla_vllm_step_runner(case)
+        if run is None:
+            result["flashmla_vllm"] = {"unavailable": how}
+        else:
+            try:
+                timing = time_callable(run, args.reps, flush, not args.no_graph, device)
+                result["flashmla_vllm"] = {**timing.as_us(), "us_per_layer": timing.median * 1e6 / n, "via": how,
+                                           "layers_written": _layers_written(run, outs, device),
+                                           "vs_auto": _compare_layers(outs, auto_outs)}
+            except Exception as exc:
+                result["flashmla_vllm"] = {"unavailable": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    fm = result.get("flashmla_vllm", {}).get("us")
+    for r in rows.values():
+        if fm:
+            r["speedup_vs_flashmla_vllm"] = fm / r["us"]
+    return result
+
+
+STEP_HEADER = (f"{'step (plan once + every layer)':<34} {'format':<12} {'backend':<9} {'us/step':>9} {'us_p90':>9} "
+               f"{'us/layer':>8} {'written':>7} {'fmla_vllm':>10} {'speedup':>7}")
+
+
+def _fmt_step_row(res: dict, name: str) -> str:
+    r = res["backends"][name]
+    fm = res.get("flashmla_vllm", {})
+    vllm = f"{fm['us']:10.1f}" if "us" in fm else f"{'n/a':>10}"
+    speedup = f"{r['speedup_vs_flashmla_vllm']:6.2f}x" if "speedup_vs_flashmla_vllm" in r else f"{'':>7}"
+    label = f"{res['case']} ({res['layers']} layers)"
+    return (f"{label:<34} {res['format']:<12} {name:<9} {r['us']:9.1f} {r['us_p90']:9.1f} {r['us_per_layer']:8.1f} "
+            f"{r['layers_written']:>3}/{res['layers']:<3} {vllm} {speedup}")
+
+
+def print_step_notes(res: dict) -> None:
+    """What auto picked per layer kind, how FlashMLA was driven (or why not), and the largest
+    difference of any layer from auto's outputs."""
+    picked = ", ".join(f"{k} {b}" for k, b in res["backends"]["auto"]["picked"].items())
+    print(f"  auto picked: {picked}; layers: {res['layer_kinds']}")
+    fm = res.get("flashmla_vllm", {})
+    if "unavailable" in fm:
+        print(f"  FlashMLA as vLLM: {fm['unavailable'][:160]}")
+    elif fm:
+        print(f"  FlashMLA as vLLM: {fm['via']}; {fm['us_per_layer']:.1f} us/layer, {fm['layers_written']} layers "
+              f"written, vs auto: worst layer rel_l2 {fm['vs_auto']['max_rel_l2']:.1e}")
+    for name, r in res["backends"].items():
+        if "vs_auto" in r:
+            print(f"  {name} vs auto: worst layer rel_l2 {r['vs_auto']['max_rel_l2']:.1e}")
+
+
 def guard_variants(fmt: KVFormat) -> dict[str, tuple[str, str]]:
     """{kernel: (backend with range checks, backend without)} for every Triton kernel this GPU
     runs on ``fmt`` (registered as bench variants)."""
@@ -692,10 +1000,14 @@ HEADER = (f"{'case':<30} {'format':<12} {'backend':<9} {'us':>8} {'us_p90':>8} {
 
 # One CSV row per (case, backend): the case's facts, then its timing (median, fastest, 90th
 # percentile), rates against the floor, and FlashMLA's timing beside it.
+# A step row (phase "step") times a whole decode step: its layers, µs per layer and FlashMLA driven as
+# vLLM drives it beside it; no kind, keys or floor.
 CSV_COLUMNS = ("case", "phase", "config", "kind", "format", "batch", "s_q_per_req", "heads", "tokens", "valid_keys",
-               "backend", "timing", "runs", "us", "us_min", "us_p90", "tflops", "gbps", "floor_us", "x_floor",
-               "flashmla_us", "flashmla_us_p90", "speedup_vs_flashmla", "flashmla_raw_us", "flashmla_raw_us_p90",
-               "speedup_vs_flashmla_raw", "error")
+               "layers", "backend", "timing", "runs", "us", "us_min", "us_p90", "us_per_layer", "tflops", "gbps",
+               "floor_us", "x_floor", "flashmla_us", "flashmla_us_p90", "speedup_vs_flashmla", "flashmla_raw_us",
+               "flashmla_raw_us_p90", "speedup_vs_flashmla_raw", "flashmla_vllm_us", "flashmla_vllm_us_p90",
+               "speedup_vs_flashmla_vllm", "error")
+FLASHMLA_LABELS = ("flashmla", "flashmla_raw", "flashmla_vllm")
 
 
 def csv_rows(results: list[dict]) -> list[dict]:
@@ -708,7 +1020,7 @@ def csv_rows(results: list[dict]) -> list[dict]:
             continue
         for name, r in res["backends"].items():
             row = {**case, "backend": name, **{k: r.get(k) for k in CSV_COLUMNS if k in r}}
-            for label in ("flashmla", "flashmla_raw"):
+            for label in FLASHMLA_LABELS:
                 fm = res.get(label, {})
                 row[f"{label}_us"], row[f"{label}_us_p90"] = fm.get("us"), fm.get("us_p90")
             rows.append(row)
@@ -790,10 +1102,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="dsv4-attn bench", description=__doc__.split("\n\n")[0] + " Exit status: 0 every case ran, 1 a case "
         "failed, 2 bad arguments. On a machine without a GPU, --device cpu times the torch backend at small decode "
         "shapes: it exists to try the tool and its outputs, the numbers say nothing about GPU kernels.")
-    p.add_argument("--mode", choices=["decode", "prefill", "all"], default="decode")
+    p.add_argument("--mode", choices=["decode", "prefill", "step", "all"], default="decode",
+                   help="decode / prefill: one layer per case; step: one whole decode step of a model (plan once + "
+                        "every attention layer) for 'auto', each --backends name and FlashMLA driven as vLLM 0.33 "
+                        "drives it, side by side; all: the three")
     p.add_argument("--configs", nargs="+", metavar="NAME", default=None,
-                   help=f"decode: {', '.join(DECODE_CONFIGS)}; prefill: {', '.join(PREFILL_CONFIGS)}; or the groups "
-                        "'v4' / 'v41' (default: all of --mode); an unknown name is an error")
+                   help=f"decode: {', '.join(DECODE_CONFIGS)}; prefill: {', '.join(PREFILL_CONFIGS)}; step: "
+                        + "; ".join(f"{m.name} ({m.source})" for m in STEP_MODELS.values())
+                        + "; or the groups 'v4' / 'v41' (default: all of --mode); an unknown name is an error")
     p.add_argument("--batches", type=int, nargs="+", default=None,
                    help="requests per decode case (default 2 64 128 256; on the CPU 2)")
     p.add_argument("--mtp", type=int, nargs="+", default=None,
@@ -827,7 +1143,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def unknown_configs(names: list[str], mode: str) -> list[str]:
     """The ``--configs`` names that name no config (nor group) of ``mode``."""
-    tables = [t for m, t in (("decode", DECODE_CONFIGS), ("prefill", PREFILL_CONFIGS)) if mode in (m, "all")]
+    tables = [t for m, t in (("decode", DECODE_CONFIGS), ("prefill", PREFILL_CONFIGS), ("step", STEP_MODELS))
+              if mode in (m, "all")]
     return [n for n in names if not any(select_configs(t, [n]) for t in tables)]
 
 
@@ -841,7 +1158,7 @@ def settle(args) -> torch.device:
     for fmt in args.format:
         KVFormat.parse(fmt)
     if args.configs and unknown_configs(args.configs, args.mode):
-        names = (*DECODE_CONFIGS, *PREFILL_CONFIGS, *CONFIG_GROUPS)
+        names = (*DECODE_CONFIGS, *PREFILL_CONFIGS, *STEP_MODELS, *CONFIG_GROUPS)
         allowed = [n for n in names if not unknown_configs([n], args.mode)]
         raise ValueError(f"--configs: got {unknown_configs(args.configs, args.mode)} (--mode {args.mode}); "
                          f"allowed: {allowed}")
@@ -856,14 +1173,17 @@ def settle(args) -> torch.device:
     args.backends = (resolve_backends(args.backends, also=("auto",)) if args.backends
                      else ["torch"] if cpu else default_backends())
     if cpu:
-        refused = {"--mode": args.mode != "decode" and "prefill configs are production-sized (4k-8k query tokens)",
-                   "--backends": args.backends != ["torch"] and f"{args.backends}: only the torch backend runs on CPU",
+        refused = {"--mode": args.mode not in ("decode", "step") and
+                   "prefill configs are production-sized (4k-8k query tokens)",
+                   "--backends": bool(set(args.backends) - {"torch", "auto"}) and
+                   f"{args.backends}: only the torch backend runs on CPU ('auto' picks it)",
                    "--guard-cost": args.guard_cost and "it times Triton kernels", "--variant": args.variant and
                    "it times Triton kernels",
                    "--write-choices": args.write_choices and "CPU timings choose no GPU backend"}
         for flag, why in refused.items():
             if why:
-                raise ValueError(f"{flag}: {why}; allowed on --device cpu: the torch backend at decode shapes")
+                raise ValueError(f"{flag}: {why}; allowed on --device cpu: the torch backend at decode shapes "
+                                 "(--mode decode or step)")
         args.no_flashmla, args.no_graph = True, True
     args.batches = args.batches or ([2] if cpu else [2, 64, 128, 256])
     args.mtp = args.mtp or ([1] if cpu else [1, 2])
@@ -907,7 +1227,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{'graph replay' if not args.no_graph else 'eager'}"
           f"{', L2 flushed' if flush else ''}, median and p90 of {args.reps}")
     results = []
-    print(HEADER)
     cases = []
     for fmt in formats:
         if args.mode in ("decode", "all"):
@@ -917,13 +1236,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode in ("prefill", "all"):
             cases.extend(("prefill", name, 0, 0, fmt) for name in select_configs(PREFILL_CONFIGS, args.configs)
                          if runs_in(PREFILL_CONFIGS[name].kind, fmt))
+        if args.mode in ("step", "all") and runs_in(LayerKind.C4A, fmt):
+            cases.extend(("step", name, b, sq, fmt) for name in select_configs(STEP_MODELS, args.configs)
+                         for sq in args.mtp for b in args.batches)
+    if any(phase != "step" for phase, *_ in cases):
+        print(HEADER)
     guards = {fmt: guard_variants(fmt) for fmt in formats} if args.guard_cost else {}
+    step_len = STEP_CPU_MAX_MODEL_LEN if device.type == "cpu" else STEP_MAX_MODEL_LEN
     for phase, name, b, sq, fmt in cases:
+        if phase == "step" and not any(r.get("phase") == "step" for r in results):
+            print(STEP_HEADER)
         try:
-            case = (make_decode_case(DECODE_CONFIGS[name], b, sq, device, fmt) if phase == "decode"
-                    else make_prefill_case(PREFILL_CONFIGS[name], device, fmt))
-            res = run_case(case, args.backends, args, ceilings, flush)
-            if guards:
+            if phase == "step":
+                case = make_step_case(STEP_MODELS[name], b, sq, device, fmt, max_model_len=step_len)
+                res = run_step_case(case, args.backends, args, flush)
+            else:
+                case = (make_decode_case(DECODE_CONFIGS[name], b, sq, device, fmt) if phase == "decode"
+                        else make_prefill_case(PREFILL_CONFIGS[name], device, fmt))
+                res = run_case(case, args.backends, args, ceilings, flush)
+            if guards and phase != "step":
                 res["guard_cost"] = guard_cost(case, guards[fmt], args, flush)
         except Exception as exc:
             print(f"{phase} {name} b={b} s_q={sq} {fmt.value}: FAILED {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -931,7 +1262,11 @@ def main(argv: list[str] | None = None) -> int:
                             "error": f"{type(exc).__name__}: {exc}"})
             continue
         results.append(res)
-        for name_b in args.backends:
+        if phase == "step":
+            for name_b in res["backends"]:
+                print(_fmt_step_row(res, name_b), flush=True)
+            print_step_notes(res)
+        for name_b in args.backends if phase != "step" else ():
             print(_fmt_row(res, name_b), flush=True)
         for label in ("flashmla", "flashmla_raw"):
             if "unavailable" in res.get(label, {}):
@@ -943,8 +1278,9 @@ def main(argv: list[str] | None = None) -> int:
         if device.type != "cpu":
             torch.cuda.empty_cache()
     meta["seconds"] = time.time() - t0
+    per_layer = [r for r in results if r.get("phase") != "step"]  # one-layer cases: auto's check, choices, plot
     if "auto" in args.backends:
-        print_auto_gaps(results)
+        print_auto_gaps(per_layer)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
@@ -953,13 +1289,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_choices:
         from .common.platform import probe
 
-        table = choices.from_bench({"meta": meta, "results": results}, probe().arch)
+        table = choices.from_bench({"meta": meta, "results": per_layer}, probe().arch)
         with open(args.write_choices, "w") as f:
             json.dump(table, f, indent=1)
         print(f"wrote {len(table['entries'])} measured choices for {table['arch']} to {args.write_choices}")
     if args.png:
         try:
-            plot([r for r in results if "error" not in r], args.png, args.backends[0])
+            plot([r for r in per_layer if "error" not in r], args.png, args.backends[0])
         except Exception as exc:
             print(f"plot failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     return 1 if any("error" in r for r in results) else 0

@@ -62,3 +62,125 @@ def test_config_groups_and_which_formats_run_them():
     # V4.1 records only with V4.1 kinds; the V4 record with both models' kinds
     assert bench.runs_in(LayerKind.C2A, KVFormat.NVFP4) and not bench.runs_in(LayerKind.C4A, KVFormat.MXFP8)
     assert bench.runs_in(LayerKind.C1A, KVFormat.MODEL1_FP8) and bench.runs_in(LayerKind.C128A, KVFormat.BF16)
+
+
+# ---- --mode step: a whole decode step of V4-Flash / V4-Pro --------------------------------------
+def test_step_models_follow_their_layer_patterns():
+    """The layer lists ModelSpec.from_hf_config makes of the step models' config fields (the MTP
+    draft layer is window-only and left out of the step)."""
+    from dsv4_attn.common.spec import ModelSpec
+
+    def kinds(name):
+        spec = ModelSpec.from_hf_config(bench.STEP_MODELS[name].config)
+        assert [la.index for la in spec.layers if la.mtp] == [len(spec.layers) - 1]
+        return spec, [la.kind.name for la in spec.layers if not la.mtp]
+
+    spec, flash = kinds("v4-flash")
+    assert (spec.num_heads, spec.topk, len(flash)) == (64, 512, 43)
+    assert flash[:2] == ["SWA", "SWA"] and flash[2::2] == ["C4A"] * 21 and flash[3::2] == ["C128A"] * 20
+    spec, pro = kinds("v4-pro")
+    assert (spec.num_heads, spec.topk, len(pro)) == (128, 1024, 61)
+    assert pro[:2] == ["C128A", "C128A"] and pro[2::2] == ["C4A"] * 30 and pro[3::2] == ["C128A"] * 29
+
+
+def test_vllm_c128a_width():
+    # the next power of two >= the longest request's entries, at least 128, at most the model's width
+    assert [bench.vllm_c128a_width(n, 1024) for n in (300, 128 * 129, 40000, 131072, 10**6)] == \
+        [128, 256, 512, 1024, 1024]
+
+
+def _step_case(seed=3):
+    return bench.make_step_case(bench.STEP_MODELS["v4-flash"], 2, 1, torch.device("cpu"),
+                                max_model_len=bench.STEP_CPU_MAX_MODEL_LEN, seed=seed)
+
+
+def _reference(case, layer):
+    """float64 [T, H, 512]: the layer on rows built by common.indices from the step's batch."""
+    from dsv4_attn.common import indices, reference
+
+    swa_rows, swa_lens = indices.swa_rows(case.batch, case.spec.window)
+    rows = lens = None
+    if layer.kind.uses_topk:
+        rows, lens = indices.topk_rows(case.batch, layer.kind, layer.topk)
+    elif layer.kind.has_comp_scope:
+        rows, lens = indices.all_rows(case.batch, layer.kind, case.spec.all_width(layer.kind.ratio))
+    out, _ = reference.sparse_mla(layer.q, layer.swa_cache, swa_rows, swa_lens, layer.comp_cache, rows, lens,
+                                  layer.sink, case.spec.scale, case.fmt)
+    return out
+
+
+def test_step_case_owns_its_caches_and_matches_the_reference():
+    """Every layer its own SWA cache, q and sink, C128A layers their own compressed cache, the C4A
+    layers one shared cache with their own top-k; one step through the API (plan once, every
+    layer) writes every layer, and a C4A and a C128A layer match the float64 reference."""
+    from compare import compare
+
+    case = _step_case()
+    layers = case.layers
+    assert len(layers) == 43 and case.num_tokens == 2
+    assert 129 <= min(case.batch.seq_lens.tolist()) and max(case.batch.seq_lens.tolist()) <= 2048
+    assert len({la.swa_cache.data_ptr() for la in layers}) == 43 and len({la.q.data_ptr() for la in layers}) == 43
+    c4a = [la for la in layers if la.kind is LayerKind.C4A]
+    c128a = [la for la in layers if la.kind is LayerKind.C128A]
+    assert all(la.comp_cache is c4a[0].comp_cache for la in c4a)
+    assert len({la.comp_cache.data_ptr() for la in c128a}) == len(c128a) == 20
+    assert not torch.equal(c4a[0].topk, c4a[1].topk)
+    run, outs, mla = bench.api_step_runner(case, "torch")
+    for out in outs:
+        out.fill_(float("nan"))
+    run()
+    assert all(not out.isnan().any() for out in outs)
+    for layer in (c4a[3], c128a[5]):
+        m = compare(outs[layers.index(layer)], _reference(case, layer))
+        assert m["rel_l2"] < 1e-2 and m["cosine"] > 0.9999, (layer.kind, m)
+
+
+def test_step_flashmla_as_vllm_runner_on_the_flashmla_stand_in(monkeypatch):
+    """FlashMLA driven as vLLM drives a step, on CPU: its index kernels under TRITON_INTERPRET=1 and
+    tests/test_flashmla.py's stand-in for FlashMLA's op (its argument contract enforced): every
+    layer matches the float64 reference, one tile schedule per layer kind."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    from compare import compare
+    from test_flashmla import FakeFlashMLA
+
+    fake = FakeFlashMLA("sm90")
+    monkeypatch.setattr(bench, "raw_flashmla_ops", lambda: fake)
+    case = _step_case(seed=5)
+    run, outs, how = bench.flashmla_vllm_step_runner(case)
+    assert run is not None, how
+    assert "C128A rows 128 wide" in how  # lengths <= 2048: 16 entries -> vLLM's minimum width
+    for out in outs:
+        out.fill_(float("nan"))
+    run()
+    for layer, out in zip(case.layers, outs):
+        assert not out.isnan().any(), layer.index
+        m = compare(out, _reference(case, layer))
+        assert m["rel_l2"] < 1e-2 and m["cosine"] > 0.9999, (layer.index, layer.kind, m)
+    assert len(fake.decode_calls) == 43
+    tiles = {}
+    for call in fake.decode_calls:
+        tiles.setdefault(call["config"], set()).add(id(call["tile"]))
+    assert len(tiles) == 3 and all(len(t) == 1 for t in tiles.values())  # SWA, C4A, C128A: planned once each
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_step_is_captured_whole_and_agrees_with_flashmla_as_vllm():
+    """On a GPU the whole step (plan + 43 layers) is captured as one graph for auto, triton and
+    FlashMLA-as-vLLM, every layer is written, and their outputs agree (no timing asserted)."""
+    from types import SimpleNamespace
+
+    device = torch.device("cuda")
+    case = bench.make_step_case(bench.STEP_MODELS["v4-flash"], 4, 2, device, max_model_len=16384)
+    args = SimpleNamespace(reps=3, no_graph=False, no_flashmla=False)
+    res = bench.run_step_case(case, ["triton"], args, bench.L2Flush(device))
+    for name, r in res["backends"].items():
+        assert (r["timing"], r["layers_written"]) == ("graph", 43), name
+    assert res["backends"]["triton"]["vs_auto"]["max_rel_l2"] < 1e-2
+    fm = res["flashmla_vllm"]
+    if "unavailable" in fm:
+        pytest.skip(f"FlashMLA as vLLM: {fm['unavailable']}")
+    assert (fm["timing"], fm["layers_written"]) == ("graph", 43) and fm["vs_auto"]["max_rel_l2"] < 1e-2

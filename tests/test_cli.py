@@ -194,6 +194,9 @@ def _bench_in_process(monkeypatch, argv):
     (["--mode", "decode", "--configs", "h64-q4k-kv8k-top640"], "--configs: got ['h64-q4k-kv8k-top640']"),
     (["--batches", "0"], "--batches: got [0]; allowed: positive ints"),
     (["--format", "fp4"], "fmt: got 'fp4'"),
+    (["--mode", "step", "--configs", "h64-c4a512"],
+     "--configs: got ['h64-c4a512'] (--mode step); allowed: ['v4-flash', 'v4-pro', 'v4']"),
+    (["--mode", "step", "--mtp", "0"], "--mtp: got [0]; allowed: positive ints"),
 ])
 def test_bench_bad_arguments_are_exit_2_before_any_work(monkeypatch, capsys, argv, message):
     from dsv4_attn import bench
@@ -221,6 +224,8 @@ def test_bench_png_without_matplotlib_is_exit_2_before_any_work(monkeypatch, cap
 @pytest.mark.parametrize("argv, message", [
     (["--mode", "prefill"], "--mode: prefill configs are production-sized"),
     (["--backends", "triton"], "only the torch backend runs on CPU"),
+    (["--mode", "step", "--backends", "auto", "flashmla"], "only the torch backend runs on CPU"),
+    (["--mode", "all"], "--mode: prefill configs are production-sized"),
     (["--guard-cost"], "--guard-cost: it times Triton kernels"),
     (["--write-choices", "c.json"], "--write-choices: CPU timings choose no GPU backend"),
 ])
@@ -265,6 +270,31 @@ def test_bench_config_groups_and_formats_on_cpu(monkeypatch, capsys, tmp_path):
     rows = [(r["config"], r["kind"], r["format"]) for r in csv.DictReader(csv_path.open())]
     assert rows == [("h64-c4a512", "C4A", "fp8_ds_mla"), ("h64-c1a512", "C1A", "fp8_ds_mla"),
                     ("h64-c1a512", "C1A", "mxfp8_ds_mla")]
+
+
+def test_bench_step_mode_on_cpu_times_whole_steps_and_writes_csv_and_json(monkeypatch, capsys, tmp_path):
+    """--mode step on CPU: one V4-Flash decode step (plan once + 43 layers) through 'auto' (the
+    torch backend there), every layer written, µs per step and per layer in the JSON and CSV."""
+    import csv
+
+    from dsv4_attn import bench
+
+    csv_path, json_path = tmp_path / "s.csv", tmp_path / "s.json"
+    rc = _bench_in_process(monkeypatch, ["--device", "cpu", "--mode", "step", "--configs", "v4-flash", "--backends",
+                                         "auto", "--reps", "1", "--csv", str(csv_path), "--json", str(json_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "v4-flash b=2 s_q=1 (43 layers)" in out and "auto picked: SWA torch, C4A torch, C128A torch" in out
+    (res,) = json.loads(json_path.read_text())["results"]
+    assert (res["phase"], res["layers"], res["tokens"], res["heads"]) == ("step", 43, 2, 64)
+    assert res["layer_kinds"] == {"SWA": 2, "C4A": 21, "C128A": 20} and "flashmla_vllm" not in res
+    (name, auto), = res["backends"].items()
+    assert name == "auto" and auto["layers_written"] == 43 and auto["runs"] == 1
+    assert auto["picked"] == {"SWA": "torch", "C4A": "torch", "C128A": "torch"}
+    assert auto["us_per_layer"] == pytest.approx(auto["us"] / 43) and auto["us"] > 0
+    (row,) = list(csv.DictReader(csv_path.open()))
+    assert tuple(row) == bench.CSV_COLUMNS and (row["phase"], row["layers"], row["backend"]) == ("step", "43", "auto")
+    assert float(row["us_per_layer"]) == pytest.approx(auto["us_per_layer"]) and row["flashmla_vllm_us"] == ""
 
 
 def test_timing_spread():

@@ -19,6 +19,7 @@ error table there.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -37,6 +38,7 @@ from dsv4_attn.common.spec import V4_KINDS, LayerKind, ModelSpec
 from dsv4_attn.cuda import flashmla
 
 from compare import BF16, assert_close, metrics
+from garbage_cases import garbage_step
 from nvidia_cases import forward_poisoned, make_case, redrawn_topk, reference_out, run_layer
 
 SM90 = Platform("cuda", "sm90", "fake H100", "2.x")
@@ -304,6 +306,78 @@ def test_cuda_graph_style_reuse_refused_across_steps_is_not_needed(fake_flashmla
         assert_close(run_layer(mla, plan, case, LayerKind.C128A))
     tiles = [id(c["tile"]) for c in fake_flashmla.decode_calls]
     assert len(set(tiles)) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The top-k translation in one Triton launch (TRITON_INTERPRET=1 on CPU) vs the torch ops it replaces
+# ---------------------------------------------------------------------------------------------
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+
+
+@needs_triton
+@pytest.mark.parametrize("kinds", [V4_KINDS, V41], ids=["v4", "v41"])
+def test_fused_topk_translation_matches_the_torch_ops_on_garbage(kinds):
+    """Every garbage class in the block tables and the top-k rows (tests/garbage_cases.py), top-k
+    32 (padded to 128 columns), the cache's slot count and bounds that cut valid slots: the fused
+    kernel writes what translation + bound + padding in torch write, lens too."""
+    from dsv4_attn.common.indices import Tokens, comp_rows_for
+    from dsv4_attn.portable.kernels.indices import topk_rows
+
+    step = garbage_step(torch.Generator().manual_seed(29), kinds=kinds)
+    case, tokens = step.case, Tokens.of(step.case.batch)
+    for kind in (k for k in kinds if k.uses_topk):
+        table, bs = case.batch.comp_block_tables[kind.ratio], case.batch.comp_block_size(kind)
+        local = case.topk[kind]
+        rows, lens = comp_rows_for(tokens, kind, table, bs, local)
+        slots = case.caches[kind].shape[0] * bs
+        valid = rows[rows >= 0]
+        for num_slots in (slots, int(valid.median()), int(valid.min()) + 1, 1):
+            got_rows, got_lens = topk_rows(tokens, kind.ratio, table, bs, local, num_slots, flashmla.TOPK_BLOCK)
+            want = flashmla._kernel_rows(rows, num_slots, flashmla.TOPK_BLOCK)
+            assert got_rows.shape == want.shape == (rows.shape[0], 128) and got_rows.is_contiguous()
+            assert torch.equal(got_rows, want), (kind, num_slots)
+            assert torch.equal(got_lens, lens), kind
+        dropped = int(((rows >= 0) & (rows < slots)).sum()) - int((want >= 0).sum())
+        assert dropped > 0  # the last bound (1) cut valid slots: the bound is exercised
+        # without a bound or padding: the front end's rows (slots that fit int32), unchanged
+        got_rows, got_lens = topk_rows(tokens, kind.ratio, table, bs, local)
+        assert torch.equal(got_rows, rows) and torch.equal(got_lens, lens)
+
+
+@needs_triton
+@pytest.mark.parametrize("kinds", [V4_KINDS, V41], ids=["v4", "v41"])
+def test_adapter_translates_each_top_k_layer_in_one_kernel(fake_flashmla, monkeypatch, kinds):
+    """With the Triton index front end the adapter's top-k rows come from ONE fused launch per
+    decode layer (none of the torch ops), and the garbage step's outputs are its clean twin's
+    float64 reference (decode and prefill tokens)."""
+    from dsv4_attn.common import reference
+    from dsv4_attn.portable.kernels import indices as kernel_indices
+
+    fused, torch_widths = [], []
+    real_fused, real_rows = kernel_indices.topk_rows, flashmla._kernel_rows
+    monkeypatch.setattr(kernel_indices, "topk_rows", lambda *a, **k: fused.append(a[5:]) or real_fused(*a, **k))
+    monkeypatch.setattr(flashmla, "_kernel_rows", lambda r, *a: torch_widths.append(r.shape[1]) or real_rows(r, *a))
+    step = garbage_step(torch.Generator().manual_seed(31), kinds=kinds)
+    case, clean = step.case, step.clean
+    mla = SparseMLA(case.spec, "fp8_ds_mla", backend="flashmla", front_end="triton")
+    plan = mla.plan(case.batch)  # no validation: the garbage goes through
+    clean_plan = SparseMLA(clean.spec, "fp8_ds_mla", backend="torch", front_end="torch").plan(clean.batch)
+    for kind in case.spec.kinds:
+        out = torch.full_like(case.q, float("nan"))
+        mla.forward(plan, kind, case.q, case.caches["swa"], case.caches.get(kind), topk=case.topk_for(kind),
+                    sink=case.sink, out=out)
+        rows, lens = clean_plan.comp_scope(kind, clean.topk_for(kind))
+        rows = None if rows is None else torch.where(rows >= 0, rows, torch.full_like(rows, -1))
+        swa = torch.where(clean_plan.swa_rows >= 0, clean_plan.swa_rows, torch.full_like(clean_plan.swa_rows, -1))
+        want, _ = reference.sparse_mla(clean.q, clean.caches["swa"], swa, clean_plan.swa_lens, clean.caches.get(kind),
+                                       rows, lens, clean.sink, clean.spec.scale, "fp8_ds_mla")
+        assert not out.isnan().any(), kind
+        m = metrics(out, want)
+        assert m["rel_l2"] < 1e-2 and m["cosine"] > 0.9999, (kind, m)
+    topk_kinds = [k for k in kinds if k.uses_topk]
+    slots = [case.caches[k].shape[0] * case.batch.comp_block_size(k) for k in topk_kinds]
+    assert [f for f in fused if f] == [(n, flashmla.TOPK_BLOCK) for n in slots]  # one per top-k layer
+    assert case.spec.topk not in torch_widths  # only SWA / C128A rows went through the torch ops
 
 
 # ---------------------------------------------------------------------------------------------

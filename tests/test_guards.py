@@ -27,8 +27,6 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
 
-from garbage_cases import CLASSES, clean_rows, garbage_rows, garbage_step, garbage_value, raw_rows_case  # noqa: E402
-
 import dsv4_attn as dsv4  # noqa: E402
 from dsv4_attn.common import backend as backend_mod  # noqa: E402
 from dsv4_attn.common import layout, reference  # noqa: E402
@@ -36,6 +34,7 @@ from dsv4_attn.common.spec import V4_KINDS, LayerKind  # noqa: E402
 
 from compare import assert_close, compare  # noqa: E402
 from conftest import within_flashmla_lse_tolerance  # noqa: E402
+from garbage_cases import CLASSES, clean_rows, garbage_rows, garbage_step, garbage_value, raw_rows_case  # noqa: E402
 from step_cases import filled_cache, make_case  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from .. import envs
 from ..common.backend import Backend, Capabilities, LayerInputs, LayerShape, Phase, PlatformSupport
+from ..common.indices import check_local_topk
 from ..common.layout import CacheGeometry, KVFormat, Record, gather_rows
 from ..common.plan import StepPlan
 from ..common.platform import Platform
@@ -327,6 +328,26 @@ def _kernel_rows(rows: torch.Tensor, num_slots: int, multiple: int) -> torch.Ten
     return _pad_cols(torch.where(inside, rows, torch.full_like(rows, -1)), multiple)
 
 
+def _comp_kernel_rows(plan: StepPlan, layer: LayerInputs,
+                      all_idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode kernel's compressed-scope rows (int32 [T, round_up(width, TOPK_BLOCK)], -1 for
+    every entry the layer does not attend, slots outside its cache included) and lens int32 [T].
+    A top-k layer's local top-k is translated, bounded to the cache and padded in ONE launch
+    where the plan's index front end is Triton (GPUs; portable/kernels/indices.py), by the plan's
+    translation and a few torch ops elsewhere; an "all" kind (C128A) has ``all_idx``, its rows
+    made once per step (``FlashMLABackend.prepare``)."""
+    kind, num_slots = layer.kind, layer.comp_geo.num_slots
+    if plan.translates_topk(kind) and plan.front_end.name == "triton":
+        from ..portable.kernels.indices import topk_rows
+
+        check_local_topk(layer.topk, plan.num_tokens, plan.device, width=plan.spec.comp_width(kind))
+        local = layer.topk[: plan.num_tokens]
+        return topk_rows(plan.tokens, kind.ratio, plan.batch.comp_block_table(kind), plan.batch.comp_block_size(kind),
+                         local if local.stride(-1) == 1 else local.contiguous(), num_slots, TOPK_BLOCK)
+    rows, lens = plan.comp_scope(kind, layer.topk)
+    return (all_idx if all_idx is not None else _kernel_rows(rows, num_slots, TOPK_BLOCK)), lens
+
+
 @dataclass
 class _HeadStaging:
     """Per-step buffers for layers whose q is not 64/128 contiguous heads: q zero-padded,
@@ -467,14 +488,13 @@ class FlashMLABackend(Backend):
     def _decode(self, ops: FlashMLAOps, plan: StepPlan, meta: FlashMLAMeta, layer: LayerInputs, q, sink,
                 out) -> None:
         swa_kv = _kernel_cache(layer.swa_cache, layer.fmt.swa_record, layer.swa_geo, "swa_cache")
-        comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
-        if comp_rows is not None:
+        has_comp = layer.kind.has_comp_scope
+        if has_comp:
             comp_kv = _kernel_cache(layer.comp_cache, layer.fmt.comp_record, layer.comp_geo, "comp_cache")
-            comp_idx = meta.all_idx if meta.all_idx is not None else _kernel_rows(comp_rows, layer.comp_geo.num_slots,
-                                                                                   TOPK_BLOCK)
+            comp_idx, comp_lens = _comp_kernel_rows(plan, layer, meta.all_idx)
         for sched, t0 in zip(meta.scheds, range(0, plan.num_tokens, DECODE_MAX_ROWS)):
             t1 = min(plan.num_tokens, t0 + DECODE_MAX_ROWS)
-            extra = None if comp_rows is None else (comp_kv, comp_idx[t0:t1, None], comp_lens[t0:t1])
+            extra = (comp_kv, comp_idx[t0:t1, None], comp_lens[t0:t1]) if has_comp else None
             ops.decode(q[t0:t1, None], swa_kv, meta.swa_idx[t0:t1, None], plan.swa_lens[t0:t1], sink, sched, extra,
                        layer.softmax_scale, out[t0:t1, None])
 

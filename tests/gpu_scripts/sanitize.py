@@ -40,14 +40,14 @@ if DEVICE == "cpu":
 IS_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from garbage_cases import CLASSES, garbage_step, raw_rows_case  # noqa: E402
-
 import dsv4_attn as dsv4  # noqa: E402
 from dsv4_attn.common import backend as backend_mod  # noqa: E402
 from dsv4_attn.common import reference  # noqa: E402
 from dsv4_attn.common.backend import Phase  # noqa: E402
 from dsv4_attn.portable.kernels.ops import KernelConfig, sparse_mla_fwd  # noqa: E402
 from dsv4_attn.portable.triton_backend import TritonBackend  # noqa: E402
+
+from garbage_cases import CLASSES, garbage_step, raw_rows_case  # noqa: E402
 
 RESULTS: Counter = Counter()
 FAILED: list[str] = []

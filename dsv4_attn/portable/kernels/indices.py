@@ -1,5 +1,5 @@
 """GPU front end: a step's per-token facts, SWA rows and C128A rows in ONE small launch, and
-a C4A layer's local -> global translation in one more (``TritonFrontEnd``, what ``SparseMLA``
+a top-k layer's local -> global translation in one more (``TritonFrontEnd``, what ``SparseMLA``
 uses on GPUs).
 
 Same results as ``dsv4_attn.common.indices`` (``swa_rows_for`` / ``comp_rows_for`` on
@@ -136,10 +136,10 @@ def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
 
 
 @triton.jit
-def _c4a_rows_kernel(
+def _topk_rows_kernel(
     LOCAL, stride_l, POS, TOK2REQ, VALID,
     TABLE, stride_t, bs, table_cols,
-    ROWS, LENS, K,
+    ROWS, LENS, K, width, slot_limit,
     RATIO: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -148,7 +148,7 @@ def _c4a_rows_kernel(
     req = tl.maximum(tl.load(TOK2REQ + t), 0).to(tl.int64)
     visible = (pos + 1) // RATIO
     n = tl.where(valid, tl.minimum(visible, K), 0)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, width, BLOCK_K):  # columns K .. width - 1 are padding: c >= n, so -1
         c = k0 + tl.arange(0, BLOCK_K)
         local = tl.load(LOCAL + t.to(tl.int64) * stride_l + c, mask=c < K, other=-1).to(tl.int64)
         ok = (c < n) & (local >= 0) & (local < visible)
@@ -156,24 +156,32 @@ def _c4a_rows_kernel(
         ok = ok & (col < table_cols)
         blk = tl.load(TABLE + req * stride_t + col, mask=ok, other=0).to(tl.int64)
         slot = blk * bs + (local - col * bs)
-        ok = ok & (blk >= 0) & (slot < 2147483648)
-        tl.store(ROWS + t.to(tl.int64) * K + c, tl.where(ok, slot, -1).to(tl.int32), mask=c < K)
+        ok = ok & (blk >= 0) & (slot < slot_limit)
+        tl.store(ROWS + t.to(tl.int64) * width + c, tl.where(ok, slot, -1).to(tl.int32), mask=c < width)
     tl.store(LENS + t, n.to(tl.int32))
 
 
+INT32_SLOTS = 2**31  # slots must fit int32 (the vendor kernels' index type)
+
+
 def topk_rows(tokens: Tokens, ratio: int, table: torch.Tensor, comp_block_size: int,
-              local_topk: torch.Tensor) -> IndexPair:
-    """Rows int32 [T, K] (contiguous) and lens int32 [T] of a top-k layer of compression
-    ``ratio`` from its local top-k int32/int64 [T, K] (last dim contiguous), in one launch.
-    Inputs are not validated here."""
+              local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:
+    """Rows int32 [T, round_up(K, multiple)] (contiguous) and lens int32 [T] of a top-k layer of
+    compression ``ratio`` from its local top-k int32/int64 [T, K] (last dim contiguous), in one
+    launch. ``num_slots`` (the slots of the cache the rows index; None: no bound) also turns
+    slots at or past the cache's end into -1, and the columns past K are -1 padding: together
+    the rows a kernel that reads every entry but -1 takes (FlashMLA's decode), without further
+    ops. Inputs are not validated here."""
     T, K = local_topk.shape
-    rows = torch.empty((T, K), dtype=torch.int32, device=local_topk.device)
+    width = -(-K // multiple) * multiple
+    rows = torch.empty((T, width), dtype=torch.int32, device=local_topk.device)
     lens = torch.empty(T, dtype=torch.int32, device=local_topk.device)
+    limit = INT32_SLOTS if num_slots is None else min(num_slots, INT32_SLOTS)
     if T:
-        _c4a_rows_kernel[(T,)](
+        _topk_rows_kernel[(T,)](
             local_topk, local_topk.stride(0), tokens.positions, tokens.token_to_req, tokens.valid,
-            table, table.stride(0), comp_block_size, table.shape[1], rows, lens, K,
-            RATIO=ratio, BLOCK_K=_block(K), num_warps=4,
+            table, table.stride(0), comp_block_size, table.shape[1], rows, lens, K, width, limit,
+            RATIO=ratio, BLOCK_K=_block(width), num_warps=4,
         )
     return rows, lens
 
