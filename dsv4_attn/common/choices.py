@@ -16,7 +16,8 @@ A backend also has work of its own once per step and layer shape (FlashMLA: its 
 tile scheduler; ``Backend.prepare``), paid once however many layers of that kind the step runs.
 Where the table has both figures, the order is by ``n x us + per_step_us`` with ``n`` the model's
 layers of the kind (``ModelSpec.layers``): at two decode tokens a kernel 1 us faster per layer can
-lose a 43-layer step to its own ~20 us of per-step work, which a per-layer order alone cannot see.
+lose a 43-layer step to its own ~20 us of per-step work, which a per-layer order alone cannot see
+(a backend with more per-step work must win by ``MIX_MARGIN``).
 
 File format: ``{"arch": "sm90", "device": ..., "source": ..., "entries": [{"phase": "decode",
 "kind": "C4A", "heads": 64, "format": "fp8_ds_mla", "tokens": [lo, hi], "order": ["triton",
@@ -38,6 +39,13 @@ from pathlib import Path
 
 from .. import envs
 
+# A backend with per-step work of its own must beat one without by this much over a step's layers
+# of the kind: one-layer timings carry ~3 % of in-step error both ways (H100, 2026-11-23: on a
+# V4-Flash step at b=2 the sums said flashmla and triton tie on the C128A layers; the step ran 18 us
+# (2.8 %) slower with flashmla mixed in; on V4-Pro at b=128 they said +2 % for flashmla, the step
+# showed +2.6 %). Within the margin the backend with less per-step work keeps the layers.
+MIX_MARGIN = 0.03
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -56,11 +64,18 @@ class Choice:
     def ranked(self, layers_per_step: int) -> tuple[str, ...]:
         """The backends fastest first for a step running ``layers_per_step`` layers of this kind:
         by ``layers_per_step x us + per_step_us`` when the entry has both for every backend it
-        orders, else ``order``."""
+        orders (a backend with more per-step work than the lightest must win by MIX_MARGIN), else
+        ``order``."""
         us, per_step = dict(self.us), dict(self.per_step_us)
         if not all(name in us and name in per_step for name in self.order):
             return self.order
-        return tuple(sorted(self.order, key=lambda name: layers_per_step * us[name] + per_step[name]))
+        lightest = min(per_step[name] for name in self.order)
+
+        def cost(name: str) -> float:
+            total = layers_per_step * us[name] + per_step[name]
+            return total * (1 + MIX_MARGIN) if per_step[name] > lightest + 1.0 else total
+
+        return tuple(sorted(self.order, key=cost))
 
     def costs(self, layers_per_step: int) -> str:
         """``name n x us + per_step = total us`` per backend, for explain() and the dispatcher's why."""
