@@ -155,9 +155,13 @@ class SparseMLA:
                 and e.heads == choices.heads_bucket(self.spec.num_heads)]
         if not mine or requested != "auto":
             return []
-        out = [f"measured choices ({where}; auto tries this order first for launches in range):"]
-        out += [f"  {e.kind:<6} {e.phase:<8} tokens {e.tokens[0]}-{e.tokens[1] - 1}: {' > '.join(e.order)}  "
-                f"[{e.evidence}]" for e in mine]
+        out = [f"measured choices ({where}; auto tries this order first for launches in range; where the "
+               "table has per-step costs, ordered for this model's layers of the kind):"]
+        for e in mine:
+            layers = backend_mod.layers_per_step(self.spec, LayerKind.parse(e.kind))
+            costs = e.costs(layers)
+            out.append(f"  {e.kind:<6} {e.phase:<8} tokens {e.tokens[0]}-{e.tokens[1] - 1}: "
+                       f"{' > '.join(e.ranked(layers))}  [{f'{costs}; ' if costs else ''}{e.evidence}]")
         return out
 
     # ---- per step ---------------------------------------------------------------------------

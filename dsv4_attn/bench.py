@@ -71,7 +71,7 @@ class DecodeConfig:
     name: str
     heads: int
     kind: LayerKind
-    comp_width: int  # top-k width (C4A, C1A, C2A) or C128A row width
+    comp_width: int  # top-k width (C4A, C1A, C2A), C128A row width, 0 (SWA: window only)
     seq_len: int = 16384  # top-k kinds: every request; C128A: lengths drawn up to max_model_len
     max_model_len: int = 131072
 
@@ -81,6 +81,10 @@ DECODE_CONFIGS = {
     "h128-c4a1024": DecodeConfig("h128-c4a1024", 128, LayerKind.C4A, 1024),
     "h64-c128a": DecodeConfig("h64-c128a", 64, LayerKind.C128A, 1024),
     "h128-c128a": DecodeConfig("h128-c128a", 128, LayerKind.C128A, 1024),
+    # window-only layers (V4-Flash's first two layers; V4.1's ratio-0 layers): timed so that auto
+    # has a measurement, with its per-step cost, for them too
+    "h64-swa": DecodeConfig("h64-swa", 64, LayerKind.SWA, 0),
+    "h128-swa": DecodeConfig("h128-swa", 128, LayerKind.SWA, 0),
     # V4.1 top-k layers (same heads and top-k widths; a ratio-1 / ratio-2 compressed cache)
     "h64-c1a512": DecodeConfig("h64-c1a512", 64, LayerKind.C1A, 512),
     "h128-c1a1024": DecodeConfig("h128-c1a1024", 128, LayerKind.C1A, 1024),
@@ -396,12 +400,13 @@ def make_decode_case(cfg: DecodeConfig, b: int, s_q: int, device, fmt: KVFormat 
     R, T = b, b * s_q
     if cfg.kind.uses_topk:
         seq = [cfg.seq_len] * R
-    else:  # C128A: lengths spread over the whole model length (the extra scope has variable lengths)
+    else:  # C128A / SWA: lengths spread over the whole model length (C128A's scope has variable lengths)
         seq = torch.randint(s_q + 128, cfg.max_model_len + 1, (R,), generator=gen).tolist()
     ratio = cfg.kind.ratio
-    batch, swa_blocks, comp_blocks = _decode_batch(gen, seq, s_q, (ratio,), cfg.max_model_len, device)
+    ratios = (ratio,) if cfg.kind.has_comp_scope else ()
+    batch, swa_blocks, comp_blocks = _decode_batch(gen, seq, s_q, ratios, cfg.max_model_len, device)
     swa_cache = _new_cache(fmt.swa_record, swa_blocks, SWA_BLOCK, device)
-    comp_cache = _new_cache(fmt.comp_record, comp_blocks[ratio], COMP_BLOCK // ratio, device)
+    comp_cache = _new_cache(fmt.comp_record, comp_blocks[ratio], COMP_BLOCK // ratio, device) if ratios else None
     topk = _local_topk(gen, batch.positions, ratio, cfg.comp_width) if cfg.kind.uses_topk else None
     q, sink = _q_and_sink(T, cfg.heads, device, gen)
     spec = _spec(cfg.heads, cfg.kind, cfg.comp_width if cfg.kind.uses_topk else 512, cfg.max_model_len)
@@ -453,6 +458,27 @@ def api_runner(case: Case, backend: str):
                     out=out)
 
     return run, out, plan
+
+
+def per_step_us(case: Case, backend: str, layer_us: float, reps: int, flush, graph: bool) -> tuple[float, float]:
+    """(the backend's own per-step work in us, the index front end's plan() in us): a fresh step
+    of one layer (plan() + the layer; Backend.prepare and its first-call work included) timed
+    against plan() alone and the layer alone (``layer_us``: the step's work already done). What
+    a step pays once per backend and layer shape however many layers share it (choices.py)."""
+    from .api import SparseMLA
+
+    mla = SparseMLA(case.spec, case.fmt, backend=backend, device=case.q.device,
+                    max_tokens=max(case.q.shape[0], 1), max_reqs=max(case.num_reqs, 1))
+    out = torch.empty_like(case.q)
+
+    def step():
+        plan = mla.plan(case.batch)
+        mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink,
+                    out=out)
+
+    step_s = time_callable(step, reps, flush, graph, case.q.device).median
+    plan_s = time_callable(lambda: mla.plan(case.batch), reps, flush, graph, case.q.device).median
+    return max(0.0, (step_s - plan_s) * 1e6 - layer_us), plan_s * 1e6
 
 
 def _valid_slots(rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -554,16 +580,14 @@ def flashmla_raw_runner(case: Case, plan):
     comp_rows, comp_lens = plan.comp_scope(case.kind, case.topk)
     if case.phase == "decode":
         swa_kv = case.swa_cache.unsqueeze(2)
-        comp_kv = case.comp_cache.unsqueeze(2)
+        comp = None if comp_rows is None else (case.comp_cache.unsqueeze(2), comp_rows.view(T, 1, -1), comp_lens)
         q4 = case.q.view(T, 1, H, D)
         idx = plan.swa_rows.view(T, 1, -1)
-        eidx = comp_rows.view(T, 1, -1)
         out = torch.empty_like(case.q)
         sched: list = [None, None]
 
         def run():
-            raw_decode(ops, q4, swa_kv, idx, plan.swa_lens, case.sink, sched, (comp_kv, eidx, comp_lens), scale,
-                       out.view(T, 1, H, D))
+            raw_decode(ops, q4, swa_kv, idx, plan.swa_lens, case.sink, sched, comp, scale, out.view(T, 1, H, D))
 
         run()  # plans FlashMLA's tile scheduler once; the timed calls reuse it (as vLLM's later layers of a kind)
         return run, out, "raw op (scheduler planned once, reused)"
@@ -622,6 +646,9 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
         rows[name] = timing.as_us()
         if name == "auto":
             rows[name]["picked"] = plan.owner.backend_for(case.kind, case.phase, case.q.shape[0])
+        elif case.phase == "decode":
+            rows[name]["per_step_us"], rows[name]["plan_us"] = per_step_us(case, name, rows[name]["us"], args.reps,
+                                                                          flush, not args.no_graph)
         if ref_out is None:
             ref_out = out.clone()
         else:
@@ -659,18 +686,21 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
 def auto_gaps(results: list[dict]) -> list[tuple[float, float, str, str, str]]:
     """Per case timed with ``auto`` and named backends: (the backend auto picked, timed under its
     own name, vs the fastest named backend - 1; auto's own time vs that - 1, the same launches
-    timed again: run-to-run spread; case; picked; fastest), worst pick first."""
+    timed again: run-to-run spread; case; picked; fastest), worst pick first. A backend's time is
+    its layer + its per-step work where measured (decode: a step of one layer of the case's kind,
+    what auto orders the case's model by)."""
     gaps = []
     for r in results:
         rows = r.get("backends", {})
-        named = {name: b["us"] for name, b in rows.items() if name != "auto" and "us" in b}
+        named = {name: b for name, b in rows.items() if name != "auto" and "us" in b}
+        cost = {name: b["us"] + b.get("per_step_us", 0.0) for name, b in named.items()}
         auto = rows.get("auto", {})
         if "us" in auto and named:
-            best = min(named, key=named.__getitem__)
+            best = min(cost, key=cost.__getitem__)
             picked = auto.get("picked", "?")
-            pick_us = named.get(picked, auto["us"])
-            gaps.append((pick_us / named[best] - 1, auto["us"] / pick_us - 1, f"{r['case']} {r.get('format', '')}",
-                         picked, best))
+            pick_layer_us = named[picked]["us"] if picked in named else auto["us"]
+            gaps.append((cost.get(picked, auto["us"]) / cost[best] - 1, auto["us"] / pick_layer_us - 1,
+                         f"{r['case']} {r.get('format', '')}", picked, best))
     return sorted(gaps, reverse=True)
 
 
@@ -680,7 +710,7 @@ def print_auto_gaps(results: list[dict]) -> None:
         return
     hits = sum(picked == best for *_, picked, best in gaps)
     print(f"auto picked the fastest backend in {hits} of {len(gaps)} cases; worst picks (the picked backend's time "
-          "vs the fastest; auto's own replay vs the picked backend's):")
+          "vs the fastest, decode: layer + per-step work; auto's own replay vs the picked backend's):")
     for gap, spread, case, picked, best in gaps[:10]:
         print(f"  {gap * 100:+6.1f} %  ({spread * 100:+5.1f} %)  {case:<40} auto -> {picked:<10} fastest {best}")
 
@@ -952,6 +982,28 @@ def print_step_notes(res: dict) -> None:
     for name, r in res["backends"].items():
         if "vs_auto" in r:
             print(f"  {name} vs auto: worst layer rel_l2 {r['vs_auto']['max_rel_l2']:.1e}")
+
+
+def step_auto_gaps(results: list[dict]) -> list[tuple[float, str, str]]:
+    """Per whole step timed with auto and named backends: (auto's step vs the fastest named
+    backend's - 1, case, that backend), worst first."""
+    gaps = []
+    for r in results:
+        named = {name: b["us"] for name, b in r.get("backends", {}).items() if name != "auto" and "us" in b}
+        auto = r.get("backends", {}).get("auto", {})
+        if "us" in auto and named:
+            best = min(named, key=named.__getitem__)
+            gaps.append((auto["us"] / named[best] - 1, f"{r['case']} {r.get('format', '')}", best))
+    return sorted(gaps, reverse=True)
+
+
+def print_step_auto_gaps(results: list[dict]) -> None:
+    gaps = step_auto_gaps(results)
+    if gaps:
+        print(f"whole steps: auto vs the fastest named backend (auto's own replay), worst {len(gaps[:5])} of "
+              f"{len(gaps)}:")
+        for gap, case, best in gaps[:5]:
+            print(f"  {gap * 100:+6.1f} %  {case:<40} fastest {best}")
 
 
 def guard_variants(fmt: KVFormat) -> dict[str, tuple[str, str]]:
@@ -1281,6 +1333,7 @@ def main(argv: list[str] | None = None) -> int:
     per_layer = [r for r in results if r.get("phase") != "step"]  # one-layer cases: auto's check, choices, plot
     if "auto" in args.backends:
         print_auto_gaps(per_layer)
+    print_step_auto_gaps([r for r in results if r.get("phase") == "step"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1, default=str)

@@ -12,6 +12,8 @@ from dsv4_attn.common import layout
 from dsv4_attn.common.layout import KVFormat, Record
 from dsv4_attn.common.spec import LayerKind
 
+from compare import assert_close, metrics
+
 FORMATS = ["fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla"]
 
 
@@ -184,3 +186,36 @@ def test_gpu_step_is_captured_whole_and_agrees_with_flashmla_as_vllm():
     if "unavailable" in fm:
         pytest.skip(f"FlashMLA as vLLM: {fm['unavailable']}")
     assert (fm["timing"], fm["layers_written"]) == ("graph", 43) and fm["vs_auto"]["max_rel_l2"] < 1e-2
+
+
+def test_window_only_decode_case_has_no_compressed_scope():
+    """The SWA configs (auto's measurement for window-only layers): no compressed cache, keys =
+    each token's window, every row written by the torch backend and equal to the reference."""
+    from dsv4_attn.api import SparseMLA
+    from dsv4_attn.common import reference
+
+    cfg = bench.DecodeConfig("tiny-swa", 16, LayerKind.SWA, 0, max_model_len=4096)
+    case = bench.make_decode_case(cfg, 3, 2, torch.device("cpu"), seed=2)
+    assert case.comp_cache is None and case.topk is None
+    mla = SparseMLA(case.spec, case.fmt, backend="torch")
+    plan = mla.plan(case.batch)
+    _, _, keys = bench.case_work(case, plan)
+    assert keys == int(torch.clamp(case.batch.positions + 1, max=128).sum())
+    out = torch.full_like(case.q, float("nan"))
+    mla.forward(plan, LayerKind.SWA, case.q, case.swa_cache, None, sink=case.sink, out=out)
+    ref, _ = reference.sparse_mla(case.q, case.swa_cache, plan.swa_rows, plan.swa_lens, None, None, None, case.sink,
+                                  case.spec.scale, case.fmt)
+    assert_close(metrics(out, ref), max_abs=False)  # bench caches hold values up to ~28: rel_l2 and cosine judge
+    assert bench.select_configs(bench.DECODE_CONFIGS, ["h64-swa", "h128-swa"]) == ["h64-swa", "h128-swa"]
+
+
+def test_step_gaps_compare_auto_with_the_fastest_named_backend():
+    results = [{"case": "v4-flash b=2 s_q=1", "format": "fp8_ds_mla",
+                "backends": {"auto": {"us": 691.5}, "triton": {"us": 656.3}, "flashmla": {"us": 757.0}}},
+               {"case": "v4-pro b=2 s_q=1", "format": "fp8_ds_mla",
+                "backends": {"auto": {"us": 1049.6}, "triton": {"us": 1076.6}, "flashmla": {"us": 1120.6}}},
+               {"case": "no auto", "backends": {"triton": {"us": 1.0}}}]
+    gaps = bench.step_auto_gaps(results)
+    assert [(round(g, 4), case, best) for g, case, best in gaps] == [
+        (round(691.5 / 656.3 - 1, 4), "v4-flash b=2 s_q=1 fp8_ds_mla", "triton"),
+        (round(1049.6 / 1076.6 - 1, 4), "v4-pro b=2 s_q=1 fp8_ds_mla", "triton")]

@@ -154,3 +154,68 @@ def test_cases_at_one_token_count_are_ordered_by_their_summed_time():
                                                             ([193, 2**31], ["triton", "flashmla"])]
     assert entries[0]["evidence"] == ("b=64 s_q=2: triton 50.0 us, flashmla 40.0 us; "
                                       "b=128 s_q=1: triton 60.0 us, flashmla 80.0 us")
+
+
+def _stepped(case, tokens, heads, times, kind="C128A"):
+    """A decode bench row with each backend's per-step work: times = {name: (layer us, per-step us)}."""
+    return {"case": case, "phase": "decode", "kind": kind, "heads": heads, "tokens": tokens, "format": "fp8_ds_mla",
+            "backends": {n: {"us": us, "per_step_us": ps} for n, (us, ps) in times.items()}}
+
+
+def test_per_step_work_is_weighed_by_the_models_layers_of_the_kind(tmp_path, monkeypatch, fakes):
+    """flashmla 1 us faster per layer but 20 us more per step: triton for a model with one C128A
+    layer, flashmla from 49 layers on (3 % margin); an entry without costs keeps its measured order."""
+    report = {"meta": {}, "results": [_stepped("c128a b=2", 2, 64, {"triton": (20.0, 1.0), "flashmla": (19.0, 21.0)}),
+                                      _result("c4a b=2", 2, 64, {"triton": 18.0, "flashmla": 23.0})]}
+    table = choices.from_bench(report, "sm90")
+    c128a = next(e for e in table["entries"] if e["kind"] == "C128A")
+    assert c128a["order"] == ["flashmla", "triton"]  # the layer alone
+    assert c128a["us"] == {"flashmla": 19.0, "triton": 20.0} and c128a["per_step_us"] == {"flashmla": 21.0,
+                                                                                         "triton": 1.0}
+    assert "us" not in next(e for e in table["entries"] if e["kind"] == "C4A")
+    path = tmp_path / "choices.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("DSV4_ATTN_CHOICES", str(path))
+    choices._load.cache_clear()
+    fakes("flashmla", index=0)
+    fakes("triton", index=1)
+
+    def pick(spec, kind=LayerKind.C128A):
+        return bm.select(SM90, spec, KVFormat.MODEL1_FP8, kind, dsv4.Phase.DECODE, num_tokens=2)
+
+    assert bm.layers_per_step(ModelSpec(num_heads=64), LayerKind.C128A) == 1
+    assert pick(ModelSpec(num_heads=64)) == "triton"  # 1 x 20 + 1 < 1 x 19 + 21
+    # flashmla has 20 us more per-step work: it must win by MIX_MARGIN (3 %): (19 n + 21) x 1.03 < 20 n + 1
+    assert pick(ModelSpec(num_heads=64, layers=["SWA"] + ["C128A"] * 30)) == "triton"  # 608.7 > 601
+    assert pick(ModelSpec(num_heads=64, layers=["SWA"] + ["C128A"] * 60 + ["C4A"])) == "flashmla"  # 1195.8 < 1201
+    assert pick(ModelSpec(num_heads=64, layers=["C128A", "C4A"]), LayerKind.C4A) == "triton"
+    _, why = bm.auto_order(SM90, ModelSpec(num_heads=64), KVFormat.MODEL1_FP8, LayerKind.C128A, dsv4.Phase.DECODE, 2)
+    assert "1 C128A layer(s) per step: triton 1 x 20.0 + 1.0 = 21.0 us, flashmla 1 x 19.0 + 21.0 = 40.0 us" in why
+    monkeypatch.setattr(dsv4.SparseMLA, "platform", property(lambda self: SM90))
+    text = dsv4.SparseMLA(ModelSpec(num_heads=64, layers=["C128A"] * 60), "fp8_ds_mla", device="cpu").explain()
+    assert "C128A  decode   tokens 1-2147483647: flashmla > triton  [flashmla 60 x 19.0 + 21.0 = 1161.0 us" in text
+    choices._load.cache_clear()
+
+
+def test_a_cost_table_that_is_not_a_mapping_is_refused(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.json"
+    entry = {"phase": "decode", "kind": "C4A", "heads": 64, "format": "fp8_ds_mla", "tokens": [1, 5],
+             "order": ["triton"], "us": [1.0]}
+    bad.write_text(json.dumps({"arch": "sm90", "entries": [entry]}))
+    monkeypatch.setenv("DSV4_ATTN_CHOICES", str(bad))
+    choices._load.cache_clear()
+    with pytest.raises(ValueError, match=r"bad.json: got a file that is not a choices table \(TypeError: a cost"):
+        choices.table_for("sm90")
+    choices._load.cache_clear()
+
+
+def test_bench_gaps_count_each_backends_per_step_work():
+    from dsv4_attn.bench import auto_gaps
+
+    results = [_stepped("c128a b=2", 2, 64, {"triton": (20.0, 1.0), "flashmla": (19.0, 21.0)})]
+    results[0]["backends"]["auto"] = {"us": 20.2, "picked": "triton"}
+    [(gap, spread, case, picked, best)] = auto_gaps(results)
+    assert (round(gap, 6), round(spread, 6), picked, best) == (0.0, 0.01, "triton", "triton")
+    results[0]["backends"]["auto"]["picked"] = "flashmla"
+    [(gap, *_)] = auto_gaps(results)
+    assert round(gap, 6) == round(40.0 / 21.0 - 1, 6)

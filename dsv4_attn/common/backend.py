@@ -430,8 +430,17 @@ def auto_order(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKi
     if hit is None:
         return order, f"auto ({platform.vendor} {Phase(phase).value} priority list; no measurement covers it)"
     entry, where = hit
-    first = [name for name in entry.order if name in _REGISTRY]
-    return first + [name for name in order if name not in first], f"measured ({where}: {entry.evidence})"
+    layers = layers_per_step(spec, kind)
+    first = [name for name in entry.ranked(layers) if name in _REGISTRY]
+    costs = entry.costs(layers)
+    why = f"{where}: {layers} {kind.name} layer(s) per step: {costs}; " if costs else f"{where}: "
+    return first + [name for name in order if name not in first], f"measured ({why}{entry.evidence})"
+
+
+def layers_per_step(spec: ModelSpec, kind: LayerKind) -> int:
+    """How many layers of ``kind`` one step of the model runs (ModelSpec.layers; at least 1): what a
+    backend's per-step work is shared by (common/choices.py)."""
+    return max(1, sum(layer.kind == kind for layer in spec.layers))
 
 
 def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,

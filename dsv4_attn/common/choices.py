@@ -12,10 +12,20 @@ in a measured range, then the platform's priority list; every backend still has 
 layer (a measured choice never bypasses a refusal), and ``SparseMLA.explain()`` prints the
 measurement that chose it. Heads are bucketed as the kernels pad them (<= 64, <= 128).
 
+A backend also has work of its own once per step and layer shape (FlashMLA: its index rows and
+tile scheduler; ``Backend.prepare``), paid once however many layers of that kind the step runs.
+Where the table has both figures, the order is by ``n x us + per_step_us`` with ``n`` the model's
+layers of the kind (``ModelSpec.layers``): at two decode tokens a kernel 1 us faster per layer can
+lose a 43-layer step to its own ~20 us of per-step work, which a per-layer order alone cannot see
+(a backend with more per-step work must win by ``MIX_MARGIN``).
+
 File format: ``{"arch": "sm90", "device": ..., "source": ..., "entries": [{"phase": "decode",
 "kind": "C4A", "heads": 64, "format": "fp8_ds_mla", "tokens": [lo, hi], "order": ["triton",
-"flashmla"], "evidence": "..."}]}`` -- ``tokens`` is a half-open range of the phase's tokens in one
-launch (decode: requests x query tokens).
+"flashmla"], "us": {"triton": 17.7, "flashmla": 19.0}, "per_step_us": {"triton": 0.0, "flashmla":
+21.3}, "evidence": "..."}]}`` -- ``tokens`` is a half-open range of the phase's tokens in one
+launch (decode: requests x query tokens); ``us`` (one layer, the step's work done) and
+``per_step_us`` (the backend's own per-step work beyond the shared index front end) are optional:
+without them ``order`` (fastest layer first) is used as it stands.
 """
 
 from __future__ import annotations
@@ -29,6 +39,13 @@ from pathlib import Path
 
 from .. import envs
 
+# A backend with per-step work of its own must beat one without by this much over a step's layers
+# of the kind: one-layer timings carry ~3 % of in-step error both ways (H100, 2026-11-23: on a
+# V4-Flash step at b=2 the sums said flashmla and triton tie on the C128A layers; the step ran 18 us
+# (2.8 %) slower with flashmla mixed in; on V4-Pro at b=128 they said +2 % for flashmla, the step
+# showed +2.6 %). Within the margin the backend with less per-step work keeps the layers.
+MIX_MARGIN = 0.03
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -41,6 +58,31 @@ class Choice:
     tokens: tuple[int, int]
     order: tuple[str, ...]
     evidence: str
+    us: tuple[tuple[str, float], ...] = ()
+    per_step_us: tuple[tuple[str, float], ...] = ()
+
+    def ranked(self, layers_per_step: int) -> tuple[str, ...]:
+        """The backends fastest first for a step running ``layers_per_step`` layers of this kind:
+        by ``layers_per_step x us + per_step_us`` when the entry has both for every backend it
+        orders (a backend with more per-step work than the lightest must win by MIX_MARGIN), else
+        ``order``."""
+        us, per_step = dict(self.us), dict(self.per_step_us)
+        if not all(name in us and name in per_step for name in self.order):
+            return self.order
+        lightest = min(per_step[name] for name in self.order)
+
+        def cost(name: str) -> float:
+            total = layers_per_step * us[name] + per_step[name]
+            return total * (1 + MIX_MARGIN) if per_step[name] > lightest + 1.0 else total
+
+        return tuple(sorted(self.order, key=cost))
+
+    def costs(self, layers_per_step: int) -> str:
+        """``name n x us + per_step = total us`` per backend, for explain() and the dispatcher's why."""
+        us, per_step = dict(self.us), dict(self.per_step_us)
+        return ", ".join(f"{name} {layers_per_step} x {us[name]:.1f} + {per_step[name]:.1f} = "
+                         f"{layers_per_step * us[name] + per_step[name]:.1f} us"
+                         for name in self.ranked(layers_per_step) if name in us and name in per_step)
 
     def matches(self, phase: str, kind: str, heads: int, fmt: str, num_tokens: int) -> bool:
         return (self.phase == phase and self.kind == kind and self.heads == heads_bucket(heads) and self.fmt == fmt
@@ -57,11 +99,18 @@ def _parse(doc: dict, where: str) -> tuple[str, tuple[Choice, ...]]:
         arch = str(doc["arch"])
         entries = tuple(Choice(str(e["phase"]), str(e["kind"]).upper(), int(e["heads"]), str(e["format"]),
                                (int(e["tokens"][0]), int(e["tokens"][1])), tuple(map(str, e["order"])),
-                               str(e.get("evidence", ""))) for e in doc["entries"])
+                               str(e.get("evidence", "")), _costs(e.get("us", {})), _costs(e.get("per_step_us", {})))
+                        for e in doc["entries"])
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise ValueError(f"{where}: got a file that is not a choices table ({type(exc).__name__}: {exc}); allowed: "
                          "the JSON that `dsv4-attn bench --write-choices` writes") from None
     return arch, entries
+
+
+def _costs(by_name: dict) -> tuple[tuple[str, float], ...]:
+    if not isinstance(by_name, dict):
+        raise TypeError(f"a cost table must map backend names to microseconds, got {by_name!r}")
+    return tuple((str(name), float(us)) for name, us in by_name.items())
 
 
 @functools.lru_cache(maxsize=16)
@@ -95,24 +144,30 @@ def measured(arch: str, phase: str, kind: str, heads: int, fmt: str, num_tokens:
     return None
 
 
-def _point(tokens: int, rows: list[dict]) -> tuple[int, list[str], str] | None:
-    """(tokens, backends fastest first, evidence) from the bench rows measured at one token count
-    (several when batch x s_q coincide: ordered by their summed time), None with < 2 backends."""
-    named = [{n: b["us"] for n, b in r["backends"].items() if "us" in b and n != "auto"} for r in rows]
+def _point(tokens: int, rows: list[dict]) -> tuple[int, list[str], str, dict, dict] | None:
+    """(tokens, backends fastest first, evidence, mean us per backend, mean per-step us per backend
+    or {} when a row lacks it) from the bench rows measured at one token count (several when
+    batch x s_q coincide: ordered by their summed time), None with < 2 backends."""
+    named = [{n: b for n, b in r["backends"].items() if "us" in b and n != "auto"} for r in rows]
     common = set.intersection(*(set(t) for t in named))
     if len(common) < 2:
         return None
-    total = sorted((sum(t[n] for t in named), n) for n in common)
-    evidence = "; ".join(f"{r['case']}: " + ", ".join(f"{n} {t[n]:.1f} us" for _, n in total)
+    total = sorted((sum(t[n]["us"] for t in named), n) for n in common)
+    evidence = "; ".join(f"{r['case']}: " + ", ".join(f"{n} {t[n]['us']:.1f} us" for _, n in total)
                          for r, t in zip(rows, named))
-    return tokens, [n for _, n in total], evidence
+    us = {n: round(s / len(rows), 2) for s, n in total}
+    per_step = {}
+    if all("per_step_us" in t[n] for t in named for n in common):
+        per_step = {n: round(sum(t[n]["per_step_us"] for t in named) / len(rows), 2) for _, n in total}
+    return tokens, [n for _, n in total], evidence, us, per_step
 
 
 def from_bench(report: dict, arch: str) -> dict:
     """A choices table from a ``dsv4-attn bench --json`` report: per (phase, kind, heads, format)
     the backends ordered by measured time at each token count, ranges split halfway between
     neighbouring measured counts (the first starts at 1, the last ends at 2**31). A row timed as
-    ``auto`` is the dispatcher itself, not a backend to order: left out."""
+    ``auto`` is the dispatcher itself, not a backend to order: left out. Rows with each backend's
+    ``per_step_us`` (decode cases) give entries ``us`` and ``per_step_us`` (Choice.ranked)."""
     groups: dict[tuple, dict[int, list[dict]]] = {}
     for r in report["results"]:
         if "error" in r or not r.get("backends"):
@@ -123,8 +178,10 @@ def from_bench(report: dict, arch: str) -> dict:
     for (phase, kind, heads, fmt), by_tokens in sorted(groups.items()):
         points = [p for p in (_point(tokens, rows) for tokens, rows in sorted(by_tokens.items())) if p]
         cuts = [1] + [(a[0] + b[0]) // 2 + 1 for a, b in zip(points, points[1:])] + [2**31]
-        for (_, order, evidence), lo, hi in zip(points, cuts, cuts[1:]):
-            entries.append({"phase": phase, "kind": kind, "heads": heads, "format": fmt, "tokens": [lo, hi],
-                            "order": order, "evidence": evidence})
+        for (_, order, evidence, us, per_step), lo, hi in zip(points, cuts, cuts[1:]):
+            entry = {"phase": phase, "kind": kind, "heads": heads, "format": fmt, "tokens": [lo, hi], "order": order}
+            if per_step:
+                entry.update(us=us, per_step_us=per_step)
+            entries.append({**entry, "evidence": evidence})
     return {"arch": arch, "device": report["meta"].get("device"), "source": "dsv4-attn bench --write-choices",
             "entries": entries}
