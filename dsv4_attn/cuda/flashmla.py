@@ -407,8 +407,8 @@ class FlashMLABackend(Backend):
         kinds=None,  # FlashMLA takes global rows and lengths: every (ratio, selection), V4.1's too
         platform_need="needs an NVIDIA SM90 (H100/H200/H20) or SM100-family GPU",
         heads_note="padded to 64/128",
-        validated="H100 (hardware) vs float64 reference: MODEL1 fp8 with V4 kinds (V4.1 kinds: H100 tests "
-                  "written, not yet run); V4.1 MXFP8 / NVFP4 (SM100 only): contract tests only",
+        validated="H100 (hardware) vs float64 reference: MODEL1 fp8 with V4 and V4.1 kinds; V4.1 MXFP8 / "
+                  "NVFP4 (SM100 only): contract tests only",
         notes="FlashMLA from flash_mla / vllm / sgl_kernel / $DSV4_ATTN_FLASHMLA_LIB; prefill gathers the "
               "selected rows into a bounded bf16 workspace",
     )
