@@ -246,16 +246,20 @@ def _samples(fn, reps: int, flush, warmup: int = 3, device: torch.device | None 
     return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
 
 
-def time_callable(fn, reps: int, flush, graph: bool, device: torch.device | None = None) -> Timing:
+def time_callable(fn, reps: int, flush, graph: bool, device: torch.device | None = None,
+                  uncapturable: str | None = None) -> Timing:
     """``reps`` timed runs of ``fn``: CUDA-graph replays when ``graph`` (eager launches when the
-    capture fails), else eager calls; on the CPU always eager, with no flush and one warm-up run."""
+    capture fails, or at once when ``uncapturable`` says why it cannot be captured), else eager
+    calls; on the CPU always eager, with no flush and one warm-up run."""
     device = device or torch.device("cuda")
     if device.type == "cpu":
         return Timing.of(_samples(fn, reps, None, warmup=1, device=device), "eager")
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    if graph:
+    if graph and uncapturable:
+        print(f"  ({uncapturable}; timing eager launches)", file=sys.stderr)
+    elif graph:
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -633,6 +637,17 @@ def _compare(a: torch.Tensor, b: torch.Tensor) -> dict:
     return {"max_abs": float((a - b).abs().max()), "rel_l2": rel, "cosine": cos}
 
 
+def uncapturable(backend: str, case: Case, plan) -> str | None:
+    """Why ``backend`` (a name, or "auto": what it picks for the case) cannot run the case's phase
+    inside a CUDA-graph capture (Backend.uncapturable), or None."""
+    from .common.backend import Phase, get_backend
+
+    name = plan.owner.backend_for(case.kind, case.phase, case.q.shape[0]) if backend == "auto" else backend
+    impl = get_backend(name)
+    why = impl.uncapturable.get(Phase(case.phase)) if impl is not None else None
+    return f"{name} {case.phase} cannot be graph-captured: {why}" if why else None
+
+
 def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> dict:
     rows = {}
     ref_out = None
@@ -640,7 +655,8 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
     for name in backends:
         run, out, plan = api_runner(case, name)
         plan0 = plan0 or plan
-        timing = time_callable(run, args.reps, flush, not args.no_graph, case.q.device)
+        timing = time_callable(run, args.reps, flush, not args.no_graph, case.q.device,
+                               uncapturable(name, case, plan))
         run()
         _sync(case.q.device)
         rows[name] = timing.as_us()
@@ -665,7 +681,8 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
                 result[label] = {"unavailable": how}
                 continue
             try:
-                timing = time_callable(run, args.reps, flush, not args.no_graph)
+                timing = time_callable(run, args.reps, flush, not args.no_graph,
+                                       uncapturable=uncapturable("flashmla", case, plan0) if key == "api" else None)
                 run()
                 torch.cuda.synchronize()
                 result[label] = {**timing.as_us(), "via": how, "vs_ours": _compare(ref_out, out)}

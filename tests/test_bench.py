@@ -219,3 +219,25 @@ def test_step_gaps_compare_auto_with_the_fastest_named_backend():
     assert [(round(g, 4), case, best) for g, case, best in gaps] == [
         (round(691.5 / 656.3 - 1, 4), "v4-flash b=2 s_q=1 fp8_ds_mla", "triton"),
         (round(1049.6 / 1076.6 - 1, 4), "v4-pro b=2 s_q=1 fp8_ds_mla", "triton")]
+
+
+def test_a_backend_that_cannot_be_captured_says_why_and_the_bench_times_it_eagerly():
+    """FlashMLA's prefill sizes its workspace on the host: declared (Backend.uncapturable), and
+    the bench names it instead of trying a capture that fails with a CUDA error."""
+    from dsv4_attn.api import SparseMLA
+    from dsv4_attn.common.backend import Phase, get_backend
+
+    assert "torch.unique" in get_backend("flashmla").uncapturable[Phase.PREFILL]
+    assert Phase.DECODE not in get_backend("flashmla").uncapturable
+    assert not get_backend("triton").uncapturable and not get_backend("torch").uncapturable
+    cfg = bench.PrefillConfig("tiny", 16, 64, 1024, 256)
+    case = bench.make_prefill_case(cfg, torch.device("cpu"), seed=3)
+    plan = SparseMLA(case.spec, case.fmt, backend="torch").plan(case.batch)
+    assert bench.uncapturable("flashmla", case, plan) == (
+        "flashmla prefill cannot be graph-captured: " + get_backend("flashmla").uncapturable[Phase.PREFILL])
+    assert bench.uncapturable("triton", case, plan) is None
+    assert bench.uncapturable("auto", case, plan) is None  # the CPU picks torch
+    decode = bench.make_decode_case(bench.DecodeConfig("tiny", 16, LayerKind.C4A, 48, seq_len=300,
+                                                       max_model_len=4096), 2, 1, torch.device("cpu"))
+    dplan = SparseMLA(decode.spec, decode.fmt, backend="torch").plan(decode.batch)
+    assert bench.uncapturable("flashmla", decode, dplan) is None

@@ -14,7 +14,9 @@ import contextlib
 import contextvars
 import enum
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -206,6 +208,8 @@ class Backend:
     capabilities   what it serves, as data (``Capabilities``)
     splits_phases  True: the front end calls forward separately for the decode and prefill
                    token ranges (the plan passed is then a phase sub-plan)
+    uncapturable   {phase: why} for the phases whose forward cannot run inside a CUDA-graph
+                   capture (a host sync); engines and the bench run those eagerly
 
     ``reasons(...)`` = the declared data's refusals + ``extra_reasons`` (what data cannot say);
     [] means supported. ``forward`` runs a layer; ``prepare`` builds its per-step metadata (a
@@ -216,6 +220,7 @@ class Backend:
     name: str = "?"
     capabilities: Capabilities
     splits_phases: bool = False
+    uncapturable: Mapping[Phase, str] = MappingProxyType({})
 
     @property
     def phases(self) -> tuple[Phase, ...]:

@@ -38,6 +38,7 @@ import importlib.metadata
 import importlib.util
 import os
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -401,6 +402,8 @@ class FlashMLAMeta:
 class FlashMLABackend(Backend):
     name = "flashmla"
     splits_phases = True  # decode and prefill are different FlashMLA kernels
+    uncapturable = MappingProxyType({Phase.PREFILL: "its bf16 workspace is sized by the distinct rows of each "
+                                                    "chunk (torch.unique: a host sync)"})
     capabilities = Capabilities(
         platforms=(PlatformSupport("cuda", archs=("sm90", "sm10*"), label="NVIDIA SM90, SM100 family"),),
         formats=(KVFormat.MODEL1_FP8,) + V41_FORMATS,  # the V4.1 records on SM100 only (extra_reasons)
