@@ -346,6 +346,19 @@ class ModelSpec:
                    window=int(cfg.get("sliding_window", DEFAULT_WINDOW)), layers=layers)
 
 
+def model_layer_kinds(config: Mapping[str, Any] | Any, kinds: Iterable[LayerKind]) -> tuple[LayerKind, ...]:
+    """Every attention layer's kind in order, read from a DeepSeek-V4 / V4.1 config (dict or config
+    object; ``ModelSpec.from_hf_config``), when those are exactly ``kinds`` (the kinds an engine's
+    layers run); else ``kinds`` as given. For engines that know their layer kinds but not the
+    counts, which auto needs to weigh a backend's per-step work (common/choices.py)."""
+    kinds = tuple(kinds)
+    try:
+        listed = tuple(layer.kind for layer in ModelSpec.from_hf_config(config).layers)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return kinds
+    return listed if set(listed) == set(kinds) else kinds
+
+
 def _layers(items: Iterable[Layer | LayerKind | str]) -> tuple[Layer, ...]:
     """Layer records from Layers or kinds (kinds are numbered in order and own their caches)."""
     layers = []

@@ -53,7 +53,7 @@ from ..api import SparseMLA
 from ..common.backend import Phase
 from ..common.layout import KVFormat
 from ..common.rows import GlobalRows, StepRows
-from ..common.spec import MAX_HEADS, LayerKind, ModelSpec
+from ..common.spec import MAX_HEADS, LayerKind, ModelSpec, model_layer_kinds
 
 ENV_ENABLE = envs.SGLANG.name
 BACKEND_NAME = "dsv4_attn"  # the --attention-backend name this plugin adds
@@ -332,8 +332,10 @@ def backend_classes() -> tuple[type, type]:
 
 def spec_for(model_runner) -> ModelSpec:
     """The model as dsv4_attn sees it per rank: the window and the compression ratios of SGLang's
-    pool (ratio 128 attends every entry, others the indexer's top-k), the index top-k, and the
-    longest sequence SGLang's request table holds (fixes the C128A row width)."""
+    pool (ratio 128 attends every entry, others the indexer's top-k), the index top-k, the
+    longest sequence SGLang's request table holds (fixes the C128A row width), and how many layers
+    of each kind the config lists (what auto weighs per-step work by; common/spec.py
+    model_layer_kinds)."""
     from sglang.srt.runtime_context import get_parallel
 
     cfg = model_runner.model_config.hf_text_config
@@ -342,7 +344,7 @@ def spec_for(model_runner) -> ModelSpec:
     heads = cfg.num_attention_heads // get_parallel().attn_tp_size
     return ModelSpec(num_heads=heads, topk=int(getattr(cfg, "index_topk", 512)),
                      max_model_len=model_runner.req_to_token_pool.req_to_token.shape[1], window=SWA_WINDOW,
-                     layers=kinds)
+                     layers=model_layer_kinds(cfg, dict.fromkeys(kinds)))
 
 
 def planner_for(model_runner) -> StepPlanner:

@@ -79,7 +79,7 @@ from ..common.batch import StepBatch
 from ..common.layout import Fp8Dialect, KVFormat
 from ..common.plan import StepPlan
 from ..common.platform import probe
-from ..common.spec import MAX_HEADS, LayerKind, ModelSpec
+from ..common.spec import MAX_HEADS, LayerKind, ModelSpec, model_layer_kinds
 
 ENV_ENABLE = "DSV4_ATTN_VLLM"
 BACKEND_NAME = "DSV4_ATTN"  # the --attention-backend name this plugin adds
@@ -651,7 +651,7 @@ def planner_for(layer, vllm_config) -> StepPlanner:
         max_model_len=layer.max_model_len,
         window=layer.window_size,
         softmax_scale=layer.scale,
-        layers=layer.dsv4_model_kinds(vllm_config),
+        layers=model_layer_kinds(vllm_config.model_config.hf_config, layer.dsv4_model_kinds(vllm_config)),
     )
     sched = vllm_config.scheduler_config
     max_tokens = sched.max_num_batched_tokens
