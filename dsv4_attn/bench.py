@@ -1200,8 +1200,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write every result (with min / median / p90) and the run's facts")
     p.add_argument("--csv", metavar="PATH", help="write one row per case and backend (min / median / p90 µs, rates)")
     p.add_argument("--write-choices", metavar="PATH",
-                   help="write a measured-choices table (fastest backend per shape, common/choices.py) from this "
-                        "run's backends here; use it with DSV4_ATTN_CHOICES=PATH or ship it in dsv4_attn/data/choices/")
+                   help="write a measured-choices table (per shape: each backend's us per layer and, for decode, "
+                        "its own per-step work; common/choices.py) from this run's backends here; use it with "
+                        "DSV4_ATTN_CHOICES=PATH or ship it in dsv4_attn/data/choices/")
     p.add_argument("--png", metavar="PATH", help="plot time vs batch (ours, FlashMLA, floor); needs matplotlib")
     return p
 
