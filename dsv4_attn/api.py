@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+from typing import cast
 
 import torch
 
@@ -135,8 +136,9 @@ class SparseMLA:
                     except backend_mod.BackendUnavailableError:
                         chosen = False
                     status = "chosen" if chosen else ("ok" if not reasons else "refused")
-                    why = reasons or [backend_mod.get_backend(name).choice(plat, self.spec, self.fmt, kind, phase,
-                                                                           self.dialects)]
+                    impl = backend_mod.get_backend(name)  # importable: reasons_for said nothing against it
+                    why = reasons or ([impl.choice(plat, self.spec, self.fmt, kind, phase, self.dialects)]
+                                      if impl else [])
                     verdicts.setdefault((phase.value, status, "; ".join(r for r in why if r)), []).append(kind.name)
             every_kind = len(self.spec.kinds)
             rows = [("all" if len(kinds) == every_kind else ",".join(kinds), phase, status, why)
@@ -180,33 +182,36 @@ class SparseMLA:
             raise ValueError(f"batch: got {type(batch).__name__}; allowed: a StepBatch or a StepRows")
         if batch.num_reqs > self.max_reqs:
             raise ValueError(f"batch: got {batch.num_reqs} requests; allowed: <= max_reqs ({self.max_reqs})")
-        self._ensure_buffers(batch.device)
-        check_step(self.spec, batch, self._buffers)
+        buffers = self._ensure_buffers(batch.device)
+        check_step(self.spec, batch, buffers)
         if validate:
             batch.validate()
         # only now: a refused step leaves the previous plan (and its buffers) valid
         self._generation += 1
-        return build_plan(self.spec, batch, self._buffers, self, self._generation, self._front_end)
+        return build_plan(self.spec, batch, buffers, self, self._generation, self._front_end)
 
     def _plan_rows(self, rows: StepRows, validate: bool) -> StepPlan:
         rows.check()
         rows.check_model(self.spec)
-        if rows.num_tokens > self.max_tokens:
-            raise ValueError(f"batch.num_tokens: got {rows.num_tokens}; allowed: <= max_tokens ({self.max_tokens}) "
+        num_tokens = rows.checked_num_tokens
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"batch.num_tokens: got {num_tokens}; allowed: <= max_tokens ({self.max_tokens}) "
                              "of this SparseMLA (raise max_tokens)")
         if self._device is not None and rows.device != self._device:
             raise ValueError(f"batch: got device {rows.device}; allowed: {self._device} (the SparseMLA's device)")
         if validate:
             rows.validate()
-        self._ensure_buffers(rows.device)
+        buffers = self._ensure_buffers(rows.device)
         self._generation += 1
-        return build_rows_plan(self.spec, rows, self._buffers, self, self._generation, self._front_end)
+        return build_rows_plan(self.spec, rows, buffers, self, self._generation, self._front_end)
 
-    def _ensure_buffers(self, device: torch.device) -> None:
+    def _ensure_buffers(self, device: torch.device) -> PlanBuffers:
+        """The plan buffers, allocated on the first plan's device."""
         if self._buffers is None:
             self._device = self._device or device
             self._buffers = PlanBuffers.allocate(self.spec, self.max_tokens, self._device)
             self._front_end = self._front_end or _make_front_end(self._front_end_choice, self._device)
+        return self._buffers
 
     def forward(
         self,
@@ -248,7 +253,7 @@ class SparseMLA:
             if topk is not None:
                 raise ValueError("c4a_topk: got a tensor beside topk; allowed: one of them (c4a_topk is the V4 "
                                  "name of topk)")
-            topk, topk_name = c4a_topk, "c4a_topk"
+            topk, topk_name = cast("torch.Tensor | None", c4a_topk), "c4a_topk"
         layer = self._layer_inputs(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, topk_name,
                                    out)
         if out is None:
@@ -277,7 +282,8 @@ class SparseMLA:
         """Every check of a layer's inputs, once; the backends trust the result (its geometry)."""
         kind = self.spec.check_kind(kind)
         unchecked = LayerInputs(kind, q, swa_cache, comp_cache, topk, sink, self.fmt, self.spec.scale, kv_scale,
-                                self.swa_dialect, self.comp_dialect, swa_geo=None, comp_geo=None)
+                                self.swa_dialect, self.comp_dialect,
+                                swa_geo=None, comp_geo=None)  # type: ignore[arg-type]  # set below, once checked
         swa_geo, comp_geo = self._check(plan, unchecked, out, validate, topk_name)
         return dataclasses.replace(unchecked, swa_geo=swa_geo, comp_geo=comp_geo)
 
@@ -385,7 +391,7 @@ class SparseMLA:
     def _check_values(plan: StepPlan, layer: LayerInputs, swa_geo, comp_geo, topk_name: str) -> None:
         """validate=True: the step's block ids (StepBatch) or slots (StepRows) against the caches,
         the top-k entries, the sink."""
-        geos = {"swa": swa_geo}
+        geos: dict[str | int, CacheGeometry] = {"swa": swa_geo}
         if comp_geo is not None:
             geos[layer.kind.ratio] = comp_geo
         if isinstance(plan.batch, StepRows):
@@ -413,7 +419,7 @@ def _parse_device(device) -> torch.device | None:
         raise ValueError(f"device: got {device!r}; allowed: None, 'cpu', 'cuda', 'cuda:N' or a torch.device "
                          f"({exc})") from None
     module = getattr(torch, dev.type, None)
-    if dev.type != "cpu" and not (hasattr(module, "is_available") and module.is_available()):
+    if dev.type != "cpu" and not (module is not None and hasattr(module, "is_available") and module.is_available()):
         raise ValueError(f"device: got {device!r}; allowed: a device this machine has ({dev.type} is not "
                          "available here)")
     count = getattr(module, "device_count", None)

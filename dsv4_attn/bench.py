@@ -448,20 +448,24 @@ def make_prefill_case(cfg: PrefillConfig, device, fmt: KVFormat = KVFormat.MODEL
 # ---- runners ----------------------------------------------------------------------------------
 
 
-def api_runner(case: Case, backend: str):
-    """A callable running one layer through the public API, and its SparseMLA + plan."""
+def _case_mla(case: Case, backend: str):
+    """A SparseMLA for ``case`` on ``backend``, sized for its tokens and requests."""
     from .api import SparseMLA
 
-    mla = SparseMLA(case.spec, case.fmt, backend=backend, device=case.q.device,
-                    max_tokens=max(case.q.shape[0], 1), max_reqs=max(case.num_reqs, 1))
+    return SparseMLA(case.spec, case.fmt, backend=backend, device=case.q.device,
+                     max_tokens=max(case.q.shape[0], 1), max_reqs=max(case.num_reqs, 1))
+
+
+def _run_layer(mla, plan, case: Case, out: torch.Tensor) -> None:
+    mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink, out=out)
+
+
+def api_runner(case: Case, backend: str):
+    """A callable running one layer through the public API, and its SparseMLA + plan."""
+    mla = _case_mla(case, backend)
     plan = mla.plan(case.batch)
     out = torch.empty_like(case.q)
-
-    def run():
-        mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink,
-                    out=out)
-
-    return run, out, plan
+    return functools.partial(_run_layer, mla, plan, case, out), out, plan
 
 
 def per_step_us(case: Case, backend: str, layer_us: float, reps: int, flush, graph: bool) -> tuple[float, float]:
@@ -469,18 +473,10 @@ def per_step_us(case: Case, backend: str, layer_us: float, reps: int, flush, gra
     of one layer (plan() + the layer; Backend.prepare and its first-call work included) timed
     against plan() alone and the layer alone (``layer_us``: the step's work already done). What
     a step pays once per backend and layer shape however many layers share it (choices.py)."""
-    from .api import SparseMLA
-
-    mla = SparseMLA(case.spec, case.fmt, backend=backend, device=case.q.device,
-                    max_tokens=max(case.q.shape[0], 1), max_reqs=max(case.num_reqs, 1))
+    mla = _case_mla(case, backend)
     out = torch.empty_like(case.q)
-
-    def step():
-        plan = mla.plan(case.batch)
-        mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink,
-                    out=out)
-
-    step_s = time_callable(step, reps, flush, graph, case.q.device).median
+    step_s = time_callable(lambda: _run_layer(mla, mla.plan(case.batch), case, out), reps, flush, graph,
+                           case.q.device).median
     plan_s = time_callable(lambda: mla.plan(case.batch), reps, flush, graph, case.q.device).median
     return max(0.0, (step_s - plan_s) * 1e6 - layer_us), plan_s * 1e6
 
@@ -1204,8 +1200,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write every result (with min / median / p90) and the run's facts")
     p.add_argument("--csv", metavar="PATH", help="write one row per case and backend (min / median / p90 µs, rates)")
     p.add_argument("--write-choices", metavar="PATH",
-                   help="write a measured-choices table (fastest backend per shape, common/choices.py) from this "
-                        "run's backends here; use it with DSV4_ATTN_CHOICES=PATH or ship it in dsv4_attn/data/choices/")
+                   help="write a measured-choices table (per shape: each backend's us per layer and, for decode, "
+                        "its own per-step work; common/choices.py) from this run's backends here; use it with "
+                        "DSV4_ATTN_CHOICES=PATH or ship it in dsv4_attn/data/choices/")
     p.add_argument("--png", metavar="PATH", help="plot time vs batch (ours, FlashMLA, floor); needs matplotlib")
     return p
 

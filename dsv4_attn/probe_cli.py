@@ -104,7 +104,7 @@ def choose(spec: ModelSpec, fmt: KVFormat, device: torch.device) -> dict:
     "passed_over": {name: reasons}} or {"error": text})."""
     plat = platform_for_device(device)
     requested, source = backend_mod.requested_backend()
-    out = {}
+    out: dict[str, dict] = {}
     for kind in spec.kinds:
         for phase in Phase:
             key = f"{kind.name}/{phase.value}"
@@ -119,7 +119,7 @@ def choose(spec: ModelSpec, fmt: KVFormat, device: torch.device) -> dict:
             why = f"auto ({plat.vendor} {phase.value} priority list)"
             if requested != "auto":
                 why += f"; the forced {requested!r} does not implement {phase.value}"
-            passed = {}
+            passed: dict[str, list[str]] = {}
             for cand in backend_mod.priority_for(plat, phase):
                 if cand == name:
                     break
