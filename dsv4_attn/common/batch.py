@@ -64,6 +64,15 @@ def _check_table(name: str, table: torch.Tensor, lengths: torch.Tensor, block_si
         )
 
 
+def require_num_tokens(num_tokens: int | None, what_check_does: str) -> int:
+    """A step's ``num_tokens`` as its last ``check()`` left it; ValueError when it was set to None
+    since (``what_check_does``: how check() would fill it in). StepBatch and StepRows share it."""
+    if num_tokens is None:
+        raise ValueError("num_tokens: got None since the last check(); allowed: an int, or call check() "
+                         f"to {what_check_does}")
+    return num_tokens
+
+
 @dataclass
 class StepBatch:
     """One engine step.
@@ -233,10 +242,7 @@ class StepBatch:
     def checked_num_tokens(self) -> int:
         """``num_tokens`` as the last :meth:`check` left it (construction and every ``plan()``
         run it): never None, unless set to None since."""
-        if self.num_tokens is None:
-            raise ValueError("num_tokens: got None since the last check(); allowed: an int, or call check() "
-                             "to re-read query_start_loc[-1]")
-        return self.num_tokens
+        return require_num_tokens(self.num_tokens, "re-read query_start_loc[-1]")
 
     def comp_block_size(self, kind: LayerKind) -> int:
         """Entries per compressed-cache block of a compressed layer kind: block_size // ratio."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .batch import require_num_tokens
 from .spec import LayerKind, ModelSpec
 
 
@@ -225,10 +226,7 @@ class StepRows:
     def checked_num_tokens(self) -> int:
         """``num_tokens`` as the last :meth:`check` left it (construction and every ``plan()``
         run it): never None, unless set to None since."""
-        if self.num_tokens is None:
-            raise ValueError("num_tokens: got None since the last check(); allowed: an int, or call check() "
-                             "to default it to swa_rows.shape[0]")
-        return self.num_tokens
+        return require_num_tokens(self.num_tokens, "default it to swa_rows.shape[0]")
 
     swa_block_size = None  # SWA rows are global slots: any cache block size
 
