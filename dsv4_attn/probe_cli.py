@@ -24,6 +24,7 @@ from . import envs
 from .cli import parse_device
 from .common import backend as backend_mod
 from .common.backend import BackendUnavailableError, Phase
+from .common.checks import resolve_device
 from .common.layout import KVFormat
 from .common.platform import platform_for_device, probe
 from .common.spec import LayerKind, ModelSpec
@@ -142,7 +143,7 @@ def collect(heads: int = 64, fmt: str = "fp8_ds_mla", c4a_topk: int = 512, max_m
     """Every fact `dsv4-attn probe` prints, as JSON-able data."""
     from . import __version__
 
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = resolve_device(device)
     plat = platform_for_device(dev)
     base = probe()
     spec = ModelSpec(num_heads=heads, c4a_topk=c4a_topk, max_model_len=max_model_len)
