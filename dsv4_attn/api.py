@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import cast
 
 import torch
 
@@ -29,8 +28,6 @@ from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_p
 from .common.platform import Platform, platform_for_device, triton_interpreting
 from .common.rows import StepRows
 from .common.spec import LayerKind, ModelSpec
-
-_UNSET = object()  # marks an omitted keyword argument
 
 
 class SparseMLA:
@@ -193,8 +190,6 @@ class SparseMLA:
         out: torch.Tensor | None = None,
         kv_scale: float = 1.0,
         validate: bool = False,
-        *,
-        c4a_topk: torch.Tensor | None | object = _UNSET,
     ) -> torch.Tensor:
         """One layer's attention.
 
@@ -206,24 +201,16 @@ class SparseMLA:
         topk       int32 [T, K] the indexer's LOCAL top-k (compressed entry numbers of the
                    token's request, -1 unused) for top-k kinds (C4A, C1A, C2A); None otherwise,
                    and None when the plan holds the kind's global rows (a StepRows' GlobalRows).
-                   ``c4a_topk=`` is accepted as its V4 name.
         sink       float32 [H] (None = no sink)
         out        bf16 [T, H, 512] contiguous, written in place (allocated when None)
         validate   also check the step's values against the caches (reads device tensors: a
-                   sync): every used block id inside its cache, c4a_topk entries inside each
+                   sync): every used block id inside its cache, topk entries inside each
                    token's valid prefix -1 or visible, no NaN sink. Without it any out-of-range
                    block id, slot or top-k entry is skipped like -1 (never read), and NaN in a
                    selected key or the sink comes out as NaN (docs/bad-input.md).
         Returns out.
         """
-        topk_name = "topk"
-        if c4a_topk is not _UNSET:
-            if topk is not None:
-                raise ValueError("c4a_topk: got a tensor beside topk; allowed: one of them (c4a_topk is the V4 "
-                                 "name of topk)")
-            topk, topk_name = cast("torch.Tensor | None", c4a_topk), "c4a_topk"
-        layer = self._layer_inputs(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, topk_name,
-                                   out)
+        layer = self._layer_inputs(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, out)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         T, nd = plan.num_tokens, plan.num_decode_tokens
@@ -246,14 +233,14 @@ class SparseMLA:
         return self._layer_inputs(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate)
 
     def _layer_inputs(self, plan: StepPlan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale: float,
-                      validate: bool, topk_name: str = "topk", out: torch.Tensor | None = None) -> LayerInputs:
+                      validate: bool, out: torch.Tensor | None = None) -> LayerInputs:
         """Every check of a layer's inputs, once; the backends trust the result (its geometry)."""
         kind = self.spec.check_kind(kind)
         checks.check_plan_current(plan, self, self._generation)
         unchecked = LayerInputs(kind, q, swa_cache, comp_cache, topk, sink, self.fmt, self.spec.scale, kv_scale,
                                 self.swa_dialect, self.comp_dialect,
                                 swa_geo=None, comp_geo=None)  # type: ignore[arg-type]  # set below, once checked
-        swa_geo, comp_geo = checks.check_layer(plan, unchecked, out, validate, topk_name)
+        swa_geo, comp_geo = checks.check_layer(plan, unchecked, out, validate)
         return dataclasses.replace(unchecked, swa_geo=swa_geo, comp_geo=comp_geo)
 
     def _backend(self, name: str) -> Backend:

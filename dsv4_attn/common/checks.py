@@ -110,19 +110,19 @@ def check_plan_current(plan, owner, generation: int) -> StepPlan:
     return plan
 
 
-def check_layer(plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None, validate: bool,
-                topk_name: str = "topk") -> tuple[CacheGeometry, CacheGeometry | None]:
+def check_layer(plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None,
+                validate: bool) -> tuple[CacheGeometry, CacheGeometry | None]:
     """Every check of ``layer`` (its geometry fields unset) and ``out`` against ``plan``; returns
     the geometry of the SWA cache and of the compressed cache (None for window-only layers)."""
     spec, q = plan.spec, layer.q
     _check_q(q, plan, spec)
     swa_geo, comp_geo = _check_caches(plan, layer)
-    _check_topk(plan, layer, topk_name)
+    _check_topk(plan, layer)
     _check_sink_and_scale(layer)
     if out is not None:
         _check_out(out, q)
     if validate:
-        _check_values(plan, layer, swa_geo, comp_geo, topk_name)
+        _check_values(plan, layer, swa_geo, comp_geo)
     return swa_geo, comp_geo
 
 
@@ -168,19 +168,19 @@ def _check_caches(plan: StepPlan, layer: LayerInputs) -> tuple[CacheGeometry, Ca
     return swa_geo, comp_geo
 
 
-def _check_topk(plan: StepPlan, layer: LayerInputs, topk_name: str) -> None:
+def _check_topk(plan: StepPlan, layer: LayerInputs) -> None:
     kind = layer.kind
     if kind.uses_topk and not plan.translates_topk(kind):
         if layer.topk is not None:
-            raise ValueError(f"{topk_name}: got a tensor for a {kind.name} layer whose global rows the plan "
+            raise ValueError(f"topk: got a tensor for a {kind.name} layer whose global rows the plan "
                              f"holds (StepRows.comp[{kind.ratio}] is GlobalRows); allowed: None")
     elif kind.uses_topk:
         if layer.topk is None:
-            raise ValueError(f"{topk_name}: got None; allowed: int32 [T, K] local top-k for {kind.name} layers")
-        check_local_topk(layer.topk, plan.num_tokens, layer.q.device, topk_name, plan.spec.comp_width(kind))
+            raise ValueError(f"topk: got None; allowed: int32 [T, K] local top-k for {kind.name} layers")
+        check_local_topk(layer.topk, plan.num_tokens, layer.q.device, "topk", plan.spec.comp_width(kind))
     elif layer.topk is not None:
         what = "attends every compressed entry" if kind.attends_all else "is window-only"
-        raise ValueError(f"{topk_name}: got a tensor for a {kind.name} layer, which {what}; allowed: None")
+        raise ValueError(f"topk: got a tensor for a {kind.name} layer, which {what}; allowed: None")
 
 
 def _check_sink_and_scale(layer: LayerInputs) -> None:
@@ -219,8 +219,7 @@ def _check_addressable(name: str, geo: CacheGeometry) -> None:
                          "allowed: at most 2**31 (slots are int32)")
 
 
-def _check_values(plan: StepPlan, layer: LayerInputs, swa_geo: CacheGeometry, comp_geo: CacheGeometry | None,
-                  topk_name: str) -> None:
+def _check_values(plan: StepPlan, layer: LayerInputs, swa_geo: CacheGeometry, comp_geo: CacheGeometry | None) -> None:
     """validate=True: the step's block ids (StepBatch) or slots (StepRows) against the caches,
     the top-k entries, the sink."""
     geos: dict[str | int, CacheGeometry] = {"swa": swa_geo}
@@ -231,7 +230,7 @@ def _check_values(plan: StepPlan, layer: LayerInputs, swa_geo: CacheGeometry, co
     else:
         plan.batch.validate({key: geo.num_blocks for key, geo in geos.items()})
     if layer.topk is not None:
-        validate_local_topk(plan.tokens, layer.topk, layer.kind.ratio, topk_name)
+        validate_local_topk(plan.tokens, layer.topk, layer.kind.ratio, "topk")
     if layer.sink is not None and bool(layer.sink.isnan().any()):
         h = int(layer.sink.isnan().nonzero()[0])
         raise ValueError(f"sink: got NaN at head {h}; allowed: a float or ±inf per head (a NaN sink "

@@ -163,17 +163,6 @@ class StepPlan:
     def tokens(self) -> Tokens:
         return Tokens(self.positions, self.token_to_req, self.token_valid)
 
-    @property
-    def c128a_rows(self) -> torch.Tensor | None:
-        """C128A rows int32 [T, spec.c128a_width], or None without a ratio-128 table."""
-        pair = self.comp_rows.get(LayerKind.C128A.ratio)
-        return None if pair is None else pair[0]
-
-    @property
-    def c128a_lens(self) -> torch.Tensor | None:
-        pair = self.comp_rows.get(LayerKind.C128A.ratio)
-        return None if pair is None else pair[1]
-
     def cached(self, key, builder: Callable[[], Any]) -> Any:
         """``builder()`` once per plan and key (per-step metadata shared by all layers)."""
         if key not in self._cache:
