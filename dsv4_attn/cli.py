@@ -25,19 +25,11 @@ COMMANDS = {
 
 
 def parse_device(text: str) -> torch.device:
-    """``--device``'s value as a torch device; ValueError for a malformed name or a GPU that torch
-    cannot see (never a silent fallback to the CPU)."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise ValueError(f"--device: got {text!r}; allowed: a torch device such as cpu, cuda, cuda:1") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device: got {text!r}, but torch sees no GPU (torch {torch.__version__}); allowed: cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"--device: got {text!r}; allowed: cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device: got {text!r}; allowed: cpu or cuda[:N] (ROCm GPUs are cuda devices to torch)")
-    return device
+    """``--device``'s value as a torch device this machine has (``common.checks.parse_device``:
+    the rule ``SparseMLA(device=)`` follows; never a silent fallback to the CPU)."""
+    from .common.checks import parse_device as parse
+
+    return parse(text, "--device")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -203,7 +203,7 @@ class ModelSpec:
 
     num_heads      query heads on this rank (1..128); kernels may pad them (FlashMLA to 64/128).
     topk           width of the indexer's top-k row (V4-Flash 512, V4-Pro 1024); every top-k layer
-                   of the model uses it. ``c4a_topk=`` is accepted as its V4 name.
+                   of the model uses it.
     max_model_len  longest sequence served; fixes the row width of "all" layers (C128A).
     window         sliding-window length W (128 in released models).
     softmax_scale  defaults to head_dim ** -0.5 (no YaRN mscale in DSv4).
@@ -221,19 +221,13 @@ class ModelSpec:
     softmax_scale: float | None
     layers: tuple[Layer, ...]
 
-    def __init__(self, num_heads: int, topk: int | None = None, max_model_len: int = 65536,
+    def __init__(self, num_heads: int, topk: int = 512, max_model_len: int = 65536,
                  head_dim: int = HEAD_DIM, rope_dim: int = ROPE_DIM, window: int = DEFAULT_WINDOW,
-                 softmax_scale: float | None = None, layers: Iterable[Layer | LayerKind | str] | None = None,
-                 *, c4a_topk: int | None = None) -> None:
-        if topk is not None and c4a_topk is not None and topk != c4a_topk:
-            raise ValueError(f"c4a_topk: got {c4a_topk} beside topk={topk}; allowed: one of them (c4a_topk is "
-                             "the V4 name of topk)")
-        topk_name = "c4a_topk" if topk is None and c4a_topk is not None else "topk"
-        topk = topk if topk is not None else (c4a_topk if c4a_topk is not None else 512)
+                 softmax_scale: float | None = None, layers: Iterable[Layer | LayerKind | str] | None = None) -> None:
         _check_positive_int("num_heads", num_heads)
         if num_heads > MAX_HEADS:
             raise ValueError(f"num_heads: got {num_heads}; allowed: 1..{MAX_HEADS} per rank")
-        _check_positive_int(topk_name, topk)
+        _check_positive_int("topk", topk)
         _check_positive_int("max_model_len", max_model_len)
         _check_positive_int("window", window)
         if head_dim != HEAD_DIM:
@@ -251,11 +245,6 @@ class ModelSpec:
             object.__setattr__(self, name, value)
 
     # ---- derived ------------------------------------------------------------------------
-    @property
-    def c4a_topk(self) -> int:
-        """V4's name of ``topk``."""
-        return self.topk
-
     @property
     def scale(self) -> float:
         """The softmax scale actually used."""

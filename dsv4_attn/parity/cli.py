@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from ..cli import parse_device
+from ..common.checks import resolve_device
 from ..common.platform import triton_interpreting
 from .matrix import load_matrix
 from .merge import load_runs, merge_reports, render_merge
 from .report import finite_json, render_report, render_summary, write_files
-from .runner import default_backends, default_device, emulated_backends, failed, resolve_backends, run, run_name
+from .runner import default_backends, emulated_backends, failed, resolve_backends, run, run_name
 
 DEFAULT_OUT = "parity-out"
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.list:
             print("\n".join(c.name for c in cases))
             return 0
-        device = parse_device(args.device) if args.device else default_device()
+        device = resolve_device(args.device, "--device")
         if args.threads or device.type == "cpu":
             # One thread by default: on an idle 2-core machine the default matrix takes 37 s instead
             # of 25 s, but when other processes share the cores OpenMP workers spin-wait and two
