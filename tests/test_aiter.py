@@ -118,27 +118,35 @@ def _kernel_calls(em):
 
 # (arch, flavor, backend kwargs, fmt, heads, dialects, expected call (function, mode, code object), tolerance)
 SPLIT16, SPLIT128 = "mla_dec_stage1_bf16_a16w16_subQ16_mqa16.co", "mla_dec_stage1_bf16_a16w16_subQ128_mqa128.co"
+FP8_ON = {"fp8_compute": True}
 CASES = [
     ("gfx950", "sparse", {}, "fp8_ds_mla", 64, ("ocp", "ocp"), ("sparse_mla_fwd", "", ""), EXACT),
     ("gfx950", "sparse", {}, "fp8_e4m3", 16, ("ocp", "ocp"), ("sparse_mla_fwd", "", ""), EXACT),
-    ("gfx950", "0.1.20", {}, "fp8_ds_mla", 64, ("ocp", "ocp"), ("mla_decode_fwd_v4_nm", "", ""), FP8),
-    ("gfx950", "0.1.20", {}, "fp8_ds_mla", 8, ("ocp", "ocp"), ("mla_decode_fwd_v4_nm", "", ""), FP8),
-    ("gfx950", "0.1.20", {"path": "mla_decode_fwd"}, "fp8_ds_mla", 8, ("ocp", "ocp"),
-     ("mla_decode_fwd", "persistent", "mla_a8w8_qh16_qseqlen1_gqaratio16_lse_ps.co"), FP8),
-    ("gfx950", "0.1.20", {"path": "mla_decode_fwd"}, "fp8_ds_mla", 24, ("ocp", "ocp"),
-     ("mla_decode_fwd", "persistent", "mla_a8w8_qh16_qseqlen4_gqaratio16_lse_v3_ps.co"), FP8),
-    ("gfx950", "0.1.20", {"path": "mla_decode_fwd", "persistent_max_batch": 0}, "fp8_ds_mla", 64, ("ocp", "ocp"),
-     ("mla_decode_fwd", "split", SPLIT128), EXACT),
+    # the default on AITER releases: bf16 split mode, whatever the heads and caches
+    ("gfx950", "0.1.20", {}, "fp8_ds_mla", 64, ("ocp", "ocp"), ("mla_decode_fwd", "split", SPLIT128), EXACT),
+    ("gfx950", "0.1.20", {}, "fp8_ds_mla", 8, ("ocp", "ocp"), ("mla_decode_fwd", "split", SPLIT16), EXACT),
+    ("gfx950", "0.1.20", {}, "fp8_e4m3", 100, ("ocp", "ocp"), ("mla_decode_fwd", "split", SPLIT128), EXACT),
+    ("gfx942", "0.1.20", {}, "fp8_ds_mla", 64, ("fnuz", "ocp"), ("mla_decode_fwd", "split", SPLIT128), EXACT),
+    ("gfx942", "0.1.19", {}, "fp8_e4m3", 16, ("fnuz", "fnuz"), ("mla_decode_fwd", "split", SPLIT16), EXACT),
     ("gfx950", "0.1.20", {}, "bfloat16", 16, ("ocp", "ocp"), ("mla_decode_fwd", "split", SPLIT16), EXACT),
-    ("gfx950", "0.1.20", {}, "fp8_e4m3", 100, ("ocp", "ocp"),
-     ("mla_decode_fwd", "persistent", "mla_a8w8_qh32_qseqlen4_gqaratio32_lse_ps.co"), FP8),
-    ("gfx950", "0.1.20", {}, "fp8_ds_mla", 16, ("fnuz", "ocp"),  # FNUZ bytes: v4 nm would copy them as OCP
+    # fp8 compute, opted in
+    ("gfx950", "0.1.20", FP8_ON, "fp8_ds_mla", 64, ("ocp", "ocp"), ("mla_decode_fwd_v4_nm", "", ""), FP8),
+    ("gfx950", "0.1.18", FP8_ON, "fp8_ds_mla", 8, ("ocp", "ocp"), ("mla_decode_fwd_v4_nm", "", ""), FP8),
+    ("gfx950", "0.1.20", {"path": "mla_decode_fwd", **FP8_ON}, "fp8_ds_mla", 8, ("ocp", "ocp"),
      ("mla_decode_fwd", "persistent", "mla_a8w8_qh16_qseqlen1_gqaratio16_lse_ps.co"), FP8),
-    ("gfx942", "0.1.20", {}, "fp8_ds_mla", 64, ("fnuz", "ocp"),  # SWA FNUZ, compressed OCP (vLLM on gfx942)
+    ("gfx950", "0.1.20", {"path": "mla_decode_fwd", **FP8_ON}, "fp8_ds_mla", 24, ("ocp", "ocp"),
+     ("mla_decode_fwd", "persistent", "mla_a8w8_qh16_qseqlen4_gqaratio16_lse_v3_ps.co"), FP8),
+    ("gfx950", "0.1.20", {"path": "mla_decode_fwd", "persistent_max_batch": 0, **FP8_ON}, "fp8_ds_mla", 64,
+     ("ocp", "ocp"), ("mla_decode_fwd", "split", SPLIT128), EXACT),
+    ("gfx950", "0.1.20", FP8_ON, "fp8_e4m3", 100, ("ocp", "ocp"),
+     ("mla_decode_fwd", "persistent", "mla_a8w8_qh32_qseqlen4_gqaratio32_lse_ps.co"), FP8),
+    ("gfx950", "0.1.20", FP8_ON, "fp8_ds_mla", 16, ("fnuz", "ocp"),  # FNUZ bytes: v4 nm would copy them as OCP
+     ("mla_decode_fwd", "persistent", "mla_a8w8_qh16_qseqlen1_gqaratio16_lse_ps.co"), FP8),
+    ("gfx942", "0.1.20", FP8_ON, "fp8_ds_mla", 64, ("fnuz", "ocp"),  # SWA FNUZ, compressed OCP (vLLM on gfx942)
      ("mla_decode_fwd", "persistent", "mla_a8w8_qh64_qseqlen1_gqaratio64_lse_v3_ps.co"), FP8),
-    ("gfx942", "0.1.20", {}, "fp8_e4m3", 16, ("fnuz", "fnuz"),
+    ("gfx942", "0.1.20", FP8_ON, "fp8_e4m3", 16, ("fnuz", "fnuz"),
      ("mla_decode_fwd", "persistent", "mla_a8w8_qh64_qseqlen1_gqaratio64_lse_v3_ps.co"), FP8),
-    ("gfx942", "0.1.20", {}, "fp8_e4m3", 128, ("fnuz", "fnuz"),  # no 128-head LSE object on gfx942: split
+    ("gfx942", "0.1.20", FP8_ON, "fp8_e4m3", 128, ("fnuz", "fnuz"),  # no 128-head LSE object on gfx942: split
      ("mla_decode_fwd", "split", SPLIT128), EXACT),
 ]
 

@@ -52,10 +52,21 @@ from dataclasses import dataclass
 import torch
 
 ARCHS = ("gfx942", "gfx950")
-FLAVORS = ("0.1.7", "0.1.20", "sparse")
+FLAVORS = ("0.1.7", "0.1.17", "0.1.18", "0.1.19", "0.1.20", "sparse")
 AITER_COMMIT = "e4048607a535ace3a2b51ded31b1c8c2d45c0879"  # main of 2026-08-22 == v0.1.20.post1 for MLA
-_VERSIONS = {"0.1.7": "0.1.7.post2.dev18", "0.1.20": "0.1.20.post1",
-             "sparse": "0.1.20.post1 + sparse_mla_fwd (vLLM 0.33 keywords)"}
+_VERSIONS = {"0.1.7": "0.1.7.post2.dev18", "0.1.17": "0.1.17", "0.1.18": "0.1.18", "0.1.19": "0.1.19.post2",
+             "0.1.20": "0.1.20.post1", "sparse": "0.1.20.post1 + sparse_mla_fwd (vLLM 0.33 keywords)"}
+# What changed between the releases, read from each tag's aiter/mla.py, csrc/py_itfs_cu/asm_mla.cu
+# and hsa/*/mla/mla_asm.csv:
+# * mla_decode_fwd_v4_nm: 0.1.17 / 0.1.18 take ``kv_last_page_lens`` as the 9th POSITIONAL
+#   parameter (required); from 0.1.19 it is a trailing keyword (optional). 0.1.17 predates
+#   #4117 (empty splits of short rows merged) and #4245 (out-of-range page ids fold to row 0).
+# * asm_mla.cu ``lse_flag = lse != nullptr`` up to 0.1.18, ``&& persistent`` from 0.1.19: before,
+#   a split-mode call with return_lse=True finds no code object and raises.
+# * gfx942's native 64-head FP8 persistent objects (#3188, needing kv_granularity 32) from 0.1.18.
+_POSITIONAL_NM_LAST_PAGE = ("0.1.17", "0.1.18")
+_SPLIT_LSE_RAISES = ("0.1.17", "0.1.18")
+_NO_GFX942_QH64 = ("0.1.17",)
 _CU_NUM = {"gfx942": 304, "gfx950": 256}  # MI300X, MI355X
 ROW = 576  # elements per q head / KV row the mla_decode_fwd code objects read
 V_DIM = 512
@@ -347,13 +358,16 @@ class AiterEmulator:
         self._plans: dict[int, dict] = {}  # work_info_set data_ptr -> static facts of its plan
         legacy = flavor == "0.1.7"
         names = set(_ASM_017) if legacy else {o.name for o in _STAGE1[arch].values()}
+        if flavor in _NO_GFX942_QH64:
+            names = {n for n in names if "qh64_qseqlen1_gqaratio64" not in n}
         if not legacy and arch == "gfx950":
             names.add(V4_NM_OBJECT)
         self.asm_objects = frozenset(names)
         self.mla_decode_fwd = self._mla_decode_fwd_017 if legacy else self._mla_decode_fwd_new
         self.get_mla_metadata_info_v1 = self._info_017 if legacy else self._info_new
         self.get_mla_metadata_v1 = self._metadata_017 if legacy else self._metadata_new
-        self.mla_decode_fwd_v4_nm = None if legacy else self._mla_decode_fwd_v4_nm
+        self.mla_decode_fwd_v4_nm = (None if legacy else self._mla_decode_fwd_v4_nm_0117
+                                     if flavor in _POSITIONAL_NM_LAST_PAGE else self._mla_decode_fwd_v4_nm)
         self.sparse_mla_fwd = self._sparse_mla_fwd if flavor == "sparse" else None
 
     def __repr__(self) -> str:
@@ -423,6 +437,16 @@ class AiterEmulator:
     def _mla_decode_fwd_v4_nm(self, q, qrope, kv_buffer, kvrope, output, qo_indptr, kv_indptr, kv_page_indices,
                               max_seqlen_q, *, sink, split_indptr=None, sm_scale=None, out_16_nosplit=0,
                               num_kv_splits=None, logits=None, attn_lse=None, kv_last_page_lens=None):
+        return self._v4_nm(q, qrope, kv_buffer, kvrope, output, qo_indptr, kv_indptr, kv_page_indices,
+                           max_seqlen_q, sink, split_indptr, num_kv_splits, logits, attn_lse)
+
+    def _mla_decode_fwd_v4_nm_0117(self, q, qrope, kv_buffer, kvrope, output, qo_indptr, kv_indptr, kv_page_indices,
+                                   kv_last_page_lens, max_seqlen_q, *, sink, split_indptr=None, sm_scale=None,
+                                   out_16_nosplit=0, num_kv_splits=None, logits=None, attn_lse=None):
+        """0.1.17 / 0.1.18: ``kv_last_page_lens`` is the 9th positional parameter (an int32
+        tensor; a positional call of the 0.1.19 order hands it max_seqlen_q)."""
+        _check_tensor("kv_last_page_lens", kv_last_page_lens, torch.int32, 1, q.device if isinstance(q, torch.Tensor)
+                      else None)
         return self._v4_nm(q, qrope, kv_buffer, kvrope, output, qo_indptr, kv_indptr, kv_page_indices,
                            max_seqlen_q, sink, split_indptr, num_kv_splits, logits, attn_lse)
 
@@ -520,8 +544,10 @@ class AiterEmulator:
         32..128 into 16-head pseudo-batches); AiterContractError where it finds none."""
         if persistent and heads not in _NATIVE_PERSISTENT[self.arch] and heads in range(32, 129, 16):
             heads = 16
-        obj = _STAGE1[self.arch].get((persistent, fp8, heads, lse and persistent))
-        if obj is None:
+        # lse_flag: ``lse != nullptr && persistent`` from 0.1.19, ``lse != nullptr`` before
+        lse_flag = lse if self.flavor in _SPLIT_LSE_RAISES else lse and persistent
+        obj = _STAGE1[self.arch].get((persistent, fp8, heads, lse_flag))
+        if obj is None or obj.name not in self.asm_objects:
             _fail("q", f"{heads} heads, {'fp8' if fp8 else 'bf16'} q/kv, {'persistent' if persistent else 'split'}"
                   f"{', LSE' if lse and persistent else ''} on {self.arch}",
                   "a shipped code object (asm_mla.cu: 'cannot get heuristic kernel'); modelled: split 16/128 "
