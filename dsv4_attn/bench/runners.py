@@ -108,8 +108,9 @@ def vllm_padded(q: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torc
     """q bf16 [T, H, 512] and sink float32 [H] as vLLM's attention layer holds them for FlashMLA
     (models/deepseek_v4/attention.py): q zero-filled and the sink -inf on the padding heads, up to the
     64 or 128 heads FlashMLA's kernels take (vLLM's ``get_padded_num_q_heads`` in
-    models/deepseek_v4/nvidia/flashmla.py, the adapter's ``flashmla.padded_heads``). Built once, outside the timed calls: vLLM's q producer writes its
-    padded buffer, and the sink is a padded parameter."""
+    models/deepseek_v4/nvidia/flashmla.py, the adapter's ``flashmla.padded_heads``). Built once,
+    outside the timed calls: vLLM's q producer writes its padded buffer, and the sink is a padded
+    parameter."""
     from ..cuda.flashmla import padded_heads
 
     T, H, D = q.shape
