@@ -196,7 +196,7 @@ def _bench_in_process(monkeypatch, argv):
     (["--batches", "0"], "--batches: got [0]; allowed: positive ints"),
     (["--format", "fp4"], "fmt: got 'fp4'"),
     (["--mode", "step", "--configs", "h64-c4a512"],
-     "--configs: got ['h64-c4a512'] (--mode step); allowed: ['v4-flash', 'v4-pro', 'v4']"),
+     "--configs: got ['h64-c4a512'] (--mode step); allowed: ['v4-flash', 'v4-pro', 'v4-flash-tp8', 'v4-pro-tp8', 'v4', 'tp']"),
     (["--mode", "step", "--mtp", "0"], "--mtp: got [0]; allowed: positive ints"),
 ])
 def test_bench_bad_arguments_are_exit_2_before_any_work(monkeypatch, capsys, argv, message):
@@ -263,7 +263,7 @@ def test_bench_config_groups_and_formats_on_cpu(monkeypatch, capsys, tmp_path):
     from dsv4_attn import bench
 
     assert bench.main(["--device", "cpu", "--configs", "v5"]) == 2
-    assert "'v4', 'v41']" in capsys.readouterr().err  # the groups are named among the allowed
+    assert "'v4', 'v41', 'tp']" in capsys.readouterr().err  # the groups are named among the allowed
     csv_path = tmp_path / "b.csv"
     rc = _bench_in_process(monkeypatch, ["--device", "cpu", "--configs", "h64-c4a512", "h64-c1a512", "--reps", "2",
                                          "--format", "fp8_ds_mla", "mxfp8_ds_mla", "--csv", str(csv_path)])
