@@ -21,9 +21,8 @@ from typing import cast
 
 import torch
 
-from .common import backend as backend_mod
-from .common import choices
-from .common.backend import Backend, LayerInputs, Phase
+from .common import choices, registry
+from .common.backend import Backend, BackendUnavailableError, LayerInputs, Phase
 from .common.batch import StepBatch
 from .common.indices import check_local_topk, validate_local_topk
 from .common.layout import CacheGeometry, Fp8Dialect, KVFormat, check_cache
@@ -67,9 +66,9 @@ class SparseMLA:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: got {value!r}; allowed: a positive int")
         if not isinstance(backend, str):
-            raise ValueError(f"backend: got {backend!r}; allowed: 'auto' or one of {backend_mod.backend_names()}")
-        if backend != "auto" and backend not in backend_mod.backend_names():
-            raise ValueError(f"backend: got {backend!r}; allowed: 'auto' or one of {backend_mod.backend_names()}")
+            raise ValueError(f"backend: got {backend!r}; allowed: 'auto' or one of {registry.backend_names()}")
+        if backend != "auto" and backend not in registry.backend_names():
+            raise ValueError(f"backend: got {backend!r}; allowed: 'auto' or one of {registry.backend_names()}")
         self.spec = spec
         self.fmt = KVFormat.parse(fmt)
         self.swa_dialect = Fp8Dialect.parse(swa_dialect)
@@ -106,37 +105,37 @@ class SparseMLA:
         with ``num_tokens`` (the phase's tokens in one launch) auto selection follows the measured
         choices table where it covers the launch (common/choices.py)."""
         kind, phase = self.spec.check_kind(kind), Phase(phase)
-        requested, source = backend_mod.requested_backend(self._explicit)
+        requested, source = registry.requested_backend(self._explicit)
         order = None
         if requested == "auto" and num_tokens:
-            order = tuple(backend_mod.auto_order(self.platform, self.spec, self.fmt, kind, phase, num_tokens)[0])
+            order = tuple(registry.auto_order(self.platform, self.spec, self.fmt, kind, phase, num_tokens)[0])
         key = (requested, kind, phase, order)
         if key not in self._selected:
-            self._selected[key] = backend_mod.select(self.platform, self.spec, self.fmt, kind, phase,
+            self._selected[key] = registry.select(self.platform, self.spec, self.fmt, kind, phase,
                                                      requested, source, self.dialects, num_tokens)
         return self._selected[key]
 
     def explain(self) -> str:
         """Table: per backend, kind and phase: chosen / ok / refused, with the reasons."""
         plat = self.platform
-        requested, source = backend_mod.requested_backend(self._explicit)
+        requested, source = registry.requested_backend(self._explicit)
         front = self._front_end.name if self._front_end else f"{self._front_end_choice} (chosen at the first plan)"
         lines = [
             f"dsv4_attn on {plat.vendor}/{plat.arch} ({plat.device_name}), format {self.fmt.value}, "
             f"{self.spec.num_heads} heads, requested backend: {requested} ({source}), index front end: {front}",
             f"{'backend':<18} {'kinds':<14} {'phase':<8} {'status':<8} reasons",
         ]
-        for name in backend_mod.backend_names():
+        for name in registry.backend_names():
             verdicts: dict[tuple[str, str, str], list[str]] = {}  # (phase, status, why) -> kinds, each reason once
             for phase in Phase:
                 for kind in self.spec.kinds:
-                    reasons = backend_mod.reasons_for(name, plat, self.spec, self.fmt, kind, phase, self.dialects)
+                    reasons = registry.reasons_for(name, plat, self.spec, self.fmt, kind, phase, self.dialects)
                     try:
                         chosen = self.backend_for(kind, phase) == name
-                    except backend_mod.BackendUnavailableError:
+                    except BackendUnavailableError:
                         chosen = False
                     status = "chosen" if chosen else ("ok" if not reasons else "refused")
-                    impl = backend_mod.get_backend(name)  # importable: reasons_for said nothing against it
+                    impl = registry.get_backend(name)  # importable: reasons_for said nothing against it
                     why = reasons or ([impl.choice(plat, self.spec, self.fmt, kind, phase, self.dialects)]
                                       if impl else [])
                     verdicts.setdefault((phase.value, status, "; ".join(r for r in why if r)), []).append(kind.name)
@@ -160,7 +159,7 @@ class SparseMLA:
         out = [f"measured choices ({where}; auto tries this order first for launches in range; where the "
                "table has per-step costs, ordered for this model's layers of the kind):"]
         for e in mine:
-            layers = backend_mod.layers_per_step(self.spec, LayerKind.parse(e.kind))
+            layers = registry.layers_per_step(self.spec, LayerKind.parse(e.kind))
             costs = e.costs(layers)
             out.append(f"  {e.kind:<6} {e.phase:<8} tokens {e.tokens[0]}-{e.tokens[1] - 1}: "
                        f"{' > '.join(e.ranked(layers))}  [{f'{costs}; ' if costs else ''}{e.evidence}]")
@@ -289,7 +288,7 @@ class SparseMLA:
 
     def _backend(self, name: str) -> Backend:
         if name not in self._backends:
-            self._backends[name] = backend_mod.new_backend(name)
+            self._backends[name] = registry.new_backend(name)
         return self._backends[name]
 
     # ---- validation ---------------------------------------------------------------------------
@@ -446,7 +445,7 @@ def _make_front_end(choice: str, device: torch.device) -> FrontEnd:
 
 
 def backend_names() -> list[str]:
-    return backend_mod.backend_names()
+    return registry.backend_names()
 
 
 __all__ = ["SparseMLA", "Backend", "LayerInputs", "Phase", "backend_names"]
