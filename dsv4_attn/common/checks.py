@@ -67,6 +67,21 @@ def check_construction(spec, max_tokens, max_reqs, backend, backend_names: list[
         raise ValueError(f"front_end: got {front_end!r}; allowed: one of {front_ends}")
 
 
+def check_switch(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: got {value!r}; allowed: True or False")
+    return value
+
+
+def check_batch_invariant(backend, kind, phase) -> None:
+    """``backend`` (the one chosen for ``kind`` / ``phase``) promises batch-invariant outputs."""
+    if backend is None or not backend.batch_invariant:
+        name = getattr(backend, "name", "?")
+        raise ValueError(f"batch_invariant: got True, but backend {name!r} (chosen for {kind.name} {phase.value}) "
+                         "does not promise a token's bytes independent of its batch; allowed: backend='triton' "
+                         "(docs/batch-invariance.md)")
+
+
 # ---- a step ----------------------------------------------------------------------------------
 def check_step(spec: ModelSpec, batch, max_tokens: int, max_reqs: int, device: torch.device | None) -> int:
     """Every host check of a step (StepBatch or StepRows) before ``plan()`` writes anything: a
