@@ -42,6 +42,10 @@ class SparseMLA:
     front_end   who builds the index rows: "auto" (Triton on GPUs when Triton is importable, one
                 launch per step; torch otherwise), "torch", or "triton" (a GPU, or the CPU under
                 TRITON_INTERPRET=1). Both give the same rows; see ``common.plan.FrontEnd``.
+    batch_invariant  True: a token's output bytes depend on its own inputs only, never on the
+                other requests of its batch nor on a split decision (reproducible sampling: RL
+                rollouts, evaluation; docs/batch-invariance.md). Backends that cannot promise it
+                are refused at construction; auto's choice no longer depends on the batch size.
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class SparseMLA:
         swa_dialect: Fp8Dialect | str = Fp8Dialect.OCP,
         comp_dialect: Fp8Dialect | str = Fp8Dialect.OCP,
         front_end: str = "auto",
+        batch_invariant: bool = False,
     ) -> None:
         checks.check_construction(spec, max_tokens, max_reqs, backend, backend_mod.backend_names(), front_end,
                                   _FRONT_ENDS)
@@ -65,6 +70,7 @@ class SparseMLA:
         self.max_tokens = max_tokens
         self.max_reqs = max_reqs
         self._front_end_choice = front_end
+        self.batch_invariant = checks.check_switch(batch_invariant, "batch_invariant")
         self._explicit = backend
         self._device = checks.parse_device(device) if device is not None else None
         self._front_end: FrontEnd | None = (_make_front_end(front_end, self._device)
@@ -76,7 +82,9 @@ class SparseMLA:
         # Refuse at construction (engine start) when the requested backend cannot run a layer.
         for kind in spec.kinds:
             for phase in Phase:
-                self.backend_for(kind, phase)
+                name = self.backend_for(kind, phase)
+                if batch_invariant:
+                    checks.check_batch_invariant(backend_mod.get_backend(name), kind, phase)
 
     # ---- backend choice -------------------------------------------------------------------
     @property
@@ -168,7 +176,8 @@ class SparseMLA:
         buffers = self._ensure_buffers(batch.device)
         # only now: a refused step leaves the previous plan (and its buffers) valid
         self._generation += 1
-        return build_plan(self.spec, batch, buffers, self, self._generation, self._front_end)
+        return build_plan(self.spec, batch, buffers, self, self._generation, self._front_end,
+                          self.batch_invariant)
 
     def _ensure_buffers(self, device: torch.device) -> PlanBuffers:
         """The plan buffers, allocated on the first plan's device."""
@@ -215,7 +224,7 @@ class SparseMLA:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         T, nd = plan.num_tokens, plan.num_decode_tokens
         phases = [(p, a, b) for p, a, b in ((Phase.DECODE, 0, nd), (Phase.PREFILL, nd, T)) if b > a]
-        names = {p: self.backend_for(kind, p, b - a) for p, a, b in phases}
+        names = {p: self.backend_for(kind, p, None if self.batch_invariant else b - a) for p, a, b in phases}
         backends = {p: self._backend(n) for p, n in names.items()}
         if len(set(names.values())) == 1 and not backends[phases[0][0]].splits_phases:
             backends[phases[0][0]].forward(plan, layer, out)

@@ -21,7 +21,7 @@ import sys
 import torch
 
 from . import envs
-from .cli import parse_device
+from .cli import check_environment, parse_device
 from .common import backend as backend_mod
 from .common.backend import BackendUnavailableError, Phase
 from .common.checks import resolve_device
@@ -291,15 +291,12 @@ def main(argv: list[str] | None = None) -> int:
                         "torch sees a GPU); a GPU torch cannot see is an error")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
-    bad = [row["error"] for row in envs.table() if row["error"]]
-    if bad:  # a mistyped variable must not pass unnoticed
-        print("\n".join(f"dsv4-attn probe: {why}" for why in bad), file=sys.stderr)
-        return 2
     try:
+        check_environment()
         if args.device:
             parse_device(args.device)
         info = collect(args.heads, args.format, args.topk, args.max_model_len, args.device)
-    except (ValueError, RuntimeError) as exc:  # bad --heads / --format / --device
+    except (ValueError, RuntimeError) as exc:  # bad variables / --heads / --format / --device
         print(f"dsv4-attn probe: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(info, indent=1) if args.json else render(info), end="\n" if args.json else "")

@@ -97,10 +97,15 @@ def unknown_configs(names: list[str], mode: str) -> list[str]:
 def settle(args) -> torch.device:
     """Check the arguments and fill the device-dependent defaults in ``args``, before any work;
     the device to run on. Raises ValueError with what is wrong and what is allowed."""
-    from ..cli import parse_device
+    from ..cli import check_environment, check_output
+    from ..common.checks import resolve_device
     from ..parity.runner import resolve_backends
 
-    device = parse_device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_environment()
+    device = resolve_device(args.device, "--device")
+    for flag in ("json", "csv", "write_choices", "png"):  # before minutes of timing, not after
+        if getattr(args, flag):
+            check_output(getattr(args, flag), f"--{flag.replace('_', '-')}")
     for fmt in args.format:
         KVFormat.parse(fmt)
     if args.configs and unknown_configs(args.configs, args.mode):

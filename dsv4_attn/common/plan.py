@@ -153,6 +153,7 @@ class StepPlan:
     swa_lens: torch.Tensor
     comp_rows: dict[int, IndexPair] = field(default_factory=dict)
     front_end: FrontEnd = field(default_factory=TorchFrontEnd, repr=False)
+    batch_invariant: bool = False  # SparseMLA(batch_invariant=True): backends fix their work split
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -211,11 +212,11 @@ class StepPlan:
                         self.token_to_req[start:stop], self.token_valid[start:stop], self.swa_rows[start:stop],
                         self.swa_lens[start:stop],
                         {r: (rows[start:stop], lens[start:stop]) for r, (rows, lens) in self.comp_rows.items()},
-                        self.front_end)
+                        self.front_end, self.batch_invariant)
 
 
 def build_plan(spec: ModelSpec, batch: StepBatch | StepRows, buffers: PlanBuffers, owner: Any, generation: int,
-               front_end: FrontEnd | None = None) -> StepPlan:
+               front_end: FrontEnd | None = None, batch_invariant: bool = False) -> StepPlan:
     """The plan of a step that passed ``common.checks.check_step`` (no host sync given its
     num_tokens). A StepBatch: ``front_end`` (default torch) writes the per-token facts and the rows
     into ``buffers``, and the plan views them. A StepRows: the per-token facts are copied into
@@ -236,4 +237,5 @@ def build_plan(spec: ModelSpec, batch: StepBatch | StepRows, buffers: PlanBuffer
             rows, lens = buffers.rows_of(kind)
             comp[kind.ratio] = (rows[:T], lens[:T])
     return StepPlan(spec, batch, owner, generation, 0, T, batch.num_decode_tokens, buffers.positions[:T],
-                    buffers.token_to_req[:T], buffers.token_valid[:T], swa_rows[:T], swa_lens[:T], comp, front_end)
+                    buffers.token_to_req[:T], buffers.token_valid[:T], swa_rows[:T], swa_lens[:T], comp, front_end,
+                    batch_invariant)
