@@ -644,6 +644,20 @@ def uncapturable(backend: str, case: Case, plan) -> str | None:
     return f"{name} {case.phase} cannot be graph-captured: {why}" if why else None
 
 
+def host_us(run, device: torch.device, calls: int = 50) -> float:
+    """Host us per eager call of ``run``: the calling thread's time (checks, backend decision,
+    launches; a GPU's queue takes the kernels), what an eager or piecewise engine step pays per
+    layer beside the GPU time. On a CPU the work itself is in it."""
+    run()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    elapsed = time.perf_counter() - start
+    _sync(device)
+    return elapsed / calls * 1e6
+
+
 def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> dict:
     rows = {}
     ref_out = None
@@ -655,7 +669,7 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
                                uncapturable(name, case, plan))
         run()
         _sync(case.q.device)
-        rows[name] = timing.as_us()
+        rows[name] = {**timing.as_us(), "host_us": host_us(run, case.q.device)}
         if name == "auto":
             rows[name]["picked"] = plan.owner.backend_for(case.kind, case.phase, case.q.shape[0])
         elif case.phase == "decode":
@@ -1064,14 +1078,14 @@ HEADER = (f"{'case':<30} {'format':<12} {'backend':<9} {'us':>8} {'us_p90':>8} {
           f"{'fmla_api':>9} {'speedup':>7} {'fmla_raw':>9} {'speedup':>7}")
 
 # One CSV row per (case, backend): the case's facts, then its timing (median, fastest, 90th
-# percentile), rates against the floor, and FlashMLA's timing beside it.
+# percentile), rates against the floor, FlashMLA's timing beside it, and host µs per eager call (host_us).
 # A step row (phase "step") times a whole decode step: its layers, µs per layer and FlashMLA driven as
 # vLLM drives it beside it; no kind, keys or floor.
 CSV_COLUMNS = ("case", "phase", "config", "kind", "format", "batch", "s_q_per_req", "heads", "tokens", "valid_keys",
                "layers", "backend", "timing", "runs", "us", "us_min", "us_p90", "us_per_layer", "tflops", "gbps",
                "floor_us", "x_floor", "flashmla_us", "flashmla_us_p90", "speedup_vs_flashmla", "flashmla_raw_us",
                "flashmla_raw_us_p90", "speedup_vs_flashmla_raw", "flashmla_vllm_us", "flashmla_vllm_us_p90",
-               "speedup_vs_flashmla_vllm", "error")
+               "speedup_vs_flashmla_vllm", "host_us", "error")
 FLASHMLA_LABELS = ("flashmla", "flashmla_raw", "flashmla_vllm")
 
 
