@@ -101,10 +101,10 @@ class SparseMLA:
         choices table where it covers the launch (common/choices.py)."""
         kind, phase = self.spec.check_kind(kind), Phase(phase)
         requested, source = backend_mod.requested_backend(self._explicit)
-        order = None
+        bucket = None  # auto: one decision per launch-size range of the measured table
         if requested == "auto" and num_tokens:
-            order = tuple(backend_mod.auto_order(self.platform, self.spec, self.fmt, kind, phase, num_tokens)[0])
-        key = (requested, kind, phase, order)
+            bucket = backend_mod.launch_bucket(self.platform, self.spec, self.fmt, kind, phase, num_tokens)
+        key = (requested, kind, phase, bucket)
         if key not in self._selected:
             self._selected[key] = backend_mod.select(self.platform, self.spec, self.fmt, kind, phase,
                                                      requested, source, self.dialects, num_tokens)
