@@ -66,7 +66,8 @@ import torch
 
 from .. import envs
 from ..common.backend import Backend, Capabilities, LayerInputs, LayerShape, Phase, PlatformSupport
-from ..common.layout import Fp8Dialect, KVFormat, Record, gather_rows, packed_records, quantize_model1
+from ..common.layout import (Fp8Dialect, KVFormat, Record, gather_rows, new_cache, packed_records,
+                             quantize_model1)
 from ..common.merge import apply_sink, merge_lse
 from ..common.plan import StepPlan
 from ..common.platform import Platform, probe
@@ -122,7 +123,7 @@ MIN_VERSION = {"mla_decode_fwd_v4_nm": ((0, 1, 18), "0.1.17 lacks AITER #4117 (e
 # P.V): opt-in (FP8_COMPUTE). Their error, measured through the emulator on the adversarial cases
 # of tests/test_aiter.py (garbage past the valid top-k, permuted block tables, MTP, 16-128 heads,
 # +-inf sinks), against the bf16 paths' (tests/test_aiter.py::test_fp8_compute_is_opt_in_and_labelled).
-FP8_REL_L2 = 3.5e-2
+FP8_REL_L2 = 5e-2
 FP8_NOTE = (f"computes in fp8 (e4m3 q, fp8 probabilities): rel L2 up to {FP8_REL_L2:.1e} against float64, "
             "EMULATED, vs <= 5e-3 for every default path")
 # kv_granularity of a persistent work plan: the gfx942 64-head FP8 object (and AITER's own test for
@@ -342,6 +343,12 @@ def _split_heads(heads: int) -> int:
     return 16 if heads <= 16 else 128
 
 
+def _split_mgc(split_heads: int) -> int:
+    """Keys per split stage 2 counts for bf16 split mode (aiter/mla.py ``mgc``: 64 at 16 heads,
+    16 at 128): it merges ``min(S, cdiv(L, mgc))`` partials of a row of L keys."""
+    return 64 if split_heads == 16 else 16
+
+
 def _scope_widths(spec: ModelSpec) -> tuple[tuple[str, int], ...]:
     """Row width of every scope, by name: the window ("swa") and each compressed layer kind of the
     model. One scratch serves every layer kind (the window scope is shared)."""
@@ -469,7 +476,7 @@ class AiterBackend(Backend):
     # ---- selection --------------------------------------------------------------------------
     def _split_rows_reasons(self, spec: ModelSpec) -> list[str]:
         width = max(w for _, w in _scope_widths(spec))  # the gathered-rows scratch serves every scope
-        rows = self.max_decode_tokens * width
+        rows = self.max_decode_tokens * width + 2  # + the scatter dump and the sentinel row
         if rows < SPLIT_MAX_ROWS and rows * ROW * 2 < SPLIT_MAX_BYTES:
             return []
         return [f"split mode gathers up to max_decode_tokens x {width} = {rows} rows of {ROW * 2} B; its code "
@@ -611,7 +618,11 @@ class AiterBackend(Backend):
         scr = meta.scratch
         sb = scr.scopes[name]
         keep, pos, counts = compact(list(parts), sb.width)
-        write_indices(sb, keep, pos, counts, torch.cat([p[0] for p in parts], dim=1), scr.key.layout)
+        unit = 0
+        if scr.key.layout == "padded":
+            unit = self._split_count(plan.num_tokens, sb.width, scr.key.heads) * _split_mgc(scr.key.heads)
+        write_indices(sb, keep, pos, counts, torch.cat([p[0] for p in parts], dim=1), scr.key.layout, unit,
+                      scr.rows.shape[0] - 1 if scr.rows is not None else -1)
         if scr.key.persistent:  # the plan bakes in each token's key range
             self._fill_work_plan(api, scr, sb, plan.num_tokens)
         if not per_layer:
@@ -644,9 +655,26 @@ class AiterBackend(Backend):
 
     # ---- path 1: sparse_mla_fwd ---------------------------------------------------------------
     def _sparse_scratch(self, api: AiterAPI, plan: StepPlan, shape: LayerShape) -> AiterScratch:
+        # its Triton kernels compile per cache format and scope count on first use
+        self._warm(("sparse_mla_fwd", shape.fmt, shape.num_heads),
+                   [functools.partial(self._sparse_dummy, api, shape.fmt, shape.num_heads, plan.device, two)
+                    for two in (False, True)])
         return self._get_scratch(api, ScratchKey(
             path="sparse_mla_fwd", device=plan.device, max_tokens=self.max_decode_tokens, heads=shape.num_heads,
             widths=_scope_widths(plan.spec), q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, layout="slots"))
+
+    @staticmethod
+    def _sparse_dummy(api: AiterAPI, fmt: KVFormat, heads: int, device: torch.device, two_scopes: bool) -> None:
+        """One token, one zero key in a one-block cache of ``fmt`` (and a second scope)."""
+        cache = new_cache(fmt, 1, 64, device)
+        i32 = dict(dtype=torch.int32, device=device)
+        indptr, indices = torch.arange(2, **i32), torch.zeros(1, **i32)
+        scale = torch.ones(1, dtype=torch.float32, device=device) if fmt is KVFormat.FP8_TENSOR else None
+        extra = dict(extra_kv=cache, extra_indptr=indptr, extra_indices=indices) if two_scopes else {}
+        api.sparse_mla_fwd(torch.zeros(1, heads, HEAD_DIM, dtype=torch.bfloat16, device=device), cache, indptr,
+                           indices, 1.0, kv_scale=scale, kv_lora_rank=HEAD_DIM, qk_rope_head_dim=0,
+                           has_invalid=False, out=torch.empty(1, heads, HEAD_DIM, dtype=torch.bfloat16, device=device),
+                           attn_sink=torch.zeros(heads, dtype=torch.float32, device=device), **extra)
 
     def _forward_sparse(self, api: AiterAPI, plan: StepPlan, meta: AiterMeta, layer: LayerInputs,
                         out: torch.Tensor) -> None:
@@ -665,9 +693,9 @@ class AiterBackend(Backend):
         kwargs = dict(kv_scale=swa_scale, kv_lora_rank=HEAD_DIM, qk_rope_head_dim=0, has_invalid=False, out=out,
                       attn_sink=None if layer.sink is None else self._stage_sink(scr, layer.sink, H))
         if extra is not None:
-            sb, cache, scale = extra
+            sb, cache, _ = extra
             kwargs.update(extra_kv=cache, extra_indptr=sb.kv_indptr[: T + 1],
-                          extra_indices=sb.kv_indices[: T * sb.width], extra_kv_scale=scale)
+                          extra_indices=sb.kv_indices[: T * sb.width])  # one kv_scale serves both caches
         api.sparse_mla_fwd(layer.q, swa_cache, swa.kv_indptr[: T + 1], swa.kv_indices[: T * swa.width],
                            layer.softmax_scale, **kwargs)
         empty = swa.counts[:T] == 0
@@ -752,14 +780,16 @@ class AiterBackend(Backend):
         widths = _scope_widths(plan.spec)
         split = ScratchKey(path="mla_decode_fwd", device=plan.device, max_tokens=self.max_decode_tokens,
                            heads=_split_heads(heads), widths=widths, q_dtype=torch.bfloat16,
-                           kv_dtype=torch.bfloat16, layout="ragged", row=ROW, max_splits=self.max_splits)
+                           kv_dtype=torch.bfloat16, layout="padded", row=ROW, max_splits=self.max_splits,
+                           pad_slack=max(w for _, w in widths) + 2 * _split_mgc(_split_heads(heads)))
         if persistent_heads is None or T >= self.persistent_max_batch:
             return split
         fp8 = NATIVE_DIALECT[api.arch].torch_dtype
         # persistent mode only runs below persistent_max_batch: its work buffers (and the fp32
         # partials AITER allocates per call from them) are sized for that, not max_decode_tokens
         return replace(split, max_tokens=min(self.max_decode_tokens, self.persistent_max_batch - 1),
-                       heads=persistent_heads, q_dtype=fp8, kv_dtype=fp8, layout="fixed", persistent=True)
+                       heads=persistent_heads, q_dtype=fp8, kv_dtype=fp8, layout="fixed", persistent=True,
+                       pad_slack=0)
 
     def _persistent_heads_for(self, api: AiterAPI, fmt: KVFormat, heads: int) -> int | None:
         """Heads handed to the persistent (FP8/FP8) kernels, or None where split mode serves every
@@ -788,17 +818,13 @@ class AiterBackend(Backend):
             quantize_pow2_(q[:, :H, :HEAD_DIM], layer.q, scr.q_scale)
         else:
             q[:, :H, :HEAD_DIM].copy_(layer.q)
-        q[:, H:].zero_()
-        # split mode: >= 2 splits (the LSE comes from the stage-2 reduce), more for small batches
-        splits = self.max_splits if key.persistent else min(self.max_splits, max(2, math.ceil(512 / T)))
-        if not key.persistent:
-            torch.arange(0, (T + 1) * splits, splits, out=scr.splits_indptr[: T + 1])
+        q[:, H:, :HEAD_DIM].zero_()
         results = []
         for i, (name, rows, lens, cache, geo) in enumerate(self._scopes(plan, layer)):
             dialect = layer.swa_dialect if name == "swa" else layer.comp_dialect
             sb = self._indices(plan, meta, name, [(rows, lens, geo.num_slots)], layer.kind.uses_topk and name != "swa",
                                api)
-            n = T * sb.width
+            n = T * (sb.width + key.pad_slack)
             values = gather_rows(cache, layer.fmt, geo, sb.slots[: T * rows.shape[1]], layer.kv_scale, dialect)
             staged = torch.empty_like(values, dtype=key.kv_dtype)
             if key.persistent:
@@ -811,7 +837,10 @@ class AiterBackend(Backend):
             o = scr.out[i][:T]
             work_plan = dict(zip(("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr",
                                   "reduce_final_map", "reduce_partial_map"), sb.meta)) if key.persistent else {}
-            _, lse = _call(api.mla_decode_fwd, q=q, kv_buffer=scr.rows[:n].view(n, 1, 1, ROW), o=o,
+            splits = self.max_splits if key.persistent else self._split_count(T, sb.width, key.heads)
+            if not key.persistent:
+                torch.arange(0, (T + 1) * splits, splits, out=scr.splits_indptr[: T + 1])
+            _, lse = _call(api.mla_decode_fwd, q=q, kv_buffer=scr.rows.view(-1, 1, 1, ROW), o=o,
                            qo_indptr=scr.qo_indptr[: T + 1], kv_indptr=sb.kv_indptr[: T + 1],
                            kv_indices=sb.kv_indices[:n], kv_last_page_lens=scr.last_page[:T], max_seqlen_q=1,
                            page_size=1, nhead_kv=1, sm_scale=layer.softmax_scale, num_kv_splits=splits,
@@ -824,6 +853,12 @@ class AiterBackend(Backend):
             results.append((o, lse_buf))
         merged, lse = results[0] if len(results) == 1 else merge_lse(*results[0], *results[1])
         out.copy_(apply_sink(merged[:, :H], lse[:, :H], layer.sink))
+
+    def _split_count(self, T: int, width: int, heads: int) -> int:
+        """Splits per row in split mode: >= 2 (the LSE comes from the stage-2 reduce), more for
+        small batches, at most one per ``mgc`` keys of the scope's width (every row's range is
+        padded to ``splits * mgc`` sentinel-filled entries: scratch.py, layout "padded")."""
+        return min(self.max_splits, max(2, math.ceil(512 / T)), max(2, math.ceil(width / _split_mgc(heads))))
 
     def _decode_dummy(self, api: AiterAPI, key: ScratchKey) -> None:
         """One token, one zero key: every kernel of a mode (stage 1, stage 2 or reduce, metadata)."""
