@@ -74,7 +74,8 @@ from .timing import L2Flush, Timing, host_us, measure_ceilings, time_callable
 __all__ = ["CSV_COLUMNS", "DECODE_CONFIGS", "PREFILL_CONFIGS", "STEP_CPU_MAX_MODEL_LEN", "STEP_MAX_MODEL_LEN",
            "STEP_MODELS", "Case", "DecodeConfig", "L2Flush", "PrefillConfig", "StepCase", "StepLayer", "StepModel",
            "Timing", "api_step_runner", "auto_gaps", "case_work", "cases", "cli", "configs", "default_backends",
-           "fill_random", "flashmla_vllm_step_runner", "host_us", "layer", "main", "make_decode_case", "make_prefill_case",
+           "fill_random", "flashmla_vllm_step_runner", "host_us", "layer", "main", "make_decode_case",
+           "make_prefill_case",
            "make_step_case", "measure_ceilings", "report", "run_case", "run_step_case", "runners", "runs_in",
            "select_configs", "step", "step_auto_gaps", "time_callable", "timing", "uncapturable",
            "vllm_c128a_width"]
