@@ -220,3 +220,22 @@ def test_bench_gaps_count_each_backends_per_step_work():
     results[0]["backends"]["auto"]["picked"] = "flashmla"
     [(gap, *_)] = auto_gaps(results)
     assert round(gap, 6) == round(40.0 / 21.0 - 1, 6)
+
+
+def test_layer_calls_reuse_the_decision_of_their_launch_size_range(table, fakes, monkeypatch):
+    """SparseMLA.backend_for looks the measured order up once per (kind, phase, range of the
+    table) -- eager and piecewise steps call it at every layer -- and decides as select() does
+    for every launch size."""
+    fakes("flashmla", index=0)
+    fakes("triton", index=1)
+    monkeypatch.setattr(dsv4.SparseMLA, "platform", property(lambda self: SM90))
+    mla = dsv4.SparseMLA(SPEC, KVFormat.MODEL1_FP8)
+    sizes = range(1, 400)
+    expected = [_pick(t) for t in sizes]
+    assert expected[32:34] == ["triton", "triton"] and expected[159:161] == ["triton", "flashmla"]  # range edges
+    lookups = []
+    real_order = bm.auto_order
+    monkeypatch.setattr(bm, "auto_order", lambda *args: lookups.append(args[-1]) or real_order(*args))
+    for _ in range(2):
+        assert [mla.backend_for(LayerKind.C4A, dsv4.Phase.DECODE, t) for t in sizes] == expected
+    assert lookups == [1, 34, 161]  # ranges [1, 34), [34, 161), [161, 2**31): one lookup each

@@ -56,8 +56,9 @@ class Engine:
         self.topk = torch.full((MAX_TOKENS, TOPK), -1, **i32)
         spec = ModelSpec(num_heads=HEADS, topk=TOPK, max_model_len=MAX_MODEL_LEN)
         groups = {}
-        self.planner = shim.StepPlanner(spec, MAX_TOKENS, MAX_REQS, Fp8Dialect.OCP, BS,
-                                        predict=lambda layers: shim.plan_groups(layers, groups.__getitem__)[1])
+        self.planner = shim.StepPlanner(spec, MAX_TOKENS, MAX_REQS, Fp8Dialect.OCP,
+                                        predict=lambda layers: shim.plan_groups(layers, groups.__getitem__)[1],
+                                        block_size=lambda: BS)
         self.layers = [self._layer(*entry, draft=False) for entry in LAYERS]
         self.mtp = self._layer(*MTP, draft=True)
         for layer in self.layers + [self.mtp]:

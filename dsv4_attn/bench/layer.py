@@ -11,7 +11,7 @@ import torch
 from ..common.layout import KVFormat
 from .cases import Case, row_bytes
 from .runners import _case_mla, _run_layer, api_runner, compare, flashmla_runners, register_variant
-from .timing import sync, time_callable
+from .timing import host_us, sync, time_callable
 
 
 def per_step_us(case: Case, backend: str, layer_us: float, reps: int, flush, graph: bool) -> tuple[float, float]:
@@ -74,7 +74,7 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
                                uncapturable(name, case, plan))
         run()
         sync(case.q.device)
-        rows[name] = timing.as_us()
+        rows[name] = {**timing.as_us(), "host_us": host_us(run, case.q.device)}
         if name == "auto":
             rows[name]["picked"] = plan.owner.backend_for(case.kind, case.phase, case.q.shape[0])
         elif case.phase == "decode":

@@ -11,25 +11,17 @@ backend with ``getattr`` nor import a vendor module. The registry, selection and
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .layout import CacheGeometry, Fp8Dialect, KVFormat
+from .plan import Phase, StepPlan
 from .platform import Platform
 from .spec import MAX_HEADS, LayerKind, ModelSpec
-
-if TYPE_CHECKING:
-    from .plan import StepPlan
-
-
-class Phase(str, enum.Enum):
-    DECODE = "decode"
-    PREFILL = "prefill"
 
 
 @dataclass
@@ -206,6 +198,8 @@ class Backend:
                    token ranges (the plan passed is then a phase sub-plan)
     uncapturable   {phase: why} for the phases whose forward cannot run inside a CUDA-graph
                    capture (a host sync); engines and the bench run those eagerly
+    batch_invariant  True: given ``plan.batch_invariant`` a token's output bytes depend on its
+                   own inputs only (no split decision, no batch-shaped reduction)
     emulated       True when its results come from an emulator, not the vendor's kernels
                    (the parity matrix labels them so)
 
@@ -219,6 +213,7 @@ class Backend:
     capabilities: Capabilities
     splits_phases: bool = False
     uncapturable: Mapping[Phase, str] = MappingProxyType({})
+    batch_invariant: bool = False
     emulated: bool = False
 
     @property

@@ -9,8 +9,10 @@ the parity matrix, the bench) reach backends only through this module.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import contextvars
+import functools
 import importlib
 
 from .. import envs
@@ -205,6 +207,26 @@ def auto_order(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKi
     costs = entry.costs(layers)
     why = f"{where}: {layers} {kind.name} layer(s) per step: {costs}; " if costs else f"{where}: "
     return first + [name for name in order if name not in first], f"measured ({why}{entry.evidence})"
+
+
+def launch_bucket(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
+                  num_tokens: int) -> tuple[str | None, int]:
+    """(the choices file, which of its launch-size ranges for this layer holds ``num_tokens``): every
+    launch size of one bucket gets the same :func:`auto_order`, so a decision cached per bucket is
+    the decision, without the ~35 us of looking the order up at each layer call."""
+    where = envs.CHOICES.raw
+    bounds = _range_bounds(platform.arch, where, Phase(phase).value, kind.name, choices.heads_bucket(spec.num_heads),
+                           fmt.value)
+    return where, bisect.bisect_right(bounds, num_tokens)
+
+
+@functools.lru_cache(maxsize=256)
+def _range_bounds(arch: str, where: str | None, phase: str, kind: str, heads: int, fmt: str) -> tuple[int, ...]:
+    """The sorted range bounds of the table's entries for one layer (``where``, the
+    DSV4_ATTN_CHOICES file that table_for reads, keys the cache)."""
+    entries, _ = choices.table_for(arch)
+    return tuple(sorted({bound for e in entries if (e.phase, e.kind, e.heads, e.fmt) == (phase, kind, heads, fmt)
+                         for bound in e.tokens}))
 
 
 def layers_per_step(spec: ModelSpec, kind: LayerKind) -> int:

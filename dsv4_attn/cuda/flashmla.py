@@ -45,10 +45,11 @@ import torch
 
 from .. import envs
 from ..common.backend import Backend, Capabilities, LayerInputs, LayerShape, Phase, PlatformSupport
+from ..common.heads import LazyStaging, padded_heads, stage
 from ..common.indices import bounded_rows
 from ..common.layout import CacheGeometry, KVFormat, Record, gather_rows
 from ..common.plan import StepPlan
-from ..common.platform import Platform
+from ..common.platform import Platform, dist_version
 from ..common.spec import HEAD_DIM, MODEL1_DATA_BYTES, LayerKind, ModelSpec
 
 ENV_LIB = envs.FLASHMLA_LIB.name
@@ -227,15 +228,6 @@ def _op_namespace(name: str):
     return getattr(torch.ops, name)
 
 
-def _dist_version(dists: tuple[str, ...]) -> str | None:
-    for dist in dists:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def _file_version(path: str) -> str:
     with open(path, "rb") as f:
         return "unversioned build, sha256 " + hashlib.sha256(f.read()).hexdigest()[:16]
@@ -258,7 +250,7 @@ def load_flashmla() -> FlashMLALib:
             continue
         ops, why = bind_ops(_op_namespace(namespace), namespace)
         if ops is not None:
-            return FlashMLALib(ops, label, _dist_version(dists) or getattr(mod, "__version__", None),
+            return FlashMLALib(ops, label, dist_version(*dists) or getattr(mod, "__version__", None),
                                getattr(mod, "__file__", None), tuple(notes))
         notes.append(f"{label}: {why}")
     path = envs.FLASHMLA_LIB.get()
@@ -276,11 +268,6 @@ def load_flashmla() -> FlashMLALib:
             return FlashMLALib(ops, ENV_LIB, _file_version(path), path, tuple(notes))
         notes.append(f"{ENV_LIB}={path}: {why}")
     return FlashMLALib(None, notes=tuple(notes))
-
-
-def padded_heads(num_heads: int) -> int:
-    """FlashMLA's sparse kernels take 64 or 128 query heads."""
-    return 64 if num_heads <= 64 else 128
 
 
 @functools.cache
@@ -328,36 +315,6 @@ def _comp_kernel_rows(plan: StepPlan, layer: LayerInputs,
     return (all_idx if all_idx is not None else bounded_rows(rows, num_slots, multiple=TOPK_BLOCK)), lens
 
 
-@dataclass
-class _HeadStaging:
-    """Per-step buffers for layers whose q is not 64/128 contiguous heads: q zero-padded,
-    out, sink (-inf on padded heads). q/out bf16 [T, hp, 512], sink float32 [hp]."""
-
-    q: torch.Tensor
-    out: torch.Tensor
-    sink: torch.Tensor
-
-    @classmethod
-    def allocate(cls, num_tokens: int, hp: int, device: torch.device) -> _HeadStaging:
-        return cls(torch.zeros(num_tokens, hp, HEAD_DIM, dtype=torch.bfloat16, device=device),
-                   torch.empty(num_tokens, hp, HEAD_DIM, dtype=torch.bfloat16, device=device),
-                   torch.full((hp,), float("-inf"), dtype=torch.float32, device=device))
-
-
-class _LazyStaging:
-    """The step's head staging, allocated by the first layer that needs it (most callers hand
-    64/128 contiguous heads and need none)."""
-
-    def __init__(self, num_tokens: int, hp: int, device: torch.device) -> None:
-        self._args = (num_tokens, hp, device)
-        self._staging: _HeadStaging | None = None
-
-    def get(self) -> _HeadStaging:
-        if self._staging is None:
-            self._staging = _HeadStaging.allocate(*self._args)
-        return self._staging
-
-
 @dataclass(frozen=True)
 class FlashMLAMeta:
     """Per-step metadata of one layer shape (``FlashMLABackend.prepare``).
@@ -372,7 +329,7 @@ class FlashMLAMeta:
              layer of a kind has the same lengths); () in prefill
     """
 
-    staging: _LazyStaging
+    staging: LazyStaging
     swa_idx: torch.Tensor | None = None
     all_idx: torch.Tensor | None = None
     scheds: tuple[_Sched, ...] = ()
@@ -437,7 +394,7 @@ class FlashMLABackend(Backend):
         if shape.kind.has_comp_scope:
             window = self.meta(plan, shape.window_only())
         else:
-            window = FlashMLAMeta(_LazyStaging(plan.num_tokens, padded_heads(shape.num_heads), plan.device))
+            window = FlashMLAMeta(LazyStaging(plan.num_tokens, padded_heads(shape.num_heads), plan.device))
             if plan.num_decode_tokens:
                 swa_idx = bounded_rows(plan.swa_rows, shape.swa_geo.num_slots, multiple=TOPK_BLOCK)
                 window = replace(window, swa_idx=swa_idx)
@@ -462,27 +419,13 @@ class FlashMLABackend(Backend):
         if ops is None:
             raise RuntimeError(load_flashmla().describe())
         meta = self.meta(plan, layer.shape)
-        q, kout, sink, staging = self._stage(meta, layer, out)
+        q, kout, sink, staging = stage(meta.staging, layer.q, layer.sink, out)
         if nd:
             self._decode(ops, plan, meta, layer, q, sink, kout)
         else:
             self._prefill(ops, plan, layer, q, sink, kout)
         if staging is not None:
             out.copy_(staging.out[:, : out.shape[1]])
-
-    @staticmethod
-    def _stage(meta: FlashMLAMeta, layer: LayerInputs, out: torch.Tensor):
-        """(q, out, sink, staging) as the kernels take them: 64/128 contiguous heads, contiguous
-        fp32 sink. Without a copy when the caller's tensors already fit."""
-        q, sink = layer.q, layer.sink
-        H = q.shape[1]
-        if H == padded_heads(H) and q.is_contiguous() and (sink is None or sink.is_contiguous()):
-            return q, out, sink, None
-        staging = meta.staging.get()
-        staging.q[:, :H].copy_(q)
-        if sink is not None:
-            staging.sink[:H].copy_(sink)
-        return staging.q, staging.out, (None if sink is None else staging.sink), staging
 
     def _decode(self, ops: FlashMLAOps, plan: StepPlan, meta: FlashMLAMeta, layer: LayerInputs, q, sink,
                 out) -> None:

@@ -61,6 +61,7 @@ def reserved(shape: dict, max_tokens: int, max_model_len: int) -> tuple[int, lis
         mtp = cls(vllm_config, prefix=f"model.layers.{n}.attn", topk_indices_buffer=topk)
         for name, layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).items():
             layer.is_draft_layer = name not in targets  # as vLLM's speculator flags the MTP layers
+        vllm_stack.resolve_block_size(vllm_config)  # vLLM's default flags: resolved after the model is built
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
         from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
