@@ -145,12 +145,14 @@ class SparseMLA:
     def _measured_lines(self, plat: Platform, requested: str) -> list[str]:
         """The measured choices (common/choices.py) that reorder auto selection for this model, by
         token range; "chosen" above is the choice for a launch no measurement covers."""
-        entries, where = choices.table_for(plat.arch)
+        entries, where, note = choices.table_for(plat.arch, plat.device_name)
         kinds = {k.name for k in self.spec.kinds}
         mine = [e for e in entries if e.kind in kinds and e.fmt == self.fmt.value
                 and e.heads == choices.heads_bucket(self.spec.num_heads)]
         if not mine or requested != "auto":
             return []
+        if note:
+            where = f"{where}: {note}"
         out = [f"measured choices ({where}; auto tries this order first for launches in range; where the "
                "table has per-step costs, ordered for this model's layers of the kind):"]
         for e in mine:
