@@ -89,6 +89,17 @@ def _backend_name(text: str) -> str:
     return value
 
 
+def _emulator(text: str) -> str:
+    """off/on words, an AITER arch, or arch:flavor (the forms ``rocm.emulate.parse_env`` reads)."""
+    from .rocm.emulate import ARCHS, FLAVORS  # lazy: the emulator module imports torch
+
+    value = text.lower()
+    arch, colon, flavor = value.partition(":")
+    if value in ("0", "off", "false", "1", "on", "true") or (arch in ARCHS and (not colon or flavor in FLAVORS)):
+        return value
+    raise ValueError(value)
+
+
 BACKEND = EnvVar("DSV4_ATTN_BACKEND", "auto",
                  "force one backend for every SparseMLA created with backend='auto' (a forced backend that "
                  "cannot serve a layer raises with its reasons)", lambda: f"'auto' or one of {_backends()}",
@@ -107,19 +118,24 @@ AITER_EMULATOR = EnvVar("DSV4_ATTN_AITER_EMULATOR", "0",
                         "run the aiter backend against the AITER emulator on any device (results are labelled "
                         "EMULATED)", "0/off, 1/on (gfx950), an arch (gfx942, gfx950) or arch:flavor (flavor "
                         "0.1.20, 0.1.7 or sparse)",
-                        _text)
+                        _emulator)
 AITER_PATH = EnvVar("DSV4_ATTN_AITER_PATH", "auto", "which AITER entry point the aiter backend uses",
                     "auto, sparse_mla_fwd, mla_decode_fwd_v4_nm or mla_decode_fwd",
                     _word("auto", "sparse_mla_fwd", "mla_decode_fwd_v4_nm", "mla_decode_fwd"))
+AITER_FP8_COMPUTE = EnvVar("DSV4_ATTN_AITER_FP8_COMPUTE", "0",
+                           "let the aiter backend run AITER's a8w8 kernels (mla_decode_fwd_v4_nm, mla_decode_fwd "
+                           "persistent), which round q and the probabilities to fp8: faster, about 10x less "
+                           "accurate than the bf16 paths (docs/rocm.md \"Accuracy\")", "1/on or 0/off", _switch)
 AITER_PERSISTENT_MAX_BATCH = EnvVar("DSV4_ATTN_AITER_PERSISTENT_MAX_BATCH", "32",
-                                    "mla_decode_fwd runs its persistent kernels below this many decode tokens "
-                                    "(0 = never)", "an int >= 0", _int_at_least(0))
+                                    "with DSV4_ATTN_AITER_FP8_COMPUTE on, mla_decode_fwd runs its persistent "
+                                    "kernels below this many decode tokens (0 = never)", "an int >= 0",
+                                    _int_at_least(0))
 AITER_MAX_DECODE_TOKENS = EnvVar("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", "1024",
                                  "decode tokens the aiter backend's scratch buffers hold", "an int >= 1",
                                  _int_at_least(1))
 
-OURS = (BACKEND, VLLM, SGLANG, FLASHMLA_LIB, CHOICES, AITER_EMULATOR, AITER_PATH, AITER_PERSISTENT_MAX_BATCH,
-        AITER_MAX_DECODE_TOKENS)
+OURS = (BACKEND, VLLM, SGLANG, FLASHMLA_LIB, CHOICES, AITER_EMULATOR, AITER_PATH, AITER_FP8_COMPUTE,
+        AITER_PERSISTENT_MAX_BATCH, AITER_MAX_DECODE_TOKENS)
 # Other projects' variables that change what dsv4_attn does, shown by the probe.
 FOREIGN = {"TRITON_INTERPRET": "Triton runs kernels in its CPU interpreter (tests on machines without a GPU)",
            "CUDA_VISIBLE_DEVICES": "which NVIDIA GPUs torch sees", "HIP_VISIBLE_DEVICES": "which AMD GPUs torch sees",

@@ -149,7 +149,7 @@ def test_step_flashmla_as_vllm_runner_on_the_flashmla_stand_in(monkeypatch):
     from test_flashmla import FakeFlashMLA
 
     fake = FakeFlashMLA("sm90")
-    monkeypatch.setattr(bench, "raw_flashmla_ops", lambda: fake)
+    monkeypatch.setattr(bench.runners, "raw_flashmla_ops", lambda: fake)
     case = _step_case(seed=5)
     run, outs, how = bench.flashmla_vllm_step_runner(case)
     assert run is not None, how

@@ -212,6 +212,8 @@ class Backend:
                    token ranges (the plan passed is then a phase sub-plan)
     uncapturable   {phase: why} for the phases whose forward cannot run inside a CUDA-graph
                    capture (a host sync); engines and the bench run those eagerly
+    batch_invariant  True: given ``plan.batch_invariant`` a token's output bytes depend on its
+                   own inputs only (no split decision, no batch-shaped reduction)
 
     ``reasons(...)`` = the declared data's refusals + ``extra_reasons`` (what data cannot say);
     [] means supported. ``forward`` runs a layer; ``prepare`` builds its per-step metadata (a
@@ -223,6 +225,7 @@ class Backend:
     capabilities: Capabilities
     splits_phases: bool = False
     uncapturable: Mapping[Phase, str] = MappingProxyType({})
+    batch_invariant: bool = False
 
     @property
     def phases(self) -> tuple[Phase, ...]:

@@ -126,7 +126,11 @@ def table_for(arch: str) -> tuple[tuple[Choice, ...], str]:
     if user:
         if not os.path.isfile(user):
             raise ValueError(f"{envs.CHOICES.name}: got {user!r}; allowed: an existing choices JSON file")
-        got_arch, entries = _load(user)
+        try:
+            got_arch, entries = _load(user)
+        except (ValueError, OSError) as exc:  # not JSON (JSONDecodeError is a ValueError), not a table, unreadable
+            raise ValueError(f"{envs.CHOICES.name}: got {user!r}, which is not a choices table ({exc}); allowed: "
+                             "the JSON that `dsv4-attn bench --write-choices` writes") from None
         if got_arch == arch:
             return entries, user
     packaged = Path(str(importlib.resources.files("dsv4_attn") / "data" / "choices" / f"{arch}.json"))

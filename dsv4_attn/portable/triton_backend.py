@@ -14,6 +14,7 @@ formats (Triton's e4m3 conversions need sm_89+).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import torch
@@ -37,6 +38,7 @@ class TritonBackend(Backend):
         validated="H100 (hardware); CPU via TRITON_INTERPRET=1 (logic only); AMD: compile-checked offline",
         notes="one launch per layer (+1 small combine when few tokens split the key range)",
     )
+    batch_invariant = True  # one program walks a token's keys in order; the mode turns the split off
 
     def __init__(self, config=None) -> None:
         self._config = config  # kernels.ops.KernelConfig or None (defaults)
@@ -102,6 +104,8 @@ class TritonBackend(Backend):
         kwargs = {}
         if self._config is not None:
             kwargs["config"] = self._config
+        if plan.batch_invariant:  # one key range per program: the split no longer follows the grid size
+            kwargs["config"] = dataclasses.replace(self._config or ops.DEFAULT_CONFIG, split=1)
         ops.sparse_mla_fwd(
             layer.q, out, fmt, layer.swa_cache, plan.swa_rows, plan.swa_lens,
             comp_cache=comp_cache, comp_rows=comp_rows, comp_lens=comp_lens, c4a=c4a, topk_ratio=layer.kind.ratio,

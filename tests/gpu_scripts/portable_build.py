@@ -65,6 +65,38 @@ def compile_combine(target: GPUTarget, split: int = 304, block_h: int = 16):
     return triton.compile(ASTSource(fn, sig, constexprs), target=target, options=dict(num_warps=4))
 
 
+HOPPER_POINTERS = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32", "A_U8": "*u8", "B_U8": "*u8",
+                   "A_ROWS": "*i32", "A_LENS": "*i32", "B_ROWS": "*i32", "B_LENS": "*i32", "BT": "*i32",
+                   "TOK2REQ": "*i32", "POS": "*i64", "PO": "*fp32", "PML": "*fp32"}
+# what the launcher's arguments are specialized as (16-byte aligned pointers and strides)
+HOPPER_DIV16 = set(HOPPER_POINTERS) | {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "a_stride0", "b_stride0",
+                                       "stride_ar", "stride_br", "stride_bt", "b_width", "a_width", "a_slots",
+                                       "b_slots"}
+
+
+def hopper_constexprs(comp: int, split: bool = False, write_lse: bool = False, shifts: tuple[int, int] = (6, 6),
+                      range_checks: bool = True) -> dict:
+    """The Gluon Hopper kernel's constexprs of one launch (``ops.sparse_mla_fwd``), with a sink."""
+    return dict(COMP=comp, C4A_RATIO=4, HAS_SINK=True, WRITE_LSE=write_lse and not split, IS_SPLIT=split, BN=64,
+                A_SHIFT=shifts[0], B_SHIFT=shifts[1], RANGE_CHECKS=range_checks)
+
+
+def compile_hopper(constexprs: dict):
+    """A CompiledKernel of the Gluon Hopper kernel for sm_90a, with the launcher's options."""
+    if triton_interpreting():
+        raise RuntimeError("TRITON_INTERPRET is set: offline compiles need Triton's compiler")
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from dsv4_attn.portable.kernels import hopper
+
+    fn = hopper.sparse_mla_fwd_hopper
+    sig = {p.name: HOPPER_POINTERS.get(p.name) or ("constexpr" if p.name in constexprs else
+                                                   "fp32" if p.name == "qk_scale" else "i32") for p in fn.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in HOPPER_DIV16}
+    return triton.compile(GluonASTSource(fn, sig, constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG))
+
+
 def _amd_field(asm: str, name: str) -> int:
     m = re.search(rf"^\s*(?:-\s+)?\.{name}:\s+(\d+)", asm, re.M)
     if m is None:
