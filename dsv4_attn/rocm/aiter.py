@@ -65,10 +65,17 @@ from typing import Any
 import torch
 
 from .. import envs
-from ..common.backend import (Backend, Capabilities, LayerInputs, LayerShape, Phase, PlatformSupport, new_backend,
-                              reasons_for)
-from ..common.layout import (Fp8Dialect, KVFormat, Record, gather_rows, new_cache, packed_records,
-                             quantize_model1)
+from ..common.backend import (
+    Backend,
+    Capabilities,
+    LayerInputs,
+    LayerShape,
+    Phase,
+    PlatformSupport,
+    new_backend,
+    reasons_for,
+)
+from ..common.layout import Fp8Dialect, KVFormat, Record, gather_rows, new_cache, packed_records, quantize_model1
 from ..common.merge import apply_sink, merge_lse
 from ..common.plan import StepPlan
 from ..common.platform import Platform, platform_for_device, probe
@@ -77,6 +84,10 @@ from . import emulate
 from .scratch import AiterScratch, ScopeBuffers, ScratchKey, compact, quantize_pow2_, write_indices
 
 ARCHS = ("gfx942", "gfx950")
+AITER_SOURCE = "git+https://github.com/ROCm/aiter.git@v0.1.20.post1"  # pyproject's `rocm` extra
+INSTALL_HINT = ("Install AITER v0.1.20.post1 from a clone of dsv4-attn: AITER_USE_SYSTEM_TRITON=1 pip install "
+                "--no-build-isolation -e '.[rocm]' (needs ROCm with hipcc and a ROCm torch; PyPI's amd-aiter 0.1.7 "
+                "is too old: docs/rocm.md \"Install AITER\")")
 NATIVE_DIALECT = {"gfx942": Fp8Dialect.FNUZ, "gfx950": Fp8Dialect.OCP}
 PATHS = ("sparse_mla_fwd", "mla_decode_fwd_v4_nm", "mla_decode_fwd")
 # backends without a token cap that take the decode launches above the scratch's capacity
@@ -194,8 +205,7 @@ def _load_real(arch: str) -> AiterAPI:
         import aiter  # noqa: PLC0415 - ROCm only, lazily
         from aiter import mla
     except Exception as exc:  # missing, or broken (rocminfo, JIT) -> a refusal reason
-        return AiterAPI(None, arch, False, error=f"cannot import aiter: {type(exc).__name__}: {exc} "
-                        "(PyPI's amd-aiter is too old: docs/rocm.md \"Install AITER\")")
+        return AiterAPI(None, arch, False, error=f"cannot import aiter: {type(exc).__name__}: {exc}. {INSTALL_HINT}")
     try:
         from aiter.ops.triton.attention.sparse_mla import sparse_mla_fwd
     except Exception:
@@ -377,7 +387,8 @@ def describe_aiter(platform: Platform | None = None) -> dict:
     decode = base or _decode_reasons(api)
     persistent = decode or [r for r in [_persistent_heads(api, 1)[1]] if r]
     fp8_on = envs.AITER_FP8_COMPUTE.get()
-    fp8 = f"fp8 compute, {'opted in' if fp8_on else 'off: opt in with ' + envs.AITER_FP8_COMPUTE.name + '=1'}: {FP8_NOTE}"
+    switch = "opted in" if fp8_on else f"off: opt in with {envs.AITER_FP8_COMPUTE.name}=1"
+    fp8 = f"fp8 compute, {switch}: {FP8_NOTE}"
     out["fp8_compute"] = fp8_on
     out["paths"] = {
         "sparse_mla_fwd": "; ".join(base or _sparse_reasons(api)) or "enabled (bf16 compute)",
