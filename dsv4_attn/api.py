@@ -181,6 +181,13 @@ class SparseMLA:
         return build_plan(self.spec, batch, buffers, self, self._generation, self._front_end,
                           self.batch_invariant)
 
+    def reserve(self, plan: StepPlan, decode_tokens: int | None = None) -> None:
+        """Engine start (a memory profile): let each decode backend allocate the buffers steps of
+        up to ``decode_tokens`` decode tokens (default ``max_tokens``) will use (``Backend.reserve``)."""
+        for name in dict.fromkeys(self.backend_for(kind, Phase.DECODE) for kind in self.spec.kinds):
+            self._backend(name).reserve(plan, self.fmt, self.spec.num_heads, self.dialects,
+                                        decode_tokens or self.max_tokens)
+
     def _ensure_buffers(self, device: torch.device) -> PlanBuffers:
         """The plan buffers, allocated on the first plan's device."""
         if self._buffers is None:

@@ -260,6 +260,10 @@ class Backend:
         entry point, a mode) and why; shown by ``SparseMLA.explain()``. "" = nothing to say."""
         return ""
 
+    def reserve(self, plan: StepPlan, fmt: KVFormat, num_heads: int, dialects: Dialects, decode_tokens: int) -> None:
+        """Engine start: allocate the buffers later steps of up to ``decode_tokens`` decode tokens
+        will use (an engine's memory profile then counts them), nothing by default."""
+
     def prepare(self, plan: StepPlan, shape: LayerShape) -> Any:
         """Per-step metadata of the layers of ``shape`` over ``plan``'s tokens (scheduler
         metadata, index rows every such layer reads, staging buffers), None = nothing. Called by

@@ -903,7 +903,7 @@ class StepPlanner:
         batch = StepBatch.from_lists([], [], empty, 64, comp_block_tables={LayerKind.C128A.ratio: empty} if c128a
                                      else {}, block_size=self.block_size(), max_model_len=self.spec.max_model_len,
                                      num_tokens=0, device=device)
-        mla.plan(batch)
+        mla.reserve(mla.plan(batch))  # and the decode backends' scratch (aiter): counted by the profile too
 
     def _warn_unreserved(self, what: str) -> None:
         if self.reserved_bytes is not None:
