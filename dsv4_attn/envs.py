@@ -76,17 +76,8 @@ def _text(text: str) -> str:
     return text
 
 
-def _backends() -> list[str]:
-    from .common.backend import backend_names  # lazy: common.backend reads this module
-
-    return backend_names()
-
-
-def _backend_name(text: str) -> str:
-    value = text.lower()
-    if value != "auto" and value not in _backends():
-        raise ValueError(value)
-    return value
+def _lower(text: str) -> str:
+    return text.lower()
 
 
 def _emulator(text: str) -> str:
@@ -100,10 +91,12 @@ def _emulator(text: str) -> str:
     raise ValueError(value)
 
 
+# The registry checks the name (common.registry.env_backend): this module imports nothing of the
+# package at import time (only _emulator reads the emulator's names, lazily), so every module may read it.
 BACKEND = EnvVar("DSV4_ATTN_BACKEND", "auto",
                  "force one backend for every SparseMLA created with backend='auto' (a forced backend that "
-                 "cannot serve a layer raises with its reasons)", lambda: f"'auto' or one of {_backends()}",
-                 _backend_name)
+                 "cannot serve a layer raises with its reasons)", "'auto' or a registered backend name "
+                 "(`dsv4-attn probe` lists them)", _lower)
 VLLM = EnvVar("DSV4_ATTN_VLLM", "0", "let the vLLM plugin run vLLM's DeepSeek-V4 attention on dsv4_attn",
               "1/on or 0/off", _switch)
 SGLANG = EnvVar("DSV4_ATTN_SGLANG", "0", "let the SGLang plugin run SGLang's DeepSeek-V4 attention on dsv4_attn "

@@ -18,7 +18,8 @@ import torch
 
 import dsv4_attn as dsv4
 from dsv4_attn.common import layout, reference
-from dsv4_attn.common.backend import BackendUnavailableError, register_backend, unregister_backend
+from dsv4_attn.common.backend import BackendUnavailableError
+from dsv4_attn.common.registry import register_backend, unregister_backend
 from dsv4_attn.common.spec import V4_KINDS, LayerKind
 from dsv4_attn.rocm import emulate
 from dsv4_attn.rocm.aiter import AiterBackend, describe_aiter, load_aiter
@@ -563,7 +564,7 @@ def test_wrong_fp8_dialect_is_refused_where_bytes_are_read_as_they_are(gen):
                                  kv_scale=case["kv_scale"])
         out = torch.full_like(case["q"], float("nan"))
         with pytest.raises(ValueError, match="swa_dialect: got fnuz; allowed: ocp"):
-            dsv4.common.backend.get_backend("aiter-test").forward(plan.phase_plan("decode"), layer, out)
+            dsv4.common.registry.get_backend("aiter-test").forward(plan.phase_plan("decode"), layer, out)
     finally:
         unregister_backend("aiter-test")
     auto = dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16), "fp8_e4m3", backend="aiter", swa_dialect="fnuz")

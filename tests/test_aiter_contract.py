@@ -16,7 +16,8 @@ import torch
 
 import dsv4_attn as dsv4
 from dsv4_attn.common import reference
-from dsv4_attn.common.backend import BackendUnavailableError, register_backend, unregister_backend
+from dsv4_attn.common.backend import BackendUnavailableError
+from dsv4_attn.common.registry import register_backend, unregister_backend
 from dsv4_attn.common.spec import V4_KINDS, LayerKind
 from dsv4_attn.rocm import aiter, emulate
 from dsv4_attn.rocm.aiter import AiterBackend, describe_aiter

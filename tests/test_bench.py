@@ -225,7 +225,8 @@ def test_a_backend_that_cannot_be_captured_says_why_and_the_bench_times_it_eager
     """FlashMLA's prefill sizes its workspace on the host: declared (Backend.uncapturable), and
     the bench names it instead of trying a capture that fails with a CUDA error."""
     from dsv4_attn.api import SparseMLA
-    from dsv4_attn.common.backend import Phase, get_backend
+    from dsv4_attn.common.backend import Phase
+    from dsv4_attn.common.registry import get_backend
 
     assert "torch.unique" in get_backend("flashmla").uncapturable[Phase.PREFILL]
     assert Phase.DECODE not in get_backend("flashmla").uncapturable

@@ -8,8 +8,9 @@ import json
 import pytest
 
 import dsv4_attn as dsv4
-from dsv4_attn.common import backend as bm
 from dsv4_attn.common import choices
+from dsv4_attn.common import registry as bm
+from dsv4_attn.common.backend import Capabilities, PlatformSupport
 from dsv4_attn.common.layout import KVFormat
 from dsv4_attn.common.platform import Platform
 from dsv4_attn.common.spec import LayerKind, ModelSpec
@@ -56,7 +57,7 @@ def table(tmp_path, monkeypatch):
 class _Any(dsv4.Backend):
     def __init__(self, name, refuse=False):
         self.name, self._refuse = name, refuse
-        self.capabilities = bm.Capabilities(platforms=(bm.PlatformSupport("*"),), formats=tuple(KVFormat))
+        self.capabilities = Capabilities(platforms=(PlatformSupport("*"),), formats=tuple(KVFormat))
 
     def extra_reasons(self, platform, spec, fmt, kind, phase, dialects):
         return ["refuses for the test"] if self._refuse else []

@@ -35,9 +35,10 @@ its SWA cache and C128A cache; the C4A layers share one compressed cache (memory
 its own top-k and q. On ``--device cpu`` it runs the torch backend at context lengths <= 2048.
 
 FlashMLA is timed through ``SparseMLA(..., backend="flashmla")`` when that backend is usable
-(so its adapter is timed too); otherwise through the raw op ``torch.ops._flashmla_C`` from
-``$DSV4_ATTN_FLASHMLA_LIB`` or ``.flashmla/_flashmla_C.abi3.so`` (noted in the output: raw
-prefill then times the kernel on a ready bf16 workspace, without the gather).
+(so its adapter is timed too); otherwise through the raw op ``torch.ops._flashmla_C`` of the
+library the flashmla backend loaded (``Backend.raw_ops``: a package, or
+``$DSV4_ATTN_FLASHMLA_LIB``) when it has vLLM 0.33's op schemas (noted in the output: raw prefill
+then times the kernel on a ready bf16 workspace, without the gather).
 
     dsv4-attn bench --mode decode --batches 2 64 128 256 --json out.json --png out.png
     dsv4-attn bench --mode step --backends triton flashmla --batches 64 128 256 --json step.json

@@ -54,7 +54,8 @@ def case_work(case: Case, plan) -> tuple[float, float, int]:
 def uncapturable(backend: str, case: Case, plan) -> str | None:
     """Why ``backend`` (a name, or "auto": what it picks for the case) cannot run the case's phase
     inside a CUDA-graph capture (Backend.uncapturable), or None."""
-    from ..common.backend import Phase, get_backend
+    from ..common.backend import Phase
+    from ..common.registry import get_backend
 
     name = plan.owner.backend_for(case.kind, case.phase, case.q.shape[0]) if backend == "auto" else backend
     impl = get_backend(name)

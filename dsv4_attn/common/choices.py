@@ -9,7 +9,7 @@ one command::
     dsv4-attn bench --mode all --backend triton flashmla --write-choices choices.json
     export DSV4_ATTN_CHOICES=$PWD/choices.json   # or copy it to the file name the bench prints
 
-Selection (``common.backend.select``) tries the measured order first for a step whose tokens fall
+Selection (``common.registry.select``) tries the measured order first for a step whose tokens fall
 in a measured range, then the platform's priority list; every backend still has to accept the
 layer (a measured choice never bypasses a refusal), and ``SparseMLA.explain()`` prints the
 measurement that chose it. Heads are bucketed as the kernels pad them (<= 64, <= 128).

@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..common.backend import Backend, Capabilities, LayerInputs, LayerShape, Phase, PlatformSupport
-from ..common.indices import merged_rows
+from ..common.indices import bounded_rows, merged_rows
 from ..common.layout import CacheGeometry, KVFormat
 from ..common.plan import StepPlan
 from ..common.platform import Platform
@@ -154,7 +154,7 @@ def storage_offsets(rows: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
 def inside_cache(rows: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
     """rows int32 [T, K] with every slot outside ``[0, num_slots)`` of the cache set to -1 (the
     kernel reads every entry that is not -1). A new tensor."""
-    return torch.where((rows >= 0) & (rows < geo.num_slots), rows, torch.full_like(rows, -1))
+    return bounded_rows(rows, geo.num_slots)
 
 
 class _LazyStaging:
@@ -206,6 +206,21 @@ class FlashInferTRTLLMBackend(Backend):
 
     def __init__(self) -> None:
         self._workspaces: dict[tuple, torch.Tensor] = {}
+
+    def describe_binary(self, platform: Platform) -> tuple[dict | str, list[str]]:
+        """Whether flashinfer-python and its TRTLLM-gen DSv4 kernel are usable here (imported only
+        where the kernels can run: SM100)."""
+        lib = platform.library("flashinfer")
+        found = f"flashinfer-python {lib.version} installed; " if lib.found else ""
+        cap = platform.capability
+        if cap is None or cap[0] < 10:
+            why = f"the TRTLLM-gen DSv4 kernels need an NVIDIA SM100-family GPU (this is {platform.arch})"
+            return f"not loaded: {why}", [f"not used: {found}{why}"]
+        fn, version, reasons = load_flashinfer()
+        info = {"usable": fn is not None, "version": version, "reasons": list(reasons)}
+        if fn is not None:
+            return info, [f"usable: flashinfer-python {version} with its TRTLLM-gen DSv4 kernel"]
+        return info, [f"not usable: {found}" + "; ".join(reasons)]
 
     # ---- capability ---------------------------------------------------------------------------
     def platform_reasons(self, platform: Platform) -> list[str]:

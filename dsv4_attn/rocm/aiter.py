@@ -72,13 +72,12 @@ from ..common.backend import (
     LayerShape,
     Phase,
     PlatformSupport,
-    new_backend,
-    reasons_for,
 )
 from ..common.layout import Fp8Dialect, KVFormat, Record, gather_rows, new_cache, packed_records, quantize_model1
 from ..common.merge import apply_sink, merge_lse
 from ..common.plan import StepPlan
-from ..common.platform import Platform, platform_for_device, probe
+from ..common.platform import LibraryInfo, Platform, platform_for_device, probe
+from ..common.registry import new_backend, reasons_for
 from ..common.spec import HEAD_DIM, NOPE_DIM, NUM_QUANT_TILES, V4_KINDS, LayerKind, ModelSpec
 from . import emulate
 from .scratch import AiterScratch, ScopeBuffers, ScratchKey, compact, quantize_pow2_, write_indices
@@ -377,6 +376,27 @@ def _base_reasons(api: AiterAPI) -> list[str]:
     return []
 
 
+def aiter_text(info: dict, lib: LibraryInfo) -> list[str]:
+    """``describe_aiter``'s facts in words (``lib``: the platform's LibraryInfo of aiter): first
+    line found / not usable, then the paths it serves and what the others lack, each reason once."""
+    if not info["found"]:
+        where = (f"AITER {lib.version or '(version unknown)'} installed at {lib.location}; " if lib.found else "")
+        return [f"not usable: {where}{' '.join(str(info['error']).split())}"]
+    emulated = ", EMULATED" if info["emulated"] else ""
+    lines = [f"found: AITER {info['version']} on {info['arch']} (fp8 dialect {info['dialect']}{emulated})"]
+    enabled = [f"{path} ({status.removeprefix('enabled').strip(' ()')})" if status != "enabled" else path
+               for path, status in info["paths"].items() if status.startswith("enabled")]
+    lines.append(f"serves: {', '.join(enabled) or 'nothing'}")
+    lacking: dict[str, list[str]] = {}  # reason -> paths, so that each reason is printed once
+    for path, status in info["paths"].items():
+        if not status.startswith("enabled"):
+            lacking.setdefault(status, []).append(path)
+    lines += [f"lacks ({', '.join(paths)}): {' '.join(why.split())}" for why, paths in lacking.items()]
+    if lacking:
+        lines.append('what each AITER version has: docs/rocm.md "Install AITER"')
+    return lines
+
+
 def describe_aiter(platform: Platform | None = None) -> dict:
     """What ``dsv4-attn probe`` prints for AITER: version, arch, FP8 dialect, which paths are
     enabled (or why not), and whether this is the emulator."""
@@ -492,6 +512,19 @@ class AiterBackend(Backend):
         """"aiter" plus "[EMULATED gfx950 ...]" when the emulator serves it (for result files)."""
         api = load_aiter()
         return f"{self.name} [EMULATED {api.arch}, AITER {api.version}]" if api.emulated else self.name
+
+    @property  # type: ignore[override]  # Backend declares a class attribute; here it depends on the emulator
+    def emulated(self) -> bool:
+        """True while the AITER emulator serves this backend (--emulate-aiter, DSV4_ATTN_AITER_EMULATOR)."""
+        return load_aiter().emulated
+
+    def emulation_tag(self) -> str:
+        api = load_aiter()
+        return f"{self.name}-{api.arch}-{api.version}"
+
+    def describe_binary(self, platform: Platform) -> tuple[dict, list[str]]:
+        info = describe_aiter(platform)
+        return info, aiter_text(info, platform.library("aiter"))
 
     # ---- selection --------------------------------------------------------------------------
     def _split_rows_reasons(self, spec: ModelSpec) -> list[str]:

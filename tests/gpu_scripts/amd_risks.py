@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/: the case builders
 
 import dsv4_attn as dsv4  # noqa: E402
-from dsv4_attn.common.backend import register_backend, unregister_backend  # noqa: E402
+from dsv4_attn.common.registry import register_backend, unregister_backend  # noqa: E402
 from dsv4_attn.common.spec import LayerKind  # noqa: E402
 from dsv4_attn.rocm.aiter import AiterBackend, load_aiter  # noqa: E402
 
