@@ -54,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", nargs="+", metavar="NAME", default=None,
                    help=f"decode: {', '.join(DECODE_CONFIGS)}; prefill: {', '.join(PREFILL_CONFIGS)}; step: "
                         + "; ".join(f"{m.name} ({m.source})" for m in STEP_MODELS.values())
-                        + "; or the groups 'v4' / 'v41' (default: all of --mode); an unknown name is an error")
+                        + "; or the groups 'v4' / 'v41' / 'tp' (tensor-parallel shards, fewer than 64 heads: timed "
+                          "only when named or with 'tp') (default: all of --mode but the shards); an unknown name is "
+                          "an error")
     p.add_argument("--batches", type=int, nargs="+", default=None,
                    help="requests per decode case (default 2 64 128 256; on the CPU 2)")
     p.add_argument("--mtp", type=int, nargs="+", default=None,
