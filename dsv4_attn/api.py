@@ -144,12 +144,14 @@ class SparseMLA:
     def _measured_lines(self, plat: Platform, requested: str) -> list[str]:
         """The measured choices (common/choices.py) that reorder auto selection for this model, by
         token range; "chosen" above is the choice for a launch no measurement covers."""
-        entries, where = choices.table_for(plat.arch)
+        entries, where, note = choices.table_for(plat.arch, plat.device_name)
         kinds = {k.name for k in self.spec.kinds}
         mine = [e for e in entries if e.kind in kinds and e.fmt == self.fmt.value
                 and e.heads == choices.heads_bucket(self.spec.num_heads)]
         if not mine or requested != "auto":
             return []
+        if note:
+            where = f"{where}: {note}"
         out = [f"measured choices ({where}; auto tries this order first for launches in range; where the "
                "table has per-step costs, ordered for this model's layers of the kind):"]
         for e in mine:
@@ -177,6 +179,13 @@ class SparseMLA:
         self._generation += 1
         return build_plan(self.spec, batch, buffers, self, self._generation, self._front_end,
                           self.batch_invariant)
+
+    def reserve(self, plan: StepPlan, decode_tokens: int | None = None) -> None:
+        """Engine start (a memory profile): let each decode backend allocate the buffers steps of
+        up to ``decode_tokens`` decode tokens (default ``max_tokens``) will use (``Backend.reserve``)."""
+        for name in dict.fromkeys(self.backend_for(kind, Phase.DECODE) for kind in self.spec.kinds):
+            self._backend(name).reserve(plan, self.fmt, self.spec.num_heads, self.dialects,
+                                        decode_tokens or self.max_tokens)
 
     def _ensure_buffers(self, device: torch.device) -> PlanBuffers:
         """The plan buffers, allocated on the first plan's device."""

@@ -91,8 +91,8 @@ def _emulator(text: str) -> str:
     raise ValueError(value)
 
 
-# The registry checks the name (common.registry.env_backend), so that this module imports no
-# module of the package at its top.
+# The registry checks the name (common.registry.env_backend): this module imports nothing of the
+# package at import time (only _emulator reads the emulator's names, lazily), so every module may read it.
 BACKEND = EnvVar("DSV4_ATTN_BACKEND", "auto",
                  "force one backend for every SparseMLA created with backend='auto' (a forced backend that "
                  "cannot serve a layer raises with its reasons)", "'auto' or a registered backend name "
@@ -124,7 +124,9 @@ AITER_PERSISTENT_MAX_BATCH = EnvVar("DSV4_ATTN_AITER_PERSISTENT_MAX_BATCH", "32"
                                     "kernels below this many decode tokens (0 = never)", "an int >= 0",
                                     _int_at_least(0))
 AITER_MAX_DECODE_TOKENS = EnvVar("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", "1024",
-                                 "decode tokens the aiter backend's scratch buffers hold", "an int >= 1",
+                                 "decode tokens the aiter backend's scratch buffers hold (unset: the engine's "
+                                 "decode tokens, sized at engine start; 1024 outside an engine); larger decode "
+                                 "launches run on triton / torch", "an int >= 1",
                                  _int_at_least(1))
 
 OURS = (BACKEND, VLLM, SGLANG, FLASHMLA_LIB, CHOICES, AITER_EMULATOR, AITER_PATH, AITER_FP8_COMPUTE,

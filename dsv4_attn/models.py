@@ -47,3 +47,16 @@ V4_PRO = ModelPreset("v4-pro", v4_config(128, 1024, alternating([HCA] * 2, 61)),
                      "third-party summaries of DeepSeek-V4-Pro's config (not its config.json): 61 layers, 0-1 "
                      "C128A, then C4A (even) / C128A (odd); 128 heads, top-k 1024")
 PRESETS = {p.name: p for p in (V4_FLASH, V4_PRO)}
+
+
+def tensor_parallel(preset: ModelPreset, ranks: int) -> ModelPreset:
+    """What one rank of ``preset`` runs under ``--tensor-parallel-size ranks``: its heads split over
+    the ranks (the caches, top-k and layers unchanged), named ``<name>-tp<ranks>``."""
+    heads = preset.config["num_attention_heads"]
+    return ModelPreset(f"{preset.name}-tp{ranks}", {**preset.config, "num_attention_heads": heads // ranks},
+                       f"one rank of {preset.name} under tensor parallelism {ranks}: {heads // ranks} of its {heads} "
+                       "heads")
+
+
+# the ranks' shards the engines run by default on one 8-GPU node: V4-Flash 8 heads, V4-Pro 16
+TP8_PRESETS = {p.name: p for p in (tensor_parallel(V4_FLASH, 8), tensor_parallel(V4_PRO, 8))}

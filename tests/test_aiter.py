@@ -612,6 +612,10 @@ def test_packaged_parity_matrix_through_emulator(arch, flavor):
     assert not bad, bad
     passed = [n for n, c in cells.items() if c["status"] == "pass"]
     assert len(passed) >= 60 and all(cells[n]["emulated"] for n in passed)
+    # the accuracy contract (issue 28): the default AMD path within the bf16 tolerance the NVIDIA paths meet
+    worst = max(cells[n]["rel_l2"] for n in passed)
+    assert worst <= 5e-3, worst
+    print(f"EMULATED {arch} {flavor}: {len(passed)} cells pass, worst rel L2 {worst:.2e}")
     allowed = ("decode only", "prefill tokens only", "caches only (not mxfp8_ds_mla)",
                "caches only (not nvfp4_ds_mla)", "through sparse_mla_fwd only")
     for name, cell in cells.items():

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import dsv4_attn as dsv4
-from dsv4_attn.common.backend import BackendUnavailableError, register_backend, unregister_backend
+from dsv4_attn.common import reference
+from dsv4_attn.common.backend import BackendUnavailableError
+from dsv4_attn.common.registry import register_backend, unregister_backend
 from dsv4_attn.common.spec import V4_KINDS, LayerKind
 from dsv4_attn.rocm import aiter, emulate
 from dsv4_attn.rocm.aiter import AiterBackend, describe_aiter
@@ -76,11 +78,13 @@ def test_v4_nm_by_keyword_on_0_1_18_and_version_gates(gen, monkeypatch):
     object: refused at construction, with the version, never a TypeError mid-serving."""
     monkeypatch.setenv("DSV4_ATTN_AITER_FP8_COMPUTE", "1")
     em = emulate.enable("gfx950", "0.1.18")
-    case = make_case(gen, "fp8_ds_mla", 64)
+    case = make_case(gen, "fp8_ds_mla", 16)
     mla = _mla(case, "fp8_ds_mla")
     plan = mla.plan(case["batch"])
     for kind in V4_KINDS:
-        _check(run_layer(mla, plan, case, kind), plan, case, kind, FP8)
+        out = run_layer(mla, plan, case, kind)
+        assert torch.isfinite(out).all()
+        assert compare(out, reference_for(plan, case, kind))["rel_l2"] <= aiter.FP8_REL_L2  # as labelled
     assert {f for f, _ in em.calls} == {"mla_decode_fwd_v4_nm"}
     unregister_backend("aiter-test")
     spec = dsv4.ModelSpec(num_heads=64)
@@ -190,3 +194,94 @@ def test_default_amd_path_meets_the_bf16_contract_and_fp8_is_opt_in(gen, arch, f
 def test_fp8_compute_argument_checked():
     with pytest.raises(ValueError, match="fp8_compute: got 1; allowed: True or False"):
         AiterBackend(fp8_compute=1)  # type: ignore[arg-type]
+
+
+# ---- issue 24 item 3: capacity from the engine, scratch reserved at engine start ------------------
+def _mtp_step(gen, num_seqs: int, k: int, heads: int = 16):
+    """``num_seqs`` decode requests of 1 + k tokens each (MTP k), short contexts (CI-cheap)."""
+    lens = [int(n) for n in torch.randint(4, 160, (num_seqs,), generator=gen)]
+    return make_case(gen, "fp8_ds_mla", heads, query_lens=(1 + k,) * num_seqs, seq_lens=lens, num_pad=0,
+                     max_model_len=1024, topk=16)
+
+
+def test_engine_decode_tokens_sized_at_start_and_larger_launches_go_to_a_backend_without_a_cap(gen, monkeypatch):
+    """vLLM's MI355X defaults (max_num_seqs 1024) with MTP k = 2: 3072 decode tokens a step.
+    reserve() at engine start sizes and allocates the scratch for them (no allocation at the
+    first decode); a backend whose capacity is set lower sends the 3072-token launch to the next
+    backend without a cap instead of raising mid-serving, and explain() says so."""
+    monkeypatch.delenv("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", raising=False)
+    em = emulate.enable("gfx950", "0.1.20")
+    case = _mtp_step(gen, 1024, 2)
+    T = case["q"].shape[0]
+    assert T == 3072
+    register_backend("aiter-test", AiterBackend(name="aiter-test"))
+    mla = dsv4.SparseMLA(case["spec"], "fp8_ds_mla", backend="aiter-test", max_tokens=T, max_reqs=1024)
+    mla.reserve(mla.plan(case["batch"]), decode_tokens=T)  # what the vLLM plugin does in the profile run
+    backend = mla._backend("aiter-test")
+    assert backend.max_decode_tokens == T
+    before = {k: s.pointers() for k, s in backend._scratch.items()}
+    assert before and all(k.max_tokens >= T or k.persistent for k in before)
+    plan = mla.plan(case["batch"])
+    em.calls.clear()
+    out = run_layer(mla, plan, case, LayerKind.C128A)  # both scopes
+    assert torch.isfinite(out).all()
+    sub = torch.arange(0, T, 37)  # the float64 reference on every 37th token (CI time)
+    rows, lens = plan.comp_scope(LayerKind.C128A, None)
+    ref, _ = reference.sparse_mla(case["q"][sub], case["caches"]["swa"], plan.swa_rows[sub], plan.swa_lens[sub],
+                                  case["caches"][LayerKind.C128A], rows[sub], lens[sub], case["sink"], plan.spec.scale,
+                                  "fp8_ds_mla")
+    assert_close(compare(out[sub], ref), EXACT, max_abs=False, what="3072 decode tokens")
+    assert {k: s.pointers() for k, s in backend._scratch.items()} == before, "scratch allocated after engine start"
+    assert [f for f, _ in em.calls if f == "mla_decode_fwd"]
+    unregister_backend("aiter-test")
+
+    case = _mtp_step(gen, 8, 2)  # the same above a capacity of 16 tokens (CI-cheap: 24 tokens)
+    register_backend("aiter-test", AiterBackend(name="aiter-test", max_decode_tokens=16))
+    mla = dsv4.SparseMLA(case["spec"], "fp8_ds_mla", backend="aiter-test")
+    line = next(ln for ln in mla.explain().splitlines() if ln.startswith("aiter-test") and "decode" in ln)
+    fallback = backend.fallback_name(mla.platform, case["spec"], mla.fmt, LayerKind.C128A, mla.dialects)
+    assert fallback in ("triton", "torch")
+    assert f"decode launches above 16 tokens (the scratch's capacity) run on {fallback}" in line, line
+    plan = mla.plan(case["batch"])
+    em.calls.clear()
+    _check(run_layer(mla, plan, case, LayerKind.C128A), plan, case, LayerKind.C128A, EXACT)
+    assert not em.calls, "a launch above the capacity reached AITER"
+
+
+# ---- pip install ".[rocm]" and the probe ---------------------------------------------------------------
+def test_rocm_extra_installs_an_aiter_the_backend_serves():
+    """The `rocm` extra resolves (pyproject metadata as setuptools reads it) to AITER at a
+    release every path's version gate accepts, the release the emulator models."""
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    config = read_configuration(Path(__file__).parents[1] / "pyproject.toml")
+    (req,) = [Requirement(r) for r in config["project"]["optional-dependencies"]["rocm"]]
+    assert req.name == "amd-aiter" and req.url == aiter.AITER_SOURCE
+    tag = req.url.rsplit("@v", 1)[1]
+    assert all(aiter._version(tag) >= minimum for minimum, _ in aiter.MIN_VERSION.values())
+    assert emulate.AiterEmulator("gfx950", "0.1.20").version == tag
+    emulate.enable("gfx950", "0.1.20")
+    paths = describe_aiter()["paths"]
+    assert paths["mla_decode_fwd (split)"] == "enabled (bf16 compute)"
+    assert paths["mla_decode_fwd_v4_nm"].startswith("available (fp8_ds_mla; fp8 compute, off")
+
+
+def test_probe_on_rocm_names_what_is_missing(monkeypatch):
+    """`dsv4-attn probe` on a ROCm machine: without AITER it says how to install it; with an
+    AITER too old for a path (through the emulator), which version that path needs."""
+    from dsv4_attn.common.platform import Platform
+    from dsv4_attn.probe_cli import describe_vendor
+
+    monkeypatch.setitem(__import__("sys").modules, "aiter", None)  # an import of aiter fails, as without it
+    aiter._load_real.cache_clear()
+    rocm = Platform("rocm", "gfx950", "AMD Instinct MI355X", torch.__version__, hip_version="7.0")
+    info = describe_vendor("aiter", rocm)["info"]
+    assert not info["found"] and info["error"].startswith("cannot import aiter")
+    assert "pip install --no-build-isolation -e '.[rocm]'" in info["error"], info["error"]
+    aiter._load_real.cache_clear()
+    emulate.enable("gfx950", "0.1.18")
+    paths = describe_vendor("aiter", rocm)["info"]["paths"]
+    assert "allowed: AITER >= 0.1.19" in paths["mla_decode_fwd (split)"], paths

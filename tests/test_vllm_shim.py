@@ -318,7 +318,7 @@ def test_layers_are_built_by_vllm_and_grouped_by_vllm(stack):
     into plans as predicted at profiling time, and the MTP layer is flagged as a draft layer."""
     ours = cuda_model_module()._select_dsv4_attn_cls(stack.config)
     assert all(type(layer) is ours for layer in stack.layers + [stack.mtp])
-    assert [layer.compress_ratio for layer in stack.layers] == [1, 4, 128, 4] and stack.mtp.compress_ratio == 1
+    assert [layer.compress_ratio for layer in stack.layers] == [1, 4, 128, 4, 128] and stack.mtp.compress_ratio == 1
     assert stack.mtp.is_draft_layer and not any(layer.is_draft_layer for layer in stack.layers)
     assert stack.layers[0].padded_heads == 64 and stack.layers[0].n_local_heads == HEADS  # FlashMLA's padding
     assert stack.layers[1].swa_cache_layer.kv_cache.stride(0) > 64 * 584  # pages of other groups interleaved
@@ -504,9 +504,15 @@ def test_profiling_reserves_every_plan_buffer(stack, caplog):
         reserved = planner.reserved_bytes
         per_token = 8 + 4 + 1 + 4 * (128 + 1)  # positions, token_to_req, valid, SWA rows and lens
         c128a = 4 * (planner.spec.c128a_width + 1)
-        num_c128a = sum(g.has_c128a for g in stack.predicted_groups)
-        assert reserved == planner.max_tokens * (per_token * (len(stack.predicted_groups) + 1) + c128a * num_c128a)
+        # vLLM 0.33 puts every compressed cache of V4 in one KV-cache group: the plans with C128A
+        # layers (one per SWA group) read one ratio-128 table and share ONE C128A row set.
+        with_c128a = [i for i, g in enumerate(stack.predicted_groups) if g.has_c128a]
+        assert len(with_c128a) == 2 and len({stack.predicted_groups[i].c128a_table for i in with_c128a}) == 1
+        rows = [planner.slots[i]._buffers.all_rows[128][0] for i in with_c128a]
+        assert rows[0] is rows[1]
+        assert reserved == planner.max_tokens * (per_token * (len(stack.predicted_groups) + 1) + c128a)
         assert f"reserved {reserved / 2**20:.1f} MiB of plan buffers" in caplog.text
+        assert "2 with C128A rows, 1 C128A row set(s)" in caplog.text
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="vllm.dsv4_attn"):
             step = stack.step([1, 9], [200, 160], pad_tokens=3)
@@ -514,7 +520,7 @@ def test_profiling_reserves_every_plan_buffer(stack, caplog):
                 assert_agree(ours, theirs, step.num_tokens - 3)
             stack.run_draft_loop([90, 40], lambda s: run_both(stack, stack.mtp, s, num_tokens=2))
         assert caplog.records == []  # no "allocating ... after vLLM's memory profile"
-        assert sum(shim._buffer_bytes(m) for m in planner.slots + [planner.draft_slot]) == reserved
+        assert shim._buffer_bytes(*planner.slots, planner.draft_slot) == reserved
     finally:
         for layer in stack.layers + [stack.mtp]:
             layer.dsv4_planner = old

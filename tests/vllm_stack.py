@@ -32,9 +32,11 @@ import torch
 from dsv4_attn.common import layout
 from dsv4_attn.integrations import vllm as shim
 
-# A small DeepSeek-V4: one layer of each kind plus a second C4A layer, and one MTP layer.
+# A small DeepSeek-V4: one layer of each kind plus a second C4A and a second C128A layer, and one MTP
+# layer. vLLM groups their SWA caches as (0, 3), (1, 4), (2): two plans per step with C128A layers,
+# over the one ratio-128 table.
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-               "compressed_sparse_attention"]
+               "compressed_sparse_attention", "heavily_compressed_attention"]
 HEADS, TOPK, MAX_MODEL_LEN, WINDOW = 8, 16, 4096, 128
 MAX_TOKENS, MAX_SEQS, NUM_SPEC_TOKENS = 256, 16, 3
 KV_CACHE_BYTES = 48 << 20
@@ -313,7 +315,7 @@ def import_attr(path: str):
 
 
 class VllmStack:
-    """The small model's attention layers (V4: 4 target, 1 MTP) with vLLM's caches and builders,
+    """The small model's attention layers (V4: 5 target, 1 MTP) with vLLM's caches and builders,
     built from vLLM's default cache flags (the block size resolved after the layers, as vLLM
     does); ``tp_size``: the layers split the heads as one rank of that tensor-parallel size."""
 

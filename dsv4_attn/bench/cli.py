@@ -96,7 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", nargs="+", metavar="NAME", default=None,
                    help=f"decode: {', '.join(DECODE_CONFIGS)}; prefill: {', '.join(PREFILL_CONFIGS)}; step: "
                         + "; ".join(f"{m.name} ({m.source})" for m in STEP_MODELS.values())
-                        + "; or the groups 'v4' / 'v41' (default: all of --mode); an unknown name is an error")
+                        + "; or the groups 'v4' / 'v41' / 'tp' (tensor-parallel shards, fewer than 64 heads: timed "
+                          "only when named or with 'tp') (default: all of --mode but the shards); an unknown name is "
+                          "an error")
     p.add_argument("--batches", type=int, nargs="+", default=None,
                    help="requests per decode case (default 2 64 128 256; on the CPU 2)")
     p.add_argument("--mtp", type=int, nargs="+", default=None,
@@ -124,7 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--write-choices", metavar="PATH",
                    help="write a measured-choices table (per shape: each backend's us per layer and, for decode, "
                         "its own per-step work; common/choices.py) from this run's backends here; use it with "
-                        "DSV4_ATTN_CHOICES=PATH or ship it in dsv4_attn/data/choices/")
+                        "DSV4_ATTN_CHOICES=PATH or ship it in dsv4_attn/data/choices/<arch>-<device>.json (the "
+                        "name it prints)")
     p.add_argument("--png", metavar="PATH", help="plot time vs batch (ours, FlashMLA, floor); needs matplotlib")
     return p
 
@@ -269,7 +272,9 @@ def write_outputs(args, meta: dict, results: list[dict], per_layer: list[dict]) 
         table = choices.from_bench({"meta": meta, "results": per_layer}, probe().arch)
         with open(args.write_choices, "w") as f:
             json.dump(table, f, indent=1)
-        print(f"wrote {len(table['entries'])} measured choices for {table['arch']} to {args.write_choices}")
+        print(f"wrote {len(table['entries'])} measured choices for {table['arch']} ({table['device']}) to "
+              f"{args.write_choices}; to ship it: dsv4_attn/data/choices/"
+              f"{choices.packaged_name(table['arch'], str(table['device'] or ''))}")
     if args.png:
         try:
             report.plot([r for r in per_layer if "error" not in r], args.png, args.backends[0])

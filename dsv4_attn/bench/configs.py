@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..common.layout import KVFormat, Record
 from ..common.spec import LayerKind
-from ..models import PRESETS, ModelPreset
+from ..models import PRESETS, TP8_PRESETS, ModelPreset
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,11 @@ DECODE_CONFIGS = {
     "h128-c1a1024": DecodeConfig("h128-c1a1024", 128, LayerKind.C1A, 1024),
     "h64-c2a512": DecodeConfig("h64-c2a512", 64, LayerKind.C2A, 512),
     "h128-c2a1024": DecodeConfig("h128-c2a1024", 128, LayerKind.C2A, 1024),
+    # tensor-parallel shards (``--configs tp``, not in the default set): what a rank of V4-Flash (8
+    # heads at -tp 8) or V4-Pro (16 at -tp 8, 32 at -tp 4) runs; FlashMLA pads them to 64 heads
+    **{f"h{h}-{tag}": DecodeConfig(f"h{h}-{tag}", h, kind, width) for h in (8, 16, 32)
+       for tag, kind, width in (("c4a512", LayerKind.C4A, 512), ("c4a1024", LayerKind.C4A, 1024),
+                                ("c128a", LayerKind.C128A, 1024), ("swa", LayerKind.SWA, 0))},
 }
 
 
@@ -68,16 +73,30 @@ def runs_in(kind: LayerKind, fmt: KVFormat) -> bool:
     return kind in V41_KINDS or not {fmt.swa_record, fmt.comp_record} & set(V41_RECORDS)
 
 
+def config_heads(cfg) -> int:
+    """Query heads of a decode or prefill config, or of a whole-step model's preset."""
+    return cfg.heads if hasattr(cfg, "heads") else int(cfg.config["num_attention_heads"])
+
+
+def is_shard(cfg) -> bool:
+    """A tensor-parallel shard's config (fewer than 64 heads): timed only when asked for (``--configs
+    tp`` or by name), since the choices table counts every head count up to 64 as 64 and would mix
+    the shards' measurements into the full models' (``common.choices.heads_bucket``)."""
+    return config_heads(cfg) < 64
+
+
 # --configs groups: which configs each takes
-# (a whole-step model has no single kind: the V4 models are 'v4')
-CONFIG_GROUPS = {"v4": lambda cfg: getattr(cfg, "kind", None) not in V41_KINDS,
-                 "v41": lambda cfg: getattr(cfg, "kind", None) in V41_KINDS}
+# (a whole-step model has no single kind: the V4 models are 'v4'; the shards are 'tp' only)
+CONFIG_GROUPS = {"v4": lambda cfg: getattr(cfg, "kind", None) not in V41_KINDS and not is_shard(cfg),
+                 "v41": lambda cfg: getattr(cfg, "kind", None) in V41_KINDS,
+                 "tp": is_shard}
 
 
 def select_configs(table: dict, names: list[str] | None) -> list[str]:
-    """Config names from ``--configs``: names, or the groups 'v4' / 'v41' (default: all)."""
+    """Config names from ``--configs``: names, or the groups 'v4' / 'v41' / 'tp' (default: all but the
+    tensor-parallel shards)."""
     if not names:
-        return list(table)
+        return [n for n, c in table.items() if not is_shard(c)]
     out = []
     for name in names:
         members = [n for n, c in table.items() if CONFIG_GROUPS[name](c)] if name in CONFIG_GROUPS else [name]
@@ -93,7 +112,7 @@ COMP_BLOCK = 256  # uncompressed tokens per compressed-cache block (vLLM)
 # ---- whole decode steps (--mode step): the released models' presets ---------------------------
 
 StepModel = ModelPreset  # a model whose whole decode step ``--mode step`` times
-STEP_MODELS: dict[str, ModelPreset] = dict(PRESETS)
+STEP_MODELS: dict[str, ModelPreset] = {**PRESETS, **TP8_PRESETS}
 STEP_MAX_MODEL_LEN = 131072  # context lengths are drawn up to this (on the CPU: STEP_CPU_MAX_MODEL_LEN)
 STEP_CPU_MAX_MODEL_LEN = 2048
 # What the layers of a step read: the L2 is flushed before each replay, but layers sharing a cache

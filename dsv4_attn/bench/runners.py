@@ -96,30 +96,54 @@ def raw_decode(ops, q, swa_kv, swa_idx, swa_lens, sink, sched: list, comp, scale
     sched[0], sched[1] = res[2], res[3]
 
 
+def vllm_padded(q: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q bf16 [T, H, 512] and sink float32 [H] as vLLM's attention layer holds them for FlashMLA
+    (models/deepseek_v4/attention.py): q zero-filled and the sink -inf on the padding heads, up to the
+    64 or 128 heads FlashMLA's kernels take (vLLM's ``get_padded_num_q_heads`` in
+    models/deepseek_v4/nvidia/flashmla.py, the adapter's ``flashmla.padded_heads``). Built once,
+    outside the timed calls: vLLM's q producer writes its padded buffer, and the sink is a padded
+    parameter."""
+    from ..cuda.flashmla import padded_heads
+
+    T, H, D = q.shape
+    heads = padded_heads(H)
+    if heads == H:
+        return q, sink
+    q_pad = torch.zeros(T, heads, D, dtype=q.dtype, device=q.device)
+    q_pad[:, :H] = q
+    sink_pad = torch.full((heads,), float("-inf"), dtype=sink.dtype, device=sink.device)
+    sink_pad[:H] = sink
+    return q_pad, sink_pad
+
+
 def flashmla_raw_runner(case: Case, plan):
-    """The raw FlashMLA op on the plan's rows (vLLM's call), or (None, None, why)."""
+    """The raw FlashMLA op on the plan's rows (vLLM's call; decode with fewer than 64 heads padded to
+    64 as vLLM pads them), or (None, None, why)."""
     ops = raw_flashmla_ops()
     if ops is None or case.fmt is not KVFormat.MODEL1_FP8:
         return None, None, NO_RAW_FLASHMLA if ops is None else \
             f"raw FlashMLA reads MODEL1 caches only, not {case.fmt.value}"
     T, H, D = case.q.shape
-    if H not in (64, 128):
+    if H > 128 or (case.phase != "decode" and H not in (64, 128)):
         return None, None, f"FlashMLA needs 64 or 128 heads, got {H}"
     scale = case.spec.scale
     comp_rows, comp_lens = plan.comp_scope(case.kind, case.topk)
     if case.phase == "decode":
         swa_kv = case.swa_cache.unsqueeze(2)
         comp = None if comp_rows is None else (case.comp_cache.unsqueeze(2), comp_rows.view(T, 1, -1), comp_lens)
-        q4 = case.q.view(T, 1, H, D)
+        q_pad, sink = vllm_padded(case.q, case.sink)
+        Hp = q_pad.shape[1]
         idx = plan.swa_rows.view(T, 1, -1)
-        out = torch.empty_like(case.q)
+        out = torch.empty_like(q_pad)
         sched: list = [None, None]
 
         def run():
-            raw_decode(ops, q4, swa_kv, idx, plan.swa_lens, case.sink, sched, comp, scale, out.view(T, 1, H, D))
+            raw_decode(ops, q_pad.view(T, 1, Hp, D), swa_kv, idx, plan.swa_lens, sink, sched, comp, scale,
+                       out.view(T, 1, Hp, D))
 
         run()  # plans FlashMLA's tile scheduler once; the timed calls reuse it (as vLLM's later layers of a kind)
-        return run, out, "raw op (scheduler planned once, reused)"
+        how = "raw op (scheduler planned once, reused)" + (f"; {H} heads padded to {Hp} as vLLM" if Hp != H else "")
+        return run, out[:, :H], how
     # prefill: kernel only, on a ready bf16 workspace holding the token's keys (dequantized rows)
     from ..common.layout import gather
 
@@ -215,7 +239,7 @@ def flashmla_vllm_step_runner(case: StepCase):
     if case.fmt is not KVFormat.MODEL1_FP8:
         return None, None, f"vLLM runs FlashMLA on fp8_ds_mla caches, not {case.fmt.value}"
     T, H = case.num_tokens, case.spec.num_heads
-    if H not in (64, 128):
+    if H > 128:
         return None, None, f"FlashMLA needs 64 or 128 heads, got {H}"
     from ..common.indices import Tokens
     from ..portable.kernels.indices import build_step_rows, topk_rows
@@ -228,7 +252,9 @@ def flashmla_vllm_step_runner(case: StepCase):
     has_c128 = c128.ratio in batch.comp_block_tables
     width = vllm_c128a_width(int(batch.seq_lens.max()), case.spec.all_width(c128.ratio))
     c128_rows, c128_lens = torch.empty(T, width, **i32), torch.empty(T, **i32)
-    outs = [torch.empty_like(layer.q) for layer in case.layers]
+    padded = [vllm_padded(layer.q, layer.sink) for layer in case.layers]  # fewer than 64 heads: padded as vLLM
+    Hp = padded[0][0].shape[1]
+    outs = [torch.empty_like(q) for q, _ in padded]
 
     def run():
         build_step_rows(batch.query_start_loc, batch.seq_lens, T, batch.swa_block_table, batch.swa_block_size,
@@ -236,7 +262,7 @@ def flashmla_vllm_step_runner(case: StepCase):
                         batch.comp_block_tables.get(c128.ratio), batch.comp_block_size(c128) if has_c128 else 1,
                         c128_rows if has_c128 else None, c128_lens if has_c128 else None, c128.ratio)
         sched: dict = {}
-        for layer, out in zip(case.layers, outs):
+        for layer, (q, sink), out in zip(case.layers, padded, outs):
             comp = None
             if layer.kind.uses_topk:
                 rows, lens = topk_rows(facts, layer.kind.ratio, batch.comp_block_table(layer.kind),
@@ -244,9 +270,10 @@ def flashmla_vllm_step_runner(case: StepCase):
                 comp = (layer.comp_cache.unsqueeze(2), rows.view(T, 1, -1), lens)
             elif layer.kind.has_comp_scope:
                 comp = (layer.comp_cache.unsqueeze(2), c128_rows.view(T, 1, -1), c128_lens)
-            raw_decode(ops, layer.q.view(T, 1, H, HEAD_DIM), layer.swa_cache.unsqueeze(2), swa_rows.view(T, 1, -1),
-                       swa_lens, layer.sink, sched.setdefault(layer.kind, [None, None]), comp, case.spec.scale,
-                       out.view(T, 1, H, HEAD_DIM))
+            raw_decode(ops, q.view(T, 1, Hp, HEAD_DIM), layer.swa_cache.unsqueeze(2), swa_rows.view(T, 1, -1),
+                       swa_lens, sink, sched.setdefault(layer.kind, [None, None]), comp, case.spec.scale,
+                       out.view(T, 1, Hp, HEAD_DIM))
 
-    return run, outs, f"vLLM 0.33's decode step: metadata once + per layer (C4A: translation) + raw op; C128A " \
-                      f"rows {width} wide"
+    pad = f"; {H} heads padded to {Hp} as vLLM" if Hp != H else ""
+    return run, [out[:, :H] for out in outs], f"vLLM 0.33's decode step: metadata once + per layer (C4A: " \
+                                              f"translation) + raw op; C128A rows {width} wide{pad}"

@@ -198,10 +198,10 @@ class Backend:
                    token ranges (the plan passed is then a phase sub-plan)
     uncapturable   {phase: why} for the phases whose forward cannot run inside a CUDA-graph
                    capture (a host sync); engines and the bench run those eagerly
-    batch_invariant  True: given ``plan.batch_invariant`` a token's output bytes depend on its
-                   own inputs only (no split decision, no batch-shaped reduction)
     emulated       True when its results come from an emulator, not the vendor's kernels
                    (the parity matrix labels them so)
+    batch_invariant  True: given ``plan.batch_invariant`` a token's output bytes depend on its
+                   own inputs only (no split decision, no batch-shaped reduction)
 
     ``reasons(...)`` = the declared data's refusals + ``extra_reasons`` (what data cannot say);
     [] means supported. ``forward`` runs a layer; ``prepare`` builds its per-step metadata (a
@@ -213,8 +213,8 @@ class Backend:
     capabilities: Capabilities
     splits_phases: bool = False
     uncapturable: Mapping[Phase, str] = MappingProxyType({})
-    batch_invariant: bool = False
     emulated: bool = False
+    batch_invariant: bool = False
 
     @property
     def phases(self) -> tuple[Phase, ...]:
@@ -248,6 +248,10 @@ class Backend:
         """How the backend would run a combination it serves, when it has options (a vendor
         entry point, a mode) and why; shown by ``SparseMLA.explain()``. "" = nothing to say."""
         return ""
+
+    def reserve(self, plan: StepPlan, fmt: KVFormat, num_heads: int, dialects: Dialects, decode_tokens: int) -> None:
+        """Engine start: allocate the buffers later steps of up to ``decode_tokens`` decode tokens
+        will use (an engine's memory profile then counts them), nothing by default."""
 
     def prepare(self, plan: StepPlan, shape: LayerShape) -> Any:
         """Per-step metadata of the layers of ``shape`` over ``plan``'s tokens (scheduler

@@ -36,7 +36,7 @@ PACKAGED = tuple(_REGISTRY)  # the backends this package ships (the README's sup
 # (priority_for). The torch backend is the CPU default; on GPUs it is slow (~30x FlashMLA) and
 # is never picked silently: force it with backend="torch".
 # Where the measured choices table of the arch covers a launch (common/choices.py,
-# dsv4_attn/data/choices/<arch>.json), its order comes first; these lists order everything else.
+# dsv4_attn/data/choices/<arch>-<device>.json), its order comes first; these lists order everything else.
 # sm90 prefill: triton reads the fp8 cache in place (no host sync, no bf16 workspace) and took
 # 0.38-0.85x the time of the flashmla backend (bf16 gather + FlashMLA prefill) on the 12
 # `dsv4-attn bench` prefill configs (H100, 2026-11-23, notes/perf-wave2.md).
@@ -198,7 +198,8 @@ def auto_order(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKi
     order = priority_for(platform, phase)
     if num_tokens is None or num_tokens <= 0:
         return order, f"auto ({platform.vendor} {Phase(phase).value} priority list)"
-    hit = choices.measured(platform.arch, Phase(phase).value, kind.name, spec.num_heads, fmt.value, num_tokens)
+    hit = choices.measured(platform.arch, Phase(phase).value, kind.name, spec.num_heads, fmt.value, num_tokens,
+                           platform.device_name)
     if hit is None:
         return order, f"auto ({platform.vendor} {Phase(phase).value} priority list; no measurement covers it)"
     entry, where = hit
@@ -215,16 +216,17 @@ def launch_bucket(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: Laye
     launch size of one bucket gets the same :func:`auto_order`, so a decision cached per bucket is
     the decision, without the ~35 us of looking the order up at each layer call."""
     where = envs.CHOICES.raw
-    bounds = _range_bounds(platform.arch, where, Phase(phase).value, kind.name, choices.heads_bucket(spec.num_heads),
-                           fmt.value)
+    bounds = _range_bounds(platform.arch, platform.device_name, where, Phase(phase).value, kind.name,
+                           choices.heads_bucket(spec.num_heads), fmt.value)
     return where, bisect.bisect_right(bounds, num_tokens)
 
 
 @functools.lru_cache(maxsize=256)
-def _range_bounds(arch: str, where: str | None, phase: str, kind: str, heads: int, fmt: str) -> tuple[int, ...]:
+def _range_bounds(arch: str, device: str, where: str | None, phase: str, kind: str, heads: int,
+                  fmt: str) -> tuple[int, ...]:
     """The sorted range bounds of the table's entries for one layer (``where``, the
     DSV4_ATTN_CHOICES file that table_for reads, keys the cache)."""
-    entries, _ = choices.table_for(arch)
+    entries, _, _ = choices.table_for(arch, device)
     return tuple(sorted({bound for e in entries if (e.phase, e.kind, e.heads, e.fmt) == (phase, kind, heads, fmt)
                          for bound in e.tokens}))
 

@@ -67,7 +67,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -622,6 +622,9 @@ class PlanGroup:
 
     swa_prefix: str
     comp_prefixes: tuple[tuple[int, str], ...] = ()
+    # The KV-cache group of its ratio-128 cache (``group_of``'s name for it; None without one):
+    # plans of a step with the same one build the same C128A rows, so they share one row set.
+    c128a_table: Any = field(default=None, compare=False)
 
     @property
     def has_c128a(self) -> bool:
@@ -653,7 +656,9 @@ def plan_groups(layers, group_of: Callable[[str], Any]) -> tuple[dict[str, int],
     for swa_gid, (swa_prefix, comps) in per_swa.items():
         first[swa_gid] = len(groups)
         for j in range(max([1] + [len(c) for c in comps.values()])):
-            groups.append(PlanGroup(swa_prefix, tuple((r, c[j][1]) for r, c in comps.items() if j < len(c))))
+            c128a = comps.get(LayerKind.C128A.ratio, [])
+            groups.append(PlanGroup(swa_prefix, tuple((r, c[j][1]) for r, c in comps.items() if j < len(c)),
+                                    c128a[j][0] if j < len(c128a) else None))
     index = {}
     for layer in layers:
         swa_gid, j = group_of(layer.swa_cache_layer.prefix), 0
@@ -720,7 +725,11 @@ class StepPlanner:
 
     Every plan lives in a slot (a SparseMLA with buffers for ``max_tokens`` tokens); the
     profiling run (:meth:`reserve`) allocates all slots a step will use, C128A rows included, so
-    vLLM's memory profile counts them before it sizes the KV cache.
+    vLLM's memory profile counts them before it sizes the KV cache. Target slots whose plans read
+    one ratio-128 table (V4: every plan; vLLM puts all compressed caches in one KV-cache group)
+    share one C128A row set (``max_tokens x c128a_width`` int32: 256 MiB at 1M context and 8192
+    tokens): each plan of the step rewrites the same rows, so whichever plan a step builds first,
+    the rows every C128A layer reads are its step's.
 
     ``block_size()``: the engine's compressed-cache block size, asked only from the profiling run
     on (vLLM resolves it after building the model; steps carry it in their metadata).
@@ -742,6 +751,7 @@ class StepPlanner:
         self._layer_plan: dict[str, int] = {}
         self._groups: list[PlanGroup] = []
         self._plans: dict[int, tuple[SparseMLA, StepPlan]] = {}
+        self._row_owner: dict[int, int] = {}  # slot -> the slot whose C128A rows it shares (reserve())
 
     def _new_slot(self) -> SparseMLA:
         return SparseMLA(self.spec, self.fmt, max_tokens=self.max_tokens, max_reqs=self.max_reqs,
@@ -780,6 +790,7 @@ class StepPlanner:
                     if not getattr(t, "is_draft_layer", False) and _has_metadata(t, attn_metadata)]
             self._layer_plan, self._groups = plan_groups(live, lambda prefix: id(attn_metadata[prefix]))
             self._forward, self._step_key, self._plans = weakref.ref(forward, self._forward_ended), key, {}
+            self._unshare_other_tables()
         index = self._layer_plan[layer.prefix]
         if index not in self._plans:
             group = self._groups[index]
@@ -787,6 +798,19 @@ class StepPlanner:
             batch = self.step_batch(attn_metadata[group.swa_prefix], comp, num_tokens)
             self._plans[index] = self._plan(self._slot(index, group), batch)
         return self._plans[index]
+
+    def _unshare_other_tables(self) -> None:
+        """A slot keeps sharing C128A rows only while its plan and the owner's read one ratio-128
+        table this step (as vLLM's grouping predicted at profiling); otherwise it gets rows of its
+        own at its next plan (outside vLLM's budget: :meth:`_slot` says so)."""
+        groups = self._groups
+        for index, owner in list(self._row_owner.items()):
+            if max(index, owner) < len(groups) and groups[index].c128a_table == groups[owner].c128a_table:
+                continue
+            del self._row_owner[index]
+            buffers = self.slots[index]._buffers
+            if buffers is not None:
+                buffers.all_rows.pop(LayerKind.C128A.ratio, None)
 
     def _forward_ended(self, ref: weakref.ref) -> None:
         """The step's forward pass is gone: drop its plans (they point into vLLM's buffers)."""
@@ -854,15 +878,22 @@ class StepPlanner:
                                type(exc).__name__, exc)
         while len(self.slots) < len(groups):
             self.slots.append(self._new_slot())
-        for mla, group in zip(self.slots, groups):
+        owners: dict[Any, int] = {}  # ratio-128 table -> the slot that allocates its rows
+        for index, (mla, group) in enumerate(zip(self.slots, groups)):
+            owner = owners.setdefault(group.c128a_table, index) if group.has_c128a else index
+            if owner != index:
+                rows = self.slots[owner]._buffers.all_rows[LayerKind.C128A.ratio]
+                mla._ensure_buffers(device).all_rows[LayerKind.C128A.ratio] = rows
+                self._row_owner[index] = owner
             self._allocate(mla, device, group.has_c128a)
         if drafts:
             self.draft_slot = self.draft_slot or self._new_slot()
             self._allocate(self.draft_slot, device, any(t.dsv4_kind is LayerKind.C128A for t in drafts))
-        self.reserved_bytes = sum(_buffer_bytes(m) for m in self.slots + [self.draft_slot] if m is not None)
+        self.reserved_bytes = _buffer_bytes(*self.slots, self.draft_slot)
         logger.info("dsv4_attn: reserved %.1f MiB of plan buffers during vLLM's memory profile (%d plan(s) per "
-                    "step%s, %d with C128A rows; %d tokens)", self.reserved_bytes / 2**20, len(groups),
-                    " + 1 per draft step" if drafts else "", sum(g.has_c128a for g in groups), self.max_tokens)
+                    "step%s, %d with C128A rows, %d C128A row set(s); %d tokens)", self.reserved_bytes / 2**20,
+                    len(groups), " + 1 per draft step" if drafts else "", sum(g.has_c128a for g in groups),
+                    sum(g.has_c128a for g in groups) - len(self._row_owner), self.max_tokens)
 
     def _allocate(self, mla: SparseMLA, device: torch.device, c128a: bool) -> None:
         """Allocate ``mla``'s plan buffers (and C128A rows) by planning an empty batch."""
@@ -870,7 +901,7 @@ class StepPlanner:
         batch = StepBatch.from_lists([], [], empty, 64, comp_block_tables={LayerKind.C128A.ratio: empty} if c128a
                                      else {}, block_size=self.block_size(), max_model_len=self.spec.max_model_len,
                                      num_tokens=0, device=device)
-        mla.plan(batch)
+        mla.reserve(mla.plan(batch))  # and the decode backends' scratch (aiter): counted by the profile too
 
     def _warn_unreserved(self, what: str) -> None:
         if self.reserved_bytes is not None:
@@ -898,13 +929,16 @@ def _metadata(attn_metadata: dict, prefix: str, layer):
     return attn_metadata[prefix]
 
 
-def _buffer_bytes(mla: SparseMLA, all_rows_only: bool = False) -> int:
-    """Bytes of ``mla``'s plan buffers (0 before its first plan); ``all_rows_only``: just the
-    rows of "all" kinds (C128A)."""
-    buffers = mla._buffers
-    if buffers is None:
-        return 0
-    tensors = [t for pair in buffers.all_rows.values() for t in pair]
-    if not all_rows_only:
-        tensors += [buffers.positions, buffers.token_to_req, buffers.token_valid, buffers.swa_rows, buffers.swa_lens]
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _buffer_bytes(*mlas: SparseMLA | None, all_rows_only: bool = False) -> int:
+    """Bytes of the plan buffers of ``mlas`` (None or not yet planned: nothing), a tensor shared
+    by several (C128A rows) once; ``all_rows_only``: just the rows of "all" kinds (C128A)."""
+    tensors: dict[int, torch.Tensor] = {}
+    for mla in mlas:
+        buffers = mla._buffers if mla is not None else None
+        if buffers is None:
+            continue
+        own = [t for pair in buffers.all_rows.values() for t in pair]
+        if not all_rows_only:
+            own += [buffers.positions, buffers.token_to_req, buffers.token_valid, buffers.swa_rows, buffers.swa_lens]
+        tensors.update((id(t), t) for t in own)
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -65,18 +65,32 @@ from typing import Any
 import torch
 
 from .. import envs
-from ..common.backend import Backend, Capabilities, LayerInputs, LayerShape, Phase, PlatformSupport
+from ..common.backend import (
+    Backend,
+    Capabilities,
+    LayerInputs,
+    LayerShape,
+    Phase,
+    PlatformSupport,
+)
 from ..common.layout import Fp8Dialect, KVFormat, Record, gather_rows, new_cache, packed_records, quantize_model1
 from ..common.merge import apply_sink, merge_lse
 from ..common.plan import StepPlan
-from ..common.platform import LibraryInfo, Platform, probe
+from ..common.platform import LibraryInfo, Platform, platform_for_device, probe
+from ..common.registry import new_backend, reasons_for
 from ..common.spec import HEAD_DIM, NOPE_DIM, NUM_QUANT_TILES, V4_KINDS, LayerKind, ModelSpec
 from . import emulate
 from .scratch import AiterScratch, ScopeBuffers, ScratchKey, compact, quantize_pow2_, write_indices
 
 ARCHS = ("gfx942", "gfx950")
+AITER_SOURCE = "git+https://github.com/ROCm/aiter.git@v0.1.20.post1"  # pyproject's `rocm` extra
+INSTALL_HINT = ("Install AITER v0.1.20.post1 from a clone of dsv4-attn: AITER_USE_SYSTEM_TRITON=1 pip install "
+                "--no-build-isolation -e '.[rocm]' (needs ROCm with hipcc and a ROCm torch; PyPI's amd-aiter 0.1.7 "
+                "is too old: docs/rocm.md \"Install AITER\")")
 NATIVE_DIALECT = {"gfx942": Fp8Dialect.FNUZ, "gfx950": Fp8Dialect.OCP}
 PATHS = ("sparse_mla_fwd", "mla_decode_fwd_v4_nm", "mla_decode_fwd")
+# backends without a token cap that take the decode launches above the scratch's capacity
+FALLBACKS = ("triton", "torch")
 # what each path costs or gains, shown by explain() for the path auto picks
 PATH_NOTES = {
     "sparse_mla_fwd": "caches read in place; both scopes and the sink in one launch",
@@ -190,8 +204,7 @@ def _load_real(arch: str) -> AiterAPI:
         import aiter  # noqa: PLC0415 - ROCm only, lazily
         from aiter import mla
     except Exception as exc:  # missing, or broken (rocminfo, JIT) -> a refusal reason
-        return AiterAPI(None, arch, False, error=f"cannot import aiter: {type(exc).__name__}: {exc} "
-                        "(PyPI's amd-aiter is too old: docs/rocm.md \"Install AITER\")")
+        return AiterAPI(None, arch, False, error=f"cannot import aiter: {type(exc).__name__}: {exc}. {INSTALL_HINT}")
     try:
         from aiter.ops.triton.attention.sparse_mla import sparse_mla_fwd
     except Exception:
@@ -394,7 +407,8 @@ def describe_aiter(platform: Platform | None = None) -> dict:
     decode = base or _decode_reasons(api)
     persistent = decode or [r for r in [_persistent_heads(api, 1)[1]] if r]
     fp8_on = envs.AITER_FP8_COMPUTE.get()
-    fp8 = f"fp8 compute, {'opted in' if fp8_on else 'off: opt in with ' + envs.AITER_FP8_COMPUTE.name + '=1'}: {FP8_NOTE}"
+    switch = "opted in" if fp8_on else f"off: opt in with {envs.AITER_FP8_COMPUTE.name}=1"
+    fp8 = f"fp8 compute, {switch}: {FP8_NOTE}"
     out["fp8_compute"] = fp8_on
     out["paths"] = {
         "sparse_mla_fwd": "; ".join(base or _sparse_reasons(api)) or "enabled (bf16 compute)",
@@ -446,7 +460,10 @@ class AiterBackend(Backend):
     persistent_max_batch  with fp8_compute, mla_decode_fwd runs persistent for T < this many
                           decode tokens (0 = never); env DSV4_ATTN_AITER_PERSISTENT_MAX_BATCH, default 32
     max_decode_tokens     scratch capacity in decode tokens (bounds the gathered-rows scratch);
-                          env DSV4_ATTN_AITER_MAX_DECODE_TOKENS, default 1024
+                          env DSV4_ATTN_AITER_MAX_DECODE_TOKENS; unset: the engine's decode
+                          tokens when it reserves memory at start (:meth:`reserve`, capped by
+                          what split mode can address), else 1024. Larger decode launches run on
+                          the first of :data:`FALLBACKS` that serves the layer (``explain()``)
     max_splits            split budget per batch row (split mode, persistent work plans)
     """
 
@@ -478,6 +495,9 @@ class AiterBackend(Backend):
                                      else envs.AITER_PERSISTENT_MAX_BATCH.get())
         self.max_decode_tokens = (max_decode_tokens if max_decode_tokens is not None
                                   else envs.AITER_MAX_DECODE_TOKENS.get())
+        # given (argument or environment): kept; else reserve() sizes it from the engine
+        self._capacity_fixed = max_decode_tokens is not None or envs.AITER_MAX_DECODE_TOKENS.raw is not None
+        self._fallbacks: dict[str, Backend] = {}
         for arg, value in (("persistent_max_batch", self.persistent_max_batch),
                            ("max_decode_tokens", self.max_decode_tokens), ("max_splits", max_splits)):
             low = 0 if arg == "persistent_max_batch" else (2 if arg == "max_splits" else 1)
@@ -583,7 +603,11 @@ class AiterBackend(Backend):
         fp8 = self._computes_fp8(api, path, fmt, spec.num_heads)
         precision = (f"fp8 compute opted in ({envs.AITER_FP8_COMPUTE.name}): {FP8_NOTE}" if fp8
                      else "bf16 compute (the accuracy of every other backend)")
-        return "; ".join([f"path {path} ({PATH_NOTES[path]})", precision] + skipped + [status])
+        fallback = self.fallback_name(platform, spec, fmt, kind, dialects)
+        capacity = (f"decode launches above {self.max_decode_tokens} tokens (the scratch's capacity"
+                    f"{'' if self._capacity_fixed else ', or the engine decode tokens reserve() sets'}) run on "
+                    f"{fallback or 'nothing: they raise'}")
+        return "; ".join([f"path {path} ({PATH_NOTES[path]})", precision, capacity] + skipped + [status])
 
     def _computes_fp8(self, api: AiterAPI, path: str, fmt: KVFormat, heads: int) -> bool:
         """Whether ``path`` runs AITER's a8w8 kernels for this layer (for some batch size)."""
@@ -596,14 +620,58 @@ class AiterBackend(Backend):
         T = plan.num_tokens
         if T == 0:
             return
-        if T > self.max_decode_tokens:
-            raise ValueError(f"plan: got {T} decode tokens; allowed: <= max_decode_tokens ({self.max_decode_tokens}) "
-                             f"of the aiter backend (raise it: AiterBackend(max_decode_tokens=...) or "
-                             f"{envs.AITER_MAX_DECODE_TOKENS.name})")
+        if T > self.max_decode_tokens:  # past the scratch: a backend without a cap
+            self._fallback(plan, layer).forward(plan, layer, out)
+            return
         api = load_aiter()
         meta = self.meta(plan, layer.shape)
         {"sparse_mla_fwd": self._forward_sparse, "mla_decode_fwd_v4_nm": self._forward_nm,
          "mla_decode_fwd": self._forward_decode}[meta.path](api, plan, meta, layer, out)
+
+    # ---- capacity ---------------------------------------------------------------------------
+    def fallback_name(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
+                      dialects) -> str | None:
+        """The backend that runs this layer's decode launches above ``max_decode_tokens``."""
+        return next((n for n in FALLBACKS if not reasons_for(n, platform, spec, fmt, kind, Phase.DECODE,
+                                                             tuple(dialects))), None)
+
+    def _fallback(self, plan: StepPlan, layer: LayerInputs) -> Backend:
+        name = self.fallback_name(platform_for_device(plan.device), plan.spec, layer.fmt, layer.kind,
+                                  (layer.swa_dialect, layer.comp_dialect))
+        if name is None:
+            raise ValueError(f"plan: got {plan.num_tokens} decode tokens; allowed: <= max_decode_tokens "
+                             f"({self.max_decode_tokens}) of the aiter backend, as none of {FALLBACKS} serves "
+                             f"this layer (raise it: AiterBackend(max_decode_tokens=...) or "
+                             f"{envs.AITER_MAX_DECODE_TOKENS.name})")
+        if name not in self._fallbacks:
+            self._fallbacks[name] = new_backend(name)
+        return self._fallbacks[name]
+
+    def addressable_tokens(self, spec: ModelSpec) -> int:
+        """The most decode tokens split mode's gathered rows can address (24-bit row numbers,
+        32-bit byte offsets: :meth:`_split_rows_reasons`)."""
+        width = max(w for _, w in _scope_widths(spec))
+        return max(1, min(SPLIT_MAX_ROWS - 3, (SPLIT_MAX_BYTES - 1) // (ROW * 2) - 3) // width)
+
+    def reserve(self, plan: StepPlan, fmt: KVFormat, num_heads: int, dialects, decode_tokens: int) -> None:
+        """Engine start (vLLM's memory profile): unless ``max_decode_tokens`` was given, size the
+        scratch for the engine's ``decode_tokens`` (capped by :meth:`addressable_tokens`); then
+        allocate every scratch the model's layers will use and run every kernel variant once, so
+        no step allocates scratch or loads a kernel (the engine counts this memory before it
+        sizes its KV cache)."""
+        if not self._capacity_fixed:
+            self.max_decode_tokens = min(decode_tokens, self.addressable_tokens(plan.spec))
+        api = load_aiter()
+        for kind in plan.spec.kinds:
+            path, _ = self.choose_path(api, plan.spec, fmt, kind, tuple(dialects), num_heads)
+            if path is not None:
+                self._path_scratch(path, api, plan, fmt, num_heads)
+
+    def _path_scratch(self, path: str, api: AiterAPI, plan: StepPlan, fmt: KVFormat, heads: int) -> AiterScratch:
+        """The scratch ``path`` runs a layer on (allocated, kernels warmed, on first use)."""
+        scratch = {"sparse_mla_fwd": self._sparse_scratch, "mla_decode_fwd_v4_nm": self._nm_scratch,
+                   "mla_decode_fwd": self._decode_scratch}[path]
+        return scratch(api, plan, fmt, heads)
 
     def prepare(self, plan: StepPlan, shape: LayerShape) -> AiterMeta:
         """The shape's path and scratch (every kernel variant it may run warmed first)."""
@@ -611,8 +679,7 @@ class AiterBackend(Backend):
         path, reasons = self.choose_path(api, plan.spec, shape.fmt, shape.kind, shape.dialects, shape.num_heads)
         if path is None:
             raise ValueError("aiter: cannot run this layer:\n" + "\n".join(f"  - {r}" for r in reasons))
-        scratch = {"sparse_mla_fwd": self._sparse_scratch, "mla_decode_fwd_v4_nm": self._nm_scratch,
-                   "mla_decode_fwd": self._decode_scratch}[path](api, plan, shape)
+        scratch = self._path_scratch(path, api, plan, shape.fmt, shape.num_heads)
         shared: dict[str, ScopeBuffers] = {}
         window_path = self.choose_path(api, plan.spec, shape.fmt, LayerKind.SWA, shape.dialects, shape.num_heads)[0]
         if shape.kind.has_comp_scope and path != "mla_decode_fwd_v4_nm" and window_path == path:
@@ -687,13 +754,12 @@ class AiterBackend(Backend):
         self._warmed.add(key)
 
     # ---- path 1: sparse_mla_fwd ---------------------------------------------------------------
-    def _sparse_scratch(self, api: AiterAPI, plan: StepPlan, shape: LayerShape) -> AiterScratch:
+    def _sparse_scratch(self, api: AiterAPI, plan: StepPlan, fmt: KVFormat, heads: int) -> AiterScratch:
         # its Triton kernels compile per cache format and scope count on first use
-        self._warm(("sparse_mla_fwd", shape.fmt, shape.num_heads),
-                   [functools.partial(self._sparse_dummy, api, shape.fmt, shape.num_heads, plan.device, two)
-                    for two in (False, True)])
+        self._warm(("sparse_mla_fwd", fmt, heads),
+                   [functools.partial(self._sparse_dummy, api, fmt, heads, plan.device, two) for two in (False, True)])
         return self._get_scratch(api, ScratchKey(
-            path="sparse_mla_fwd", device=plan.device, max_tokens=self.max_decode_tokens, heads=shape.num_heads,
+            path="sparse_mla_fwd", device=plan.device, max_tokens=self.max_decode_tokens, heads=heads,
             widths=_scope_widths(plan.spec), q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, layout="slots"))
 
     @staticmethod
@@ -737,8 +803,8 @@ class AiterBackend(Backend):
         out.masked_fill_(empty[:, None, None], 0.0)  # AITER's output for a row with no key is unspecified
 
     # ---- path 2: mla_decode_fwd_v4_nm, both scopes + sink in one call -------------------------
-    def _nm_scratch(self, api: AiterAPI, plan: StepPlan, shape: LayerShape) -> AiterScratch:
-        heads = next(h for h in NM_HEADS if h >= shape.num_heads)
+    def _nm_scratch(self, api: AiterAPI, plan: StepPlan, fmt: KVFormat, num_heads: int) -> AiterScratch:
+        heads = next(h for h in NM_HEADS if h >= num_heads)
         # one index scope per layer kind, over its SWA keys then its compressed keys
         widths = tuple((name, plan.spec.window + (w if name != "swa" else 0)) for name, w in _scope_widths(plan.spec))
         fp8 = NATIVE_DIALECT[api.arch].torch_dtype
@@ -832,14 +898,14 @@ class AiterBackend(Backend):
             return None
         return _persistent_heads(api, heads)[0]
 
-    def _decode_scratch(self, api: AiterAPI, plan: StepPlan, shape: LayerShape) -> AiterScratch:
-        H = shape.num_heads
-        persistent_heads = self._persistent_heads_for(api, shape.fmt, H)
-        key = self._decode_key(api, plan, H, persistent_heads, plan.num_tokens)
+    def _decode_scratch(self, api: AiterAPI, plan: StepPlan, fmt: KVFormat, H: int) -> AiterScratch:
+        persistent_heads = self._persistent_heads_for(api, fmt, H)
         variants = [self._decode_key(api, plan, H, persistent_heads, t) for t in (1, self.persistent_max_batch)]
         self._warm(("mla_decode_fwd",) + tuple(sorted({(k.heads, k.persistent) for k in variants})),
                    [functools.partial(self._decode_dummy, api, k) for k in dict.fromkeys(variants)])
-        return self._get_scratch(api, key)
+        for key in variants:  # both modes' scratch now: a later batch size allocates nothing
+            self._get_scratch(api, key)
+        return self._get_scratch(api, self._decode_key(api, plan, H, persistent_heads, plan.num_tokens))
 
     def _forward_decode(self, api: AiterAPI, plan: StepPlan, meta: AiterMeta, layer: LayerInputs,
                         out: torch.Tensor) -> None:

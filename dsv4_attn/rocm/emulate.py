@@ -762,7 +762,7 @@ class AiterEmulator:
     @staticmethod
     def _tile_overread(rows, kv_indptr, kv_indices, chunk, written, S: int, num_rows: int, tile: int = 16):
         """bool [B, S]: split s of row b over-reads (see :meth:`_decode_split`) a non-finite row."""
-        B, dev = chunk.numel(), chunk.device
+        dev = chunk.device
         start = kv_indptr[:-1].long()[:, None] + torch.arange(S, device=dev)[None, :] * chunk[:, None]
         end = torch.minimum(start + chunk[:, None], kv_indptr[1:].long()[:, None])
         tile_end = start + (end - start + tile - 1) // tile * tile
@@ -832,7 +832,8 @@ class AiterEmulator:
             nxt = plan["works"][i + 1] if i + 1 < len(plan["works"]) else None
             last = nxt is None or nxt[:2] != (b, sub)
             if (start - b * topk) % g or (not last and (end - start) % g):
-                _fail("kv_granularity", f"a work of keys [{start - b * topk}, {end - b * topk}) of row {b} ({obj.name})",
+                _fail("kv_granularity",
+                      f"a work of keys [{start - b * topk}, {end - b * topk}) of row {b} ({obj.name})",
                       f"works of whole {g}-key passes (its SUB_KV); the planner splits rows in kv_granularity "
                       f"blocks: pass kv_granularity={g}")
         # every pseudo-batch of a row reads the same keys for its 16 heads: one set of works for all heads

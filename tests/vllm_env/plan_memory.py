@@ -89,7 +89,8 @@ def main() -> None:
             print(f"{name} (H{shape['num_attention_heads']} per rank, topk {shape['index_topk']}, "
                   f"{shape['num_hidden_layers']} layers + 1 MTP), max_num_batched_tokens {args.max_tokens}, "
                   f"max_model_len {args.max_model_len}: {total / 2**20:.1f} MiB reserved per GPU; "
-                  f"{len(groups)} plans per target step ({sum(g.has_c128a for g in groups)} with C128A rows) "
+                  f"{len(groups)} plans per target step ({sum(g.has_c128a for g in groups)} with C128A layers, "
+                  f"{len({g.c128a_table for g in groups if g.has_c128a})} C128A row set) "
                   f"+ 1 draft slot; vLLM made {kv_groups} KV-cache groups")
             for group in groups:
                 print(f"    plan: SWA {group.swa_prefix}, compressed {dict(group.comp_prefixes)}")
