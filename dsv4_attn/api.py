@@ -16,23 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
-from typing import cast
 
 import torch
 
 from .common import backend as backend_mod
-from .common import choices
+from .common import checks, choices
 from .common.backend import Backend, LayerInputs, Phase
 from .common.batch import StepBatch
-from .common.indices import check_local_topk, validate_local_topk
-from .common.layout import CacheGeometry, Fp8Dialect, KVFormat, check_cache
-from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan, build_rows_plan, check_step
+from .common.layout import Fp8Dialect, KVFormat
+from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan
 from .common.platform import Platform, platform_for_device, triton_interpreting
 from .common.rows import StepRows
-from .common.spec import HEAD_DIM, MAX_HEADS, LayerKind, ModelSpec
-
-_UNSET = object()  # marks an omitted keyword argument
+from .common.spec import LayerKind, ModelSpec
 
 
 class SparseMLA:
@@ -47,6 +42,10 @@ class SparseMLA:
     front_end   who builds the index rows: "auto" (Triton on GPUs when Triton is importable, one
                 launch per step; torch otherwise), "torch", or "triton" (a GPU, or the CPU under
                 TRITON_INTERPRET=1). Both give the same rows; see ``common.plan.FrontEnd``.
+    batch_invariant  True: a token's output bytes depend on its own inputs only, never on the
+                other requests of its batch nor on a split decision (reproducible sampling: RL
+                rollouts, evaluation; docs/batch-invariance.md). Backends that cannot promise it
+                are refused at construction; auto's choice no longer depends on the batch size.
     """
 
     def __init__(
@@ -60,27 +59,20 @@ class SparseMLA:
         swa_dialect: Fp8Dialect | str = Fp8Dialect.OCP,
         comp_dialect: Fp8Dialect | str = Fp8Dialect.OCP,
         front_end: str = "auto",
+        batch_invariant: bool = False,
     ) -> None:
-        if not isinstance(spec, ModelSpec):
-            raise ValueError(f"spec: got {type(spec).__name__}; allowed: a ModelSpec")
-        for name, value in (("max_tokens", max_tokens), ("max_reqs", max_reqs)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: got {value!r}; allowed: a positive int")
-        if not isinstance(backend, str):
-            raise ValueError(f"backend: got {backend!r}; allowed: 'auto' or one of {backend_mod.backend_names()}")
-        if backend != "auto" and backend not in backend_mod.backend_names():
-            raise ValueError(f"backend: got {backend!r}; allowed: 'auto' or one of {backend_mod.backend_names()}")
+        checks.check_construction(spec, max_tokens, max_reqs, backend, backend_mod.backend_names(), front_end,
+                                  _FRONT_ENDS)
         self.spec = spec
         self.fmt = KVFormat.parse(fmt)
         self.swa_dialect = Fp8Dialect.parse(swa_dialect)
         self.comp_dialect = Fp8Dialect.parse(comp_dialect)
         self.max_tokens = max_tokens
         self.max_reqs = max_reqs
-        if front_end not in _FRONT_ENDS:
-            raise ValueError(f"front_end: got {front_end!r}; allowed: one of {_FRONT_ENDS}")
         self._front_end_choice = front_end
+        self.batch_invariant = checks.check_switch(batch_invariant, "batch_invariant")
         self._explicit = backend
-        self._device = _parse_device(device)
+        self._device = checks.parse_device(device) if device is not None else None
         self._front_end: FrontEnd | None = (_make_front_end(front_end, self._device)
                                             if self._device is not None else None)
         self._buffers: PlanBuffers | None = None
@@ -90,7 +82,9 @@ class SparseMLA:
         # Refuse at construction (engine start) when the requested backend cannot run a layer.
         for kind in spec.kinds:
             for phase in Phase:
-                self.backend_for(kind, phase)
+                name = self.backend_for(kind, phase)
+                if batch_invariant:
+                    checks.check_batch_invariant(backend_mod.get_backend(name), kind, phase)
 
     # ---- backend choice -------------------------------------------------------------------
     @property
@@ -99,7 +93,7 @@ class SparseMLA:
 
     @property
     def platform(self) -> Platform:
-        return platform_for_device(self._device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        return platform_for_device(self._device or checks.default_device())
 
     def backend_for(self, kind: LayerKind | str | int, phase: Phase | str, num_tokens: int | None = None) -> str:
         """Name of the backend that runs ``kind`` / ``phase`` now (raises with reasons if none);
@@ -107,10 +101,10 @@ class SparseMLA:
         choices table where it covers the launch (common/choices.py)."""
         kind, phase = self.spec.check_kind(kind), Phase(phase)
         requested, source = backend_mod.requested_backend(self._explicit)
-        order = None
+        bucket = None  # auto: one decision per launch-size range of the measured table
         if requested == "auto" and num_tokens:
-            order = tuple(backend_mod.auto_order(self.platform, self.spec, self.fmt, kind, phase, num_tokens)[0])
-        key = (requested, kind, phase, order)
+            bucket = backend_mod.launch_bucket(self.platform, self.spec, self.fmt, kind, phase, num_tokens)
+        key = (requested, kind, phase, bucket)
         if key not in self._selected:
             self._selected[key] = backend_mod.select(self.platform, self.spec, self.fmt, kind, phase,
                                                      requested, source, self.dialects, num_tokens)
@@ -151,12 +145,14 @@ class SparseMLA:
     def _measured_lines(self, plat: Platform, requested: str) -> list[str]:
         """The measured choices (common/choices.py) that reorder auto selection for this model, by
         token range; "chosen" above is the choice for a launch no measurement covers."""
-        entries, where = choices.table_for(plat.arch)
+        entries, where, note = choices.table_for(plat.arch, plat.device_name)
         kinds = {k.name for k in self.spec.kinds}
         mine = [e for e in entries if e.kind in kinds and e.fmt == self.fmt.value
                 and e.heads == choices.heads_bucket(self.spec.num_heads)]
         if not mine or requested != "auto":
             return []
+        if note:
+            where = f"{where}: {note}"
         out = [f"measured choices ({where}; auto tries this order first for launches in range; where the "
                "table has per-step costs, ordered for this model's layers of the kind):"]
         for e in mine:
@@ -176,19 +172,14 @@ class SparseMLA:
         The returned plan is valid until the next successful ``plan()`` call (a refused one
         leaves it valid). Every call re-reads the batch's tensors: engines update them in place.
         """
-        if isinstance(batch, StepRows):
-            return self._plan_rows(batch, validate)
-        if not isinstance(batch, StepBatch):
-            raise ValueError(f"batch: got {type(batch).__name__}; allowed: a StepBatch or a StepRows")
-        if batch.num_reqs > self.max_reqs:
-            raise ValueError(f"batch: got {batch.num_reqs} requests; allowed: <= max_reqs ({self.max_reqs})")
-        buffers = self._ensure_buffers(batch.device)
-        check_step(self.spec, batch, buffers)
+        checks.check_step(self.spec, batch, self.max_tokens, self.max_reqs, self._device)
         if validate:
             batch.validate()
+        buffers = self._ensure_buffers(batch.device)
         # only now: a refused step leaves the previous plan (and its buffers) valid
         self._generation += 1
-        return build_plan(self.spec, batch, buffers, self, self._generation, self._front_end)
+        return build_plan(self.spec, batch, buffers, self, self._generation, self._front_end,
+                          self.batch_invariant)
 
     def reserve(self, plan: StepPlan, decode_tokens: int | None = None) -> None:
         """Engine start (a memory profile): let each decode backend allocate the buffers steps of
@@ -196,21 +187,6 @@ class SparseMLA:
         for name in dict.fromkeys(self.backend_for(kind, Phase.DECODE) for kind in self.spec.kinds):
             self._backend(name).reserve(plan, self.fmt, self.spec.num_heads, self.dialects,
                                         decode_tokens or self.max_tokens)
-
-    def _plan_rows(self, rows: StepRows, validate: bool) -> StepPlan:
-        rows.check()
-        rows.check_model(self.spec)
-        num_tokens = rows.checked_num_tokens
-        if num_tokens > self.max_tokens:
-            raise ValueError(f"batch.num_tokens: got {num_tokens}; allowed: <= max_tokens ({self.max_tokens}) "
-                             "of this SparseMLA (raise max_tokens)")
-        if self._device is not None and rows.device != self._device:
-            raise ValueError(f"batch: got device {rows.device}; allowed: {self._device} (the SparseMLA's device)")
-        if validate:
-            rows.validate()
-        buffers = self._ensure_buffers(rows.device)
-        self._generation += 1
-        return build_rows_plan(self.spec, rows, buffers, self, self._generation, self._front_end)
 
     def _ensure_buffers(self, device: torch.device) -> PlanBuffers:
         """The plan buffers, allocated on the first plan's device."""
@@ -232,8 +208,6 @@ class SparseMLA:
         out: torch.Tensor | None = None,
         kv_scale: float = 1.0,
         validate: bool = False,
-        *,
-        c4a_topk: torch.Tensor | None | object = _UNSET,
     ) -> torch.Tensor:
         """One layer's attention.
 
@@ -245,29 +219,21 @@ class SparseMLA:
         topk       int32 [T, K] the indexer's LOCAL top-k (compressed entry numbers of the
                    token's request, -1 unused) for top-k kinds (C4A, C1A, C2A); None otherwise,
                    and None when the plan holds the kind's global rows (a StepRows' GlobalRows).
-                   ``c4a_topk=`` is accepted as its V4 name.
         sink       float32 [H] (None = no sink)
         out        bf16 [T, H, 512] contiguous, written in place (allocated when None)
         validate   also check the step's values against the caches (reads device tensors: a
-                   sync): every used block id inside its cache, c4a_topk entries inside each
+                   sync): every used block id inside its cache, topk entries inside each
                    token's valid prefix -1 or visible, no NaN sink. Without it any out-of-range
                    block id, slot or top-k entry is skipped like -1 (never read), and NaN in a
                    selected key or the sink comes out as NaN (docs/bad-input.md).
         Returns out.
         """
-        topk_name = "topk"
-        if c4a_topk is not _UNSET:
-            if topk is not None:
-                raise ValueError("c4a_topk: got a tensor beside topk; allowed: one of them (c4a_topk is the V4 "
-                                 "name of topk)")
-            topk, topk_name = cast("torch.Tensor | None", c4a_topk), "c4a_topk"
-        layer = self._layer_inputs(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, topk_name,
-                                   out)
+        layer = self._layer_inputs(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, out)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         T, nd = plan.num_tokens, plan.num_decode_tokens
         phases = [(p, a, b) for p, a, b in ((Phase.DECODE, 0, nd), (Phase.PREFILL, nd, T)) if b > a]
-        names = {p: self.backend_for(kind, p, b - a) for p, a, b in phases}
+        names = {p: self.backend_for(kind, p, None if self.batch_invariant else b - a) for p, a, b in phases}
         backends = {p: self._backend(n) for p, n in names.items()}
         if len(set(names.values())) == 1 and not backends[phases[0][0]].splits_phases:
             backends[phases[0][0]].forward(plan, layer, out)
@@ -285,13 +251,14 @@ class SparseMLA:
         return self._layer_inputs(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate)
 
     def _layer_inputs(self, plan: StepPlan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale: float,
-                      validate: bool, topk_name: str = "topk", out: torch.Tensor | None = None) -> LayerInputs:
+                      validate: bool, out: torch.Tensor | None = None) -> LayerInputs:
         """Every check of a layer's inputs, once; the backends trust the result (its geometry)."""
         kind = self.spec.check_kind(kind)
+        checks.check_plan_current(plan, self, self._generation)
         unchecked = LayerInputs(kind, q, swa_cache, comp_cache, topk, sink, self.fmt, self.spec.scale, kv_scale,
                                 self.swa_dialect, self.comp_dialect,
                                 swa_geo=None, comp_geo=None)  # type: ignore[arg-type]  # set below, once checked
-        swa_geo, comp_geo = self._check(plan, unchecked, out, validate, topk_name)
+        swa_geo, comp_geo = checks.check_layer(plan, unchecked, out, validate)
         return dataclasses.replace(unchecked, swa_geo=swa_geo, comp_geo=comp_geo)
 
     def _backend(self, name: str) -> Backend:
@@ -299,140 +266,8 @@ class SparseMLA:
             self._backends[name] = backend_mod.new_backend(name)
         return self._backends[name]
 
-    # ---- validation ---------------------------------------------------------------------------
-    def _check(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None, validate: bool,
-               topk_name: str = "topk") -> tuple[CacheGeometry, CacheGeometry | None]:
-        """Every check of ``layer`` (its geometry fields unset) and ``out``; returns the geometry
-        of the SWA cache and of the compressed cache (None for window-only layers)."""
-        if not isinstance(plan, StepPlan) or plan.owner is not self:
-            raise ValueError("plan: got a plan not built by this SparseMLA; allowed: the result of this object's "
-                             "plan()")
-        if plan.generation != self._generation:
-            raise ValueError(
-                f"plan: got the plan of step {plan.generation}, but plan() has since been called for step "
-                f"{self._generation} and its buffers were overwritten; allowed: the latest plan"
-            )
-        T, q = plan.num_tokens, layer.q
-        if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[0] != T \
-                or q.shape[2] != HEAD_DIM or not (self.spec.num_heads <= q.shape[1] <= MAX_HEADS):
-            got = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
-            raise ValueError(
-                f"q: got {got}; allowed: torch.bfloat16 [T={T}, H, {HEAD_DIM}] with "
-                f"{self.spec.num_heads} <= H <= {MAX_HEADS} (T = plan.num_tokens)"
-            )
-        if q.stride(2) != 1:
-            raise ValueError(f"q: got strides {tuple(q.stride())}; allowed: last dim contiguous")
-        if q.device != plan.device:
-            raise ValueError(f"q: got device {q.device}; allowed: {plan.device} (the plan's device)")
-        H = q.shape[1]
-        swa_geo = check_cache(layer.swa_cache, self.fmt.swa_record, "swa_cache", self.swa_dialect)
-        self._check_device("swa_cache", layer.swa_cache, q.device)
-        comp_geo = None
-        if layer.kind.has_comp_scope:
-            if layer.comp_cache is None:
-                raise ValueError(f"comp_cache: got None; allowed: the ratio-{layer.kind.ratio} cache for "
-                                 f"{layer.kind.name} layers")
-            comp_geo = check_cache(layer.comp_cache, self.fmt.comp_record, "comp_cache", self.comp_dialect)
-            self._check_device("comp_cache", layer.comp_cache, q.device)
-            want_bs = plan.batch.comp_block_size(layer.kind)  # None: global rows fit any block size
-            if want_bs is not None and comp_geo.block_size != want_bs:
-                raise ValueError(
-                    f"comp_cache: got block size {comp_geo.block_size}; allowed: batch.block_size // "
-                    f"{layer.kind.ratio} = {want_bs}"
-                )
-        elif layer.comp_cache is not None:
-            raise ValueError("comp_cache: got a tensor for a window-only (SWA) layer; allowed: None")
-        self._check_addressable("swa_cache", swa_geo)
-        if comp_geo is not None:
-            self._check_addressable("comp_cache", comp_geo)
-        if plan.batch.swa_block_size is not None and swa_geo.block_size != plan.batch.swa_block_size:
-            raise ValueError(f"swa_cache: got block size {swa_geo.block_size}; allowed: "
-                             f"batch.swa_block_size = {plan.batch.swa_block_size}")
-        if layer.kind.uses_topk and not plan.translates_topk(layer.kind):
-            if layer.topk is not None:
-                raise ValueError(f"{topk_name}: got a tensor for a {layer.kind.name} layer whose global rows the plan "
-                                 f"holds (StepRows.comp[{layer.kind.ratio}] is GlobalRows); allowed: None")
-        elif layer.kind.uses_topk:
-            if layer.topk is None:
-                raise ValueError(f"{topk_name}: got None; allowed: int32 [T, K] local top-k for {layer.kind.name} "
-                                 "layers")
-            check_local_topk(layer.topk, T, q.device, topk_name, self.spec.comp_width(layer.kind))
-        elif layer.topk is not None:
-            what = "attends every compressed entry" if layer.kind.attends_all else "is window-only"
-            raise ValueError(f"{topk_name}: got a tensor for a {layer.kind.name} layer, which {what}; allowed: None")
-        if layer.sink is not None:
-            s = layer.sink
-            if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.shape != (H,) \
-                    or s.device != q.device:
-                got = f"{s.dtype} {tuple(s.shape)} on {s.device}" if isinstance(s, torch.Tensor) else type(s).__name__
-                raise ValueError(f"sink: got {got}; allowed: torch.float32 [{H}] on {q.device}")
-        if not (isinstance(layer.kv_scale, (int, float)) and not isinstance(layer.kv_scale, bool)
-                and math.isfinite(layer.kv_scale) and layer.kv_scale > 0):
-            raise ValueError(f"kv_scale: got {layer.kv_scale!r}; allowed: a finite float > 0")
-        if self.fmt is not KVFormat.FP8_TENSOR and layer.kv_scale != 1.0:
-            raise ValueError(f"kv_scale: got {layer.kv_scale}; allowed: 1.0 for format {self.fmt.value}")
-        if out is not None:
-            if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.shape != q.shape \
-                    or not out.is_contiguous() or out.device != q.device:
-                got = (f"{out.dtype} {tuple(out.shape)} contiguous={out.is_contiguous()} on {out.device}"
-                       if isinstance(out, torch.Tensor) else type(out).__name__)
-                raise ValueError(f"out: got {got}; allowed: contiguous torch.bfloat16 {tuple(q.shape)} on {q.device}")
-        if validate:
-            self._check_values(plan, layer, swa_geo, comp_geo, topk_name)
-        return swa_geo, comp_geo
-
-    @staticmethod
-    def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
-        if t.device != device:
-            raise ValueError(f"{name}: got device {t.device}; allowed: {device} (q's device)")
-
-    @staticmethod
-    def _check_addressable(name: str, geo) -> None:
-        # slots are int32 everywhere (rows, kernels' in-kernel translations): a bigger cache
-        # would wrap them into other rows' slots
-        if geo.num_slots > 2**31:
-            raise ValueError(f"{name}: got {geo.num_blocks} blocks x {geo.block_size} = {geo.num_slots} slots; "
-                             "allowed: at most 2**31 (slots are int32)")
-
-    @staticmethod
-    def _check_values(plan: StepPlan, layer: LayerInputs, swa_geo, comp_geo, topk_name: str) -> None:
-        """validate=True: the step's block ids (StepBatch) or slots (StepRows) against the caches,
-        the top-k entries, the sink."""
-        geos: dict[str | int, CacheGeometry] = {"swa": swa_geo}
-        if comp_geo is not None:
-            geos[layer.kind.ratio] = comp_geo
-        if isinstance(plan.batch, StepRows):
-            plan.batch.validate({key: geo.num_slots for key, geo in geos.items()})
-        else:
-            plan.batch.validate({key: geo.num_blocks for key, geo in geos.items()})
-        if layer.topk is not None:
-            validate_local_topk(plan.tokens, layer.topk, layer.kind.ratio, topk_name)
-        if layer.sink is not None and bool(layer.sink.isnan().any()):
-            h = int(layer.sink.isnan().nonzero()[0])
-            raise ValueError(f"sink: got NaN at head {h}; allowed: a float or ±inf per head (a NaN sink "
-                             "makes that head's output NaN)")
-
 
 _FRONT_ENDS = ("auto", "torch", "triton")
-
-
-def _parse_device(device) -> torch.device | None:
-    """``device`` as a torch.device that exists on this machine (None stays None)."""
-    if device is None:
-        return None
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device: got {device!r}; allowed: None, 'cpu', 'cuda', 'cuda:N' or a torch.device "
-                         f"({exc})") from None
-    module = getattr(torch, dev.type, None)
-    if dev.type != "cpu" and not (module is not None and hasattr(module, "is_available") and module.is_available()):
-        raise ValueError(f"device: got {device!r}; allowed: a device this machine has ({dev.type} is not "
-                         "available here)")
-    count = getattr(module, "device_count", None)
-    if dev.index is not None and count is not None and dev.index >= count():
-        raise ValueError(f"device: got {device!r}; allowed: {dev.type}:0 .. {dev.type}:{count() - 1}")
-    return dev
 
 
 def _make_front_end(choice: str, device: torch.device) -> FrontEnd:

@@ -89,6 +89,17 @@ def _backend_name(text: str) -> str:
     return value
 
 
+def _emulator(text: str) -> str:
+    """off/on words, an AITER arch, or arch:flavor (the forms ``rocm.emulate.parse_env`` reads)."""
+    from .rocm.emulate import ARCHS, FLAVORS  # lazy: the emulator module imports torch
+
+    value = text.lower()
+    arch, colon, flavor = value.partition(":")
+    if value in ("0", "off", "false", "1", "on", "true") or (arch in ARCHS and (not colon or flavor in FLAVORS)):
+        return value
+    raise ValueError(value)
+
+
 BACKEND = EnvVar("DSV4_ATTN_BACKEND", "auto",
                  "force one backend for every SparseMLA created with backend='auto' (a forced backend that "
                  "cannot serve a layer raises with its reasons)", lambda: f"'auto' or one of {_backends()}",
@@ -107,7 +118,7 @@ AITER_EMULATOR = EnvVar("DSV4_ATTN_AITER_EMULATOR", "0",
                         "run the aiter backend against the AITER emulator on any device (results are labelled "
                         "EMULATED)", "0/off, 1/on (gfx950), an arch (gfx942, gfx950) or arch:flavor (flavor "
                         "0.1.20, 0.1.7 or sparse)",
-                        _text)
+                        _emulator)
 AITER_PATH = EnvVar("DSV4_ATTN_AITER_PATH", "auto", "which AITER entry point the aiter backend uses",
                     "auto, sparse_mla_fwd, mla_decode_fwd_v4_nm or mla_decode_fwd",
                     _word("auto", "sparse_mla_fwd", "mla_decode_fwd_v4_nm", "mla_decode_fwd"))

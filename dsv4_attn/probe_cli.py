@@ -3,7 +3,7 @@
 Prints the platform (vendor, arch, device, torch / CUDA / HIP / Triton versions, fp8 dialect),
 the vendor libraries found (version, location), what each vendor backend module says about
 its binary (which FlashMLA library loaded, which AITER build), and for one model shape
-(``--heads``, ``--format``, ``--c4a-topk``) which backend runs each layer kind and phase, and
+(``--heads``, ``--format``, ``--topk``) which backend runs each layer kind and phase, and
 why the backends ahead of it in the priority list were passed over, followed by
 ``SparseMLA.explain()``. ``--json`` prints the same facts as one JSON object.
 
@@ -21,9 +21,10 @@ import sys
 import torch
 
 from . import envs
-from .cli import parse_device
+from .cli import check_environment, parse_device
 from .common import backend as backend_mod
 from .common.backend import BackendUnavailableError, Phase
+from .common.checks import resolve_device
 from .common.layout import KVFormat
 from .common.platform import platform_for_device, probe
 from .common.spec import LayerKind, ModelSpec
@@ -137,15 +138,15 @@ def explain(spec: ModelSpec, fmt: KVFormat, device: torch.device) -> str:
         return f"SparseMLA could not be built: {type(exc).__name__}: {exc}"
 
 
-def collect(heads: int = 64, fmt: str = "fp8_ds_mla", c4a_topk: int = 512, max_model_len: int = 65536,
+def collect(heads: int = 64, fmt: str = "fp8_ds_mla", topk: int = 512, max_model_len: int = 65536,
             device: str | None = None) -> dict:
     """Every fact `dsv4-attn probe` prints, as JSON-able data."""
     from . import __version__
 
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = resolve_device(device)
     plat = platform_for_device(dev)
     base = probe()
-    spec = ModelSpec(num_heads=heads, c4a_topk=c4a_topk, max_model_len=max_model_len)
+    spec = ModelSpec(num_heads=heads, topk=topk, max_model_len=max_model_len)
     kv_format = KVFormat.parse(fmt)
     facts = plat.as_dict()
     libraries = facts.pop("libraries")
@@ -169,7 +170,7 @@ def collect(heads: int = 64, fmt: str = "fp8_ds_mla", c4a_topk: int = 512, max_m
         "vllm_plugin": engine_plugin("vllm"),
         "sglang_plugin": engine_plugin("sglang"),
         "env": envs.table(),
-        "selection": {"heads": heads, "format": kv_format.value, "c4a_topk": c4a_topk,
+        "selection": {"heads": heads, "format": kv_format.value, "topk": topk,
                       "max_model_len": max_model_len, "choices": choose(spec, kv_format, dev)},
         "explain": explain(spec, kv_format, dev),
     }
@@ -210,7 +211,7 @@ def render(info: dict) -> str:
         state = f"implements {', '.join(b['phases'])}" if b["importable"] else f"cannot be imported: {b['error']}"
         lines.append(f"  {name:<18} {state}")
     sel = info["selection"]
-    lines += ["", f"backend choice for {sel['heads']} heads, {sel['format']}, C4A top-k {sel['c4a_topk']}, "
+    lines += ["", f"backend choice for {sel['heads']} heads, {sel['format']}, top-k {sel['topk']}, "
                   f"max_model_len {sel['max_model_len']} on {info['device']}"]
     for key, choice in sel["choices"].items():
         if "error" in choice:
@@ -284,21 +285,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsv4-attn probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", type=int, default=64, help="query heads per rank (default 64, V4-Flash)")
     parser.add_argument("--format", default="fp8_ds_mla", help="KV format: fp8_ds_mla, bfloat16, fp8_e4m3")
-    parser.add_argument("--c4a-topk", type=int, default=512, help="C4A top-k width (default 512)")
+    parser.add_argument("--topk", type=int, default=512, help="the indexer's top-k width (default 512)")
     parser.add_argument("--max-model-len", type=int, default=65536, help="longest sequence (default 65536)")
     parser.add_argument("--device", help="device the backends would run on: cpu or cuda[:N] (default: cuda when "
                         "torch sees a GPU); a GPU torch cannot see is an error")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
-    bad = [row["error"] for row in envs.table() if row["error"]]
-    if bad:  # a mistyped variable must not pass unnoticed
-        print("\n".join(f"dsv4-attn probe: {why}" for why in bad), file=sys.stderr)
-        return 2
     try:
+        check_environment()
         if args.device:
             parse_device(args.device)
-        info = collect(args.heads, args.format, args.c4a_topk, args.max_model_len, args.device)
-    except (ValueError, RuntimeError) as exc:  # bad --heads / --format / --device
+        info = collect(args.heads, args.format, args.topk, args.max_model_len, args.device)
+    except (ValueError, RuntimeError) as exc:  # bad variables / --heads / --format / --device
         print(f"dsv4-attn probe: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(info, indent=1) if args.json else render(info), end="\n" if args.json else "")

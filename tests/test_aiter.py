@@ -43,7 +43,7 @@ def make_case(gen, fmt, heads, query_lens=(1, 1, 1, 2, 1), seq_lens=(3, 130, 700
     """A decode batch (every token, MTP included, is a decode token) plus ``num_pad`` padding
     tokens, caches of ``fmt`` filled with random rows, C4A top-k with garbage past the prefix."""
     R = len(query_lens)
-    spec = dsv4.ModelSpec(num_heads=heads, c4a_topk=topk, max_model_len=max_model_len)
+    spec = dsv4.ModelSpec(num_heads=heads, topk=topk, max_model_len=max_model_len)
     nb = {"swa": -(-max(seq_lens) // swa_bs), 4: -(-(max(seq_lens) // 4) // (block_size // 4)) + 1,
           128: -(-(max(seq_lens) // 128) // (block_size // 128)) + 1}
     tables = {k: torch.randperm(R * n, generator=gen).int().view(R, n) for k, n in nb.items()}
@@ -291,8 +291,8 @@ def test_split_rows_past_24_bit_are_refused():
     register_backend("aiter-test", AiterBackend(name="aiter-test", path="mla_decode_fwd", max_decode_tokens=8192))
     try:  # 8192 tokens x 512 top-k rows of 1152 B > 4 GiB; 128 rows a token fit
         with pytest.raises(BackendUnavailableError, match="(?s)x 512 = 4194304 rows.*24-bit numbers and 32-bit byte"):
-            dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16, c4a_topk=512), "fp8_ds_mla", backend="aiter-test")
-        dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16, c4a_topk=128, max_model_len=8192), "fp8_ds_mla",
+            dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16, topk=512), "fp8_ds_mla", backend="aiter-test")
+        dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16, topk=128, max_model_len=8192), "fp8_ds_mla",
                        backend="aiter-test")
     finally:
         unregister_backend("aiter-test")

@@ -19,7 +19,7 @@ from step_cases import make_case
 def _check_against_reference(mla, plan, kind, q, caches, topk, sink, fmt="fp8_ds_mla"):
     comp = caches.get(kind)
     out = torch.full_like(q, float("nan"))
-    mla.forward(plan, kind, q, caches["swa"], comp, c4a_topk=topk if kind is LayerKind.C4A else None,
+    mla.forward(plan, kind, q, caches["swa"], comp, topk=topk if kind is LayerKind.C4A else None,
                 sink=sink, out=out, validate=True)
     assert not out.isnan().any(), "output not fully written"
     rows, lens = plan.comp_scope(kind, topk if kind is LayerKind.C4A else None)
@@ -99,11 +99,11 @@ def test_plan_reuses_preallocated_buffers():
     spec, batch, caches, topk, q, sink = make_case(gen, [1, 1], [50, 60])
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch", max_tokens=16)
     p1 = mla.plan(batch)
-    ptrs = (p1.swa_rows.data_ptr(), p1.c128a_rows.data_ptr(), p1.positions.data_ptr())
+    ptrs = (p1.swa_rows.data_ptr(), p1.comp_rows[128][0].data_ptr(), p1.positions.data_ptr())
     spec2, batch2, *_ = make_case(gen, [1, 1], [900, 2000])
     p2 = mla.plan(batch2)
-    assert (p2.swa_rows.data_ptr(), p2.c128a_rows.data_ptr(), p2.positions.data_ptr()) == ptrs
-    assert p2.c128a_rows.shape[1] == spec.c128a_width  # fixed by the model, not the batch
+    assert (p2.swa_rows.data_ptr(), p2.comp_rows[128][0].data_ptr(), p2.positions.data_ptr()) == ptrs
+    assert p2.comp_rows[128][0].shape[1] == spec.c128a_width  # fixed by the model, not the batch
     with pytest.raises(ValueError, match="max_tokens"):
         mla.plan(make_case(gen, [20], [40])[1])
 
@@ -116,8 +116,8 @@ def test_plan_reuses_preallocated_buffers():
         (lambda a: a.update(q=torch.zeros(2, 130, 512, dtype=torch.bfloat16)), r"H <= 128"),
         (lambda a: a.update(sink=a["sink"].double()), r"sink: got torch.float64"),
         (lambda a: a.update(comp_cache=None), r"comp_cache: got None"),
-        (lambda a: a.update(c4a_topk=None), r"c4a_topk: got None"),
-        (lambda a: a.update(c4a_topk=a["c4a_topk"].float()), r"c4a_topk: got torch.float32"),
+        (lambda a: a.update(topk=None), r"topk: got None"),
+        (lambda a: a.update(topk=a["topk"].float()), r"topk: got torch.float32"),
         (lambda a: a.update(swa_cache=a["swa_cache"].view(torch.int8).view(torch.uint8)[:, :, :512]),
          r"swa_cache: got shape"),
         (lambda a: a.update(out=torch.empty(2, 16, 512)), r"out: got torch.float32"),
@@ -129,7 +129,7 @@ def test_forward_rejects_bad_input_with_named_argument(mutate, match):
     spec, batch, caches, topk, q, sink = make_case(gen, [1, 1], [50, 60])
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
     plan = mla.plan(batch)
-    args = dict(q=q, swa_cache=caches["swa"], comp_cache=caches[LayerKind.C4A], c4a_topk=topk, sink=sink)
+    args = dict(q=q, swa_cache=caches["swa"], comp_cache=caches[LayerKind.C4A], topk=topk, sink=sink)
     mutate(args)
     with pytest.raises(ValueError, match=match):
         mla.forward(plan, LayerKind.C4A, **args)
@@ -168,8 +168,8 @@ FRONT_END_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _plan_fields(plan, topk):
     rows, lens = plan.comp_scope(LayerKind.C4A, topk)
     return {"positions": plan.positions, "token_to_req": plan.token_to_req, "token_valid": plan.token_valid,
-            "swa_rows": plan.swa_rows, "swa_lens": plan.swa_lens, "c128a_rows": plan.c128a_rows,
-            "c128a_lens": plan.c128a_lens, "c4a_rows": rows, "c4a_lens": lens}
+            "swa_rows": plan.swa_rows, "swa_lens": plan.swa_lens, "c128a_rows": plan.comp_rows[128][0],
+            "c128a_lens": plan.comp_rows[128][1], "c4a_rows": rows, "c4a_lens": lens}
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
@@ -208,7 +208,7 @@ def test_front_end_choice_is_checked(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA GPU and Triton")
-def test_plan_and_c4a_rows_replay_in_a_cuda_graph():
+def test_plan_and_topk_rows_replay_in_a_cuda_graph():
     """Capture plan() + the C4A translation on a short step, replay after writing a long step's
     lengths and top-k into the same tensors: the rows equal a fresh torch-front-end plan."""
     gen = torch.Generator().manual_seed(11)
@@ -234,7 +234,7 @@ def test_plan_and_c4a_rows_replay_in_a_cuda_graph():
                            gpu_batch.swa_block_table, batch.swa_block_size, tables, batch.block_size,
                            batch.max_model_len)
     want = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch", device="cuda", front_end="torch").plan(fresh)
-    assert int(plan.c128a_lens.max()) == 33000 // 128  # the long step's rows, not the captured short ones
+    assert int(plan.comp_rows[128][1].max()) == 33000 // 128  # the long step's rows, not the captured short ones
     for name, rows in _plan_fields(want, gpu_topk).items():
-        got = {"c4a_rows": c4a_rows, "c4a_lens": c4a_lens}.get(name, getattr(plan, name, None))
+        got = {"c4a_rows": c4a_rows, "c4a_lens": c4a_lens}.get(name, _plan_fields(plan, gpu_topk)[name])
         assert torch.equal(got, rows), name

@@ -149,7 +149,7 @@ def test_step_flashmla_as_vllm_runner_on_the_flashmla_stand_in(monkeypatch):
     from test_flashmla import FakeFlashMLA
 
     fake = FakeFlashMLA("sm90")
-    monkeypatch.setattr(bench, "raw_flashmla_ops", lambda: fake)
+    monkeypatch.setattr(bench.runners, "raw_flashmla_ops", lambda: fake)
     case = _step_case(seed=5)
     run, outs, how = bench.flashmla_vllm_step_runner(case)
     assert run is not None, how
@@ -241,3 +241,13 @@ def test_a_backend_that_cannot_be_captured_says_why_and_the_bench_times_it_eager
                                                        max_model_len=4096), 2, 1, torch.device("cpu"))
     dplan = SparseMLA(decode.spec, decode.fmt, backend="torch").plan(decode.batch)
     assert bench.uncapturable("flashmla", decode, dplan) is None
+
+
+def test_host_us_times_eager_calls_on_the_calling_thread():
+    """bench's host µs per layer call (eager path): the calls made after one warm-up, per call,
+    and a CSV column (the figure itself is a measurement, not asserted)."""
+    from dsv4_attn import bench
+
+    calls = []
+    us = bench.host_us(lambda: calls.append(1), torch.device("cpu"), calls=7)
+    assert len(calls) == 8 and us > 0 and "host_us" in bench.CSV_COLUMNS

@@ -185,7 +185,8 @@ def _bench_in_process(monkeypatch, argv):
     """bench.main(argv) with the device ceilings faked (the real ones take seconds to measure)."""
     from dsv4_attn import bench
 
-    monkeypatch.setattr(bench, "measure_ceilings", lambda device: {"copy_bytes_per_s": 1e10, "bf16_flops_per_s": 1e11})
+    ceilings = {"copy_bytes_per_s": 1e10, "bf16_flops_per_s": 1e11}
+    monkeypatch.setattr(bench.cli, "measure_ceilings", lambda device: ceilings)
     return bench.main(argv)
 
 
@@ -204,7 +205,7 @@ def test_bench_bad_arguments_are_exit_2_before_any_work(monkeypatch, capsys, arg
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the arguments were checked")
 
-    monkeypatch.setattr(bench, "measure_ceilings", no_work)
+    monkeypatch.setattr(bench.cli, "measure_ceilings", no_work)
     assert bench.main(argv + ["--device", "cpu"]) == 2
     assert message in capsys.readouterr().err
 
@@ -216,7 +217,7 @@ def test_bench_png_without_matplotlib_is_exit_2_before_any_work(monkeypatch, cap
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    monkeypatch.setattr(bench, "measure_ceilings", lambda device: pytest.fail("work started before the check"))
+    monkeypatch.setattr(bench.cli, "measure_ceilings", lambda device: pytest.fail("work started before the check"))
     assert bench.main(["--device", "cpu", "--png", "x.png"]) == 2
     assert "--png: got 'x.png', but matplotlib is not installed" in capsys.readouterr().err
 

@@ -299,7 +299,7 @@ def test_prefill_workspace_holds_distinct_selected_rows_within_budget(fake_flash
 
 def test_cuda_graph_style_reuse_refused_across_steps_is_not_needed(fake_flashmla, gen):
     """Two steps with different lengths: each step's first layer plans anew (no stale schedule)."""
-    mla = SparseMLA(ModelSpec(num_heads=64, c4a_topk=64), "fp8_ds_mla", backend="flashmla")
+    mla = SparseMLA(ModelSpec(num_heads=64, topk=64), "fp8_ds_mla", backend="flashmla")
     for seq in ([100, 200], [300, 400]):
         case = make_case(gen, [1, 1], seq, heads=64)
         plan = mla.plan(case.batch)

@@ -93,9 +93,9 @@ def test_torch_backend_through_sparse_mla_matches_flashmla(case):
     plan.swa_rows.copy_(swa_rows)
     plan.swa_lens.copy_(swa_lens)
     if comp_cache is not None:
-        assert plan.c128a_rows.shape == comp_rows.shape
-        plan.c128a_rows.copy_(comp_rows)
-        plan.c128a_lens.copy_(comp_lens)
+        assert plan.comp_rows[128][0].shape == comp_rows.shape
+        plan.comp_rows[128][0].copy_(comp_rows)
+        plan.comp_rows[128][1].copy_(comp_lens)
     out = torch.full_like(case["q"], math.nan)
     mla.forward(plan, kind, case["q"], swa_cache, comp_cache, sink=case["sink"], out=out, validate=True)
     assert not out.isnan().any(), "output not fully written"

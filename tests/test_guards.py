@@ -281,8 +281,8 @@ def test_topk_width_must_be_the_models():
     plan = mla.plan(batch)
     for width in (10, 0, 65):
         narrow = torch.zeros(topk.shape[0], width, dtype=torch.int32)
-        with pytest.raises(ValueError, match=rf"^c4a_topk: got torch.int32 \(2, {width}\); allowed: .*, 64\]"):
-            mla.forward(plan, LayerKind.C4A, q, caches["swa"], caches[LayerKind.C4A], c4a_topk=narrow, sink=sink)
+        with pytest.raises(ValueError, match=rf"^topk: got torch.int32 \(2, {width}\); allowed: .*, 64\]"):
+            mla.forward(plan, LayerKind.C4A, q, caches["swa"], caches[LayerKind.C4A], topk=narrow, sink=sink)
         with pytest.raises(ValueError, match=r"^topk: got .*allowed: .*64 = the model's top-k width"):
             plan.comp_scope(LayerKind.C4A, narrow)
 
@@ -309,8 +309,8 @@ def test_validate_refuses_negative_past_and_wrapping_block_ids():
         assert torch.isfinite(out).all()
     bad = topk.clone()
     bad[1, 1] = (int(batch.positions[1]) + 1) // 4  # == the visible count
-    with pytest.raises(ValueError, match=r"^c4a_topk: got 15 at token 1, lane 1 .*allowed: -1 or a visible"):
-        mla.forward(mla.plan(batch), LayerKind.C4A, q, caches["swa"], caches[LayerKind.C4A], c4a_topk=bad,
+    with pytest.raises(ValueError, match=r"^topk: got 15 at token 1, lane 1 .*allowed: -1 or a visible"):
+        mla.forward(mla.plan(batch), LayerKind.C4A, q, caches["swa"], caches[LayerKind.C4A], topk=bad,
                     validate=True)
 
 
@@ -424,13 +424,13 @@ def test_nan_sink_gives_nan_on_its_head_not_zeros(device):
     for name in _nan_backends(device):
         mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend=name)
         plan = mla.plan(batch)
-        out = mla.forward(plan, LayerKind.C4A, q, caches["swa"], caches[LayerKind.C4A], c4a_topk=topk, sink=sink)
+        out = mla.forward(plan, LayerKind.C4A, q, caches["swa"], caches[LayerKind.C4A], topk=topk, sink=sink)
         assert out[keys][:, 3].isnan().all(), name
         assert (out[~keys] == 0).all(), name
         others = torch.arange(q.shape[1], device=device) != 3
         _check_close(out[:, others].cpu(), ref[:, others].cpu())
         with pytest.raises(ValueError, match=r"^sink: got NaN at head 3; allowed"):
-            mla.forward(plan, LayerKind.C4A, q, caches["swa"], caches[LayerKind.C4A], c4a_topk=topk, sink=sink,
+            mla.forward(plan, LayerKind.C4A, q, caches["swa"], caches[LayerKind.C4A], topk=topk, sink=sink,
                         validate=True)
 
 

@@ -19,7 +19,7 @@ import torch
 from dsv4_attn import SparseMLA
 from dsv4_attn.common import indices
 from dsv4_attn.common.batch import StepBatch
-from dsv4_attn.common.spec import ModelSpec
+from dsv4_attn.common.spec import LayerKind, ModelSpec
 
 I32 = dict(dtype=torch.int32)
 
@@ -151,10 +151,10 @@ def test_c4a_rows_match_loop(gen, comp_bs, K):
         lens[t] = min(n, K)
         for j in range(lens[t]):
             rows[t][j] = _slot(table, r, int(topk[t, j]), comp_bs)
-    _check(indices.c4a_rows(batch, topk), rows, lens)
+    _check(indices.topk_rows(batch, LayerKind.C4A, topk), rows, lens)
     # vLLM's top-k buffer is shared and sized for the max batch: extra rows are ignored
     padded = torch.cat([topk, _rand(gen, -1, 10**6, (5, K)).int()])
-    _check(indices.c4a_rows(batch, padded), rows, lens)
+    _check(indices.topk_rows(batch, LayerKind.C4A, padded), rows, lens)
 
 
 def test_c4a_rows_drop_invalid_entries_inside_the_prefix(gen):
@@ -164,7 +164,7 @@ def test_c4a_rows_drop_invalid_entries_inside_the_prefix(gen):
     # pos 39: n = 10 visible entries, bs 8; prefix of 4 lanes of K = 4
     topk = torch.tensor([[9, -1, 10, 3]], **I32)
     # 9 -> block 9 (col 1) * 8 + 1 = 73; -1 -> -1; 10 not visible -> -1; 3 -> 5 * 8 + 3 = 43
-    _check(indices.c4a_rows(batch, topk), [[73, -1, -1, 43]], [4])
+    _check(indices.topk_rows(batch, LayerKind.C4A, topk), [[73, -1, -1, 43]], [4])
 
 
 @pytest.mark.parametrize("comp_bs", BLOCK_SIZES)
@@ -176,9 +176,9 @@ def test_c128a_rows_match_loop(gen, comp_bs):
     for t, r, pos in _tokens(ql, sl):
         lens[t] = (pos + 1) // 128
         rows[t][:lens[t]] = [_slot(table, r, c, comp_bs) for c in range(lens[t])]
-    _check(indices.c128a_rows(batch), rows, lens)
+    _check(indices.all_rows(batch, LayerKind.C128A), rows, lens)
     # an explicit narrower width keeps the first `width` entries
-    got_rows, got_lens = indices.c128a_rows(batch, width=3)
+    got_rows, got_lens = indices.all_rows(batch, LayerKind.C128A, width=3)
     assert got_rows.tolist() == [r[:3] for r in rows]
     assert got_lens.tolist() == [min(n, 3) for n in lens]
 
@@ -187,7 +187,7 @@ def test_c128a_width_is_fixed_by_max_model_len_not_the_batch(gen):
     for mml, width in [(4096, 128), (40000, 384)]:
         for _ in range(2):  # two different batches, same width
             batch, _, _ = _batch(gen, (64, 256), max_model_len=mml)
-            rows, lens = indices.c128a_rows(batch)
+            rows, lens = indices.all_rows(batch, LayerKind.C128A)
             assert rows.shape == (batch.num_tokens, width) and lens.shape == (batch.num_tokens,)
 
 
@@ -197,7 +197,7 @@ def test_huge_slots_are_exact_int32(gen):
     assert 2**30 < int(swa.max()) <= 2**31 - 1
     for t, r, pos in _tokens(ql, sl):
         assert int(swa[t, 0]) == _slot(batch.swa_block_table, r, max(0, pos - 127), 256)
-    c128, lens = indices.c128a_rows(batch)
+    c128, lens = indices.all_rows(batch, LayerKind.C128A)
     for t, r, _pos in _tokens(ql, sl):
         if lens[t] > 0:
             assert int(c128[t, lens[t] - 1]) == _slot(batch.comp_block_tables[128], r, int(lens[t]) - 1, 2)
@@ -221,8 +221,8 @@ def test_a_batch_of_only_padding_tokens_has_empty_rows():
     t = torch.zeros(1, 1, **I32)
     batch = StepBatch.from_lists([], [], t, 64, {4: t, 128: t}, num_tokens=3)
     _check(indices.swa_rows(batch), *_empty(3, 128))
-    _check(indices.c4a_rows(batch, torch.randint(0, 9, (3, 8)).int()), *_empty(3, 8))
-    _check(indices.c128a_rows(batch, width=128), *_empty(3, 128))
+    _check(indices.topk_rows(batch, LayerKind.C4A, torch.randint(0, 9, (3, 8)).int()), *_empty(3, 8))
+    _check(indices.all_rows(batch, LayerKind.C128A, width=128), *_empty(3, 128))
 
 
 def test_tokens_of_a_batch():
@@ -311,12 +311,13 @@ _C = torch.zeros(3, 8, **I32)
 
 @pytest.mark.parametrize("call, name", [
     (lambda: indices.swa_rows(_small_batch(), window=0), "window"),
-    (lambda: indices.c4a_rows(_small_batch(), torch.zeros(3, 8)), "c4a_topk"),
-    (lambda: indices.c4a_rows(_small_batch(), torch.zeros(2, 8, **I32)), "c4a_topk"),
-    (lambda: indices.c4a_rows(_small_batch(), torch.zeros(8, **I32)), "c4a_topk"),
-    (lambda: indices.c4a_rows(_small_batch(), torch.zeros(3, 8, dtype=torch.int32, device="meta")), "c4a_topk"),
-    (lambda: indices.c128a_rows(_small_batch(), width=0), "width"),
-    (lambda: indices.c128a_rows(_small_batch(), width=True), "width"),
+    (lambda: indices.topk_rows(_small_batch(), LayerKind.C4A, torch.zeros(3, 8)), "topk"),
+    (lambda: indices.topk_rows(_small_batch(), LayerKind.C4A, torch.zeros(2, 8, **I32)), "topk"),
+    (lambda: indices.topk_rows(_small_batch(), LayerKind.C4A, torch.zeros(8, **I32)), "topk"),
+    (lambda: indices.topk_rows(_small_batch(), LayerKind.C4A, torch.zeros(3, 8, dtype=torch.int32, device="meta")),
+     "topk"),
+    (lambda: indices.all_rows(_small_batch(), LayerKind.C128A, width=0), "width"),
+    (lambda: indices.all_rows(_small_batch(), LayerKind.C128A, width=True), "width"),
     (lambda: indices.merged_rows(_R.long(), _L, _C, _L), "swa_rows"),
     (lambda: indices.merged_rows(_R, _L[:2], _C, _L), "swa_lens"),
     (lambda: indices.merged_rows(_R, _L, _C[:2], _L), "comp_rows"),
@@ -349,7 +350,7 @@ def test_window_starts_past_a_requests_first_query_position_are_refused(starts, 
 def test_c4a_and_c128a_need_their_block_tables():
     batch = StepBatch.from_lists([1], [3], torch.zeros(1, 1, **I32), 64, {128: torch.zeros(1, 1, **I32)})
     with pytest.raises(ValueError, match=r"^comp_block_tables: has no ratio-4 table; allowed"):
-        indices.c4a_rows(batch, torch.zeros(1, 4, **I32))
+        indices.topk_rows(batch, LayerKind.C4A, torch.zeros(1, 4, **I32))
     batch = StepBatch.from_lists([1], [3], torch.zeros(1, 1, **I32), 64, {4: torch.zeros(1, 1, **I32)}, block_size=4)
     with pytest.raises(ValueError, match=r"^comp_block_tables: has no ratio-128 table; allowed"):
-        indices.c128a_rows(batch)
+        indices.all_rows(batch, LayerKind.C128A)

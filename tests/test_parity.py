@@ -33,7 +33,7 @@ TINY = """
 version: 1
 seed: 7
 backends: {cpu: [torch], gpu: [torch]}
-model: {c4a_topk: 64, max_model_len: 4096, window: 128}
+model: {topk: 64, max_model_len: 4096, window: 128}
 defaults: {swa_block_size: 64, block_size: 256}
 output: {full_max: 4096, sample: 256}
 tolerances:
@@ -242,7 +242,7 @@ def test_long_case_is_wide_through_positions_with_small_caches():
     inputs = parity.make_inputs(_case("core.c128a.h16.fp8_ds_mla.decode.long"))
     batch = inputs.batch
     assert int(batch.positions.min()) >= 32767 and batch.num_tokens == 3
-    rows, lens = indices.c128a_rows(batch, inputs.case.spec.c128a_width)
+    rows, lens = indices.all_rows(batch, LayerKind.C128A, inputs.case.spec.c128a_width)
     assert lens.tolist() == [256, 312, 512]  # (pos + 1) // 128; the last fills the 512-wide row
     assert bool((rows[2] >= 0).all())
     for cache in (inputs.swa_cache, inputs.comp_cache):
@@ -256,7 +256,7 @@ def test_edge_case_has_the_promised_edges():
     assert int((~valid).sum()) == 2  # padding tokens
     _, swa_lens = indices.swa_rows(batch, 128)
     assert swa_lens[~valid].eq(0).all()
-    rows, lens = indices.c4a_rows(batch, inputs.topk)
+    rows, lens = indices.topk_rows(batch, LayerKind.C4A, inputs.topk)
     assert bool((lens[valid] == 0).any())  # a real token with no compressed entry yet
     topk = inputs.topk
     past = torch.arange(topk.shape[1])[None, :] >= lens[:, None]

@@ -84,14 +84,11 @@ def test_model_spec_defaults_and_widths():
     assert spec.layers == (Layer(0, LayerKind.SWA), Layer(1, LayerKind.C4A, 1), Layer(2, LayerKind.C128A, 2))
 
 
-def test_topk_and_its_v4_name():
+def test_topk_width():
     assert ModelSpec(num_heads=8, topk=1024).topk == 1024
-    assert ModelSpec(num_heads=8, c4a_topk=1024).topk == ModelSpec(num_heads=8, c4a_topk=1024).c4a_topk == 1024
     spec = ModelSpec(num_heads=8, topk=64, layers=["swa", "c1a", "c2a"])
     assert [spec.comp_width(k) for k in spec.kinds] == [0, 64, 64]
     assert spec.comp_ratios == (1, 2)
-    with pytest.raises(ValueError, match=r"^c4a_topk: got 8 beside topk=64; allowed"):
-        ModelSpec(num_heads=8, topk=64, c4a_topk=8)
     with pytest.raises(ValueError, match=r"^kind: got C4A; allowed: this model's kinds \['SWA', 'C1A', 'C2A'\]"):
         spec.check_kind("c4a")
 
@@ -110,7 +107,7 @@ def test_c128a_width_is_a_fixed_multiple_of_128(max_model_len, width):
 
 @pytest.mark.parametrize("kwargs, name", [
     (dict(num_heads=0), "num_heads"), (dict(num_heads=129), "num_heads"), (dict(num_heads=True), "num_heads"),
-    (dict(num_heads=8.0), "num_heads"), (dict(num_heads=8, c4a_topk=0), "c4a_topk"),
+    (dict(num_heads=8.0), "num_heads"),
     (dict(num_heads=8, topk=0), "topk"), (dict(num_heads=8, layers=[]), "layers"),
     (dict(num_heads=8, layers=["c8a"]), "kind"),
     (dict(num_heads=8, max_model_len=-1), "max_model_len"), (dict(num_heads=8, window=0), "window"),
@@ -175,12 +172,12 @@ def test_from_hf_config_refuses_what_it_cannot_read(cfg, tp, message):
 def test_engines_take_the_layer_counts_from_the_config_when_its_kinds_are_theirs():
     """model_layer_kinds: the per-layer list of a V4-Flash-like config (2 window-only layers, C4A
     / C128A alternating, 1 MTP layer) when it names exactly the engine's kinds; else those kinds."""
-    from dsv4_attn.bench import STEP_MODELS
     from dsv4_attn.common.backend import layers_per_step
     from dsv4_attn.common.spec import model_layer_kinds
+    from dsv4_attn.models import V4_FLASH
 
     v4 = (LayerKind.SWA, LayerKind.C4A, LayerKind.C128A)
-    config = STEP_MODELS["v4-flash"].config
+    config = V4_FLASH.config
     kinds = model_layer_kinds(config, v4)
     assert len(kinds) == 44 and kinds[:4] == (LayerKind.SWA, LayerKind.SWA, LayerKind.C4A, LayerKind.C128A)
     assert (kinds.count(LayerKind.SWA), kinds.count(LayerKind.C4A), kinds.count(LayerKind.C128A)) == (3, 21, 20)

@@ -315,7 +315,7 @@ def test_gpu_cuda_graph_short_capture_long_replay(impl, gen):
         pytest.skip(f"{impl} kernel needs an sm_90 GPU")
     name = _backend(f"triton-{impl}", **kw)
     R, H, K, bs, max_len = 6, 64, 64, 64, 8192
-    spec = dsv4.ModelSpec(num_heads=H, c4a_topk=K, max_model_len=max_len)
+    spec = dsv4.ModelSpec(num_heads=H, topk=K, max_model_len=max_len)
     cols, c4_cols = max_len // bs, max_len // 4 // 64
     swa_table = torch.zeros(R, cols, dtype=torch.int32, device=DEVICE)
     c4_table = torch.zeros(R, c4_cols, dtype=torch.int32, device=DEVICE)
@@ -350,7 +350,7 @@ def test_gpu_cuda_graph_short_capture_long_replay(impl, gen):
 
     def step():
         state["plan"] = mla.plan(new_batch())
-        mla.forward(state["plan"], LayerKind.C4A, q, swa_cache, c4_cache, c4a_topk=topk, sink=sink, out=out)
+        mla.forward(state["plan"], LayerKind.C4A, q, swa_cache, c4_cache, topk=topk, sink=sink, out=out)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

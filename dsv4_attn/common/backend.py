@@ -10,9 +10,11 @@ raises one error listing every backend with all its reasons.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import contextvars
 import enum
+import functools
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -210,6 +212,8 @@ class Backend:
                    token ranges (the plan passed is then a phase sub-plan)
     uncapturable   {phase: why} for the phases whose forward cannot run inside a CUDA-graph
                    capture (a host sync); engines and the bench run those eagerly
+    batch_invariant  True: given ``plan.batch_invariant`` a token's output bytes depend on its
+                   own inputs only (no split decision, no batch-shaped reduction)
 
     ``reasons(...)`` = the declared data's refusals + ``extra_reasons`` (what data cannot say);
     [] means supported. ``forward`` runs a layer; ``prepare`` builds its per-step metadata (a
@@ -221,6 +225,7 @@ class Backend:
     capabilities: Capabilities
     splits_phases: bool = False
     uncapturable: Mapping[Phase, str] = MappingProxyType({})
+    batch_invariant: bool = False
 
     @property
     def phases(self) -> tuple[Phase, ...]:
@@ -293,7 +298,7 @@ PACKAGED = tuple(_REGISTRY)  # the backends this package ships (the README's sup
 # (priority_for). The torch backend is the CPU default; on GPUs it is slow (~30x FlashMLA) and
 # is never picked silently: force it with backend="torch".
 # Where the measured choices table of the arch covers a launch (common/choices.py,
-# dsv4_attn/data/choices/<arch>.json), its order comes first; these lists order everything else.
+# dsv4_attn/data/choices/<arch>-<device>.json), its order comes first; these lists order everything else.
 # sm90 prefill: triton reads the fp8 cache in place (no host sync, no bf16 workspace) and took
 # 0.38-0.85x the time of the flashmla backend (bf16 gather + FlashMLA prefill) on the 12
 # `dsv4-attn bench` prefill configs (H100, 2026-11-23, notes/perf-wave2.md).
@@ -435,7 +440,8 @@ def auto_order(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKi
     order = priority_for(platform, phase)
     if num_tokens is None or num_tokens <= 0:
         return order, f"auto ({platform.vendor} {Phase(phase).value} priority list)"
-    hit = choices.measured(platform.arch, Phase(phase).value, kind.name, spec.num_heads, fmt.value, num_tokens)
+    hit = choices.measured(platform.arch, Phase(phase).value, kind.name, spec.num_heads, fmt.value, num_tokens,
+                           platform.device_name)
     if hit is None:
         return order, f"auto ({platform.vendor} {Phase(phase).value} priority list; no measurement covers it)"
     entry, where = hit
@@ -444,6 +450,26 @@ def auto_order(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKi
     costs = entry.costs(layers)
     why = f"{where}: {layers} {kind.name} layer(s) per step: {costs}; " if costs else f"{where}: "
     return first + [name for name in order if name not in first], f"measured ({why}{entry.evidence})"
+
+
+def launch_bucket(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
+                  num_tokens: int) -> tuple[str | None, int]:
+    """(the choices file, which of its launch-size ranges for this layer holds ``num_tokens``): every
+    launch size of one bucket gets the same :func:`auto_order`, so a decision cached per bucket is
+    the decision, without the ~35 us of looking the order up at each layer call."""
+    where = envs.CHOICES.raw
+    bounds = _range_bounds(platform.arch, where, Phase(phase).value, kind.name, choices.heads_bucket(spec.num_heads),
+                           fmt.value)
+    return where, bisect.bisect_right(bounds, num_tokens)
+
+
+@functools.lru_cache(maxsize=256)
+def _range_bounds(arch: str, where: str | None, phase: str, kind: str, heads: int, fmt: str) -> tuple[int, ...]:
+    """The sorted range bounds of the table's entries for one layer (``where``, the
+    DSV4_ATTN_CHOICES file that table_for reads, keys the cache)."""
+    entries, _ = choices.table_for(arch)
+    return tuple(sorted({bound for e in entries if (e.phase, e.kind, e.heads, e.fmt) == (phase, kind, heads, fmt)
+                         for bound in e.tokens}))
 
 
 def layers_per_step(spec: ModelSpec, kind: LayerKind) -> int:

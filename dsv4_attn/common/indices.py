@@ -174,11 +174,6 @@ def validate_local_topk(tokens: Tokens, local_topk: torch.Tensor, ratio: int, na
         )
 
 
-def c4a_rows(batch: StepBatch, local_topk: torch.Tensor, out: IndexPair | None = None) -> IndexPair:
-    """:func:`topk_rows` of a C4A layer."""
-    return topk_rows(batch, LayerKind.C4A, local_topk, out, "c4a_topk")
-
-
 def all_rows(batch: StepBatch, kind: LayerKind, width: int | None = None,
              out: IndexPair | None = None) -> IndexPair:
     """Rows of an "all" layer (C128A): every compressed entry ``c < (pos+1)//r``, ascending.
@@ -194,11 +189,6 @@ def all_rows(batch: StepBatch, kind: LayerKind, width: int | None = None,
         width = round_up(cdiv(batch.max_model_len, kind.ratio), 128)
     return comp_rows_for(Tokens.of(batch), kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
                          width, out)
-
-
-def c128a_rows(batch: StepBatch, width: int | None = None, out: IndexPair | None = None) -> IndexPair:
-    """:func:`all_rows` of a C128A layer."""
-    return all_rows(batch, LayerKind.C128A, width, out)
 
 
 def comp_rows_for(tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,

@@ -3,15 +3,14 @@
 ``SparseMLA.plan(batch)`` writes the per-token facts, the SWA rows and the rows of every
 "all" layer kind (C128A) the batch has a block table for into buffers preallocated for the
 maximum batch, and returns a StepPlan whose tensors are views of those buffers. A step handed
-over as ready-made rows (:class:`~dsv4_attn.common.rows.StepRows`) is planned by
-:func:`build_rows_plan` instead: its rows are viewed, not copied (only the per-token facts go
-into the buffers). Consequences:
+over as ready-made rows (:class:`~dsv4_attn.common.rows.StepRows`) takes the same path, but its
+rows are viewed, not copied (only the per-token facts go into the buffers). Consequences:
 
 * a decode step can be captured in a CUDA/HIP graph and replayed after ``plan()`` rewrote the
   buffers with the next step's contents (same num_tokens);
 * a plan is valid until the next successful ``plan()`` call of the same SparseMLA: using an
   older plan raises (its buffers now hold another step). A refused ``plan()`` writes nothing
-  (:func:`check_step` runs first).
+  (``common.checks.check_step`` runs first).
 
 Backends keep per-step metadata in the plan through ``Backend.meta(plan, layer.shape)``: the
 typed result of their ``prepare`` (FlashMLA's tile-scheduler metadata, AITER work buffers,
@@ -154,6 +153,7 @@ class StepPlan:
     swa_lens: torch.Tensor
     comp_rows: dict[int, IndexPair] = field(default_factory=dict)
     front_end: FrontEnd = field(default_factory=TorchFrontEnd, repr=False)
+    batch_invariant: bool = False  # SparseMLA(batch_invariant=True): backends fix their work split
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -163,17 +163,6 @@ class StepPlan:
     @property
     def tokens(self) -> Tokens:
         return Tokens(self.positions, self.token_to_req, self.token_valid)
-
-    @property
-    def c128a_rows(self) -> torch.Tensor | None:
-        """C128A rows int32 [T, spec.c128a_width], or None without a ratio-128 table."""
-        pair = self.comp_rows.get(LayerKind.C128A.ratio)
-        return None if pair is None else pair[0]
-
-    @property
-    def c128a_lens(self) -> torch.Tensor | None:
-        pair = self.comp_rows.get(LayerKind.C128A.ratio)
-        return None if pair is None else pair[1]
 
     def cached(self, key, builder: Callable[[], Any]) -> Any:
         """``builder()`` once per plan and key (per-step metadata shared by all layers)."""
@@ -223,53 +212,30 @@ class StepPlan:
                         self.token_to_req[start:stop], self.token_valid[start:stop], self.swa_rows[start:stop],
                         self.swa_lens[start:stop],
                         {r: (rows[start:stop], lens[start:stop]) for r, (rows, lens) in self.comp_rows.items()},
-                        self.front_end)
+                        self.front_end, self.batch_invariant)
 
 
-def check_step(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers) -> None:
-    """Every check a step must pass before ``build_plan`` writes the buffers (host only): a
-    refused step leaves the previous plan valid."""
-    batch.check()
-    if batch.checked_num_tokens > buffers.max_tokens:
-        raise ValueError(f"batch.num_tokens: got {batch.num_tokens}; allowed: <= max_tokens ({buffers.max_tokens}) "
-                         "of this SparseMLA (raise max_tokens)")
-    if batch.max_model_len > spec.max_model_len:
-        raise ValueError(f"batch.max_model_len: got {batch.max_model_len}; allowed: <= spec.max_model_len "
-                         f"({spec.max_model_len}), which fixes the row width of the \"all\" layers (C128A)")
-    if batch.device != buffers.positions.device:
-        raise ValueError(f"batch: got device {batch.device}; allowed: {buffers.positions.device} "
-                         "(the SparseMLA's device)")
-    unknown = sorted(set(batch.comp_block_tables) - set(spec.comp_ratios))
-    if unknown:
-        raise ValueError(f"batch.comp_block_tables: got ratio(s) {unknown}; allowed: the model's compression "
-                         f"ratios {list(spec.comp_ratios)}")
-
-
-def build_plan(spec: ModelSpec, batch: StepBatch, buffers: PlanBuffers, owner: Any, generation: int,
-               front_end: FrontEnd | None = None) -> StepPlan:
-    """Fill ``buffers`` for ``batch`` (which passed :func:`check_step`) with ``front_end``
-    (default torch; no host sync given batch.num_tokens) and view them."""
+def build_plan(spec: ModelSpec, batch: StepBatch | StepRows, buffers: PlanBuffers, owner: Any, generation: int,
+               front_end: FrontEnd | None = None, batch_invariant: bool = False) -> StepPlan:
+    """The plan of a step that passed ``common.checks.check_step`` (no host sync given its
+    num_tokens). A StepBatch: ``front_end`` (default torch) writes the per-token facts and the rows
+    into ``buffers``, and the plan views them. A StepRows: the per-token facts are copied into
+    ``buffers`` (positions cast to int64; a few bytes per token), the rows are views of the
+    caller's tensors (no copy)."""
     front_end = front_end or TorchFrontEnd()
     T = batch.checked_num_tokens
-    front_end.step_rows(batch, buffers, T)
-    all_rows: dict[int, IndexPair] = {}
-    for kind in buffers.all_kinds(batch):
-        rows, lens = buffers.rows_of(kind)
-        all_rows[kind.ratio] = (rows[:T], lens[:T])
+    comp: dict[int, IndexPair] = {}
+    if isinstance(batch, StepRows):
+        for buf, fact in zip((buffers.positions, buffers.token_to_req, buffers.token_valid), batch.token_facts()):
+            buf[:T].copy_(fact)
+        swa_rows, swa_lens = batch.swa_rows, batch.swa_lens
+        comp = {r: (e.rows[:T], e.lens[:T]) for r, e in batch.comp.items() if isinstance(e, GlobalRows)}
+    else:
+        front_end.step_rows(batch, buffers, T)
+        swa_rows, swa_lens = buffers.swa_rows, buffers.swa_lens
+        for kind in buffers.all_kinds(batch):
+            rows, lens = buffers.rows_of(kind)
+            comp[kind.ratio] = (rows[:T], lens[:T])
     return StepPlan(spec, batch, owner, generation, 0, T, batch.num_decode_tokens, buffers.positions[:T],
-                    buffers.token_to_req[:T], buffers.token_valid[:T], buffers.swa_rows[:T], buffers.swa_lens[:T],
-                    all_rows, front_end)
-
-
-def build_rows_plan(spec: ModelSpec, rows: StepRows, buffers: PlanBuffers, owner: Any, generation: int,
-                    front_end: FrontEnd | None = None) -> StepPlan:
-    """A plan over ready-made rows (which passed ``rows.check()`` and ``rows.check_model(spec)``):
-    the per-token facts are copied into ``buffers`` (positions cast to int64; a few bytes per
-    token), the rows are views of the caller's tensors (no copy, no host sync)."""
-    T = rows.checked_num_tokens
-    for buf, fact in zip((buffers.positions, buffers.token_to_req, buffers.token_valid), rows.token_facts()):
-        buf[:T].copy_(fact)
-    comp = {r: (e.rows[:T], e.lens[:T]) for r, e in rows.comp.items() if isinstance(e, GlobalRows)}
-    return StepPlan(spec, rows, owner, generation, 0, T, rows.num_decode_tokens, buffers.positions[:T],
-                    buffers.token_to_req[:T], buffers.token_valid[:T], rows.swa_rows[:T], rows.swa_lens[:T],
-                    comp, front_end or TorchFrontEnd())
+                    buffers.token_to_req[:T], buffers.token_valid[:T], swa_rows[:T], swa_lens[:T], comp, front_end,
+                    batch_invariant)

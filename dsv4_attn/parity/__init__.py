@@ -17,13 +17,14 @@ One module per job (docs/parity.md describes the matrix format, what a run does 
 
 from __future__ import annotations
 
+from ..common.checks import default_device
 from .cli import main
 from .inputs import CaseInputs, make_inputs
 from .judge import run_cell
 from .matrix import Case, Matrix, Tolerance, default_matrix_path, load_matrix
 from .merge import MERGE_SCHEMA, load_report, merge_reports, render_merge
 from .report import SCHEMA, render_report
-from .runner import default_backends, default_device, emulated_backends, failed, resolve_backends, run
+from .runner import default_backends, emulated_backends, failed, resolve_backends, run
 
 __all__ = [
     "MERGE_SCHEMA", "SCHEMA", "Case", "CaseInputs", "Matrix", "Tolerance", "default_backends", "default_device",

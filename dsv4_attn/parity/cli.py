@@ -17,12 +17,13 @@ from pathlib import Path
 
 import torch
 
-from ..cli import parse_device
+from ..cli import check_count, check_environment, check_output
+from ..common.checks import resolve_device
 from ..common.platform import triton_interpreting
 from .matrix import load_matrix
 from .merge import load_runs, merge_reports, render_merge
 from .report import finite_json, render_report, render_summary, write_files
-from .runner import default_backends, default_device, emulated_backends, failed, resolve_backends, run, run_name
+from .runner import default_backends, emulated_backends, failed, resolve_backends, run, run_name
 
 DEFAULT_OUT = "parity-out"
 
@@ -58,8 +59,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        check_environment()
+        check_count(args.threads, "--threads")
         if args.merge:
-            return _merge(args.merge, Path(args.out))
+            return _merge(args.merge, check_output(args.out, "--out", directory=True))
         if args.emulate_aiter:
             _enable_aiter_emulator(args.emulate_aiter)
         matrix = load_matrix(args.matrix, full=args.full)
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.list:
             print("\n".join(c.name for c in cases))
             return 0
-        device = parse_device(args.device) if args.device else default_device()
+        device = resolve_device(args.device, "--device")
         if args.threads or device.type == "cpu":
             # One thread by default: on an idle 2-core machine the default matrix takes 37 s instead
             # of 25 s, but when other processes share the cores OpenMP workers spin-wait and two
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         backends = resolve_backends(args.backends) if args.backends else default_backends(matrix, device)
         if args.emulate_aiter and not args.backends and "aiter" not in backends:
             backends.append("aiter")
+        out = check_output(args.out, "--out", directory=True)
     except ValueError as exc:
         print(f"dsv4-attn parity: {exc}", file=sys.stderr)
         return 2
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsv4-attn parity: {note}", file=sys.stderr)
     report = run(matrix, backends, device, cases, progress=not args.no_progress)
     markdown = render_report(report)
-    paths = write_files(Path(args.out), run_name(report, args.full), finite_json(report), markdown)
+    paths = write_files(out, run_name(report, args.full), finite_json(report), markdown)
     print(render_summary(report, paths[1]), end="")
     if not any(s["pass"] + s["fail"] + s["error"] for s in report["summary"].values()):
         print("dsv4-attn parity: no cell ran (every backend skipped every case)", file=sys.stderr)

@@ -177,7 +177,7 @@ _AXES = ("kind", "heads", "format", "mix", "length", "swa_block_size", "block_si
          "comp_dialect", "page_stride", "byte_offset", "shared")
 _EXTRA_TAGS = {"swa_block_size": "swabs{}", "block_size": "bs{}", "swa_dialect": "swa-{}",
                "comp_dialect": "comp-{}", "page_stride": "stride{}", "byte_offset": "off{}", "shared": "shared"}
-_MODEL_KEYS = ("topk", "c4a_topk", "max_model_len", "window")  # c4a_topk: V4's name of topk
+_MODEL_KEYS = ("topk", "max_model_len", "window")
 
 
 def _fail(where: str, got, allowed: str):
@@ -200,15 +200,15 @@ def _int(value, where: str, lo: int = 0) -> int:
 
 
 def _model(base: dict, override, where: str) -> dict:
-    """``base`` updated with a matrix's / sweep's ``model`` mapping (keys topk -- or its V4 name
-    c4a_topk --, max_model_len, window)."""
+    """``base`` updated with a matrix's / sweep's ``model`` mapping (keys topk, max_model_len,
+    window)."""
     if override is None:
         return dict(base)
-    if not isinstance(override, dict) or set(override) - set(_MODEL_KEYS) or {"topk", "c4a_topk"} <= set(override):
-        _fail(where, override, f"a mapping with keys among {', '.join(_MODEL_KEYS)} (topk or c4a_topk, not both)")
+    if not isinstance(override, dict) or set(override) - set(_MODEL_KEYS):
+        _fail(where, override, f"a mapping with keys among {', '.join(_MODEL_KEYS)}")
     for key, value in override.items():
         _int(value, f"{where}.{key}", 1)
-    return {**base, **{("topk" if k == "c4a_topk" else k): v for k, v in override.items()}}
+    return {**base, **override}
 
 
 def _read_yaml(path: Path, hops: int = 0) -> tuple[Path, bytes, dict]:

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from ..common import backend as backend_mod
+from ..common.checks import resolve_device
 from ..common.platform import platform_for_device, probe
 from .inputs import make_inputs
 from .judge import CaseReference, run_cell
@@ -30,10 +31,6 @@ def progress_bar(total: int, enabled: bool) -> tqdm:
     tty = sys.stderr.isatty()
     return tqdm(total=total, unit="case", file=sys.stderr, disable=not enabled or total == 0, dynamic_ncols=tty,
                 mininterval=0.1 if tty else 0, miniters=None if tty else max(1, total // 10))
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def default_backends(matrix: Matrix, device: torch.device) -> list[str]:
@@ -125,7 +122,7 @@ def backend_labels(backends: list[str]) -> dict[str, str]:
 def run(matrix: Matrix, backends: list[str], device: torch.device | str | None = None,
         cases: list[Case] | None = None, progress: bool = True, emulated: set[str] | None = None) -> dict:
     """Run every case on every backend; the full report (see docs/parity.md for its schema)."""
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     cases = matrix.cases if cases is None else cases
     emulated = emulated_backends(backends) if emulated is None else emulated
     t0 = time.monotonic()

@@ -47,7 +47,7 @@ def measure(name, qlens, seqs, kind, **kw):
     topk = case.topk if kind is LayerKind.C4A else None
 
     def run():
-        mla.forward(plan, kind, *args, c4a_topk=topk, sink=case.sink, out=out)
+        mla.forward(plan, kind, *args, topk=topk, sink=case.sink, out=out)
 
     for _ in range(3):
         run()
