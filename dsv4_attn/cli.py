@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -30,6 +32,53 @@ def parse_device(text: str) -> torch.device:
     from .common.checks import parse_device as parse
 
     return parse(text, "--device")
+
+
+def check_environment() -> None:
+    """ValueError listing every DSV4_ATTN_* variable set to a value it does not allow (a mistyped
+    variable must not pass unnoticed: a command checks them before its work)."""
+    from . import envs
+    from .common import registry
+
+    bad = [row["error"] for row in envs.table() if row["error"]]
+    try:
+        registry.env_backend()  # DSV4_ATTN_BACKEND against the registry (envs cannot import it)
+    except ValueError as exc:
+        bad.append(str(exc))
+    if bad:
+        raise ValueError("; ".join(bad))
+
+
+def check_output(path: str | Path, name: str, directory: bool = False) -> Path:
+    """``path`` (the value of option ``name``) can be written: a directory (``directory``; created
+    here, as the run would) or a file whose directory exists. Checked before the work, so a typo
+    costs no run."""
+    path = Path(path)
+    if directory:
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{name}: got {str(path)!r}, which is a file; allowed: a directory to write into")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"{name}: got {str(path)!r}, which cannot be created ({exc.strerror}); allowed: a "
+                             "writable directory") from None
+        where = path
+    else:
+        if path.is_dir():
+            raise ValueError(f"{name}: got {str(path)!r}, which is a directory; allowed: a file path")
+        where = path.parent if str(path.parent) else Path(".")
+        if not where.is_dir():
+            raise ValueError(f"{name}: got {str(path)!r}, but {str(where)!r} is not a directory; allowed: a file "
+                             "in an existing directory")
+    if not os.access(where, os.W_OK):
+        raise ValueError(f"{name}: got {str(path)!r}, but {str(where)!r} is not writable; allowed: a writable place")
+    return path
+
+
+def check_count(value: int | None, name: str, lowest: int = 1) -> None:
+    """An integer option (None: not given) is at least ``lowest``."""
+    if value is not None and value < lowest:
+        raise ValueError(f"{name}: got {value}; allowed: an int >= {lowest}")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -76,23 +76,27 @@ def _text(text: str) -> str:
     return text
 
 
-def _backends() -> list[str]:
-    from .common.backend import backend_names  # lazy: common.backend reads this module
-
-    return backend_names()
+def _lower(text: str) -> str:
+    return text.lower()
 
 
-def _backend_name(text: str) -> str:
+def _emulator(text: str) -> str:
+    """off/on words, an AITER arch, or arch:flavor (the forms ``rocm.emulate.parse_env`` reads)."""
+    from .rocm.emulate import ARCHS, FLAVORS  # lazy: the emulator module imports torch
+
     value = text.lower()
-    if value != "auto" and value not in _backends():
-        raise ValueError(value)
-    return value
+    arch, colon, flavor = value.partition(":")
+    if value in ("0", "off", "false", "1", "on", "true") or (arch in ARCHS and (not colon or flavor in FLAVORS)):
+        return value
+    raise ValueError(value)
 
 
+# The registry checks the name (common.registry.env_backend): this module imports nothing of the
+# package at import time (only _emulator reads the emulator's names, lazily), so every module may read it.
 BACKEND = EnvVar("DSV4_ATTN_BACKEND", "auto",
                  "force one backend for every SparseMLA created with backend='auto' (a forced backend that "
-                 "cannot serve a layer raises with its reasons)", lambda: f"'auto' or one of {_backends()}",
-                 _backend_name)
+                 "cannot serve a layer raises with its reasons)", "'auto' or a registered backend name "
+                 "(`dsv4-attn probe` lists them)", _lower)
 VLLM = EnvVar("DSV4_ATTN_VLLM", "0", "let the vLLM plugin run vLLM's DeepSeek-V4 attention on dsv4_attn",
               "1/on or 0/off", _switch)
 SGLANG = EnvVar("DSV4_ATTN_SGLANG", "0", "let the SGLang plugin run SGLang's DeepSeek-V4 attention on dsv4_attn "
@@ -107,7 +111,7 @@ AITER_EMULATOR = EnvVar("DSV4_ATTN_AITER_EMULATOR", "0",
                         "run the aiter backend against the AITER emulator on any device (results are labelled "
                         "EMULATED)", "0/off, 1/on (gfx950), an arch (gfx942, gfx950) or arch:flavor (flavor "
                         "0.1.20, 0.1.7 or sparse)",
-                        _text)
+                        _emulator)
 AITER_PATH = EnvVar("DSV4_ATTN_AITER_PATH", "auto", "which AITER entry point the aiter backend uses",
                     "auto, sparse_mla_fwd, mla_decode_fwd_v4_nm or mla_decode_fwd",
                     _word("auto", "sparse_mla_fwd", "mla_decode_fwd_v4_nm", "mla_decode_fwd"))
@@ -120,7 +124,9 @@ AITER_PERSISTENT_MAX_BATCH = EnvVar("DSV4_ATTN_AITER_PERSISTENT_MAX_BATCH", "32"
                                     "kernels below this many decode tokens (0 = never)", "an int >= 0",
                                     _int_at_least(0))
 AITER_MAX_DECODE_TOKENS = EnvVar("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", "1024",
-                                 "decode tokens the aiter backend's scratch buffers hold", "an int >= 1",
+                                 "decode tokens the aiter backend's scratch buffers hold (unset: the engine's "
+                                 "decode tokens, sized at engine start; 1024 outside an engine); larger decode "
+                                 "launches run on triton / torch", "an int >= 1",
                                  _int_at_least(1))
 
 OURS = (BACKEND, VLLM, SGLANG, FLASHMLA_LIB, CHOICES, AITER_EMULATOR, AITER_PATH, AITER_FP8_COMPUTE,

@@ -253,7 +253,8 @@ def test_a_backend_that_cannot_be_captured_says_why_and_the_bench_times_it_eager
     """FlashMLA's prefill sizes its workspace on the host: declared (Backend.uncapturable), and
     the bench names it instead of trying a capture that fails with a CUDA error."""
     from dsv4_attn.api import SparseMLA
-    from dsv4_attn.common.backend import Phase, get_backend
+    from dsv4_attn.common.backend import Phase
+    from dsv4_attn.common.registry import get_backend
 
     assert "torch.unique" in get_backend("flashmla").uncapturable[Phase.PREFILL]
     assert Phase.DECODE not in get_backend("flashmla").uncapturable
@@ -269,3 +270,13 @@ def test_a_backend_that_cannot_be_captured_says_why_and_the_bench_times_it_eager
                                                        max_model_len=4096), 2, 1, torch.device("cpu"))
     dplan = SparseMLA(decode.spec, decode.fmt, backend="torch").plan(decode.batch)
     assert bench.uncapturable("flashmla", decode, dplan) is None
+
+
+def test_host_us_times_eager_calls_on_the_calling_thread():
+    """bench's host µs per layer call (eager path): the calls made after one warm-up, per call,
+    and a CSV column (the figure itself is a measurement, not asserted)."""
+    from dsv4_attn import bench
+
+    calls = []
+    us = bench.host_us(lambda: calls.append(1), torch.device("cpu"), calls=7)
+    assert len(calls) == 8 and us > 0 and "host_us" in bench.CSV_COLUMNS

@@ -1,5 +1,49 @@
-"""`dsv4-attn bench`'s command line: the arguments (checked, with the device's defaults filled in,
-before any work), the list of cases, and the run: ceilings, every case, the summaries and files."""
+"""`dsv4-attn bench`: decode and prefill benchmarks with the roofline and FlashMLA side by side.
+
+For every case it times our backend (default ``triton``) and, in the same run, FlashMLA when it
+can be loaded, and prints µs, TFLOP/s, GB/s, the roofline floor (from the copy bandwidth and
+the bf16 matrix rate measured at the start of the run), time / floor, FlashMLA's µs and our
+speed-up over it. Timing: CUDA-graph replay (or eager launches with ``--no-graph``), one event
+pair per run, the L2 flushed before every run, median of ``--reps`` runs.
+
+Bytes of a case = every valid KV row once, in its cache's record (V4 fp8 584 B, V4.1 MXFP8 528 B,
+NVFP4 288 B, BF16 1024 B, FP8 per-tensor 512 B) + q + out; FLOPs = 4 · H · valid keys · 512 per
+token (Q·Kᵀ and P·V). The floor is what those bytes and FLOPs cost at the measured ceilings.
+
+Configs: V4 (C4A / C128A layers, ``h64-c4a512`` ...) and V4.1 (C1A / C2A top-k layers,
+``h64-c1a512`` ...; ``v41-`` prefill). ``--format`` takes several KV formats; a config runs in
+every format its model stores (V4.1 records: V4.1 configs only), e.g. the V4.1 configs in
+``fp8_ds_mla`` (vLLM's record for V4.1 on SM90, FlashMLA side by side) and in ``mxfp8_ds_mla`` /
+``nvfp4_ds_mla`` (SM100 records: the Triton kernels' software dequantization vs the floor).
+
+``--guard-cost`` also times each Triton kernel this GPU runs (Gluon on sm_90 for fp8_ds_mla, the
+portable one everywhere) compiled with and without its index range checks (out-of-range entries
+skipped, never read: docs/bad-input.md) on the same case, interleaved A-B-B-A, and prints the
+checks' cost in percent (target < 1 %) and whether both builds gave the same bits.
+
+``--mode step`` times one whole decode step of DeepSeek-V4-Flash (``v4-flash``: 64 heads, top-k
+512, 43 layers: 0-1 window only, then C4A on even and C128A on odd layers, per the public model
+card) and DeepSeek-V4-Pro (``v4-pro``: 128 heads, top-k 1024, 61 layers: 0-1 C128A, then C4A /
+C128A alternating; from third-party summaries of its config, not its config.json), the layer
+list built by ``ModelSpec.from_hf_config`` (the MTP draft layer left out: it runs in the
+drafter's own forward). One step = ``plan()`` once + every attention layer, captured as ONE
+graph, for ``auto`` (``SparseMLA(backend="auto")``), each ``--backends`` name and FlashMLA driven
+the way vLLM 0.33 drives it (``flashmla_vllm_step_runner``: its per-step metadata, a C4A layer's
+top-k translation and the raw ``sparse_decode_fwd`` per layer); it prints µs per step and per
+layer and each one's speed-up over FlashMLA-as-vLLM (target: auto >= 1.2x). Every layer owns
+its SWA cache and C128A cache; the C4A layers share one compressed cache (memory), each with
+its own top-k and q. On ``--device cpu`` it runs the torch backend at context lengths <= 2048.
+
+FlashMLA is timed through ``SparseMLA(..., backend="flashmla")`` when that backend is usable
+(so its adapter is timed too); otherwise through the raw op ``torch.ops._flashmla_C`` of the
+library the flashmla backend loaded (``Backend.raw_ops``: a package, or
+``$DSV4_ATTN_FLASHMLA_LIB``) when it has vLLM 0.33's op schemas (noted in the output: raw prefill
+then times the kernel on a ready bf16 workspace, without the gather).
+
+    dsv4-attn bench --mode decode --batches 2 64 128 256 --json out.json --png out.png
+    dsv4-attn bench --mode step --backends triton flashmla --batches 64 128 256 --json step.json
+    dsv4-attn bench --configs v41 --format fp8_ds_mla mxfp8_ds_mla nvfp4_ds_mla --json v41.json
+"""
 
 from __future__ import annotations
 
@@ -41,10 +85,8 @@ def default_backends() -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __doc__ as manual  # the package's docstring: its first paragraph says what the tool does
-
     p = argparse.ArgumentParser(
-        prog="dsv4-attn bench", description=str(manual).split("\n\n")[0] + " Exit status: 0 every case ran, 1 a case "
+        prog="dsv4-attn bench", description=__doc__.split("\n\n")[0] + " Exit status: 0 every case ran, 1 a case "
         "failed, 2 bad arguments. On a machine without a GPU, --device cpu times the torch backend at small decode "
         "shapes: it exists to try the tool and its outputs, the numbers say nothing about GPU kernels.")
     p.add_argument("--mode", choices=["decode", "prefill", "step", "all"], default="decode",
@@ -84,7 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--write-choices", metavar="PATH",
                    help="write a measured-choices table (per shape: each backend's us per layer and, for decode, "
                         "its own per-step work; common/choices.py) from this run's backends here; use it with "
-                        "DSV4_ATTN_CHOICES=PATH or ship it in dsv4_attn/data/choices/")
+                        "DSV4_ATTN_CHOICES=PATH or ship it in dsv4_attn/data/choices/<arch>-<device>.json (the "
+                        "name it prints)")
     p.add_argument("--png", metavar="PATH", help="plot time vs batch (ours, FlashMLA, floor); needs matplotlib")
     return p
 
@@ -99,10 +142,15 @@ def unknown_configs(names: list[str], mode: str) -> list[str]:
 def settle(args) -> torch.device:
     """Check the arguments and fill the device-dependent defaults in ``args``, before any work;
     the device to run on. Raises ValueError with what is wrong and what is allowed."""
-    from ..cli import parse_device
+    from ..cli import check_environment, check_output
+    from ..common.checks import resolve_device
     from ..parity.runner import resolve_backends
 
-    device = parse_device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_environment()
+    device = resolve_device(args.device, "--device")
+    for flag in ("json", "csv", "write_choices", "png"):  # before minutes of timing, not after
+        if getattr(args, flag):
+            check_output(getattr(args, flag), f"--{flag.replace('_', '-')}")
     for fmt in args.format:
         KVFormat.parse(fmt)
     if args.configs and unknown_configs(args.configs, args.mode):
@@ -224,7 +272,9 @@ def write_outputs(args, meta: dict, results: list[dict], per_layer: list[dict]) 
         table = choices.from_bench({"meta": meta, "results": per_layer}, probe().arch)
         with open(args.write_choices, "w") as f:
             json.dump(table, f, indent=1)
-        print(f"wrote {len(table['entries'])} measured choices for {table['arch']} to {args.write_choices}")
+        print(f"wrote {len(table['entries'])} measured choices for {table['arch']} ({table['device']}) to "
+              f"{args.write_choices}; to ship it: dsv4_attn/data/choices/"
+              f"{choices.packaged_name(table['arch'], str(table['device'] or ''))}")
     if args.png:
         try:
             report.plot([r for r in per_layer if "error" not in r], args.png, args.backends[0])

@@ -11,7 +11,7 @@ import torch
 from ..common.layout import KVFormat
 from .cases import Case, row_bytes
 from .runners import _case_mla, _run_layer, api_runner, compare, flashmla_runners, register_variant
-from .timing import sync, time_callable
+from .timing import host_us, sync, time_callable
 
 
 def per_step_us(case: Case, backend: str, layer_us: float, reps: int, flush, graph: bool) -> tuple[float, float]:
@@ -54,7 +54,8 @@ def case_work(case: Case, plan) -> tuple[float, float, int]:
 def uncapturable(backend: str, case: Case, plan) -> str | None:
     """Why ``backend`` (a name, or "auto": what it picks for the case) cannot run the case's phase
     inside a CUDA-graph capture (Backend.uncapturable), or None."""
-    from ..common.backend import Phase, get_backend
+    from ..common.backend import Phase
+    from ..common.registry import get_backend
 
     name = plan.owner.backend_for(case.kind, case.phase, case.q.shape[0]) if backend == "auto" else backend
     impl = get_backend(name)
@@ -73,7 +74,7 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
                                uncapturable(name, case, plan))
         run()
         sync(case.q.device)
-        rows[name] = timing.as_us()
+        rows[name] = {**timing.as_us(), "host_us": host_us(run, case.q.device)}
         if name == "auto":
             rows[name]["picked"] = plan.owner.backend_for(case.kind, case.phase, case.q.shape[0])
         elif case.phase == "decode":

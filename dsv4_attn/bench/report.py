@@ -107,14 +107,14 @@ def print_step_auto_gaps(results: list[dict]) -> None:
 
 
 # One CSV row per (case, backend): the case's facts, then its timing (median, fastest, 90th
-# percentile), rates against the floor, and FlashMLA's timing beside it.
+# percentile), rates against the floor, FlashMLA's timing beside it, and host µs per eager call (host_us).
 # A step row (phase "step") times a whole decode step: its layers, µs per layer and FlashMLA driven as
 # vLLM drives it beside it; no kind, keys or floor.
 CSV_COLUMNS = ("case", "phase", "config", "kind", "format", "batch", "s_q_per_req", "heads", "tokens", "valid_keys",
                "layers", "backend", "timing", "runs", "us", "us_min", "us_p90", "us_per_layer", "tflops", "gbps",
                "floor_us", "x_floor", "flashmla_us", "flashmla_us_p90", "speedup_vs_flashmla", "flashmla_raw_us",
                "flashmla_raw_us_p90", "speedup_vs_flashmla_raw", "flashmla_vllm_us", "flashmla_vllm_us_p90",
-               "speedup_vs_flashmla_vllm", "error")
+               "speedup_vs_flashmla_vllm", "host_us", "error")
 
 
 FLASHMLA_LABELS = ("flashmla", "flashmla_raw", "flashmla_vllm")

@@ -5,8 +5,6 @@ decode step driven the way vLLM 0.33 drives it); the raw op's library is loaded 
 from __future__ import annotations
 
 import functools
-import os
-import sys
 
 import torch
 
@@ -42,29 +40,23 @@ def api_runner(case: Case, backend: str):
     return functools.partial(_run_layer, mla, plan, case, out), out, plan
 
 
+NO_RAW_FLASHMLA = "no FlashMLA library with vLLM 0.33's op schemas (dsv4-attn probe says which were tried)"
+
+
 def flashmla_lib() -> str | None:
-    for path in (os.environ.get("DSV4_ATTN_FLASHMLA_LIB"), ".flashmla/_flashmla_C.abi3.so"):
-        if path and os.path.isfile(path):
-            return path
-    return None
+    """The FlashMLA library file named by ``DSV4_ATTN_FLASHMLA_LIB`` (the run's facts), or None."""
+    from .. import envs
 
-
-_RAW_LOADED: dict = {}
+    return envs.FLASHMLA_LIB.get() or None
 
 
 def raw_flashmla_ops():
-    """torch.ops._flashmla_C, loading the library once (None when unavailable)."""
-    if "ops" not in _RAW_LOADED:
-        lib = flashmla_lib()
-        ops = None
-        if lib is not None:
-            try:
-                torch.ops.load_library(lib)
-                ops = torch.ops._flashmla_C
-            except Exception as exc:
-                print(f"  (FlashMLA library {lib} failed to load: {exc})", file=sys.stderr)
-        _RAW_LOADED["ops"] = ops
-    return _RAW_LOADED["ops"]
+    """FlashMLA's raw op namespace as vLLM calls it (``Backend.raw_ops`` of the flashmla backend:
+    the library it loaded, from a package or ``DSV4_ATTN_FLASHMLA_LIB``), or None."""
+    from ..common.registry import get_backend
+
+    flashmla = get_backend("flashmla")
+    return flashmla.raw_ops() if flashmla is not None else None
 
 
 def flashmla_runners(case: Case, plan) -> dict:
@@ -75,11 +67,11 @@ def flashmla_runners(case: Case, plan) -> dict:
 def flashmla_api_runner(case: Case):
     """FlashMLA through ``SparseMLA(backend="flashmla")`` (adapter included), or (None, None, why)."""
     try:
-        from ..common import backend as backend_mod
+        from ..common import registry
+        from ..common.backend import Phase
         from ..common.platform import probe
 
-        reasons = backend_mod.reasons_for("flashmla", probe(), case.spec, case.fmt, case.kind,
-                                          backend_mod.Phase(case.phase))
+        reasons = registry.reasons_for("flashmla", probe(), case.spec, case.fmt, case.kind, Phase(case.phase))
     except Exception as exc:
         reasons = [f"{type(exc).__name__}: {exc}"]
     if not reasons:
@@ -129,7 +121,7 @@ def flashmla_raw_runner(case: Case, plan):
     64 as vLLM pads them), or (None, None, why)."""
     ops = raw_flashmla_ops()
     if ops is None or case.fmt is not KVFormat.MODEL1_FP8:
-        return None, None, "FlashMLA library not found (DSV4_ATTN_FLASHMLA_LIB)" if ops is None else \
+        return None, None, NO_RAW_FLASHMLA if ops is None else \
             f"raw FlashMLA reads MODEL1 caches only, not {case.fmt.value}"
     T, H, D = case.q.shape
     if H > 128 or (case.phase != "decode" and H not in (64, 128)):
@@ -186,7 +178,7 @@ def flashmla_raw_runner(case: Case, plan):
 
 def register_variant(spec_str: str) -> str:
     """Register a TritonBackend with a KernelConfig under 't:<label>'; returns the name."""
-    from ..common.backend import register_backend
+    from ..common.registry import register_backend
     from ..portable.kernels.ops import KernelConfig
     from ..portable.triton_backend import TritonBackend
 
@@ -243,7 +235,7 @@ def flashmla_vllm_step_runner(case: StepCase):
     ``sparse_decode_fwd``; the first layer of each kind plans the tile scheduler for the others."""
     ops = raw_flashmla_ops()
     if ops is None:
-        return None, None, "FlashMLA library not found (DSV4_ATTN_FLASHMLA_LIB)"
+        return None, None, NO_RAW_FLASHMLA
     if case.fmt is not KVFormat.MODEL1_FP8:
         return None, None, f"vLLM runs FlashMLA on fp8_ds_mla caches, not {case.fmt.value}"
     T, H = case.num_tokens, case.spec.num_heads

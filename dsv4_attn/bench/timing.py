@@ -86,6 +86,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def host_us(run, device: torch.device, calls: int = 50) -> float:
+    """Host us per eager call of ``run``: the calling thread's time (checks, backend decision,
+    launches; a GPU's queue takes the kernels), what an eager or piecewise engine step pays per
+    layer beside the GPU time. On a CPU the work itself is in it."""
+    run()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    elapsed = time.perf_counter() - start
+    sync(device)
+    return elapsed / calls * 1e6
+
+
 def _samples(fn, reps: int, flush, warmup: int = 3, device: torch.device | None = None) -> list[float]:
     """Seconds of each of ``reps`` runs of ``fn`` (``flush()`` before each): one CUDA event pair
     per run on a GPU, the host clock around a finished run on the CPU."""

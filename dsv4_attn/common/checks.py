@@ -67,6 +67,21 @@ def check_construction(spec, max_tokens, max_reqs, backend, backend_names: list[
         raise ValueError(f"front_end: got {front_end!r}; allowed: one of {front_ends}")
 
 
+def check_switch(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: got {value!r}; allowed: True or False")
+    return value
+
+
+def check_batch_invariant(backend, kind, phase) -> None:
+    """``backend`` (the one chosen for ``kind`` / ``phase``) promises batch-invariant outputs."""
+    if backend is None or not backend.batch_invariant:
+        name = getattr(backend, "name", "?")
+        raise ValueError(f"batch_invariant: got True, but backend {name!r} (chosen for {kind.name} {phase.value}) "
+                         "does not promise a token's bytes independent of its batch; allowed: backend='triton' "
+                         "(docs/batch-invariance.md)")
+
+
 # ---- a step ----------------------------------------------------------------------------------
 def check_step(spec: ModelSpec, batch, max_tokens: int, max_reqs: int, device: torch.device | None) -> int:
     """Every host check of a step (StepBatch or StepRows) before ``plan()`` writes anything: a
@@ -121,6 +136,7 @@ def check_layer(plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None,
     _check_sink_and_scale(layer)
     if out is not None:
         _check_out(out, q)
+        _check_out_alone(out, plan, layer)
     if validate:
         _check_values(plan, layer, swa_geo, comp_geo)
     return swa_geo, comp_geo
@@ -204,6 +220,33 @@ def _check_out(out, q: torch.Tensor) -> None:
         got = (f"{out.dtype} {tuple(out.shape)} contiguous={out.is_contiguous()} on {out.device}"
                if isinstance(out, torch.Tensor) else type(out).__name__)
         raise ValueError(f"out: got {got}; allowed: contiguous torch.bfloat16 {tuple(q.shape)} on {q.device}")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) bytes ``t`` can touch (a superset for strided views)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _check_out_alone(out: torch.Tensor, plan: StepPlan, layer: LayerInputs) -> None:
+    """``out`` shares no byte with an input, a cache or the plan's buffers: the kernels write
+    ``out`` while they read those (a cache would be overwritten, q read after being written)."""
+    readers: list[tuple[str, torch.Tensor | None]] = [
+        ("q", layer.q), ("swa_cache", layer.swa_cache), ("comp_cache", layer.comp_cache), ("topk", layer.topk),
+        ("sink", layer.sink), ("plan.positions", plan.positions), ("plan.token_to_req", plan.token_to_req),
+        ("plan.token_valid", plan.token_valid), ("plan.swa_rows", plan.swa_rows), ("plan.swa_lens", plan.swa_lens)]
+    for ratio, (rows, lens) in plan.comp_rows.items():
+        readers += [(f"plan.comp_rows[{ratio}]", rows), (f"plan.comp_rows[{ratio}] lens", lens)]
+    lo, hi = _byte_span(out)
+    for name, t in readers:
+        if t is None or t.device != out.device:
+            continue
+        t_lo, t_hi = _byte_span(t)
+        if lo < t_hi and t_lo < hi:
+            raise ValueError(f"out: got a tensor overlapping {name} (bytes {lo:#x}..{hi:#x} and {t_lo:#x}..{t_hi:#x}); "
+                             f"allowed: memory of its own (the kernels read {name} while writing out)")
 
 
 def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:

@@ -251,11 +251,17 @@ class StepRows:
 
     def token_facts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions int64 [T], token_to_req int32 [T], token_valid bool [T]): padding tokens
-        (request -1) are invalid; without token_to_req every token is valid, request 0."""
+        (request -1) are invalid; without token_to_req every token is valid, request 0. A request
+        outside every TopkTable's rows (>= the fewest rows R) is padding too (request -1): its
+        token reads nothing, never another request's blocks or a stale row past a ``[:R]`` view
+        (docs/bad-input.md; ``validate()`` names it)."""
         T = self.checked_num_tokens
         pos = self.positions[:T].long()
         if self.token_to_req is None:
             req = torch.zeros(T, dtype=torch.int32, device=self.device)
             return pos, req, torch.ones(T, dtype=torch.bool, device=self.device)
         req = self.token_to_req[:T]
+        rows = [e.block_table.shape[0] for e in self.comp.values() if isinstance(e, TopkTable)]
+        if rows:
+            req = torch.where(req < min(rows), req, -1)
         return pos, req, req >= 0

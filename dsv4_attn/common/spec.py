@@ -17,6 +17,7 @@ once. So a layer kind is (compression ratio, selection):
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import operator
 from collections.abc import Iterable, Mapping
@@ -191,6 +192,18 @@ class Layer:
     comp_source: int | None = None
     mtp: bool = False
 
+    def __post_init__(self) -> None:
+        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
+            raise ValueError(f"Layer.index: got {self.index!r}; allowed: an int >= 0")
+        object.__setattr__(self, "kind", LayerKind.parse(self.kind))  # a name ("c4a") becomes its LayerKind
+        source = self.comp_source
+        if self.kind.has_comp_scope != (source is not None):
+            raise ValueError(f"Layer.comp_source: got {source!r} for a {self.kind.name} layer; allowed: "
+                             + ("the index of the layer owning its compressed cache" if self.kind.has_comp_scope
+                                else "None (a window-only layer reads no compressed cache)"))
+        if source is not None and (isinstance(source, bool) or not isinstance(source, int) or source < 0):
+            raise ValueError(f"Layer.comp_source: got {source!r}; allowed: a layer index >= 0 or None")
+
     @property
     def shares_comp_cache(self) -> bool:
         return self.comp_source is not None and self.comp_source != self.index
@@ -250,7 +263,7 @@ class ModelSpec:
         """The softmax scale actually used."""
         return float(self.softmax_scale) if self.softmax_scale is not None else self.head_dim**-0.5
 
-    @property
+    @functools.cached_property  # asked at every layer call (check_kind): a 61-layer scan each time
     def kinds(self) -> tuple[LayerKind, ...]:
         """The distinct layer kinds of the model, in order of first appearance."""
         return tuple(dict.fromkeys(layer.kind for layer in self.layers))
@@ -308,9 +321,9 @@ class ModelSpec:
         if heads % tp_size:
             raise ValueError(f"tp_size: got {tp_size}; allowed: a divisor of num_attention_heads ({heads})")
         num_hidden = _config_int(cfg, "num_hidden_layers")
-        num_mtp = int(cfg.get("num_nextn_predict_layers", 0) or 0)
+        num_mtp = _config_int(cfg, "num_nextn_predict_layers", 0, minimum=0)
         ratios = _config_ratios(cfg, num_hidden, num_mtp)
-        sources = sorted(int(s) for s in cfg.get("kv_source_layer_ids") or ())
+        sources = sorted(_config_ints(cfg, "kv_source_layer_ids", 0, len(ratios) - 1, default=()))
         layers = []
         for index, ratio in enumerate(ratios):
             kind = LayerKind.from_ratio(ratio)
@@ -325,14 +338,12 @@ class ModelSpec:
                 raise ValueError(f"kv_source_layer_ids: layer {layer.index} ({layer.kind.name}) would share the "
                                  f"compressed cache of layer {owner.index} ({owner.kind.name}); allowed: sources "
                                  "of the same ratio")
-        for name in ("head_dim", "qk_rope_head_dim"):
-            if name in cfg:
-                want = HEAD_DIM if name == "head_dim" else ROPE_DIM
-                if int(cfg[name]) != want:
-                    raise ValueError(f"config.{name}: got {cfg[name]}; allowed: {want} (DeepSeek-V4 attention)")
-        mml = max_model_len if max_model_len is not None else int(cfg.get("max_position_embeddings", 65536))
-        return cls(num_heads=heads // tp_size, topk=int(cfg.get("index_topk", 512)), max_model_len=mml,
-                   window=int(cfg.get("sliding_window", DEFAULT_WINDOW)), layers=layers)
+        for name, want in (("head_dim", HEAD_DIM), ("qk_rope_head_dim", ROPE_DIM)):
+            if name in cfg and _config_int(cfg, name) != want:
+                raise ValueError(f"config.{name}: got {cfg[name]}; allowed: {want} (DeepSeek-V4 attention)")
+        mml = max_model_len if max_model_len is not None else _config_int(cfg, "max_position_embeddings", 65536)
+        return cls(num_heads=heads // tp_size, topk=_config_int(cfg, "index_topk", 512), max_model_len=mml,
+                   window=_config_int(cfg, "sliding_window", DEFAULT_WINDOW), layers=layers)
 
 
 def model_layer_kinds(config: Mapping[str, Any] | Any, kinds: Iterable[LayerKind]) -> tuple[LayerKind, ...]:
@@ -359,6 +370,15 @@ def _layers(items: Iterable[Layer | LayerKind | str]) -> tuple[Layer, ...]:
             layers.append(Layer(index, kind, index if kind.has_comp_scope else None))
     if not layers:
         raise ValueError("layers: got an empty list; allowed: at least one layer")
+    by_index = {layer.index: layer for layer in layers}
+    if len(by_index) != len(layers):
+        raise ValueError(f"layers: got indices {[layer.index for layer in layers]}; allowed: each index once")
+    for layer in layers:
+        owner = by_index.get(layer.comp_source) if layer.comp_source is not None else layer
+        if owner is None or owner.kind.ratio != layer.kind.ratio:
+            got = "no such layer" if owner is None else f"layer {owner.index} is {owner.kind.name}"
+            raise ValueError(f"layers: layer {layer.index} ({layer.kind.name}) reads the compressed cache of layer "
+                             f"{layer.comp_source} ({got}); allowed: a layer of the model with the same ratio")
     return tuple(layers)
 
 
@@ -372,20 +392,51 @@ def _as_dict(config: Mapping[str, Any] | Any) -> dict[str, Any]:
     raise ValueError(f"config: got {type(config).__name__}; allowed: a dict or a Hugging Face config object")
 
 
-def _config_int(cfg: Mapping[str, Any], name: str) -> int:
+_REQUIRED: Any = object()  # marks a config key without a default
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _config_int(cfg: Mapping[str, Any], name: str, default: Any = _REQUIRED, minimum: int = 1) -> int:
+    """``cfg[name]``, an int >= ``minimum`` (``default`` when the key is absent): never a float
+    truncated, a None or a string coerced."""
+    if name not in cfg and default is not _REQUIRED:
+        return default
     value = cfg.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"config.{name}: got {value!r}; allowed: a positive int")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"config.{name}: got {value!r}; allowed: an int >= {minimum}")
     return value
+
+
+def _config_ints(cfg: Mapping[str, Any], name: str, lo: int, hi: int, default: Any = _REQUIRED) -> list[int]:
+    """``cfg[name]``, a list of ints in [lo, hi] (``default`` when absent or None)."""
+    value = cfg.get(name)
+    if value is None and default is not _REQUIRED:
+        return list(default)
+    if not isinstance(value, (list, tuple)) or not all(_is_int(v) and lo <= v <= hi for v in value):
+        raise ValueError(f"config.{name}: got {value!r}; allowed: a list of ints in [{lo}, {hi}]")
+    return list(value)
 
 
 def _config_ratios(cfg: Mapping[str, Any], num_hidden: int, num_mtp: int) -> list[int]:
     """Per-layer compression ratios, MTP layers included (0 = window only)."""
     if cfg.get("compress_ratios") is not None:
-        ratios = [int(r) for r in cfg["compress_ratios"]]
-        return ratios + [0] * max(0, num_hidden + num_mtp - len(ratios))
+        ratios = _config_ints(cfg, "compress_ratios", 0, 2**31 - 1)
+        if not num_hidden <= len(ratios) <= num_hidden + num_mtp:
+            raise ValueError(f"config.compress_ratios: got {len(ratios)} entries; allowed: one per layer, "
+                             f"{num_hidden} (num_hidden_layers) to {num_hidden + num_mtp} (with the "
+                             "num_nextn_predict_layers MTP layers)")
+        return ratios + [0] * (num_hidden + num_mtp - len(ratios))
     if cfg.get("layer_types") is not None and cfg.get("compress_rates") is not None:
-        rates = cfg["compress_rates"]
-        return [int(rates.get(t, 0)) for t in cfg["layer_types"]] + [0] * num_mtp
+        types, rates = cfg["layer_types"], cfg["compress_rates"]
+        listed = isinstance(types, (list, tuple)) and all(isinstance(t, str) for t in types)
+        if not listed or len(types) != num_hidden:
+            raise ValueError(f"config.layer_types: got {types!r}; allowed: a list of {num_hidden} layer type names "
+                             "(one per num_hidden_layers)")
+        if not isinstance(rates, Mapping) or not all(_is_int(r) and r >= 0 for r in rates.values()):
+            raise ValueError(f"config.compress_rates: got {rates!r}; allowed: a mapping layer type -> int >= 0")
+        return [rates.get(t, 0) for t in types] + [0] * num_mtp
     raise ValueError("config: got neither compress_ratios (V4.1) nor layer_types + compress_rates (V4); allowed: "
                      "a DeepSeek-V4 or V4.1 config")

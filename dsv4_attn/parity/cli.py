@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli import check_count, check_environment, check_output
 from ..common.checks import resolve_device
 from ..common.platform import triton_interpreting
 from .matrix import load_matrix
@@ -58,8 +59,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        check_environment()
+        check_count(args.threads, "--threads")
         if args.merge:
-            return _merge(args.merge, Path(args.out))
+            return _merge(args.merge, check_output(args.out, "--out", directory=True))
         if args.emulate_aiter:
             _enable_aiter_emulator(args.emulate_aiter)
         matrix = load_matrix(args.matrix, full=args.full)
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         backends = resolve_backends(args.backends) if args.backends else default_backends(matrix, device)
         if args.emulate_aiter and not args.backends and "aiter" not in backends:
             backends.append("aiter")
+        out = check_output(args.out, "--out", directory=True)
     except ValueError as exc:
         print(f"dsv4-attn parity: {exc}", file=sys.stderr)
         return 2
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsv4-attn parity: {note}", file=sys.stderr)
     report = run(matrix, backends, device, cases, progress=not args.no_progress)
     markdown = render_report(report)
-    paths = write_files(Path(args.out), run_name(report, args.full), finite_json(report), markdown)
+    paths = write_files(out, run_name(report, args.full), finite_json(report), markdown)
     print(render_summary(report, paths[1]), end="")
     if not any(s["pass"] + s["fail"] + s["error"] for s in report["summary"].values()):
         print("dsv4-attn parity: no cell ran (every backend skipped every case)", file=sys.stderr)

@@ -403,7 +403,8 @@ def sparse_mla_fwd_kernel(
     if COMP == 2:
         req = tl.load(TOK2REQ + t)
         pos = tl.load(POS + t)
-        visible = ((pos + 1) // C4A_RATIO).to(tl.int32)
+        # int64 positions: cap before the int32 cast (2**31 - 1 wraps negative past it; C1A's ratio is 1)
+        visible = tl.minimum((pos + 1) // C4A_RATIO, 2147483647).to(tl.int32)
         len_b = tl.where(req >= 0, tl.minimum(visible, b_width), 0)
         req = tl.maximum(req, 0)
     if RANGE_CHECKS:  # a length never reaches past its row (nor below 0)

@@ -342,7 +342,7 @@ def sparse_mla_fwd_hopper(
     if COMP == 2:
         req = gl.load(TOK2REQ + t)
         pos = gl.load(POS + t)
-        visible = gl.maximum(((pos + 1) // C4A_RATIO).to(gl.int32), 0)
+        visible = gl.maximum(gl.minimum((pos + 1) // C4A_RATIO, 2147483647), 0).to(gl.int32)  # int64 pos: no wrap
         len_b = gl.where(req >= 0, gl.minimum(visible, b_width), 0)
         req = gl.maximum(req, 0)
     if RANGE_CHECKS:  # a length never reaches past its row (nor below 0)
