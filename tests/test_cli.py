@@ -197,7 +197,8 @@ def _bench_in_process(monkeypatch, argv):
     (["--batches", "0"], "--batches: got [0]; allowed: positive ints"),
     (["--format", "fp4"], "fmt: got 'fp4'"),
     (["--mode", "step", "--configs", "h64-c4a512"],
-     "--configs: got ['h64-c4a512'] (--mode step); allowed: ['v4-flash', 'v4-pro', 'v4-flash-tp8', 'v4-pro-tp8', 'v4', 'tp']"),
+     "--configs: got ['h64-c4a512'] (--mode step); allowed: "
+     "['v4-flash', 'v4-pro', 'v4-flash-tp8', 'v4-pro-tp8', 'v4', 'tp']"),
     (["--mode", "step", "--mtp", "0"], "--mtp: got [0]; allowed: positive ints"),
 ])
 def test_bench_bad_arguments_are_exit_2_before_any_work(monkeypatch, capsys, argv, message):
