@@ -190,7 +190,7 @@ class SparseMLA:
     def _ensure_buffers(self, device: torch.device) -> PlanBuffers:
         """The plan buffers, allocated on the first plan's device."""
         if self._buffers is None:
-            self._device = self._device or device
+            self._device = self._device or checks.parse_device(device)
             self._buffers = PlanBuffers.allocate(self.spec, self.max_tokens, self._device)
             self._front_end = self._front_end or _make_front_end(self._front_end_choice, self._device)
         return self._buffers

@@ -23,8 +23,8 @@ from .spec import HEAD_DIM, MAX_HEADS, ModelSpec
 
 # ---- devices ---------------------------------------------------------------------------------
 def default_device() -> torch.device:
-    """Where work goes when nobody said: the GPU when torch sees one, else the CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """Where work goes when nobody said: the current GPU when torch sees one, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def parse_device(device, name: str = "device") -> torch.device:
@@ -44,6 +44,9 @@ def parse_device(device, name: str = "device") -> torch.device:
     count = getattr(module, "device_count", None)
     if dev.index is not None and count is not None and dev.index >= count():
         raise ValueError(f"{name}: got {device!r}; allowed: {dev.type}:0 .. {dev.type}:{count() - 1}")
+    if dev.type != "cpu" and dev.index is None and hasattr(module, "current_device"):
+        # "cuda" means the current GPU; its tensors report "cuda:N", which device checks compare with
+        dev = torch.device(dev.type, module.current_device())
     return dev
 
 
@@ -106,7 +109,7 @@ def check_step(spec: ModelSpec, batch, max_tokens: int, max_reqs: int, device: t
     if num_tokens > max_tokens:
         raise ValueError(f"batch.num_tokens: got {num_tokens}; allowed: <= max_tokens ({max_tokens}) "
                          "of this SparseMLA (raise max_tokens)")
-    if device is not None and batch.device != device:
+    if device is not None and batch.device != device and parse_device(batch.device) != device:  # "cuda" = "cuda:N"
         raise ValueError(f"batch: got device {batch.device}; allowed: {device} (the SparseMLA's device)")
     return num_tokens
 
