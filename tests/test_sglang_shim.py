@@ -10,12 +10,12 @@ on by default on CUDA), its HookRegistry wrapping the DeepSeek-V4 backend factor
 positions, causal and replay-floored SWA rows, prefill / verify / draft-extend expansion) and
 ``DSV4AttnMetadata``. Each step -- decode, extend, target verify, draft extend, multi-step draft
 decode, the bounded-replay tail -- runs every layer through ``backend.forward`` and through
-SGLang's OWN ``_forward_attention`` on the same metadata, its FlashMLA call answered in float64
-(tests/vllm_stack.py), and both against the float64 reference. The compressed rows (written on
-GPUs by SGLang's Triton metadata kernel and its indexer, which Triton's CPU interpreter cannot run)
-are written here from their definitions through SGLang's ``set_sparse_topk``. Not exercised:
+SGLang's OWN ``_forward_attention`` on the same metadata, its FlashMLA calls (decode and sparse
+prefill) answered in float64 (tests/vllm_stack.py), and both against the float64 reference. The
+compressed rows (written on GPUs by SGLang's Triton metadata kernel and its indexer) are written
+here from their definitions through SGLang's ``set_sparse_topk``. Not exercised:
 SGLang's cache writers (CUDA kernels; the caches are filled with dsv4_attn's byte-exact writer),
-its sparse-prefill path, a whole model, CUDA graphs.
+a whole model, CUDA graphs.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import sys
 import types
 from pathlib import Path
 
@@ -252,12 +253,14 @@ class Step:
 
 def write_comp_rows(backend, core, step, tokens, gen):
     """Each compressed ratio's rows of ``core`` as SGLang's indexer (top-k ratios: a random
-    choice of visible entries) and C128A metadata (every visible entry) would fill them, through
-    SGLang's ``set_sparse_topk``; returns {ratio: the slots chosen per token}."""
+    choice of visible entries, as global slots and as the request-local entry numbers its sparse
+    prefill reads) and C128A metadata (every visible entry) would fill them, through SGLang's
+    ``set_sparse_topk``; returns {ratio: the slots chosen per token}."""
     keys = {}
     for ratio in backend.present_ratios:
         width = TOPK if ratio != 128 else 64
         rows = torch.full((len(tokens), width), -1, dtype=torch.int32)
+        raw = torch.full((len(tokens), width), -1, dtype=torch.int32)
         entries = []
         for t, (r, p) in enumerate(tokens):
             visible = (p + 1) // ratio
@@ -265,9 +268,10 @@ def write_comp_rows(backend, core, step, tokens, gen):
                       else list(range(visible)))
             slots = [step.comp_slot(r, c, ratio) for c in chosen]
             rows[t, : len(slots)] = torch.tensor(slots, dtype=torch.int32) if slots else rows[t, :0]
+            raw[t, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32) if chosen else raw[t, :0]
             entries.append(slots)
         lens = torch.tensor([max(len(s), 1) for s in entries], dtype=torch.int32)  # SGLang's clamp-1 lengths
-        core.set_sparse_topk(ratio, page_indices=rows, topk_lengths=lens)
+        core.set_sparse_topk(ratio, page_indices=rows, topk_lengths=lens, raw_indices=None if ratio == 128 else raw)
         keys[ratio] = entries
     return keys
 
@@ -308,14 +312,25 @@ def flashmla_f64(q, k_cache, head_dim_v, softmax_scale, indices, topk_length, at
         extra_topk_length=extra_topk_length, out=out)
 
 
+def flashmla_sparse_f64(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+    """SGLang's sparse-prefill ``flash_mla_sparse_fwd`` call (q [T, H, 512], kv bf16 [rows, 1, 512]
+    gathered by SGLang) answered by the float64 FlashMLA of tests/vllm_stack.py."""
+    out = torch.empty(*q.shape[:2], d_v, dtype=torch.bfloat16)
+    return vllm_stack.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out=out)
+
+
 @pytest.fixture
 def sglang_path(monkeypatch):
-    """The plugin on; SGLang's FlashMLA scheduler object (CUDA flash_mla package, read by its
-    FlashMLA calls only) stubbed; its extend on the dense FlashMLA call (the sparse-prefill path
-    gathers through a CUDA dequantizer)."""
+    """The plugin on; SGLang's FlashMLA module (the CUDA flash_mla package) replaced by the
+    float64 sparse prefill and its scheduler object stubbed (read by its FlashMLA calls only);
+    its extend on the dense FlashMLA call unless a test turns sparse prefill (SGLang's CUDA
+    default) back on."""
     monkeypatch.setenv(shim.ENV_ENABLE, "1")
     monkeypatch.setenv("SGLANG_OPT_FLASHMLA_SPARSE_PREFILL", "0")
     monkeypatch.setattr(dsv4_backend, "_create_flashmla_metadata", lambda: None)
+    flashmla = types.ModuleType("flash_mla_interface (float64)")
+    flashmla.flash_mla_sparse_fwd = flashmla_sparse_f64
+    monkeypatch.setitem(sys.modules, "sglang.kernels.ops.attention.flash_mla_interface", flashmla)
 
 
 def attention_tp(monkeypatch, size: int) -> None:
@@ -337,22 +352,23 @@ def sglang_own_path(backend):
     return functools.partial(dsv4_backend.DeepseekV4AttnBackend._forward_attention, backend)
 
 
-def run_layers(backend, ratios, core, tokens, keys, step, gen, forward_mode, floor=None, heads=64, pad=0):
+def run_layers(backend, ratios, core, tokens, keys, step, gen, forward_mode, floor=None, heads=64, pad=0,
+               batch=None):
     """Every layer of one forward through the plugin and through SGLang's own path (the C4A
     indexer's rows rewritten in place between layers, as SGLang's indexer does); each compared with
     the other and with the float64 reference. ``pad`` query rows past the metadata's (CUDA-graph
     padding: SGLang's path attends slot 0 there) must come out zero. Returns the number of plans
-    the forward built."""
+    the forward built. ``batch``: more ForwardBatch fields (an extend's lengths)."""
     theirs = sglang_own_path(backend)
     backend.forward_metadata = dsv4_backend.DSV4Metadata(core, None)
-    forward_batch = types.SimpleNamespace(forward_mode=forward_mode)
+    forward_batch = types.SimpleNamespace(forward_mode=forward_mode, attn_cp_metadata=None, **(batch or {}))
     built = backend.dsv4_planner.plans_built
     for layer_id, ratio in enumerate(ratios):
         if layer_id and ratio == 4:
             keys[4] = write_comp_rows(types.SimpleNamespace(present_ratios=(4,)), scratch := copy.copy(core), step,
                                       tokens, gen)[4]
-            core.sparse_page_indices(4).copy_(scratch.sparse_page_indices(4))
-            core.sparse_topk_lengths(4).copy_(scratch.sparse_topk_lengths(4))
+            for name in ("sparse_page_indices", "sparse_topk_lengths", "sparse_raw_indices"):
+                getattr(core, name)(4).copy_(getattr(scratch, name)(4))
         T = len(tokens)
         q = torch.randn(T + pad, heads, 512, generator=gen).bfloat16()
         sink = torch.randn(heads, generator=gen)
@@ -390,6 +406,9 @@ SPEC_SEQ_LENS = [300, 6, 140]  # a verify of 4 tokens at 2..5 starts before the 
 # heads per rank: V4-Flash (64 heads) and V4-Pro (128) at TP 8, which SGLang pads to 64 per rank
 @pytest.mark.parametrize("mode, heads", [("decode", 8), ("decode", 16), ("extend", 16)])
 def test_plugin_matches_sglangs_own_forward(gen, monkeypatch, sglang_path, mode, heads):
+    """Decode; extend on SGLang's sparse prefill (its CUDA default: it gathers the window and the
+    chosen entries into a bf16 workspace for flash_mla_sparse_fwd, with its own chunk-cache
+    builders; the dense FlashMLA call is the bounded-replay tail's, tested below)."""
     attention_tp(monkeypatch, 8)
     runner = model_runner(make_pool(V4_LAYERS), heads=heads * 8)
     backend = shim.backend_classes()[0](runner)
@@ -404,14 +423,22 @@ def test_plugin_matches_sglangs_own_forward(gen, monkeypatch, sglang_path, mode,
                                                seq_lens_casual=seq, max_seq_len=backend.MAX_SEQ_LEN_FOR_CAPTURE,
                                                out_loc=out_loc, need_compress=False)
         forward_mode = ForwardMode.DECODE
+        batch = None
     else:  # the last 9, 3 and 12 tokens (a chunk crossing the window)
-        core, tokens, _ = prefill_metadata(backend, step, [9, 3, 12])
+        extend = [9, 3, 12]
+        core, tokens, _ = prefill_metadata(backend, step, extend)
         forward_mode = ForwardMode.EXTEND
+        batch = dict(seq_lens=seq, seq_lens_cpu=seq.clone(), req_pool_indices=reqs, extend_seq_lens_cpu=extend,
+                     extend_seq_lens=torch.tensor(extend, dtype=torch.int32))
+        monkeypatch.setenv("SGLANG_OPT_FLASHMLA_SPARSE_PREFILL", "1")
     keys = write_comp_rows(backend, core, step, tokens, gen)
     planner = backend.dsv4_planner
-    assert run_layers(backend, V4_LAYERS, core, tokens, keys, step, gen, forward_mode, pad=3) == 1
+    pad = 3 if mode == "decode" else 0  # decode CUDA graphs pad q past the metadata's rows
+    assert run_layers(backend, V4_LAYERS, core, tokens, keys, step, gen, forward_mode, pad=pad, batch=batch) == 1
+    sparse = backend.forward_metadata.sparse_prefill_cache is not None  # SGLang's path took its sparse prefill
+    assert sparse == (mode == "extend")
     assert planner._plan.num_decode_tokens == (len(tokens) if mode == "decode" else 0)
-    run_layers(backend, V4_LAYERS[:1], core, tokens, keys, step, gen, forward_mode)
+    run_layers(backend, V4_LAYERS[:1], core, tokens, keys, step, gen, forward_mode, batch=batch)
     assert planner.plans_built == 2  # layer 0 again: the next forward pass
 
 
