@@ -10,7 +10,7 @@
 # these tests with a reason (sglang is not importable there).
 #
 #   bash ci/sglang-tests.sh              # venv in ~/.cache/dsv4-attn/sglang-venv (reused when present)
-#   SGLANG_VENV=/tmp/s bash ci/sglang-tests.sh -k reference   # extra args go to pytest
+#   SGLANG_VENV=/tmp/s bash ci/sglang-tests.sh -k own_forward   # SGLANG_VENV: the venv; extra args go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/dsv4-attn/sglang-venv}
@@ -25,12 +25,15 @@ if [[ ! -x $venv/bin/python ]]; then
   cp "$env_dir/sitecustomize.py" "$site/sitecustomize.py"
 fi
 py=$venv/bin/python
-if ! "$py" -c "import sglang, sys; sys.exit(sglang.__version__ != '0.5.23')" 2>/dev/null; then
+# one interpreter start checks and reports the versions (importing sglang costs ~10 s of CPU)
+versions="import torch, sglang, sys; print('torch', torch.__version__, 'sglang', sglang.__version__); \
+sys.exit(sglang.__version__ != '0.5.23')"
+if ! "$py" -c "$versions" 2>/dev/null; then
   torch_version=$("$py" -c "import torch; print(torch.__version__)")
   vision=$("$py" -c "import torch; v = torch.__version__.split('+')[0].split('.'); print(f'0.{int(v[1]) + 15}.*')")
   "$py" -m pip install -q --no-warn-conflicts --no-deps sglang==0.5.23 compressed-tensors==0.18.0 "torchvision==$vision"
   "$py" -m pip install -q --no-warn-conflicts -r "$env_dir/requirements.txt" -c <(echo "torch==$torch_version")
+  "$py" -c "$versions"
 fi
 "$py" -m pip install -q --no-deps -e .
-"$py" -c "import torch, sglang; print('torch', torch.__version__, 'sglang', sglang.__version__)"
 exec "$py" -m pytest -q -m sglang tests/test_sglang_shim.py "$@"

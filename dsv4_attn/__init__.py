@@ -12,11 +12,12 @@ backend is checked against). ``examples/run_step.py`` puts them together.
 
 from .api import SparseMLA, backend_names
 from .common import reference
-from .common.backend import Backend, BackendUnavailableError, LayerInputs, Phase, backend, register_backend
+from .common.backend import Backend, BackendUnavailableError, LayerInputs, Phase
 from .common.batch import StepBatch
 from .common.layout import Fp8Dialect, KVFormat, Record, gather, insert, new_cache
 from .common.plan import StepPlan
 from .common.platform import Platform, probe
+from .common.registry import backend, register_backend
 from .common.rows import GlobalRows, StepRows, TopkTable
 from .common.spec import V4_KINDS, Layer, LayerKind, ModelSpec, Selection
 

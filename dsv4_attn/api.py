@@ -19,9 +19,8 @@ import importlib.util
 
 import torch
 
-from .common import backend as backend_mod
-from .common import checks, choices
-from .common.backend import Backend, LayerInputs, Phase
+from .common import checks, choices, registry
+from .common.backend import Backend, BackendUnavailableError, LayerInputs, Phase
 from .common.batch import StepBatch
 from .common.layout import Fp8Dialect, KVFormat
 from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan
@@ -61,7 +60,7 @@ class SparseMLA:
         front_end: str = "auto",
         batch_invariant: bool = False,
     ) -> None:
-        checks.check_construction(spec, max_tokens, max_reqs, backend, backend_mod.backend_names(), front_end,
+        checks.check_construction(spec, max_tokens, max_reqs, backend, registry.backend_names(), front_end,
                                   _FRONT_ENDS)
         self.spec = spec
         self.fmt = KVFormat.parse(fmt)
@@ -84,7 +83,7 @@ class SparseMLA:
             for phase in Phase:
                 name = self.backend_for(kind, phase)
                 if batch_invariant:
-                    checks.check_batch_invariant(backend_mod.get_backend(name), kind, phase)
+                    checks.check_batch_invariant(registry.get_backend(name), kind, phase)
 
     # ---- backend choice -------------------------------------------------------------------
     @property
@@ -100,37 +99,37 @@ class SparseMLA:
         with ``num_tokens`` (the phase's tokens in one launch) auto selection follows the measured
         choices table where it covers the launch (common/choices.py)."""
         kind, phase = self.spec.check_kind(kind), Phase(phase)
-        requested, source = backend_mod.requested_backend(self._explicit)
-        order = None
+        requested, source = registry.requested_backend(self._explicit)
+        bucket = None  # auto: one decision per launch-size range of the measured table
         if requested == "auto" and num_tokens:
-            order = tuple(backend_mod.auto_order(self.platform, self.spec, self.fmt, kind, phase, num_tokens)[0])
-        key = (requested, kind, phase, order)
+            bucket = registry.launch_bucket(self.platform, self.spec, self.fmt, kind, phase, num_tokens)
+        key = (requested, kind, phase, bucket)
         if key not in self._selected:
-            self._selected[key] = backend_mod.select(self.platform, self.spec, self.fmt, kind, phase,
+            self._selected[key] = registry.select(self.platform, self.spec, self.fmt, kind, phase,
                                                      requested, source, self.dialects, num_tokens)
         return self._selected[key]
 
     def explain(self) -> str:
         """Table: per backend, kind and phase: chosen / ok / refused, with the reasons."""
         plat = self.platform
-        requested, source = backend_mod.requested_backend(self._explicit)
+        requested, source = registry.requested_backend(self._explicit)
         front = self._front_end.name if self._front_end else f"{self._front_end_choice} (chosen at the first plan)"
         lines = [
             f"dsv4_attn on {plat.vendor}/{plat.arch} ({plat.device_name}), format {self.fmt.value}, "
             f"{self.spec.num_heads} heads, requested backend: {requested} ({source}), index front end: {front}",
             f"{'backend':<18} {'kinds':<14} {'phase':<8} {'status':<8} reasons",
         ]
-        for name in backend_mod.backend_names():
+        for name in registry.backend_names():
             verdicts: dict[tuple[str, str, str], list[str]] = {}  # (phase, status, why) -> kinds, each reason once
             for phase in Phase:
                 for kind in self.spec.kinds:
-                    reasons = backend_mod.reasons_for(name, plat, self.spec, self.fmt, kind, phase, self.dialects)
+                    reasons = registry.reasons_for(name, plat, self.spec, self.fmt, kind, phase, self.dialects)
                     try:
                         chosen = self.backend_for(kind, phase) == name
-                    except backend_mod.BackendUnavailableError:
+                    except BackendUnavailableError:
                         chosen = False
                     status = "chosen" if chosen else ("ok" if not reasons else "refused")
-                    impl = backend_mod.get_backend(name)  # importable: reasons_for said nothing against it
+                    impl = registry.get_backend(name)  # importable: reasons_for said nothing against it
                     why = reasons or ([impl.choice(plat, self.spec, self.fmt, kind, phase, self.dialects)]
                                       if impl else [])
                     verdicts.setdefault((phase.value, status, "; ".join(r for r in why if r)), []).append(kind.name)
@@ -145,16 +144,18 @@ class SparseMLA:
     def _measured_lines(self, plat: Platform, requested: str) -> list[str]:
         """The measured choices (common/choices.py) that reorder auto selection for this model, by
         token range; "chosen" above is the choice for a launch no measurement covers."""
-        entries, where = choices.table_for(plat.arch)
+        entries, where, note = choices.table_for(plat.arch, plat.device_name)
         kinds = {k.name for k in self.spec.kinds}
         mine = [e for e in entries if e.kind in kinds and e.fmt == self.fmt.value
                 and e.heads == choices.heads_bucket(self.spec.num_heads)]
         if not mine or requested != "auto":
             return []
+        if note:
+            where = f"{where}: {note}"
         out = [f"measured choices ({where}; auto tries this order first for launches in range; where the "
                "table has per-step costs, ordered for this model's layers of the kind):"]
         for e in mine:
-            layers = backend_mod.layers_per_step(self.spec, LayerKind.parse(e.kind))
+            layers = registry.layers_per_step(self.spec, LayerKind.parse(e.kind))
             costs = e.costs(layers)
             out.append(f"  {e.kind:<6} {e.phase:<8} tokens {e.tokens[0]}-{e.tokens[1] - 1}: "
                        f"{' > '.join(e.ranked(layers))}  [{f'{costs}; ' if costs else ''}{e.evidence}]")
@@ -178,6 +179,13 @@ class SparseMLA:
         self._generation += 1
         return build_plan(self.spec, batch, buffers, self, self._generation, self._front_end,
                           self.batch_invariant)
+
+    def reserve(self, plan: StepPlan, decode_tokens: int | None = None) -> None:
+        """Engine start (a memory profile): let each decode backend allocate the buffers steps of
+        up to ``decode_tokens`` decode tokens (default ``max_tokens``) will use (``Backend.reserve``)."""
+        for name in dict.fromkeys(self.backend_for(kind, Phase.DECODE) for kind in self.spec.kinds):
+            self._backend(name).reserve(plan, self.fmt, self.spec.num_heads, self.dialects,
+                                        decode_tokens or self.max_tokens)
 
     def _ensure_buffers(self, device: torch.device) -> PlanBuffers:
         """The plan buffers, allocated on the first plan's device."""
@@ -254,7 +262,7 @@ class SparseMLA:
 
     def _backend(self, name: str) -> Backend:
         if name not in self._backends:
-            self._backends[name] = backend_mod.new_backend(name)
+            self._backends[name] = registry.new_backend(name)
         return self._backends[name]
 
 
@@ -279,7 +287,7 @@ def _make_front_end(choice: str, device: torch.device) -> FrontEnd:
 
 
 def backend_names() -> list[str]:
-    return backend_mod.backend_names()
+    return registry.backend_names()
 
 
 __all__ = ["SparseMLA", "Backend", "LayerInputs", "Phase", "backend_names"]

@@ -38,8 +38,13 @@ def check_environment() -> None:
     """ValueError listing every DSV4_ATTN_* variable set to a value it does not allow (a mistyped
     variable must not pass unnoticed: a command checks them before its work)."""
     from . import envs
+    from .common import registry
 
     bad = [row["error"] for row in envs.table() if row["error"]]
+    try:
+        registry.env_backend()  # DSV4_ATTN_BACKEND against the registry (envs cannot import it)
+    except ValueError as exc:
+        bad.append(str(exc))
     if bad:
         raise ValueError("; ".join(bad))
 

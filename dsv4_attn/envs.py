@@ -76,17 +76,8 @@ def _text(text: str) -> str:
     return text
 
 
-def _backends() -> list[str]:
-    from .common.backend import backend_names  # lazy: common.backend reads this module
-
-    return backend_names()
-
-
-def _backend_name(text: str) -> str:
-    value = text.lower()
-    if value != "auto" and value not in _backends():
-        raise ValueError(value)
-    return value
+def _lower(text: str) -> str:
+    return text.lower()
 
 
 def _emulator(text: str) -> str:
@@ -100,10 +91,12 @@ def _emulator(text: str) -> str:
     raise ValueError(value)
 
 
+# The registry checks the name (common.registry.env_backend): this module imports nothing of the
+# package at import time (only _emulator reads the emulator's names, lazily), so every module may read it.
 BACKEND = EnvVar("DSV4_ATTN_BACKEND", "auto",
                  "force one backend for every SparseMLA created with backend='auto' (a forced backend that "
-                 "cannot serve a layer raises with its reasons)", lambda: f"'auto' or one of {_backends()}",
-                 _backend_name)
+                 "cannot serve a layer raises with its reasons)", "'auto' or a registered backend name "
+                 "(`dsv4-attn probe` lists them)", _lower)
 VLLM = EnvVar("DSV4_ATTN_VLLM", "0", "let the vLLM plugin run vLLM's DeepSeek-V4 attention on dsv4_attn",
               "1/on or 0/off", _switch)
 SGLANG = EnvVar("DSV4_ATTN_SGLANG", "0", "let the SGLang plugin run SGLang's DeepSeek-V4 attention on dsv4_attn "
@@ -122,15 +115,22 @@ AITER_EMULATOR = EnvVar("DSV4_ATTN_AITER_EMULATOR", "0",
 AITER_PATH = EnvVar("DSV4_ATTN_AITER_PATH", "auto", "which AITER entry point the aiter backend uses",
                     "auto, sparse_mla_fwd, mla_decode_fwd_v4_nm or mla_decode_fwd",
                     _word("auto", "sparse_mla_fwd", "mla_decode_fwd_v4_nm", "mla_decode_fwd"))
+AITER_FP8_COMPUTE = EnvVar("DSV4_ATTN_AITER_FP8_COMPUTE", "0",
+                           "let the aiter backend run AITER's a8w8 kernels (mla_decode_fwd_v4_nm, mla_decode_fwd "
+                           "persistent), which round q and the probabilities to fp8: faster, about 10x less "
+                           "accurate than the bf16 paths (docs/rocm.md \"Accuracy\")", "1/on or 0/off", _switch)
 AITER_PERSISTENT_MAX_BATCH = EnvVar("DSV4_ATTN_AITER_PERSISTENT_MAX_BATCH", "32",
-                                    "mla_decode_fwd runs its persistent kernels below this many decode tokens "
-                                    "(0 = never)", "an int >= 0", _int_at_least(0))
+                                    "with DSV4_ATTN_AITER_FP8_COMPUTE on, mla_decode_fwd runs its persistent "
+                                    "kernels below this many decode tokens (0 = never)", "an int >= 0",
+                                    _int_at_least(0))
 AITER_MAX_DECODE_TOKENS = EnvVar("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", "1024",
-                                 "decode tokens the aiter backend's scratch buffers hold", "an int >= 1",
+                                 "decode tokens the aiter backend's scratch buffers hold (unset: the engine's "
+                                 "decode tokens, sized at engine start; 1024 outside an engine); larger decode "
+                                 "launches run on triton / torch", "an int >= 1",
                                  _int_at_least(1))
 
-OURS = (BACKEND, VLLM, SGLANG, FLASHMLA_LIB, CHOICES, AITER_EMULATOR, AITER_PATH, AITER_PERSISTENT_MAX_BATCH,
-        AITER_MAX_DECODE_TOKENS)
+OURS = (BACKEND, VLLM, SGLANG, FLASHMLA_LIB, CHOICES, AITER_EMULATOR, AITER_PATH, AITER_FP8_COMPUTE,
+        AITER_PERSISTENT_MAX_BATCH, AITER_MAX_DECODE_TOKENS)
 # Other projects' variables that change what dsv4_attn does, shown by the probe.
 FOREIGN = {"TRITON_INTERPRET": "Triton runs kernels in its CPU interpreter (tests on machines without a GPU)",
            "CUDA_VISIBLE_DEVICES": "which NVIDIA GPUs torch sees", "HIP_VISIBLE_DEVICES": "which AMD GPUs torch sees",

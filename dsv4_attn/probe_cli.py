@@ -22,7 +22,7 @@ import torch
 
 from . import envs
 from .cli import check_environment, parse_device
-from .common import backend as backend_mod
+from .common import registry
 from .common.backend import BackendUnavailableError, Phase
 from .common.checks import resolve_device
 from .common.layout import KVFormat
@@ -30,48 +30,37 @@ from .common.platform import platform_for_device, probe
 from .common.spec import LayerKind, ModelSpec
 
 
-def _flashmla(plat) -> dict:
-    from .cuda.flashmla import load_flashmla  # loads the library only when this is asked
-
-    lib = load_flashmla()
-    return {"loaded": lib.ops is not None, "source": lib.source, "version": lib.version, "location": lib.location,
-            "summary": lib.describe()}
-
-
-def _flashinfer(plat) -> dict | str:
-    cap = plat.capability
-    if cap is None or cap[0] < 10:  # load_flashinfer imports flashinfer: only where its kernels can run
-        return f"not loaded: the TRTLLM-gen DSv4 kernels need an NVIDIA SM100-family GPU (this is {plat.arch})"
-    from .cuda.flashinfer import load_flashinfer
-
-    fn, version, reasons = load_flashinfer()
-    return {"usable": fn is not None, "version": version, "reasons": list(reasons)}
-
-
-def _aiter(plat) -> dict:
-    from .rocm.aiter import describe_aiter  # never imports aiter off ROCm
-
-    return describe_aiter(plat)
-
-
-# What each vendor backend module says about its binary.
-_DESCRIBERS = {"flashmla": ("dsv4_attn.cuda.flashmla", _flashmla),
-               "flashinfer": ("dsv4_attn.cuda.flashinfer", _flashinfer),
-               "aiter": ("dsv4_attn.rocm.aiter", _aiter)}
-
-
-def describe_vendor(key: str, plat) -> dict:
-    """What vendor module ``key`` reports about its binary: {"module", "status", "info"}; status
-    is ok, absent (module not in this build) or error (the message says what failed)."""
-    module_name, describer = _DESCRIBERS[key]
+def describe_vendor(name: str, plat) -> dict | None:
+    """What backend ``name`` reports about its vendor binary (``Backend.describe_binary``):
+    {"module", "status", "info", "text"}; status is ok, absent (module not in this build) or error
+    (the message says what failed); None for a backend with no binary of its own."""
+    backend = registry.get_backend(name)
+    if backend is None:
+        why = registry.import_error(name)
+        absent = "No module named 'dsv4_attn" in why  # a vendor directory left out of this build
+        return {"module": registry.module_of(name), "status": "absent" if absent else "error",
+                "info": "module not in this dsv4_attn build" if absent else why,
+                "text": ["module not in this dsv4_attn build" if absent else f"the probe failed: {_one_line(why)}"]}
     try:
-        return {"module": module_name, "status": "ok", "info": _jsonable(describer(plat))}
-    except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
-            return {"module": module_name, "status": "absent", "info": "module not in this dsv4_attn build"}
-        return {"module": module_name, "status": "error", "info": f"{type(exc).__name__}: {exc}"}
+        described = backend.describe_binary(plat)
+        if described is None:
+            return None
+        info, text = described
+        return {"module": type(backend).__module__, "status": "ok", "info": _jsonable(info), "text": list(text)}
     except Exception as exc:  # the probe never raises
-        return {"module": module_name, "status": "error", "info": f"{type(exc).__name__}: {exc}"}
+        why = f"{type(exc).__name__}: {exc}"
+        return {"module": type(backend).__module__, "status": "error", "info": why,
+                "text": [f"the probe failed: {_one_line(why)}"]}
+
+
+def vendor_binaries(plat) -> dict[str, dict]:
+    """Per packaged backend that has a vendor binary: what it found (``describe_vendor``)."""
+    out = {}
+    for name in registry.PACKAGED:
+        desc = describe_vendor(name, plat)
+        if desc is not None:
+            out[name] = desc
+    return out
 
 
 def _jsonable(value):
@@ -104,13 +93,13 @@ def choose(spec: ModelSpec, fmt: KVFormat, device: torch.device) -> dict:
     """Per layer kind and phase: the backend that runs it and why ({"backend", "source",
     "passed_over": {name: reasons}} or {"error": text})."""
     plat = platform_for_device(device)
-    requested, source = backend_mod.requested_backend()
+    requested, source = registry.requested_backend()
     out: dict[str, dict] = {}
     for kind in spec.kinds:
         for phase in Phase:
             key = f"{kind.name}/{phase.value}"
             try:
-                name = backend_mod.select(plat, spec, fmt, kind, phase, requested, source)
+                name = registry.select(plat, spec, fmt, kind, phase, requested, source)
             except (BackendUnavailableError, ValueError) as exc:
                 out[key] = {"error": str(exc)}
                 continue
@@ -121,10 +110,10 @@ def choose(spec: ModelSpec, fmt: KVFormat, device: torch.device) -> dict:
             if requested != "auto":
                 why += f"; the forced {requested!r} does not implement {phase.value}"
             passed: dict[str, list[str]] = {}
-            for cand in backend_mod.priority_for(plat, phase):
+            for cand in registry.priority_for(plat, phase):
                 if cand == name:
                     break
-                passed[cand] = backend_mod.reasons_for(cand, plat, spec, fmt, kind, phase)
+                passed[cand] = registry.reasons_for(cand, plat, spec, fmt, kind, phase)
             out[key] = {"backend": name, "source": why, "passed_over": passed}
     return out
 
@@ -151,11 +140,11 @@ def collect(heads: int = 64, fmt: str = "fp8_ds_mla", topk: int = 512, max_model
     facts = plat.as_dict()
     libraries = facts.pop("libraries")
     backends = {}
-    for name in backend_mod.backend_names():
-        instance = backend_mod.get_backend(name)
+    for name in registry.backend_names():
+        instance = registry.get_backend(name)
         backends[name] = {"importable": instance is not None,
                           "error": None if instance is not None else
-                          backend_mod.reasons_for(name, plat, spec, kv_format, LayerKind.SWA, Phase.DECODE)[0],
+                          registry.reasons_for(name, plat, spec, kv_format, LayerKind.SWA, Phase.DECODE)[0],
                           "phases": [p.value for p in instance.phases] if instance is not None else []}
     return {
         "dsv4_attn": __version__,
@@ -165,7 +154,7 @@ def collect(heads: int = 64, fmt: str = "fp8_ds_mla", topk: int = 512, max_model
         "gpu_visible": base.is_gpu,
         "platform": facts,
         "libraries": libraries,
-        "vendor_binaries": {key: describe_vendor(key, plat) for key in _DESCRIBERS},
+        "vendor_binaries": vendor_binaries(plat),
         "backends": backends,
         "vllm_plugin": engine_plugin("vllm"),
         "sglang_plugin": engine_plugin("sglang"),
@@ -201,9 +190,9 @@ def render(info: dict) -> str:
         lines.append(f"  {name:<14} {'yes' if lib['found'] else 'no':<6} {lib.get('version') or '-':<22} {extra}")
     lines += ["", "vendor binaries (what each vendor backend found to run on)"]
     for key, desc in info["vendor_binaries"].items():
-        first, *more = vendor_text(key, desc, info["libraries"])
-        lines.append(f"  {key:<11} {first}")
-        lines += [f"  {'':<11} {line}" for line in more]
+        first, *more = desc["text"]
+        lines.append(f"  {key:<17} {first}")
+        lines += [f"  {'':<17} {line}" for line in more]
     for engine in ("vllm", "sglang"):
         lines += ["", f"{engine} plugin"] + [f"  {k:<17} {v}" for k, v in info[f"{engine}_plugin"].items()]
     lines += ["", "backends (registered; whether each can run here is under backend choice and explain())"]
@@ -222,57 +211,6 @@ def render(info: dict) -> str:
             lines.append(f"  {'':<16}   passed over {name}: {'; '.join(reasons)}")
     lines += ["", "explain()", info["explain"]]
     return "\n".join(lines) + "\n"
-
-
-def vendor_text(key: str, desc: dict, libraries: dict) -> list[str]:
-    """A vendor's section of the probe in words: first line a status (loaded, usable, not
-    found, not used, ...), then details; every reason once, no raw None / False."""
-    body = desc["info"]
-    if desc["status"] == "absent":
-        return ["module not in this dsv4_attn build"]
-    if desc["status"] == "error":
-        return [f"the probe failed: {_one_line(body)}"]
-    return _VENDOR_TEXT[key](body, libraries)
-
-
-def _flashmla_text(info: dict, libraries: dict) -> list[str]:
-    if info["loaded"]:
-        return [f"loaded: {_one_line(info['summary'])}"]
-    return ["not found: " + _one_line(info["summary"]).removeprefix("FlashMLA not loaded: ")]
-
-
-def _flashinfer_text(info, libraries: dict) -> list[str]:
-    lib = libraries.get("flashinfer", {})
-    found = f"flashinfer-python {lib.get('version')} installed; " if lib.get("found") else ""
-    if isinstance(info, str):  # not loaded on this platform
-        return [f"not used: {found}" + info.removeprefix("not loaded: ")]
-    if info["usable"]:
-        return [f"usable: flashinfer-python {info['version']} with its TRTLLM-gen DSv4 kernel"]
-    return [f"not usable: {found}" + "; ".join(info["reasons"])]
-
-
-def _aiter_text(info: dict, libraries: dict) -> list[str]:
-    lib = libraries.get("aiter", {})
-    if not info["found"]:
-        where = (f"AITER {lib.get('version') or '(version unknown)'} installed at {lib.get('location')}; "
-                 if lib.get("found") else "")
-        return [f"not usable: {where}{_one_line(info['error'])}"]
-    emulated = ", EMULATED" if info["emulated"] else ""
-    lines = [f"found: AITER {info['version']} on {info['arch']} (fp8 dialect {info['dialect']}{emulated})"]
-    enabled = [f"{path} ({status.removeprefix('enabled').strip(' ()')})" if status != "enabled" else path
-               for path, status in info["paths"].items() if status.startswith("enabled")]
-    lines.append(f"serves: {', '.join(enabled) or 'nothing'}")
-    lacking: dict[str, list[str]] = {}  # reason -> paths, so that each reason is printed once
-    for path, status in info["paths"].items():
-        if not status.startswith("enabled"):
-            lacking.setdefault(status, []).append(path)
-    lines += [f"lacks ({', '.join(paths)}): {_one_line(why)}" for why, paths in lacking.items()]
-    if lacking:
-        lines.append('what each AITER version has: docs/rocm.md "Install AITER"')
-    return lines
-
-
-_VENDOR_TEXT = {"flashmla": _flashmla_text, "flashinfer": _flashinfer_text, "aiter": _aiter_text}
 
 
 def _one_line(value) -> str:

@@ -31,18 +31,12 @@ import sys
 import torch
 
 import dsv4_attn as dsv4
+from dsv4_attn.models import CSA, HCA, SWA, V4_FLASH
 
 # The attention fields of DeepSeek-V4-Flash's config.json (64 heads, indexer top-k 512, window
-# 128, 1M positions) with a short layer list: the released model has more layers of these kinds.
-V4_FLASH_CONFIG = {
-    "model_type": "deepseek_v4",
-    "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64, "index_topk": 512,
-    "sliding_window": 128, "max_position_embeddings": 1048576,
-    "num_hidden_layers": 5, "num_nextn_predict_layers": 1,
-    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                    "compressed_sparse_attention", "heavily_compressed_attention"],
-    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-}
+# 128, 1M positions; dsv4_attn.models holds the released models' fields) with a short layer list:
+# the released model has more layers of these kinds.
+V4_FLASH_CONFIG = {**V4_FLASH.config, "num_hidden_layers": 5, "layer_types": [SWA, CSA, HCA, CSA, HCA]}
 # DeepSeek-V4.1: per-layer compress_ratios (0 window only, 1 C1A, 2 C2A); layer 3 reads layer 2's
 # compressed cache (kv_source_layer_ids); the text model nested beside a vision tower.
 V41_CONFIG = {

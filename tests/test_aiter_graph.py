@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dsv4_attn as dsv4
-from dsv4_attn.common.backend import get_backend, register_backend, unregister_backend
+from dsv4_attn.common.registry import get_backend, register_backend, unregister_backend
 from dsv4_attn.common.spec import V4_KINDS, LayerKind
 from dsv4_attn.rocm import emulate
 from dsv4_attn.rocm.aiter import AiterBackend

@@ -72,7 +72,7 @@ def test_padded_heads_and_phase_split_keep_results():
     whole = _check_against_reference(mla, plan, LayerKind.C4A, q, caches, topk, sink)
     # the same layer run phase by phase (what a decode-only backend causes) gives the same bits
     split = torch.full_like(q, float("nan"))
-    backend = dsv4.common.backend.get_backend("torch")
+    backend = dsv4.common.registry.get_backend("torch")
     nd = plan.num_decode_tokens
     for phase, a, b in ((dsv4.Phase.DECODE, 0, nd), (dsv4.Phase.PREFILL, nd, plan.num_tokens)):
         layer = mla.layer_inputs(plan, LayerKind.C4A, q, caches["swa"], caches[LayerKind.C4A], topk,

@@ -4,6 +4,8 @@ caches it fills (finite, nonzero, in every record)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -66,6 +68,26 @@ def test_config_groups_and_which_formats_run_them():
     assert bench.runs_in(LayerKind.C1A, KVFormat.MODEL1_FP8) and bench.runs_in(LayerKind.C128A, KVFormat.BF16)
 
 
+def test_tensor_parallel_shards_are_timed_only_when_asked_for():
+    """h8 / h16 / h32 decode configs and the TP8 step models: in the 'tp' group, not in the default
+    set nor in 'v4' (the choices table counts their heads as 64)."""
+    shards = [f"h{h}-{t}" for h in (8, 16, 32) for t in ("c4a512", "c4a1024", "c128a", "swa")]
+    assert bench.select_configs(bench.DECODE_CONFIGS, ["tp"]) == shards
+    for names in (None, ["v4"]):
+        assert not set(shards) & set(bench.select_configs(bench.DECODE_CONFIGS, names))
+    assert bench.select_configs(bench.STEP_MODELS, None) == ["v4-flash", "v4-pro"]
+    assert bench.select_configs(bench.STEP_MODELS, ["tp"]) == ["v4-flash-tp8", "v4-pro-tp8"]
+
+
+def test_vllm_padding_of_a_shard_for_flashmla():
+    q, sink = torch.randn(3, 8, 512).bfloat16(), torch.randn(8)
+    q_pad, sink_pad = bench.runners.vllm_padded(q, sink)
+    assert q_pad.shape == (3, 64, 512) and torch.equal(q_pad[:, :8], q) and not q_pad[:, 8:].any()
+    assert torch.equal(sink_pad[:8], sink) and bool((sink_pad[8:] == float("-inf")).all())
+    full = torch.randn(3, 64, 512).bfloat16()
+    assert bench.runners.vllm_padded(full, torch.randn(64))[0] is full
+
+
 # ---- --mode step: a whole decode step of V4-Flash / V4-Pro --------------------------------------
 def test_step_models_follow_their_layer_patterns():
     """The layer lists ModelSpec.from_hf_config makes of the step models' config fields (the MTP
@@ -83,6 +105,9 @@ def test_step_models_follow_their_layer_patterns():
     spec, pro = kinds("v4-pro")
     assert (spec.num_heads, spec.topk, len(pro)) == (128, 1024, 61)
     assert pro[:2] == ["C128A", "C128A"] and pro[2::2] == ["C4A"] * 30 and pro[3::2] == ["C128A"] * 29
+    # one rank under -tp 8: the same layers, an eighth of the heads
+    assert kinds("v4-flash-tp8") == (dataclasses.replace(kinds("v4-flash")[0], num_heads=8), flash)
+    assert kinds("v4-pro-tp8")[0].num_heads == 16 and kinds("v4-pro-tp8")[1] == pro
 
 
 def test_vllm_c128a_width():
@@ -91,8 +116,8 @@ def test_vllm_c128a_width():
         [128, 256, 512, 1024, 1024]
 
 
-def _step_case(seed=3):
-    return bench.make_step_case(bench.STEP_MODELS["v4-flash"], 2, 1, torch.device("cpu"),
+def _step_case(seed=3, model="v4-flash"):
+    return bench.make_step_case(bench.STEP_MODELS[model], 2, 1, torch.device("cpu"),
                                 max_model_len=bench.STEP_CPU_MAX_MODEL_LEN, seed=seed)
 
 
@@ -137,10 +162,12 @@ def test_step_case_owns_its_caches_and_matches_the_reference():
         assert m["rel_l2"] < 1e-2 and m["cosine"] > 0.9999, (layer.kind, m)
 
 
-def test_step_flashmla_as_vllm_runner_on_the_flashmla_stand_in(monkeypatch):
+@pytest.mark.parametrize("model", ["v4-flash", "v4-flash-tp8"])
+def test_step_flashmla_as_vllm_runner_on_the_flashmla_stand_in(monkeypatch, model):
     """FlashMLA driven as vLLM drives a step, on CPU: its index kernels under TRITON_INTERPRET=1 and
     tests/test_flashmla.py's stand-in for FlashMLA's op (its argument contract enforced): every
-    layer matches the float64 reference, one tile schedule per layer kind."""
+    layer matches the float64 reference, one tile schedule per layer kind; a tensor-parallel shard
+    (8 heads) runs FlashMLA at 64 heads, padded as vLLM pads them, and only its 8 are returned."""
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:
@@ -149,11 +176,12 @@ def test_step_flashmla_as_vllm_runner_on_the_flashmla_stand_in(monkeypatch):
     from test_flashmla import FakeFlashMLA
 
     fake = FakeFlashMLA("sm90")
-    monkeypatch.setattr(bench, "raw_flashmla_ops", lambda: fake)
-    case = _step_case(seed=5)
+    monkeypatch.setattr(bench.runners, "raw_flashmla_ops", lambda: fake)
+    case = _step_case(seed=5, model=model)
     run, outs, how = bench.flashmla_vllm_step_runner(case)
     assert run is not None, how
     assert "C128A rows 128 wide" in how  # lengths <= 2048: 16 entries -> vLLM's minimum width
+    assert ("8 heads padded to 64" in how) == (model == "v4-flash-tp8")
     for out in outs:
         out.fill_(float("nan"))
     run()
@@ -161,7 +189,7 @@ def test_step_flashmla_as_vllm_runner_on_the_flashmla_stand_in(monkeypatch):
         assert not out.isnan().any(), layer.index
         m = compare(out, _reference(case, layer))
         assert m["rel_l2"] < 1e-2 and m["cosine"] > 0.9999, (layer.index, layer.kind, m)
-    assert len(fake.decode_calls) == 43
+    assert len(fake.decode_calls) == 43 and {call["h"] for call in fake.decode_calls} == {64}
     tiles = {}
     for call in fake.decode_calls:
         tiles.setdefault(call["config"], set()).add(id(call["tile"]))
@@ -225,7 +253,8 @@ def test_a_backend_that_cannot_be_captured_says_why_and_the_bench_times_it_eager
     """FlashMLA's prefill sizes its workspace on the host: declared (Backend.uncapturable), and
     the bench names it instead of trying a capture that fails with a CUDA error."""
     from dsv4_attn.api import SparseMLA
-    from dsv4_attn.common.backend import Phase, get_backend
+    from dsv4_attn.common.backend import Phase
+    from dsv4_attn.common.registry import get_backend
 
     assert "torch.unique" in get_backend("flashmla").uncapturable[Phase.PREFILL]
     assert Phase.DECODE not in get_backend("flashmla").uncapturable
@@ -241,3 +270,13 @@ def test_a_backend_that_cannot_be_captured_says_why_and_the_bench_times_it_eager
                                                        max_model_len=4096), 2, 1, torch.device("cpu"))
     dplan = SparseMLA(decode.spec, decode.fmt, backend="torch").plan(decode.batch)
     assert bench.uncapturable("flashmla", decode, dplan) is None
+
+
+def test_host_us_times_eager_calls_on_the_calling_thread():
+    """bench's host µs per layer call (eager path): the calls made after one warm-up, per call,
+    and a CSV column (the figure itself is a measurement, not asserted)."""
+    from dsv4_attn import bench
+
+    calls = []
+    us = bench.host_us(lambda: calls.append(1), torch.device("cpu"), calls=7)
+    assert len(calls) == 8 and us > 0 and "host_us" in bench.CSV_COLUMNS

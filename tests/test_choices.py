@@ -8,8 +8,9 @@ import json
 import pytest
 
 import dsv4_attn as dsv4
-from dsv4_attn.common import backend as bm
 from dsv4_attn.common import choices
+from dsv4_attn.common import registry as bm
+from dsv4_attn.common.backend import Capabilities, PlatformSupport
 from dsv4_attn.common.layout import KVFormat
 from dsv4_attn.common.platform import Platform
 from dsv4_attn.common.spec import LayerKind, ModelSpec
@@ -56,7 +57,7 @@ def table(tmp_path, monkeypatch):
 class _Any(dsv4.Backend):
     def __init__(self, name, refuse=False):
         self.name, self._refuse = name, refuse
-        self.capabilities = bm.Capabilities(platforms=(bm.PlatformSupport("*"),), formats=tuple(KVFormat))
+        self.capabilities = Capabilities(platforms=(PlatformSupport("*"),), formats=tuple(KVFormat))
 
     def extra_reasons(self, platform, spec, fmt, kind, phase, dialects):
         return ["refuses for the test"] if self._refuse else []
@@ -219,3 +220,108 @@ def test_bench_gaps_count_each_backends_per_step_work():
     results[0]["backends"]["auto"]["picked"] = "flashmla"
     [(gap, *_)] = auto_gaps(results)
     assert round(gap, 6) == round(40.0 / 21.0 - 1, 6)
+
+
+def test_layer_calls_reuse_the_decision_of_their_launch_size_range(table, fakes, monkeypatch):
+    """SparseMLA.backend_for looks the measured order up once per (kind, phase, range of the
+    table) -- eager and piecewise steps call it at every layer -- and decides as select() does
+    for every launch size."""
+    fakes("flashmla", index=0)
+    fakes("triton", index=1)
+    monkeypatch.setattr(dsv4.SparseMLA, "platform", property(lambda self: SM90))
+    mla = dsv4.SparseMLA(SPEC, KVFormat.MODEL1_FP8)
+    sizes = range(1, 400)
+    expected = [_pick(t) for t in sizes]
+    assert expected[32:34] == ["triton", "triton"] and expected[159:161] == ["triton", "flashmla"]  # range edges
+    lookups = []
+    real_order = bm.auto_order
+    monkeypatch.setattr(bm, "auto_order", lambda *args: lookups.append(args[-1]) or real_order(*args))
+    for _ in range(2):
+        assert [mla.backend_for(LayerKind.C4A, dsv4.Phase.DECODE, t) for t in sizes] == expected
+    assert lookups == [1, 34, 161]  # ranges [1, 34), [34, 161), [161, 2**31): one lookup each
+
+
+def _device_table(folder, arch, device, first):
+    """A packaged-style table measured on ``device`` whose C4A decode order starts with ``first``."""
+    entry = {"phase": "decode", "kind": "C4A", "heads": 64, "format": "fp8_ds_mla", "tokens": [1, 2**31],
+             "order": [first, "flashmla" if first == "triton" else "triton"], "evidence": f"measured on {device}"}
+    path = folder / choices.packaged_name(arch, device)
+    path.write_text(json.dumps({"arch": arch, "device": device, "source": "test", "entries": [entry]}))
+    return path
+
+
+@pytest.fixture
+def device_tables(tmp_path, monkeypatch):
+    """A choices folder holding an H100 table (triton first) and an H200 table (flashmla first)."""
+    monkeypatch.delenv("DSV4_ATTN_CHOICES", raising=False)
+    monkeypatch.setattr(choices, "_folder", lambda: tmp_path)
+    choices._packaged.cache_clear()
+    _device_table(tmp_path, "sm90", "NVIDIA H100 80GB HBM3", "triton")
+    _device_table(tmp_path, "sm90", "NVIDIA H200", "flashmla")
+    yield tmp_path
+    choices._packaged.cache_clear()
+    choices._load.cache_clear()
+
+
+def test_packaged_names_follow_the_device():
+    assert choices.packaged_name("sm90", "NVIDIA H100 80GB HBM3") == "sm90-h100-80gb-hbm3.json"
+    assert choices.packaged_name("sm90", "NVIDIA H200") == "sm90-h200.json"
+    assert choices.packaged_name("gfx942", "AMD Instinct MI300X") == "gfx942-mi300x.json"
+
+
+def test_each_device_takes_its_own_table_and_another_part_the_nearest(device_tables, fakes):
+    fakes("flashmla", index=0)
+    fakes("triton", index=1)
+    h100, h200 = (Platform("cuda", "sm90", name, "2.x") for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"))
+    pick = {p.device_name: bm.select(p, SPEC, KVFormat.MODEL1_FP8, LayerKind.C4A, dsv4.Phase.DECODE, num_tokens=8)
+            for p in (h100, h200)}
+    assert pick == {"NVIDIA H100 80GB HBM3": "triton", "NVIDIA H200": "flashmla"}
+    entries, where, note = choices.table_for("sm90", "NVIDIA H200")
+    assert where == "dsv4_attn/data/choices/sm90-h200.json" and note == "" and "NVIDIA H200" in entries[0].evidence
+    # an H100 PCIe shares 'h100' with the H100 SXM table: the nearest, named in the note
+    entries, where, note = choices.table_for("sm90", "NVIDIA H100 PCIe")
+    assert where.endswith("sm90-h100-80gb-hbm3.json")
+    assert note == "no table measured on NVIDIA H100 PCIe; the nearest sm90 table is NVIDIA H100 80GB HBM3's"
+    _, why = bm.auto_order(Platform("cuda", "sm90", "NVIDIA H100 PCIe", "2.x"), SPEC, KVFormat.MODEL1_FP8,
+                           LayerKind.C4A, dsv4.Phase.DECODE, 8)
+    assert "(no table measured on NVIDIA H100 PCIe; the nearest sm90 table is" in why
+    # no table for the arch at all: nothing measured
+    assert choices.table_for("sm100", "NVIDIA B200") == ((), "", "")
+
+
+def test_explain_says_when_the_table_is_another_devices(device_tables, monkeypatch):
+    monkeypatch.setattr(dsv4.SparseMLA, "platform", property(lambda self: Platform("cuda", "sm90", "NVIDIA H800",
+                                                                                       "2.x")))
+    text = dsv4.SparseMLA(ModelSpec(num_heads=64), "fp8_ds_mla", backend="auto", device="cpu").explain()
+    assert "measured choices (dsv4_attn/data/choices/" in text
+    assert "no table measured on NVIDIA H800; the nearest sm90 table is" in text
+
+
+def test_the_shipped_h100_table_is_found_by_its_device():
+    """The packaged sm_90 table was measured on the H100 (its file says so): an H100 reads it
+    with no note, an H200 with the nearest-device note until its own table ships."""
+    entries, where, note = choices.table_for("sm90", "NVIDIA H100 80GB HBM3")
+    assert entries and where == "dsv4_attn/data/choices/sm90-h100-80gb-hbm3.json" and note == ""
+    shipped = {p.name for p in choices._folder().iterdir()}
+    entries, where, note = choices.table_for("sm90", "NVIDIA H200")
+    if "sm90-h200.json" in shipped:
+        assert where.endswith("sm90-h200.json") and note == ""
+    else:
+        assert where.endswith("sm90-h100-80gb-hbm3.json") and note.startswith("no table measured on NVIDIA H200")
+
+
+def test_bench_written_table_ships_under_the_name_it_prints(tmp_path, monkeypatch):
+    """--write-choices' table (choices.from_bench) saved under packaged_name is what that device reads."""
+    row = {"phase": "decode", "kind": "c4a", "heads": 64, "format": "fp8_ds_mla", "tokens": 8, "case": "h64 b=8",
+           "backends": {"triton": {"us": 30.0}, "flashmla": {"us": 20.0}}}
+    table = choices.from_bench({"meta": {"device": "NVIDIA H200"}, "results": [row]}, "sm90")
+    (tmp_path / choices.packaged_name(table["arch"], table["device"])).write_text(json.dumps(table))
+    monkeypatch.delenv("DSV4_ATTN_CHOICES", raising=False)
+    monkeypatch.setattr(choices, "_folder", lambda: tmp_path)
+    choices._packaged.cache_clear()
+    try:
+        hit, where = choices.measured("sm90", "decode", "C4A", 64, "fp8_ds_mla", 8, "NVIDIA H200")
+        assert hit.order == ("flashmla", "triton") and where == "dsv4_attn/data/choices/sm90-h200.json"
+    finally:
+        choices._packaged.cache_clear()
+        choices._load.cache_clear()

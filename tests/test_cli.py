@@ -41,7 +41,8 @@ def test_probe_json():
     res = _run("probe", "--json", "--heads", "128", "--format", "bfloat16")
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout)
-    assert info["platform"]["torch_version"] and set(info["vendor_binaries"]) == {"flashmla", "flashinfer", "aiter"}
+    assert info["platform"]["torch_version"]
+    assert set(info["vendor_binaries"]) == {"flashmla", "flashinfer-trtllm", "aiter"}  # the backends with a binary
     assert info["selection"]["heads"] == 128 and len(info["selection"]["choices"]) == 6
     assert info["vllm_plugin"]["vllm plugin"].startswith(("off", "available", "on", "refused"))
     assert info["sglang_plugin"]["sglang plugin"].startswith(("off", "available", "on", "refused"))
@@ -71,9 +72,9 @@ def test_probe_says_each_vendor_status_in_words_with_each_reason_once(monkeypatc
     section = text.split("vendor binaries", 1)[1].split("\nvllm plugin", 1)[0]
     assert "[ok]" not in section and "None" not in section and "False" not in section
     lines = [line.strip() for line in section.splitlines()[1:] if line.strip()]
-    assert lines[0].startswith("flashmla    not found: flash_mla: not installed")
-    assert lines[1].startswith("flashinfer  not used: ")
-    assert lines[2] == "aiter       found: AITER 0.1.20.post1 on gfx942 (fp8 dialect fnuz, EMULATED)"
+    assert lines[0].startswith("flashmla          not found: flash_mla: not installed")
+    assert lines[1].startswith("flashinfer-trtllm not used: ")
+    assert lines[2] == "aiter             found: AITER 0.1.20.post1 on gfx942 (fp8 dialect fnuz, EMULATED)"
     assert "serves: mla_decode_fwd (split), mla_decode_fwd (persistent)" in section
     assert "lacks (sparse_mla_fwd): " in section and "lacks (mla_decode_fwd_v4_nm): no v4 nm code object" in section
     monkeypatch.delenv("DSV4_ATTN_AITER_EMULATOR")
@@ -185,7 +186,8 @@ def _bench_in_process(monkeypatch, argv):
     """bench.main(argv) with the device ceilings faked (the real ones take seconds to measure)."""
     from dsv4_attn import bench
 
-    monkeypatch.setattr(bench, "measure_ceilings", lambda device: {"copy_bytes_per_s": 1e10, "bf16_flops_per_s": 1e11})
+    ceilings = {"copy_bytes_per_s": 1e10, "bf16_flops_per_s": 1e11}
+    monkeypatch.setattr(bench.cli, "measure_ceilings", lambda device: ceilings)
     return bench.main(argv)
 
 
@@ -195,7 +197,8 @@ def _bench_in_process(monkeypatch, argv):
     (["--batches", "0"], "--batches: got [0]; allowed: positive ints"),
     (["--format", "fp4"], "fmt: got 'fp4'"),
     (["--mode", "step", "--configs", "h64-c4a512"],
-     "--configs: got ['h64-c4a512'] (--mode step); allowed: ['v4-flash', 'v4-pro', 'v4']"),
+     "--configs: got ['h64-c4a512'] (--mode step); allowed: "
+     "['v4-flash', 'v4-pro', 'v4-flash-tp8', 'v4-pro-tp8', 'v4', 'tp']"),
     (["--mode", "step", "--mtp", "0"], "--mtp: got [0]; allowed: positive ints"),
 ])
 def test_bench_bad_arguments_are_exit_2_before_any_work(monkeypatch, capsys, argv, message):
@@ -204,7 +207,7 @@ def test_bench_bad_arguments_are_exit_2_before_any_work(monkeypatch, capsys, arg
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the arguments were checked")
 
-    monkeypatch.setattr(bench, "measure_ceilings", no_work)
+    monkeypatch.setattr(bench.cli, "measure_ceilings", no_work)
     assert bench.main(argv + ["--device", "cpu"]) == 2
     assert message in capsys.readouterr().err
 
@@ -216,7 +219,7 @@ def test_bench_png_without_matplotlib_is_exit_2_before_any_work(monkeypatch, cap
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    monkeypatch.setattr(bench, "measure_ceilings", lambda device: pytest.fail("work started before the check"))
+    monkeypatch.setattr(bench.cli, "measure_ceilings", lambda device: pytest.fail("work started before the check"))
     assert bench.main(["--device", "cpu", "--png", "x.png"]) == 2
     assert "--png: got 'x.png', but matplotlib is not installed" in capsys.readouterr().err
 
@@ -262,7 +265,7 @@ def test_bench_config_groups_and_formats_on_cpu(monkeypatch, capsys, tmp_path):
     from dsv4_attn import bench
 
     assert bench.main(["--device", "cpu", "--configs", "v5"]) == 2
-    assert "'v4', 'v41']" in capsys.readouterr().err  # the groups are named among the allowed
+    assert "'v4', 'v41', 'tp']" in capsys.readouterr().err  # the groups are named among the allowed
     csv_path = tmp_path / "b.csv"
     rc = _bench_in_process(monkeypatch, ["--device", "cpu", "--configs", "h64-c4a512", "h64-c1a512", "--reps", "2",
                                          "--format", "fp8_ds_mla", "mxfp8_ds_mla", "--csv", str(csv_path)])

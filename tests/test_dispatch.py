@@ -10,7 +10,8 @@ import sys
 import pytest
 
 import dsv4_attn as dsv4
-from dsv4_attn.common import backend as bm
+from dsv4_attn.common import registry as bm
+from dsv4_attn.common.backend import Capabilities, PlatformSupport
 from dsv4_attn.common.layout import KVFormat
 from dsv4_attn.common.platform import Platform
 from dsv4_attn.common.spec import LayerKind, ModelSpec
@@ -23,7 +24,7 @@ class _Fake(dsv4.Backend):
 
     def __init__(self, name, reasons=(), phases=(dsv4.Phase.DECODE, dsv4.Phase.PREFILL)):
         self.name, self._reasons = name, list(reasons)
-        self.capabilities = bm.Capabilities(platforms=(bm.PlatformSupport("*"),), formats=tuple(KVFormat),
+        self.capabilities = Capabilities(platforms=(PlatformSupport("*"),), formats=tuple(KVFormat),
                                             phases=phases)
 
     def extra_reasons(self, platform, spec, fmt, kind, phase, dialects):

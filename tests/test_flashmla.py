@@ -30,8 +30,8 @@ import torch
 
 import dsv4_attn as dsv4
 from dsv4_attn.api import SparseMLA
-from dsv4_attn.common import backend as bm
 from dsv4_attn.common import layout
+from dsv4_attn.common import registry as bm
 from dsv4_attn.common.layout import KVFormat, Record
 from dsv4_attn.common.platform import Platform
 from dsv4_attn.common.spec import V4_KINDS, LayerKind, ModelSpec
@@ -320,7 +320,7 @@ def test_fused_topk_translation_matches_the_torch_ops_on_garbage(kinds):
     """Every garbage class in the block tables and the top-k rows (tests/garbage_cases.py), top-k
     32 (padded to 128 columns), the cache's slot count and bounds that cut valid slots: the fused
     kernel writes what translation + bound + padding in torch write, lens too."""
-    from dsv4_attn.common.indices import Tokens, comp_rows_for
+    from dsv4_attn.common.indices import Tokens, bounded_rows, comp_rows_for
     from dsv4_attn.portable.kernels.indices import topk_rows
 
     step = garbage_step(torch.Generator().manual_seed(29), kinds=kinds)
@@ -333,7 +333,7 @@ def test_fused_topk_translation_matches_the_torch_ops_on_garbage(kinds):
         valid = rows[rows >= 0]
         for num_slots in (slots, int(valid.median()), int(valid.min()) + 1, 1):
             got_rows, got_lens = topk_rows(tokens, kind.ratio, table, bs, local, num_slots, flashmla.TOPK_BLOCK)
-            want = flashmla._kernel_rows(rows, num_slots, flashmla.TOPK_BLOCK)
+            want = bounded_rows(rows, num_slots, multiple=flashmla.TOPK_BLOCK)
             assert got_rows.shape == want.shape == (rows.shape[0], 128) and got_rows.is_contiguous()
             assert torch.equal(got_rows, want), (kind, num_slots)
             assert torch.equal(got_lens, lens), kind
@@ -354,9 +354,14 @@ def test_adapter_translates_each_top_k_layer_in_one_kernel(fake_flashmla, monkey
     from dsv4_attn.portable.kernels import indices as kernel_indices
 
     fused, torch_widths = [], []
-    real_fused, real_rows = kernel_indices.topk_rows, flashmla._kernel_rows
+    real_fused, real_rows = kernel_indices.topk_rows, flashmla.bounded_rows
     monkeypatch.setattr(kernel_indices, "topk_rows", lambda *a, **k: fused.append(a[5:]) or real_fused(*a, **k))
-    monkeypatch.setattr(flashmla, "_kernel_rows", lambda r, *a: torch_widths.append(r.shape[1]) or real_rows(r, *a))
+    def torch_rows(r, *a, **k):  # the decode kernel's rows made by torch ops (padded: multiple given)
+        if k.get("multiple", 1) > 1:
+            torch_widths.append(r.shape[1])
+        return real_rows(r, *a, **k)
+
+    monkeypatch.setattr(flashmla, "bounded_rows", torch_rows)
     step = garbage_step(torch.Generator().manual_seed(31), kinds=kinds)
     case, clean = step.case, step.clean
     mla = SparseMLA(case.spec, "fp8_ds_mla", backend="flashmla", front_end="triton")
@@ -376,7 +381,8 @@ def test_adapter_translates_each_top_k_layer_in_one_kernel(fake_flashmla, monkey
         assert m["rel_l2"] < 1e-2 and m["cosine"] > 0.9999, (kind, m)
     topk_kinds = [k for k in kinds if k.uses_topk]
     slots = [case.caches[k].shape[0] * case.batch.comp_block_size(k) for k in topk_kinds]
-    assert [f for f in fused if f] == [(n, flashmla.TOPK_BLOCK) for n in slots]  # one per top-k layer
+    bounded = [f for f in fused if f and f[0] is not None]  # (num_slots, multiple) of the decode launches
+    assert bounded == [(n, flashmla.TOPK_BLOCK) for n in slots]  # one per top-k layer
     assert case.spec.topk not in torch_widths  # only SWA / C128A rows went through the torch ops
 
 

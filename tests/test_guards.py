@@ -28,8 +28,9 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
 
 import dsv4_attn as dsv4  # noqa: E402
-from dsv4_attn.common import backend as backend_mod  # noqa: E402
 from dsv4_attn.common import layout, reference  # noqa: E402
+from dsv4_attn.common import registry as backend_mod  # noqa: E402
+from dsv4_attn.common.backend import Phase  # noqa: E402
 from dsv4_attn.common.spec import V4_KINDS, LayerKind  # noqa: E402
 
 from compare import assert_close, compare  # noqa: E402
@@ -198,7 +199,7 @@ def test_flashmla_adapter_masks_garbage():
     """The flashmla backend's index preparation (decode rows, prefill workspace rows): FlashMLA's
     kernels read every entry that is not -1."""
     reasons = backend_mod.reasons_for("flashmla", dsv4.probe(), dsv4.ModelSpec(num_heads=16), dsv4.KVFormat.MODEL1_FP8,
-                                      LayerKind.C4A, backend_mod.Phase.DECODE)
+                                      LayerKind.C4A, Phase.DECODE)
     if reasons:
         pytest.skip("; ".join(reasons))
     _run_garbage_step("cuda", "flashmla", "triton")

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import dsv4_attn as dsv4
-from dsv4_attn.common import backend as backend_mod
 from dsv4_attn.common import layout, reference
+from dsv4_attn.common import registry as backend_mod
 from dsv4_attn.common.backend import BackendUnavailableError, Phase
 from dsv4_attn.common.layout import Fp8Dialect, KVFormat, Record
 from dsv4_attn.common.platform import probe

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dsv4_attn import parity
-from dsv4_attn.common import backend as bm
 from dsv4_attn.common import indices, layout
+from dsv4_attn.common import registry as bm
 from dsv4_attn.common.backend import Backend, Phase
 from dsv4_attn.common.layout import KVFormat
 from dsv4_attn.common.spec import LayerKind

@@ -172,12 +172,12 @@ def test_from_hf_config_refuses_what_it_cannot_read(cfg, tp, message):
 def test_engines_take_the_layer_counts_from_the_config_when_its_kinds_are_theirs():
     """model_layer_kinds: the per-layer list of a V4-Flash-like config (2 window-only layers, C4A
     / C128A alternating, 1 MTP layer) when it names exactly the engine's kinds; else those kinds."""
-    from dsv4_attn.bench import STEP_MODELS
-    from dsv4_attn.common.backend import layers_per_step
+    from dsv4_attn.common.registry import layers_per_step
     from dsv4_attn.common.spec import model_layer_kinds
+    from dsv4_attn.models import V4_FLASH
 
     v4 = (LayerKind.SWA, LayerKind.C4A, LayerKind.C128A)
-    config = STEP_MODELS["v4-flash"].config
+    config = V4_FLASH.config
     kinds = model_layer_kinds(config, v4)
     assert len(kinds) == 44 and kinds[:4] == (LayerKind.SWA, LayerKind.SWA, LayerKind.C4A, LayerKind.C128A)
     assert (kinds.count(LayerKind.SWA), kinds.count(LayerKind.C4A), kinds.count(LayerKind.C128A)) == (3, 21, 20)

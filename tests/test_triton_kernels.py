@@ -25,8 +25,9 @@ if not HAS_CUDA:
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
 import dsv4_attn as dsv4  # noqa: E402
-from dsv4_attn.common import backend as backend_mod  # noqa: E402
 from dsv4_attn.common import layout, reference  # noqa: E402
+from dsv4_attn.common import registry as backend_mod  # noqa: E402
+from dsv4_attn.common.backend import Phase  # noqa: E402
 from dsv4_attn.common.spec import V4_KINDS, LayerKind  # noqa: E402
 
 import step_cases  # noqa: E402
@@ -238,10 +239,10 @@ def test_refusal_reasons(monkeypatch):
 
     b = tb.TritonBackend()
     spec = dsv4.ModelSpec(num_heads=64)
-    args = (spec, KVFormat.MODEL1_FP8, LayerKind.C4A, backend_mod.Phase.DECODE)
+    args = (spec, KVFormat.MODEL1_FP8, LayerKind.C4A, Phase.DECODE)
     ampere = Platform("cuda", "sm80", "A100", torch.__version__)
     assert any("sm_89" in r for r in b.unsupported_reasons(ampere, *args))
-    assert b.unsupported_reasons(ampere, spec, KVFormat.BF16, LayerKind.C4A, backend_mod.Phase.DECODE) == []
+    assert b.unsupported_reasons(ampere, spec, KVFormat.BF16, LayerKind.C4A, Phase.DECODE) == []
     volta = Platform("cuda", "sm70", "V100", torch.__version__)
     assert any("sm_80" in r for r in b.unsupported_reasons(volta, *args))
     assert b.unsupported_reasons(Platform("cuda", "sm90", "H100", torch.__version__), *args) == []
@@ -507,7 +508,7 @@ def test_kernel_choice_is_visible_in_explain(monkeypatch):
     h100 = Platform("cuda", "sm90", "H100", torch.__version__)
     mi355 = Platform("rocm", "gfx950", "MI355X", torch.__version__)
     spec = dsv4.ModelSpec(num_heads=128)
-    phase = backend_mod.Phase.DECODE
+    phase = Phase.DECODE
     v4 = b.choice(h100, spec, KVFormat.MODEL1_FP8, LayerKind.C4A, phase, ocp)
     assert v4.startswith("Gluon Hopper kernel, 64 heads x 64 keys"), v4
     for fmt, want in ((KVFormat.MXFP8, "not mxfp8"), (KVFormat.NVFP4, "not mxfp8/nvfp4")):

@@ -35,10 +35,12 @@ HEADS, TOPK, MAX_MODEL_LEN, W = 64, 128, 8192, 128
 MAX_REQS, MAX_TOKENS, NUM_BLOCKS = 8, 32, 96
 SWA_BS, BS = 64, 256  # SWA block (tokens); compressed-cache block (uncompressed tokens)
 # (layer prefix, ratio, SWA-cache group): vLLM 0.33 puts DeepSeek-V4's SWA caches into two
-# groups and every compressed cache into one (tests/test_vllm_shim.py builds the real ones).
+# groups and every compressed cache into one (tests/test_vllm_shim.py builds the real ones). Both
+# SWA groups hold a C128A layer: their two plans share one C128A row set.
 LAYERS = [("model.layers.0.attn", LayerKind.SWA, "swa_a"), ("model.layers.1.attn", LayerKind.C4A, "swa_b"),
-          ("model.layers.2.attn", LayerKind.C128A, "swa_a"), ("model.layers.3.attn", LayerKind.C4A, "swa_b")]
-MTP = ("model.layers.4.attn", LayerKind.SWA, "swa_b")
+          ("model.layers.2.attn", LayerKind.C128A, "swa_a"), ("model.layers.3.attn", LayerKind.C4A, "swa_b"),
+          ("model.layers.4.attn", LayerKind.C128A, "swa_b")]
+MTP = ("model.layers.5.attn", LayerKind.SWA, "swa_b")
 
 
 class Engine:
@@ -56,8 +58,9 @@ class Engine:
         self.topk = torch.full((MAX_TOKENS, TOPK), -1, **i32)
         spec = ModelSpec(num_heads=HEADS, topk=TOPK, max_model_len=MAX_MODEL_LEN)
         groups = {}
-        self.planner = shim.StepPlanner(spec, MAX_TOKENS, MAX_REQS, Fp8Dialect.OCP, BS,
-                                        predict=lambda layers: shim.plan_groups(layers, groups.__getitem__)[1])
+        self.planner = shim.StepPlanner(spec, MAX_TOKENS, MAX_REQS, Fp8Dialect.OCP,
+                                        predict=lambda layers: shim.plan_groups(layers, groups.__getitem__)[1],
+                                        block_size=lambda: BS)
         self.layers = [self._layer(*entry, draft=False) for entry in LAYERS]
         self.mtp = self._layer(*MTP, draft=True)
         for layer in self.layers + [self.mtp]:
@@ -262,6 +265,7 @@ def test_plan_groups_follow_the_kv_cache_groups():
                       shim.PlanGroup("d.swa", ((128, "d"), (4, "e")))]
     assert index == {"a": 0, "b": 0, "c": 1, "d": 2, "e": 2, "f": 0}
     assert [g.has_c128a for g in groups] == [True, False, True]
+    assert [g.c128a_table for g in groups] == ["C3", None, "C3"]  # two plans, one ratio-128 table: one row set
 
 
 def test_plan_groups_of_shared_compressed_caches():
@@ -285,6 +289,8 @@ def test_vllm_shaped_decode_steps_eager(gen, monkeypatch):
     monkeypatch.setenv("DSV4_ATTN_BACKEND", "torch")
     engine = Engine(torch.device("cpu"), gen)
     engine.planner.reserve(engine.device)
+    slot_a, slot_b = (engine.planner.slots[i]._buffers.all_rows[128][0] for i in (0, 1))
+    assert slot_a is slot_b  # one C128A row set for both plans of a step
     errors = run_decode(engine, 2)
     assert len(errors) == len(BATCHES) * len(LAYERS)
     assert engine.planner.plans_built == len(BATCHES) * 2  # one plan per SWA group and step
@@ -332,7 +338,7 @@ def capture(engine: Engine, step, q_len: int, num_outputs: int) -> SimpleNamespa
 
 
 def plan_bytes(engine: Engine) -> int:
-    return sum(shim._buffer_bytes(m) for m in engine.planner.slots + [engine.planner.draft_slot])
+    return shim._buffer_bytes(*engine.planner.slots, engine.planner.draft_slot)
 
 
 @pytest.mark.gpu

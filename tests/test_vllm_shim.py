@@ -94,8 +94,8 @@ def stack(built_stack, gen) -> VllmStack:
     return built_stack
 
 
-def basic_config(backend: str | None = None, block_size: int = 256):
-    """A real VllmConfig without a model (plugin and selection tests)."""
+def basic_config(backend: str | None = None, block_size: int | None = None):
+    """A real VllmConfig without a model (plugin and selection tests); block size: vLLM's default."""
     from vllm.config import AttentionConfig, CacheConfig, DeviceConfig, VllmConfig
 
     shim.register()
@@ -169,8 +169,10 @@ def test_selection_returns_ours_only_when_enabled(monkeypatch):
     assert model._select_dsv4_attn_cls(basic_config("FLASHMLA_SPARSE_DSV4")) is ours
     with pytest.raises(ValueError, match="plain bf16/fp8 KV rows"):
         model._select_dsv4_attn_cls(basic_config("FLASHINFER_MLA_SPARSE_DSV4"))
-    monkeypatch.setenv(shim.ENV_ENABLE, "yes")
-    with pytest.raises(ValueError, match="DSV4_ATTN_VLLM: got 'yes'"):
+    monkeypatch.setenv(shim.ENV_ENABLE, "on")  # what envs.VLLM (and so the probe) accepts, the plugin takes
+    assert model._select_dsv4_attn_cls(basic_config()) is ours
+    monkeypatch.setenv(shim.ENV_ENABLE, "maybe")
+    with pytest.raises(ValueError, match="DSV4_ATTN_VLLM: got 'maybe'"):
         model._select_dsv4_attn_cls(basic_config())
 
 
@@ -270,13 +272,53 @@ def test_backend_name_survives_pickling_into_a_fresh_process():
     assert done.stdout.decode().split()[-1] == shim.BACKEND_NAME
 
 
+def ray_actor_env() -> dict[str, str]:
+    """The environment vLLM gives a data-parallel engine-core Ray actor (``v1/engine/utils.py``
+    ``CoreEngineActorManager.__init__``, with vLLM's own ``get_env_vars_to_copy``)."""
+    from vllm.ray.ray_env import get_env_vars_to_copy
+    from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
+
+    names = get_env_vars_to_copy(destination="EngineCoreActor", exclude_vars=WORKER_SPECIFIC_ENV_VARS)
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
+RAY_EXTRA_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"  # vllm/envs.py
+
+
+def test_ray_data_parallel_actors_get_the_opt_in(monkeypatch):
+    """--data-parallel-backend ray: the engine-core actors get our variables through vLLM's
+    extra-prefix knob (a user's own prefixes kept), and pass them on from there."""
+    monkeypatch.setenv(RAY_EXTRA_PREFIXES, "MYLIB_")
+    monkeypatch.setenv(shim.ENV_ENABLE, "1")
+    monkeypatch.setenv("DSV4_ATTN_BACKEND", "torch")
+    monkeypatch.setenv("MYLIB_FLAG", "x")
+    shim.register()  # vLLM loads the plugin in the driver (EngineArgs) before it starts the actors
+    actor = ray_actor_env()
+    assert actor[shim.ENV_ENABLE] == "1" and actor["DSV4_ATTN_BACKEND"] == "torch" and actor["MYLIB_FLAG"] == "x"
+    assert actor[RAY_EXTRA_PREFIXES] == "MYLIB_,DSV4_ATTN_"
+    for name in [n for n in os.environ if n.startswith(("DSV4_ATTN_", "VLLM_RAY_"))]:
+        monkeypatch.delenv(name)
+    for name, value in actor.items():  # inside the actor: its workers get the same again
+        monkeypatch.setenv(name, value)
+    shim.register()
+    assert ray_actor_env()[shim.ENV_ENABLE] == "1" and os.environ[RAY_EXTRA_PREFIXES] == "MYLIB_,DSV4_ATTN_"
+
+
+def test_ray_env_untouched_without_our_variables(monkeypatch):
+    monkeypatch.delenv(RAY_EXTRA_PREFIXES, raising=False)
+    for name in [n for n in os.environ if n.startswith("DSV4_ATTN_")]:
+        monkeypatch.delenv(name)
+    shim.register()
+    assert RAY_EXTRA_PREFIXES not in os.environ
+
+
 # ---- vLLM's own stack: construction, grouping, writer -------------------------------------------
 def test_layers_are_built_by_vllm_and_grouped_by_vllm(stack):
     """The layers come from vLLM's __init__ through the hook; vLLM's KV-cache grouping puts them
     into plans as predicted at profiling time, and the MTP layer is flagged as a draft layer."""
     ours = cuda_model_module()._select_dsv4_attn_cls(stack.config)
     assert all(type(layer) is ours for layer in stack.layers + [stack.mtp])
-    assert [layer.compress_ratio for layer in stack.layers] == [1, 4, 128, 4] and stack.mtp.compress_ratio == 1
+    assert [layer.compress_ratio for layer in stack.layers] == [1, 4, 128, 4, 128] and stack.mtp.compress_ratio == 1
     assert stack.mtp.is_draft_layer and not any(layer.is_draft_layer for layer in stack.layers)
     assert stack.layers[0].padded_heads == 64 and stack.layers[0].n_local_heads == HEADS  # FlashMLA's padding
     assert stack.layers[1].swa_cache_layer.kv_cache.stride(0) > 64 * 584  # pages of other groups interleaved
@@ -357,10 +399,10 @@ def run_both(stack, layer, step, num_tokens=None) -> tuple[torch.Tensor, torch.T
     return run_all(stack, [layer], step, num_tokens)[0]
 
 
-def assert_agree(ours, theirs, real_tokens: int):
+def assert_agree(ours, theirs, real_tokens: int, heads: int = HEADS):
     # vLLM's V4.1 SM90 prefill writes the live heads only (_prefill_num_heads); it keeps no other
-    assert not theirs[:real_tokens, :HEADS].isnan().any()
-    err = compare(ours[:real_tokens, :HEADS], theirs[:real_tokens, :HEADS])  # the live heads vLLM keeps
+    assert not theirs[:real_tokens, :heads].isnan().any()
+    err = compare(ours[:real_tokens, :heads], theirs[:real_tokens, :heads])  # the live heads vLLM keeps
     assert err["rel_l2"] < REL_L2 and err["max_abs"] < MAX_ABS and err["cosine"] > 0.99999, err
     return err
 
@@ -447,8 +489,9 @@ def test_profiling_reserves_every_plan_buffer(stack, caplog):
     from vllm.forward_context import set_forward_context
 
     old = stack.layers[0].dsv4_planner
-    planner = shim.StepPlanner(old.spec, old.max_tokens, old.max_reqs, old.swa_dialect, old.block_size,
-                               predict=lambda layers: shim.predicted_plan_groups(stack.config, layers))
+    planner = shim.StepPlanner(old.spec, old.max_tokens, old.max_reqs, old.swa_dialect,
+                               predict=lambda layers: shim.predicted_plan_groups(stack.config, layers),
+                               block_size=old.block_size)
     for layer in stack.layers + [stack.mtp]:
         layer.dsv4_planner = planner
         planner.add_layer(layer)
@@ -461,9 +504,15 @@ def test_profiling_reserves_every_plan_buffer(stack, caplog):
         reserved = planner.reserved_bytes
         per_token = 8 + 4 + 1 + 4 * (128 + 1)  # positions, token_to_req, valid, SWA rows and lens
         c128a = 4 * (planner.spec.c128a_width + 1)
-        num_c128a = sum(g.has_c128a for g in stack.predicted_groups)
-        assert reserved == planner.max_tokens * (per_token * (len(stack.predicted_groups) + 1) + c128a * num_c128a)
+        # vLLM 0.33 puts every compressed cache of V4 in one KV-cache group: the plans with C128A
+        # layers (one per SWA group) read one ratio-128 table and share ONE C128A row set.
+        with_c128a = [i for i, g in enumerate(stack.predicted_groups) if g.has_c128a]
+        assert len(with_c128a) == 2 and len({stack.predicted_groups[i].c128a_table for i in with_c128a}) == 1
+        rows = [planner.slots[i]._buffers.all_rows[128][0] for i in with_c128a]
+        assert rows[0] is rows[1]
+        assert reserved == planner.max_tokens * (per_token * (len(stack.predicted_groups) + 1) + c128a)
         assert f"reserved {reserved / 2**20:.1f} MiB of plan buffers" in caplog.text
+        assert "2 with C128A rows, 1 C128A row set(s)" in caplog.text
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="vllm.dsv4_attn"):
             step = stack.step([1, 9], [200, 160], pad_tokens=3)
@@ -471,7 +520,7 @@ def test_profiling_reserves_every_plan_buffer(stack, caplog):
                 assert_agree(ours, theirs, step.num_tokens - 3)
             stack.run_draft_loop([90, 40], lambda s: run_both(stack, stack.mtp, s, num_tokens=2))
         assert caplog.records == []  # no "allocating ... after vLLM's memory profile"
-        assert sum(shim._buffer_bytes(m) for m in planner.slots + [planner.draft_slot]) == reserved
+        assert shim._buffer_bytes(*planner.slots, planner.draft_slot) == reserved
     finally:
         for layer in stack.layers + [stack.mtp]:
             layer.dsv4_planner = old
@@ -487,8 +536,8 @@ def test_unpredicted_plan_buffers_are_allocated_loudly(stack, caplog):
     def cannot_predict(layers):
         raise ValueError("KV cache layout has not been resolved yet")
 
-    planner = shim.StepPlanner(old.spec, old.max_tokens, old.max_reqs, old.swa_dialect, old.block_size,
-                               predict=cannot_predict)
+    planner = shim.StepPlanner(old.spec, old.max_tokens, old.max_reqs, old.swa_dialect, predict=cannot_predict,
+                               block_size=old.block_size)
     for layer in stack.layers:
         layer.dsv4_planner = planner
         planner.add_layer(layer)
@@ -505,6 +554,57 @@ def test_unpredicted_plan_buffers_are_allocated_loudly(stack, caplog):
     finally:
         for layer in stack.layers:
             layer.dsv4_planner = old
+
+
+# ---- vLLM's default flags: engine start to a step -----------------------------------------------
+# (model, tensor-parallel size, the model's query heads, speculative tokens): TP 1, and TP 8 as
+# DeepSeek-V4-Flash (64 heads: 8 per rank) and V4-Pro (128 heads: 16 per rank) split them; k = 1, 2, 3
+# spread over the three (each stack costs ~10 s of interpreted metadata builders on 2 cores).
+DEFAULT_FLAG_CASES = [(model, tp, heads, k) for model in (vllm_stack.V4, vllm_stack.V41)
+                      for tp, heads, k in ((1, HEADS, 1), (8, 64, 2), (8, 128, 3))]
+
+
+@pytest.mark.parametrize("model, tp, heads, k", DEFAULT_FLAG_CASES,
+                         ids=[f"{m.name}-tp{tp}-h{h // tp}-k{k}" for m, tp, h, k in DEFAULT_FLAG_CASES])
+def test_default_flags_from_engine_start_to_a_step(sm90, tmp_path, gen, caplog, model, tp, heads, k):
+    """vLLM's DEFAULT CacheConfig (no --block-size): the layers are built while the block size is
+    vLLM's placeholder 16, vLLM resolves it after the model is built (256 for V4's compressed
+    caches, 64 for V4.1 on SM90), groups the KV caches, runs the profiling pass, then a step with
+    (1 + k)-token verifications and a prefill on every target layer (and, for V4, the k - 1 MTP
+    draft steps) matches vLLM's own forward_mqa, allocating nothing after the profile."""
+    from vllm.forward_context import set_forward_context
+
+    model.write_config(tmp_path, heads=heads, o_groups=8)
+    stack = VllmStack(tmp_path, gen, model, num_spec_tokens=k, tp_size=tp)
+    assert not stack.config.cache_config.user_specified_block_size and stack.built_with_block_size == 16
+    assert stack.config.cache_config.block_size == (256 if model is vllm_stack.V4 else 64)
+    assert all(layer.n_local_heads == heads // tp for layer in stack.all_layers)
+    planner = stack.layers[0].dsv4_planner
+    with caplog.at_level(logging.INFO, logger="vllm.dsv4_attn"):
+        with set_forward_context(None, stack.config):  # vLLM's profiling run: no metadata
+            for layer in stack.all_layers:
+                layer.forward_mqa(stack.random_q(layer, 4), None, torch.zeros(4),
+                                  torch.empty(4, layer.padded_heads, 512, dtype=torch.bfloat16))
+    assert planner.reserved_bytes > 0 and "reserved" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.dsv4_attn"):
+        step = stack.step([1 + k, 1 + k, 7], [90, 300, 7])
+        swa_md = step.attn_metadata[stack.layers[0].swa_cache_layer.prefix]
+        assert (swa_md.num_decode_tokens, swa_md.num_prefills) == (2 * (1 + k), 1)
+        for ours, theirs in run_all(stack, stack.layers, step):
+            assert_agree(ours, theirs, step.num_tokens, heads // tp)
+        if stack.mtp is not None:
+            stack.run_draft_loop([90, 40], lambda s: assert_agree(*run_both(stack, stack.mtp, s, num_tokens=2), 2,
+                                                                  heads // tp))
+    assert caplog.records == []  # nothing allocated outside the profile, nothing refused
+
+
+def test_block_size_is_refused_at_engine_start_only_when_given(built_stack, model_dir):
+    """--block-size 64 (a user's value vLLM keeps) cannot hold whole C128A entries: refused when
+    the layer is built, naming the flag, the value and what to pass instead."""
+    with pytest.raises(ValueError, match=r"--block-size: got 64; allowed: a multiple of 128 .* or leave --block-size "
+                                         r"unset"):
+        build_layer(vllm_stack.vllm_config(model_dir, speculative=False, block_size=64), index=2)
 
 
 # ---- engine-start refusals and the backend choice ----------------------------------------------
@@ -698,7 +798,7 @@ def test_v41_dspark_is_refused():
     """V4.1's only draft method is DSpark (vLLM rejects classic MTP for it), whose non-causal
     draft windows dsv4_attn does not model: refused at engine start."""
     config = types.SimpleNamespace(speculative_config=types.SimpleNamespace(use_dspark=lambda: True),
-                                   cache_config=types.SimpleNamespace(block_size=64),
+                                   cache_config=types.SimpleNamespace(block_size=64, user_specified_block_size=True),
                                    parallel_config=types.SimpleNamespace(use_ubatching=False), additional_config={},
                                    kernel_config=types.SimpleNamespace())
     layer = types.SimpleNamespace(compress_ratio=1)

@@ -32,9 +32,11 @@ import torch
 from dsv4_attn.common import layout
 from dsv4_attn.integrations import vllm as shim
 
-# A small DeepSeek-V4: one layer of each kind plus a second C4A layer, and one MTP layer.
+# A small DeepSeek-V4: one layer of each kind plus a second C4A and a second C128A layer, and one MTP
+# layer. vLLM groups their SWA caches as (0, 3), (1, 4), (2): two plans per step with C128A layers,
+# over the one ratio-128 table.
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-               "compressed_sparse_attention"]
+               "compressed_sparse_attention", "heavily_compressed_attention"]
 HEADS, TOPK, MAX_MODEL_LEN, WINDOW = 8, 16, 4096, 128
 MAX_TOKENS, MAX_SEQS, NUM_SPEC_TOKENS = 256, 16, 3
 KV_CACHE_BYTES = 48 << 20
@@ -45,27 +47,28 @@ KV_CACHE_BYTES = 48 << 20
 V41_RATIOS, V41_SOURCES = [0, 1, 1, 2, 2, 0], [1, 3]
 
 
-def _v4_config(num_layers: int, layer_types: list[str]):
+def _v4_config(num_layers: int, layer_types: list[str], heads: int = HEADS, o_groups: int = 2):
     from transformers import DeepseekV4Config
 
     return DeepseekV4Config(
-        hidden_size=256, num_hidden_layers=num_layers, num_attention_heads=HEADS, q_lora_rank=128,
-        o_lora_rank=64, o_groups=2, index_n_heads=4, index_topk=TOPK, n_routed_experts=4, num_experts_per_tok=2,
+        hidden_size=256, num_hidden_layers=num_layers, num_attention_heads=heads, q_lora_rank=128,
+        o_lora_rank=64, o_groups=o_groups, index_n_heads=4, index_topk=TOPK, n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=64, vocab_size=256, layer_types=layer_types, mlp_layer_types=["moe"] * num_layers,
         max_position_embeddings=MAX_MODEL_LEN, num_nextn_predict_layers=1)
 
 
-def write_model_config(directory: Path) -> None:
-    config = _v4_config(len(LAYER_TYPES), LAYER_TYPES)
+def write_model_config(directory: Path, heads: int = HEADS, o_groups: int = 2) -> None:
+    """``heads``, ``o_groups``: the whole model's (a tensor-parallel rank gets 1/tp of each)."""
+    config = _v4_config(len(LAYER_TYPES), LAYER_TYPES, heads, o_groups)
     config.architectures = ["DeepseekV4ForCausalLM"]
     config.save_pretrained(directory)
 
 
-def write_v41_model_config(directory: Path) -> None:
+def write_v41_model_config(directory: Path, heads: int = HEADS, o_groups: int = 2) -> None:
     """V4.1's config.json: the text model nested under ``text_config`` (vLLM's DeepseekV41Config
     flattens it), V4's fields plus the V4.1 topology."""
     n = len(V41_RATIOS)
-    text = _v4_config(n, ["sliding_attention"] * n).to_dict()
+    text = _v4_config(n, ["sliding_attention"] * n, heads, o_groups).to_dict()
     for key in ("layer_types", "compress_rates", "mlp_layer_types", "model_type", "architectures",
                 "transformers_version"):
         text.pop(key, None)
@@ -222,10 +225,13 @@ def init_process_state() -> None:
 
 
 def vllm_config(model_dir: Path, backend: str | None = shim.BACKEND_NAME, speculative: bool | str = True,
-                max_model_len: int = MAX_MODEL_LEN, max_tokens: int = MAX_TOKENS, max_seqs: int = MAX_SEQS, **cache):
-    """A real VllmConfig of the model in ``model_dir``: FlashMLA's class family, the given cache
-    settings, speculative decoding with NUM_SPEC_TOKENS draft tokens (True: MTP; or a method
-    name), and the hybrid KV-cache manager on as on CUDA."""
+                max_model_len: int = MAX_MODEL_LEN, max_tokens: int = MAX_TOKENS, max_seqs: int = MAX_SEQS,
+                num_spec_tokens: int = NUM_SPEC_TOKENS, **cache):
+    """A real VllmConfig of the model in ``model_dir``: FlashMLA's class family, vLLM's default
+    CacheConfig unless ``cache`` sets fields (``block_size`` unset: vLLM resolves it after
+    building the model, :func:`resolve_block_size`), speculative decoding with
+    ``num_spec_tokens`` draft tokens (True: MTP; or a method name), and the hybrid KV-cache
+    manager on as on CUDA."""
     from vllm.config import (
         AttentionConfig,
         CacheConfig,
@@ -240,11 +246,11 @@ def vllm_config(model_dir: Path, backend: str | None = shim.BACKEND_NAME, specul
     shim.register()  # vLLM loads plugins before it parses the backend name
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len, dtype="bfloat16")
     method = "mtp" if speculative is True else speculative
-    spec = SpeculativeConfig(method=method, num_speculative_tokens=NUM_SPEC_TOKENS, target_model_config=model,
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=num_spec_tokens, target_model_config=model,
                              target_parallel_config=ParallelConfig()) if speculative else None
     config = VllmConfig(
         model_config=model, device_config=DeviceConfig(device="cpu"), speculative_config=spec,
-        cache_config=CacheConfig(**{"block_size": 256, **cache}), attention_config=AttentionConfig(backend=backend),
+        cache_config=CacheConfig(**cache), attention_config=AttentionConfig(backend=backend),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs,
                                          max_model_len=max_model_len, is_encoder_decoder=False))
     config.scheduler_config.disable_hybrid_kv_cache_manager = False  # what VllmConfig decides on CUDA
@@ -270,24 +276,35 @@ class Step:
 @dataclass(frozen=True)
 class Model:
     """A small model of one version: its config writer, vLLM's CUDA model module (whose
-    ``_select_dsv4_attn_cls`` the plugin hooks), layer count, whether it has an MTP layer, the
-    speculative method, vLLM's FlashMLA layer class of that version and the --block-size."""
+    ``_select_dsv4_attn_cls`` the plugin hooks), its attention module (which reads the
+    tensor-parallel size), layer count, whether it has an MTP layer, the speculative method and
+    vLLM's FlashMLA layer class of that version."""
 
     name: str
-    write_config: Callable[[Path], None]
+    write_config: Callable[..., None]
     module: str
+    attention_module: str
     num_layers: int
     mtp: bool
     speculative: bool | str
     flashmla_class: str
-    block_size: int
 
 
-V4 = Model("v4", write_model_config, "vllm.models.deepseek_v4.nvidia.model", len(LAYER_TYPES), True, True,
-           "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention", 256)
-# V4.1 verifies n-gram drafts (multi-token decode queries); block size 64 = FlashMLA's on SM90.
-V41 = Model("v41", write_v41_model_config, "vllm.models.deepseek_v41.nvidia.model", len(V41_RATIOS), False,
-            "ngram", "vllm.models.deepseek_v41.nvidia.flashmla:DeepseekV4FlashMLAAttention", 64)
+V4 = Model("v4", write_model_config, "vllm.models.deepseek_v4.nvidia.model", "vllm.models.deepseek_v4.attention",
+           len(LAYER_TYPES), True, True, "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention")
+# V4.1 verifies n-gram drafts (multi-token decode queries).
+V41 = Model("v41", write_v41_model_config, "vllm.models.deepseek_v41.nvidia.model",
+            "vllm.models.deepseek_v41.attention", len(V41_RATIOS), False, "ngram",
+            "vllm.models.deepseek_v41.nvidia.flashmla:DeepseekV4FlashMLAAttention")
+
+
+def resolve_block_size(config) -> None:
+    """What vLLM's executors do right after ``load_model`` (``v1/executor/multiproc_executor.py``,
+    ``uniproc_executor.py``): resolve ``cache_config.block_size`` from the built layers'
+    attention backends (the CUDA platform inherits ``Platform.update_block_size_for_backend``)."""
+    from vllm.platforms import current_platform
+
+    current_platform.update_block_size_for_backend(config)
 
 
 def import_attr(path: str):
@@ -298,49 +315,52 @@ def import_attr(path: str):
 
 
 class VllmStack:
-    """The small model's attention layers (V4: 4 target, 1 MTP) with vLLM's caches and builders."""
+    """The small model's attention layers (V4: 5 target, 1 MTP) with vLLM's caches and builders,
+    built from vLLM's default cache flags (the block size resolved after the layers, as vLLM
+    does); ``tp_size``: the layers split the heads as one rank of that tensor-parallel size."""
 
-    def __init__(self, model_dir: Path, gen: torch.Generator, model: Model = V4) -> None:
+    def __init__(self, model_dir: Path, gen: torch.Generator, model: Model = V4,
+                 num_spec_tokens: int = NUM_SPEC_TOKENS, tp_size: int = 1) -> None:
         import importlib
 
         from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-        self.gen, self.model = gen, model
+        self.gen, self.model, self.num_spec_tokens = gen, model, num_spec_tokens
         self.vllm_cls = import_attr(model.flashmla_class)
-        self.config = config = vllm_config(model_dir, speculative=model.speculative, block_size=model.block_size)
-        with set_current_vllm_config(config):
+        self.config = config = vllm_config(model_dir, speculative=model.speculative, num_spec_tokens=num_spec_tokens)
+        with set_current_vllm_config(config), pytest.MonkeyPatch.context() as mp:
             init_process_state()
+            # The rank's share of the heads (vLLM's attention modules ask the TP group's size).
+            mp.setattr(importlib.import_module(model.attention_module), "get_tensor_model_parallel_world_size",
+                       lambda: tp_size)
             # the plugin's hook picks our class
             cls = importlib.import_module(model.module)._select_dsv4_attn_cls(config)
             self.topk = torch.empty(MAX_TOKENS, TOPK, dtype=torch.int32)
             self.layers = [cls(config, prefix=f"model.layers.{i}.attn", topk_indices_buffer=self.topk)
                            for i in range(model.num_layers)]
             self.mtp = None
-            if not model.mtp:
-                self._finish(config)
-                return
-            # The MTP layer as vLLM's speculator adds it: its own top-k buffer, then every attention
-            # layer the draft model added is flagged (DraftModelSpeculator.load_model).
-            target_names = set(get_layers_from_vllm_config(config, AttentionLayerBase))
-            self.mtp = cls(config, prefix=f"model.layers.{model.num_layers}.attn",
-                           topk_indices_buffer=torch.full_like(self.topk, -1))
-            layers = get_layers_from_vllm_config(config, AttentionLayerBase)
-            self.draft_names = set(layers) - target_names
-            for name in self.draft_names:
-                layers[name].is_draft_layer = True
-            self._finish(config)
+            self.draft_names: set[str] = set()
+            if model.mtp:
+                # The MTP layer as vLLM's speculator adds it: its own top-k buffer, then every attention
+                # layer the draft model added is flagged (DraftModelSpeculator.load_model).
+                target_names = set(get_layers_from_vllm_config(config, AttentionLayerBase))
+                self.mtp = cls(config, prefix=f"model.layers.{model.num_layers}.attn",
+                               topk_indices_buffer=torch.full_like(self.topk, -1))
+                layers = get_layers_from_vllm_config(config, AttentionLayerBase)
+                self.draft_names = set(layers) - target_names
+                for name in self.draft_names:
+                    layers[name].is_draft_layer = True
+            self.built_with_block_size = config.cache_config.block_size  # vLLM's placeholder while building
+            resolve_block_size(config)
+        self.heads = self.layers[0].n_local_heads
+        for layer in self.all_layers:
+            layer.attn_sink.data[:self.heads] = torch.randn(self.heads, generator=self.gen)
+        self._init_kv_caches()
 
     @property
     def all_layers(self) -> list:
         return self.layers + ([self.mtp] if self.mtp is not None else [])
-
-    def _finish(self, config) -> None:
-        if self.mtp is None:
-            self.draft_names = set()
-        for layer in self.all_layers:
-            layer.attn_sink.data[:HEADS] = torch.randn(HEADS, generator=self.gen)
-        self._init_kv_caches()
 
     def _init_kv_caches(self) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
@@ -469,7 +489,7 @@ class VllmStack:
     def random_q(self, layer, num_tokens: int) -> torch.Tensor:
         """bf16 [T, padded heads, 512], zero padded heads (vLLM's fused q-norm/RoPE zero-fills them)."""
         q = torch.zeros(num_tokens, layer.padded_heads, 512, dtype=torch.bfloat16)
-        q[:, :HEADS] = torch.randn(num_tokens, HEADS, 512, generator=self.gen).bfloat16()
+        q[:, :self.heads] = torch.randn(num_tokens, self.heads, 512, generator=self.gen).bfloat16()
         return q
 
     # ---- the draft loop -------------------------------------------------------------------------
@@ -509,7 +529,7 @@ class VllmStack:
             block_tables=SimpleNamespace(cp_size=1,
                                          compute_slot_mappings=lambda *args: self.compute_slot_mappings(step, R)),
             attn_groups=self.draft_groups, current_draft_step=torch.zeros((), dtype=torch.int64),
-            draft_tokens=torch.zeros(R, NUM_SPEC_TOKENS, dtype=torch.int64),
+            draft_tokens=torch.zeros(R, self.num_spec_tokens, dtype=torch.int64),
             hidden_states=torch.zeros(R, hidden), sample_src_positions=torch.zeros(R, dtype=torch.int64))
         spec._update_draft_decode_metadata = functools.partial(DraftModelSpeculator._update_draft_decode_metadata, spec)
 
@@ -521,8 +541,8 @@ class VllmStack:
             drafted = torch.randint(0, 256, (num_reqs,), generator=self.gen)
             update_draft_inputs(drafted, spec.current_draft_step, torch.randn(num_reqs, hidden, generator=self.gen),
                                 spec.draft_tokens, spec.hidden_states, spec.input_buffers, spec.sample_src_positions,
-                                num_reqs, MAX_MODEL_LEN, NUM_SPEC_TOKENS)
+                                num_reqs, MAX_MODEL_LEN, self.num_spec_tokens)
 
         spec._generate_draft = generate_draft
         TargetDependentARSpeculator._generate_fused_drafts(spec, R, R, step.attn_metadata, None, None,
-                                                           CUDAGraphMode.NONE, NUM_SPEC_TOKENS)
+                                                           CUDAGraphMode.NONE, self.num_spec_tokens)

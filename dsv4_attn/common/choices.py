@@ -1,13 +1,15 @@
 """Measured backend choices: which backend is fastest, per GPU arch, phase, layer kind, heads,
 KV format and token count, as measured by ``dsv4-attn bench``.
 
-The table of an arch ships in ``dsv4_attn/data/choices/<arch>.json`` (what was measured on this
-project's machines) and can be regenerated for any GPU with one command::
+The tables ship per device, in ``dsv4_attn/data/choices/<arch>-<device>.json`` (what was measured
+on this project's machines: ``packaged_name``); another part of a measured arch takes the nearest
+device's table, and ``SparseMLA.explain()`` says so. A table can be regenerated for any GPU with
+one command::
 
-    dsv4-attn bench --mode all --backend triton flashmla --write-choices choices-sm90.json
-    export DSV4_ATTN_CHOICES=$PWD/choices-sm90.json      # or copy it into dsv4_attn/data/choices/
+    dsv4-attn bench --mode all --backend triton flashmla --write-choices choices.json
+    export DSV4_ATTN_CHOICES=$PWD/choices.json   # or copy it to the file name the bench prints
 
-Selection (``common.backend.select``) tries the measured order first for a step whose tokens fall
+Selection (``common.registry.select``) tries the measured order first for a step whose tokens fall
 in a measured range, then the platform's priority list; every backend still has to accept the
 layer (a measured choice never bypasses a refusal), and ``SparseMLA.explain()`` prints the
 measurement that chose it. Heads are bucketed as the kernels pad them (<= 64, <= 128).
@@ -19,7 +21,7 @@ layers of the kind (``ModelSpec.layers``): at two decode tokens a kernel 1 us fa
 lose a 43-layer step to its own ~20 us of per-step work, which a per-layer order alone cannot see
 (a backend with more per-step work must win by ``MIX_MARGIN``).
 
-File format: ``{"arch": "sm90", "device": ..., "source": ..., "entries": [{"phase": "decode",
+File format: ``{"arch": "sm90", "device": "NVIDIA H100 80GB HBM3", "source": ..., "entries": [{"phase": "decode",
 "kind": "C4A", "heads": 64, "format": "fp8_ds_mla", "tokens": [lo, hi], "order": ["triton",
 "flashmla"], "us": {"triton": 17.7, "flashmla": 19.0}, "per_step_us": {"triton": 0.0, "flashmla":
 21.3}, "evidence": "..."}]}`` -- ``tokens`` is a half-open range of the phase's tokens in one
@@ -34,8 +36,8 @@ import functools
 import importlib.resources
 import json
 import os
+import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from .. import envs
 
@@ -119,9 +121,48 @@ def _load(path: str) -> tuple[str, tuple[Choice, ...]]:
         return _parse(json.load(f), path)
 
 
-def table_for(arch: str) -> tuple[tuple[Choice, ...], str]:
-    """(entries, file) for ``arch``: the DSV4_ATTN_CHOICES file when it is for this arch, else the
-    packaged table, else no entries."""
+def device_slug(device: str) -> str:
+    """The part of a GPU's name that tells its tables apart, as a file name: 'NVIDIA H100 80GB HBM3' ->
+    'h100-80gb-hbm3', 'NVIDIA H200' -> 'h200'."""
+    words = [w for w in re.split(r"[^a-z0-9]+", device.lower()) if w and w not in ("nvidia", "amd", "instinct")]
+    return "-".join(words) or "unknown"
+
+
+def packaged_name(arch: str, device: str) -> str:
+    """Where a table measured on ``device`` ships: ``dsv4_attn/data/choices/<arch>-<device_slug>.json``."""
+    return f"{arch}-{device_slug(device)}.json"
+
+
+def _folder():
+    """Where the packaged tables are."""
+    return importlib.resources.files("dsv4_attn") / "data" / "choices"
+
+
+@functools.lru_cache(maxsize=16)
+def _packaged(arch: str) -> tuple[tuple[str, str], ...]:
+    """(device, file) of every packaged table of ``arch``, in file-name order."""
+    found = []
+    for item in sorted(_folder().iterdir(), key=lambda f: f.name):
+        if item.name.startswith(f"{arch}-") and item.name.endswith(".json"):
+            with item.open() as f:
+                found.append((str(json.load(f).get("device") or ""), str(item)))
+    return tuple(found)
+
+
+def _nearest(device: str, tables: tuple[tuple[str, str], ...]) -> tuple[str, str]:
+    """The table of ``device`` itself, else the one whose device name shares the most words with
+    it (an 'H100 PCIe' takes the 'H100 80GB HBM3' table), else the first."""
+    mine = set(device_slug(device).split("-"))
+    return max(tables, key=lambda t: (device_slug(t[0]) == device_slug(device),
+                                      len(mine & set(device_slug(t[0]).split("-")))))
+
+
+def table_for(arch: str, device: str = "") -> tuple[tuple[Choice, ...], str, str]:
+    """(entries, file, note) for ``arch`` on ``device`` (``Platform.device_name``): the
+    DSV4_ATTN_CHOICES file when it is for this arch, else the packaged table measured on this
+    device, else the packaged table of the nearest device of the arch (``note`` says so), else no
+    entries. The same arch on another part (an H200 beside an H100: 1.4x the memory bandwidth)
+    can order backends differently, so each measured device ships its own table."""
     user = envs.CHOICES.get()
     if user:
         if not os.path.isfile(user):
@@ -132,19 +173,24 @@ def table_for(arch: str) -> tuple[tuple[Choice, ...], str]:
             raise ValueError(f"{envs.CHOICES.name}: got {user!r}, which is not a choices table ({exc}); allowed: "
                              "the JSON that `dsv4-attn bench --write-choices` writes") from None
         if got_arch == arch:
-            return entries, user
-    packaged = Path(str(importlib.resources.files("dsv4_attn") / "data" / "choices" / f"{arch}.json"))
-    if packaged.is_file():
-        return _load(str(packaged))[1], f"dsv4_attn/data/choices/{arch}.json"
-    return (), ""
+            return entries, user, ""
+    tables = _packaged(arch)
+    if not tables:
+        return (), "", ""
+    measured_on, path = _nearest(device, tables)
+    where = f"dsv4_attn/data/choices/{os.path.basename(path)}"
+    note = "" if device_slug(measured_on) == device_slug(device) else (
+        f"no table measured on {device or 'this device'}; the nearest {arch} table is {measured_on}'s")
+    return _load(path)[1], where, note
 
 
-def measured(arch: str, phase: str, kind: str, heads: int, fmt: str, num_tokens: int) -> tuple[Choice, str] | None:
-    """The measured entry covering this launch and its file, or None."""
-    entries, where = table_for(arch)
+def measured(arch: str, phase: str, kind: str, heads: int, fmt: str, num_tokens: int,
+             device: str = "") -> tuple[Choice, str] | None:
+    """The measured entry covering this launch and its file (with the nearest-device note), or None."""
+    entries, where, note = table_for(arch, device)
     for entry in entries:
         if entry.matches(phase, kind, heads, fmt, num_tokens):
-            return entry, where
+            return entry, f"{where} ({note})" if note else where
     return None
 
 

@@ -60,6 +60,34 @@ def _check_ints(name: str, t, shape: tuple, device: torch.device | None = None,
     return t
 
 
+INT32_SLOTS = 2**31  # slots must fit int32 (the vendor kernels' index type)
+
+
+def attended(rows: torch.Tensor, num_slots: int, lens: torch.Tensor | None = None) -> torch.Tensor:
+    """bool, the shape of ``rows`` [T, K]: the entries a launch reads. Outside the cache means -1:
+    an entry that is not a slot of the cache (``[0, num_slots)``), -1 included, is "no row", never
+    read (docs/semantics.md "Out-of-range entries"); with ``lens`` int [T], so is every column at or
+    past the token's length."""
+    inside = (rows >= 0) & (rows < num_slots)
+    if lens is None:
+        return inside
+    return inside & (torch.arange(rows.shape[1], device=rows.device)[None, :] < lens[:, None])
+
+
+def bounded_rows(rows: torch.Tensor, num_slots: int | None, lens: torch.Tensor | None = None,
+                 multiple: int = 1) -> torch.Tensor:
+    """``rows`` [T, K] with every entry ``attended`` does not take set to -1 (``num_slots`` None:
+    no bound, ``lens`` None: every column), padded with -1 columns to a multiple of ``multiple``:
+    rows for a kernel that reads every entry but -1. [T, round_up(K, multiple)] of ``rows``' dtype
+    (``rows`` itself when there is nothing to change)."""
+    kept = rows
+    if num_slots is not None or lens is not None:
+        bound = INT32_SLOTS if num_slots is None else num_slots
+        kept = torch.where(attended(rows, bound, lens), rows, torch.full_like(rows, -1))
+    pad = round_up(rows.shape[1], multiple) - rows.shape[1]
+    return kept if pad == 0 else torch.nn.functional.pad(kept, (0, pad), value=-1)
+
+
 def _emit(rows64: torch.Tensor, lens: torch.Tensor, out: IndexPair | None) -> IndexPair:
     rows, lens = rows64.to(torch.int32), lens.to(torch.int32)
     if out is None:

@@ -26,6 +26,7 @@ with the host, so both are safe inside a captured graph.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,9 +34,16 @@ from typing import Any, Protocol
 import torch
 
 from .batch import StepBatch
-from .indices import IndexPair, Tokens, check_local_topk, comp_rows_for, swa_rows_for
+from .indices import IndexPair, Tokens, bounded_rows, check_local_topk, comp_rows_for, swa_rows_for
 from .rows import GlobalRows, StepRows
 from .spec import LayerKind, ModelSpec
+
+
+class Phase(str, enum.Enum):
+    """Which tokens of a step: the decode tokens (first) or the prefill tokens (after them)."""
+
+    DECODE = "decode"
+    PREFILL = "prefill"
 
 
 @dataclass
@@ -95,9 +103,12 @@ class FrontEnd(Protocol):
         ``buffers.all_kinds(batch)`` for tokens [0, num_tokens) into ``buffers``."""
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
-                  local_topk: torch.Tensor) -> IndexPair:
-        """Rows int32 [T, K] and lens int32 [T] of a top-k layer from its local top-k
-        int32/int64 [T, K] (entries visible while ``< (pos+1) // kind.ratio``)."""
+                  local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:
+        """Rows int32 [T, round_up(K, multiple)] and lens int32 [T] of a top-k layer from its local
+        top-k int32/int64 [T, K] (entries visible while ``< (pos+1) // kind.ratio``). With
+        ``num_slots`` (the slots of the cache the rows index) every slot outside the cache is -1
+        too, and columns past K are -1 padding (``indices.bounded_rows``): rows for a kernel that
+        reads every entry but -1 (FlashMLA's decode)."""
 
 
 class TorchFrontEnd:
@@ -119,8 +130,11 @@ class TorchFrontEnd:
                           buffers.spec.all_width(kind.ratio), out=(rows[:T], lens[:T]))
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
-                  local_topk: torch.Tensor) -> IndexPair:
-        return comp_rows_for(tokens, kind, table, comp_block_size, local_topk)
+                  local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:
+        rows, lens = comp_rows_for(tokens, kind, table, comp_block_size, local_topk)
+        if num_slots is None and multiple == 1:
+            return rows, lens
+        return bounded_rows(rows, num_slots, multiple=multiple), lens
 
 
 @dataclass
@@ -176,12 +190,14 @@ class StepPlan:
         kind = LayerKind.parse(kind)
         return kind.uses_topk and kind.ratio not in self.comp_rows
 
-    def comp_scope(self, kind: LayerKind, topk: torch.Tensor | None = None) -> IndexPair | tuple[None, None]:
+    def comp_scope(self, kind: LayerKind, topk: torch.Tensor | None = None, num_slots: int | None = None,
+                   multiple: int = 1) -> IndexPair | tuple[None, None]:
         """(rows, lens) of the compressed scope of ``kind``: global slots, -1 unused.
         Window-only -> (None, None); a ratio in ``comp_rows`` -> those rows ("all" kinds, and
         every ratio a StepRows gives as GlobalRows); other top-k kinds (C4A, C1A, C2A) ->
         translated from ``topk`` (local positions ``[T, K]``) through the block table of the
-        kind's ratio by the plan's front end."""
+        kind's ratio by the plan's front end (``num_slots`` / ``multiple``: bounded to the cache
+        and padded in the same pass, ``FrontEnd.topk_rows``)."""
         kind = LayerKind.parse(kind)
         if not kind.has_comp_scope:
             return None, None
@@ -195,12 +211,11 @@ class StepPlan:
         table = self.batch.comp_block_table(kind)
         block_size = self.batch.comp_block_size(kind)
         assert block_size is not None  # comp_block_table raised unless the ratio has a block table
-        return self.front_end.topk_rows(self.tokens, kind, table, block_size, topk[: self.num_tokens])
+        return self.front_end.topk_rows(self.tokens, kind, table, block_size, topk[: self.num_tokens], num_slots,
+                                        multiple)
 
     def phase_plan(self, phase) -> StepPlan:
         """Sub-plan of the decode tokens [0, num_decode_tokens) or the rest (prefill + padding)."""
-        from .backend import Phase  # local: backend imports plan for typing only
-
         phase = Phase(phase)
         start, stop = (0, self.num_decode_tokens) if phase is Phase.DECODE else (self.num_decode_tokens,
                                                                                  self.num_tokens)

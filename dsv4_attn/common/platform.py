@@ -158,6 +158,16 @@ class Platform:
         return d
 
 
+def dist_version(*dists: str) -> str | None:
+    """The installed version of the first of ``dists`` (distribution names) that is installed."""
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def _library_info(key: str, module: str, dist: str) -> LibraryInfo:
     try:
         spec = importlib.util.find_spec(module)
@@ -165,10 +175,7 @@ def _library_info(key: str, module: str, dist: str) -> LibraryInfo:
         return LibraryInfo(key, False, note=f"{type(exc).__name__}: {exc}")
     if spec is None:
         return LibraryInfo(key, False)
-    try:
-        version = importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        version = None
+    version = dist_version(dist)
     location = spec.origin or next(iter(spec.submodule_search_locations or []), None)
     return LibraryInfo(key, True, version, location)
 

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from .indices import _check_ints
+from .indices import _check_ints, attended
 from .layout import Fp8Dialect, KVFormat, Record, _check_slots, check_cache, gather_rows
 from .spec import HEAD_DIM
 
@@ -67,8 +67,7 @@ def _scope_keys(cache, record: Record, rows, lens, kv_scale, dialect, name):
     """Dequantized keys [T, K, 512] float32 and a validity mask [T, K] of one scope: the first
     ``lens`` entries that are slots of the cache (anything else is skipped, never read)."""
     geo = check_cache(cache, record, name, dialect)
-    col = torch.arange(rows.shape[1], device=rows.device)[None, :]
-    valid = (col < lens[:, None].long()) & (rows >= 0) & (rows < geo.num_slots)
+    valid = attended(rows, geo.num_slots, lens)
     slots = torch.where(valid, rows.long(), torch.full_like(rows, -1, dtype=torch.long))
     return gather_rows(cache, record, geo, slots, kv_scale, dialect), valid
 

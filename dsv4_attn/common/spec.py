@@ -17,6 +17,7 @@ once. So a layer kind is (compression ratio, selection):
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import operator
 from collections.abc import Iterable, Mapping
@@ -262,7 +263,7 @@ class ModelSpec:
         """The softmax scale actually used."""
         return float(self.softmax_scale) if self.softmax_scale is not None else self.head_dim**-0.5
 
-    @property
+    @functools.cached_property  # asked at every layer call (check_kind): a 61-layer scan each time
     def kinds(self) -> tuple[LayerKind, ...]:
         """The distinct layer kinds of the model, in order of first appearance."""
         return tuple(dict.fromkeys(layer.kind for layer in self.layers))

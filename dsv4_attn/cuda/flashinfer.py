@@ -45,10 +45,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..common.backend import Backend, Capabilities, LayerInputs, LayerShape, Phase, PlatformSupport
-from ..common.indices import merged_rows
+from ..common.heads import LazyStaging, padded_heads, stage
+from ..common.indices import bounded_rows, merged_rows
 from ..common.layout import CacheGeometry, KVFormat
 from ..common.plan import StepPlan
-from ..common.platform import Platform
+from ..common.platform import Platform, dist_version
 from ..common.spec import HEAD_DIM, LayerKind, ModelSpec, round_up
 
 SWA_WIDTH = 128  # the kernel hard-codes a 128-column SWA region (kDsv4SparseMlaSlidingWindowTopK)
@@ -62,20 +63,13 @@ _REQUIRED_PARAMS = ("query", "swa_kv_cache", "workspace_buffer", "sparse_indices
                     "backend", "sparse_indices_are_storage_offsets", "multi_ctas_kv_counter_buffer")
 
 
-def _dist_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _cubin_reason(version: str | None) -> str | None:
     """TRTLLM-gen cubins come from FLASHINFER_CUBIN_DIR or a flashinfer-cubin of the SAME version;
     otherwise FlashInfer downloads them at first use (docs/vendor-apis.md "JIT and cubins")."""
     cubin_dir = os.environ.get("FLASHINFER_CUBIN_DIR")
     if cubin_dir and os.path.isdir(cubin_dir) and os.listdir(cubin_dir):
         return None
-    cubin = _dist_version("flashinfer-cubin")
+    cubin = dist_version("flashinfer-cubin")
     if cubin is not None and cubin == version:
         return None
     return (f"TRTLLM-gen cubins missing: flashinfer-cubin {cubin or 'not installed'} does not match "
@@ -85,7 +79,7 @@ def _cubin_reason(version: str | None) -> str | None:
 
 def _jit_reason() -> str | None:
     """The launcher is JIT-compiled unless flashinfer-jit-cache ships it: nvcc is needed."""
-    if _dist_version("flashinfer-jit-cache") is not None or shutil.which("nvcc"):
+    if dist_version("flashinfer-jit-cache") is not None or shutil.which("nvcc"):
         return None
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if cuda_home and os.path.isfile(os.path.join(cuda_home, "bin", "nvcc")):
@@ -103,7 +97,7 @@ def load_flashinfer() -> tuple[Callable | None, str | None, tuple[str, ...]]:
         found = False
     if not found:
         return None, None, ("flashinfer (flashinfer-python) is not installed",)
-    version = _dist_version("flashinfer-python")
+    version = dist_version("flashinfer-python")
     fn, errors = None, []
     for module in _MODULES:
         try:
@@ -118,11 +112,6 @@ def load_flashinfer() -> tuple[Callable | None, str | None, tuple[str, ...]]:
         if missing else []
     reasons += [r for r in (_cubin_reason(version), _jit_reason()) if r]
     return (fn if not reasons else None), version, tuple(reasons)
-
-
-def padded_heads(num_heads: int) -> int:
-    """The TRTLLM-gen DSv4 cubins serve 64 and 128 query heads."""
-    return 64 if num_heads <= 64 else 128
 
 
 def _pool(cache: torch.Tensor, geo: CacheGeometry, name: str) -> torch.Tensor:
@@ -154,25 +143,7 @@ def storage_offsets(rows: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
 def inside_cache(rows: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
     """rows int32 [T, K] with every slot outside ``[0, num_slots)`` of the cache set to -1 (the
     kernel reads every entry that is not -1). A new tensor."""
-    return torch.where((rows >= 0) & (rows < geo.num_slots), rows, torch.full_like(rows, -1))
-
-
-class _LazyStaging:
-    """The step's head staging (q in the kernel's dtype, bf16 out, float32 sink; -inf on padded
-    heads), allocated by the first layer that needs it."""
-
-    def __init__(self, num_tokens: int, hp: int, dtype: torch.dtype, device: torch.device) -> None:
-        self._args = (num_tokens, hp, dtype, device)
-        self._buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    def get(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [T, hp, 512] zeroed, out bf16 [T, hp, 512], sink float32 [hp])."""
-        if self._buffers is None:
-            T, hp, dtype, device = self._args
-            self._buffers = (torch.zeros(T, hp, HEAD_DIM, dtype=dtype, device=device),
-                             torch.empty(T, hp, HEAD_DIM, dtype=torch.bfloat16, device=device),
-                             torch.full((hp,), float("-inf"), dtype=torch.float32, device=device))
-        return self._buffers
+    return bounded_rows(rows, geo.num_slots)
 
 
 @dataclass(frozen=True)
@@ -185,7 +156,7 @@ class FlashInferMeta:
               (``_rows``), the same for every layer; None for top-k kinds (rows differ per layer)
     """
 
-    staging: _LazyStaging
+    staging: LazyStaging
     counters: torch.Tensor
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -207,6 +178,21 @@ class FlashInferTRTLLMBackend(Backend):
     def __init__(self) -> None:
         self._workspaces: dict[tuple, torch.Tensor] = {}
 
+    def describe_binary(self, platform: Platform) -> tuple[dict | str, list[str]]:
+        """Whether flashinfer-python and its TRTLLM-gen DSv4 kernel are usable here (imported only
+        where the kernels can run: SM100)."""
+        lib = platform.library("flashinfer")
+        found = f"flashinfer-python {lib.version} installed; " if lib.found else ""
+        cap = platform.capability
+        if cap is None or cap[0] < 10:
+            why = f"the TRTLLM-gen DSv4 kernels need an NVIDIA SM100-family GPU (this is {platform.arch})"
+            return f"not loaded: {why}", [f"not used: {found}{why}"]
+        fn, version, reasons = load_flashinfer()
+        info = {"usable": fn is not None, "version": version, "reasons": list(reasons)}
+        if fn is not None:
+            return info, [f"usable: flashinfer-python {version} with its TRTLLM-gen DSv4 kernel"]
+        return info, [f"not usable: {found}" + "; ".join(reasons)]
+
     # ---- capability ---------------------------------------------------------------------------
     def platform_reasons(self, platform: Platform) -> list[str]:
         reasons = super().platform_reasons(platform)
@@ -227,7 +213,7 @@ class FlashInferTRTLLMBackend(Backend):
         else:
             hp = padded_heads(shape.num_heads)
             dtype = shape.fmt.cache_dtype(shape.dialects[0]) if shape.fmt is KVFormat.FP8_TENSOR else torch.bfloat16
-            window = FlashInferMeta(_LazyStaging(plan.num_tokens, hp, dtype, plan.device),
+            window = FlashInferMeta(LazyStaging(plan.num_tokens, hp, plan.device, dtype),
                                     _counters(plan.num_tokens, hp, plan.device))
         if shape.kind.uses_topk:  # the indexer's top-k differs per layer
             return window
@@ -256,7 +242,8 @@ class FlashInferTRTLLMBackend(Backend):
             comp_pool, comp_geo = swa_pool, swa_geo
         meta = self.meta(plan, layer.shape)
         indices, lens, window_keys = meta.rows or self._rows(plan, layer.kind, layer.topk, swa_geo, comp_geo)
-        q, kout, sink, staging = self._stage(meta, layer, out)
+        q, kout, sink, staging = stage(meta.staging, layer.q, layer.sink, out,
+                                       cast=layer.fmt is KVFormat.FP8_TENSOR)  # fp8: q cast unscaled (q_scale 1.0)
         kv_scale = float(layer.kv_scale) if layer.fmt is KVFormat.FP8_TENSOR else 1.0
         fn(
             query=q[:, None],
@@ -276,7 +263,7 @@ class FlashInferTRTLLMBackend(Backend):
             multi_ctas_kv_counter_buffer=meta.counters,
         )
         if staging is not None:
-            out.copy_(staging[1][:, : out.shape[1]])
+            out.copy_(staging.out[:, : out.shape[1]])
 
     @staticmethod
     def _rows(plan: StepPlan, kind: LayerKind, topk: torch.Tensor | None, swa_geo: CacheGeometry,
@@ -290,21 +277,6 @@ class FlashInferTRTLLMBackend(Backend):
                                  comp, comp_lens)
         window_keys = (rows[:, :SWA_WIDTH] >= 0).sum(dim=1).clamp(min=1).to(torch.int32)
         return rows, lens, window_keys
-
-    @staticmethod
-    def _stage(meta: FlashInferMeta, layer: LayerInputs, out: torch.Tensor):
-        """(q, out, sink, staging): q in the cache's dtype with 64/128 contiguous heads (fp8: cast
-        unscaled, q_scale 1.0), sink -inf on padded heads. No copy when bf16 fits already."""
-        q, sink = layer.q, layer.sink
-        H = q.shape[1]
-        fp8 = layer.fmt is KVFormat.FP8_TENSOR
-        if not fp8 and H == padded_heads(H) and q.is_contiguous() and (sink is None or sink.is_contiguous()):
-            return q, out, sink, None
-        sq, sout, ssink = meta.staging.get()
-        sq[:, :H].copy_(q)  # to e4m3: torch saturates at ±448
-        if sink is not None:
-            ssink[:H].copy_(sink)
-        return sq, sout, (None if sink is None else ssink), (sq, sout)
 
     def _workspace(self, device: torch.device, phase: Phase) -> torch.Tensor:
         """One zeroed 128 MiB split-K workspace per device and phase, allocated on first use

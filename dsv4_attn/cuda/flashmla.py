@@ -42,15 +42,15 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .. import envs
 from ..common.backend import Backend, Capabilities, LayerInputs, LayerShape, Phase, PlatformSupport
-from ..common.indices import check_local_topk
+from ..common.heads import LazyStaging, padded_heads, stage
+from ..common.indices import bounded_rows
 from ..common.layout import CacheGeometry, KVFormat, Record, gather_rows
 from ..common.plan import StepPlan
-from ..common.platform import Platform
-from ..common.spec import HEAD_DIM, MODEL1_DATA_BYTES, LayerKind, ModelSpec, round_up
+from ..common.platform import Platform, dist_version
+from ..common.spec import HEAD_DIM, MODEL1_DATA_BYTES, LayerKind, ModelSpec
 
 ENV_LIB = envs.FLASHMLA_LIB.name
 # Index rows are padded with -1 columns to a multiple of this: decode needs each scope's width a
@@ -228,15 +228,6 @@ def _op_namespace(name: str):
     return getattr(torch.ops, name)
 
 
-def _dist_version(dists: tuple[str, ...]) -> str | None:
-    for dist in dists:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def _file_version(path: str) -> str:
     with open(path, "rb") as f:
         return "unversioned build, sha256 " + hashlib.sha256(f.read()).hexdigest()[:16]
@@ -259,7 +250,7 @@ def load_flashmla() -> FlashMLALib:
             continue
         ops, why = bind_ops(_op_namespace(namespace), namespace)
         if ops is not None:
-            return FlashMLALib(ops, label, _dist_version(dists) or getattr(mod, "__version__", None),
+            return FlashMLALib(ops, label, dist_version(*dists) or getattr(mod, "__version__", None),
                                getattr(mod, "__file__", None), tuple(notes))
         notes.append(f"{label}: {why}")
     path = envs.FLASHMLA_LIB.get()
@@ -277,11 +268,6 @@ def load_flashmla() -> FlashMLALib:
             return FlashMLALib(ops, ENV_LIB, _file_version(path), path, tuple(notes))
         notes.append(f"{ENV_LIB}={path}: {why}")
     return FlashMLALib(None, notes=tuple(notes))
-
-
-def padded_heads(num_heads: int) -> int:
-    """FlashMLA's sparse kernels take 64 or 128 query heads."""
-    return 64 if num_heads <= 64 else 128
 
 
 @functools.cache
@@ -315,68 +301,18 @@ def _kernel_cache(cache: torch.Tensor, record: Record, geo: CacheGeometry, name:
     return cache.as_strided((geo.num_blocks, geo.block_size, 1, tb), (geo.block_stride, tb, tb, 1))
 
 
-def _pad_cols(rows: torch.Tensor, multiple: int) -> torch.Tensor:
-    """rows int32 [T, K] -> [T, round_up(K, multiple)] with -1 columns (the same tensor if aligned)."""
-    pad = round_up(rows.shape[1], multiple) - rows.shape[1]
-    return rows if pad == 0 else F.pad(rows, (0, pad), value=-1)
-
-
-def _kernel_rows(rows: torch.Tensor, num_slots: int, multiple: int) -> torch.Tensor:
-    """The decode kernel's index rows: slots outside ``[0, num_slots)`` of the cache they index
-    become -1 (FlashMLA's decode kernel reads every entry that is not -1), padded with -1
-    columns to a multiple of ``multiple``. int32 [T, round_up(K, multiple)], a new tensor."""
-    inside = (rows >= 0) & (rows < num_slots)
-    return _pad_cols(torch.where(inside, rows, torch.full_like(rows, -1)), multiple)
-
-
 def _comp_kernel_rows(plan: StepPlan, layer: LayerInputs,
                       all_idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode kernel's compressed-scope rows (int32 [T, round_up(width, TOPK_BLOCK)], -1 for
     every entry the layer does not attend, slots outside its cache included) and lens int32 [T].
-    A top-k layer's local top-k is translated, bounded to the cache and padded in ONE launch
-    where the plan's index front end is Triton (GPUs; portable/kernels/indices.py), by the plan's
-    translation and a few torch ops elsewhere; an "all" kind (C128A) has ``all_idx``, its rows
-    made once per step (``FlashMLABackend.prepare``)."""
+    A top-k layer's local top-k is translated, bounded to the cache and padded by the plan's index
+    front end in one pass (one launch on GPUs: ``FrontEnd.topk_rows``); an "all" kind (C128A) has
+    ``all_idx``, its rows made once per step (``FlashMLABackend.prepare``)."""
     kind, num_slots = layer.kind, layer.comp_geo.num_slots
-    if plan.translates_topk(kind) and plan.front_end.name == "triton":
-        from ..portable.kernels.indices import topk_rows
-
-        check_local_topk(layer.topk, plan.num_tokens, plan.device, width=plan.spec.comp_width(kind))
-        local = layer.topk[: plan.num_tokens]
-        return topk_rows(plan.tokens, kind.ratio, plan.batch.comp_block_table(kind), plan.batch.comp_block_size(kind),
-                         local if local.stride(-1) == 1 else local.contiguous(), num_slots, TOPK_BLOCK)
+    if plan.translates_topk(kind):
+        return plan.comp_scope(kind, layer.topk, num_slots=num_slots, multiple=TOPK_BLOCK)
     rows, lens = plan.comp_scope(kind, layer.topk)
-    return (all_idx if all_idx is not None else _kernel_rows(rows, num_slots, TOPK_BLOCK)), lens
-
-
-@dataclass
-class _HeadStaging:
-    """Per-step buffers for layers whose q is not 64/128 contiguous heads: q zero-padded,
-    out, sink (-inf on padded heads). q/out bf16 [T, hp, 512], sink float32 [hp]."""
-
-    q: torch.Tensor
-    out: torch.Tensor
-    sink: torch.Tensor
-
-    @classmethod
-    def allocate(cls, num_tokens: int, hp: int, device: torch.device) -> _HeadStaging:
-        return cls(torch.zeros(num_tokens, hp, HEAD_DIM, dtype=torch.bfloat16, device=device),
-                   torch.empty(num_tokens, hp, HEAD_DIM, dtype=torch.bfloat16, device=device),
-                   torch.full((hp,), float("-inf"), dtype=torch.float32, device=device))
-
-
-class _LazyStaging:
-    """The step's head staging, allocated by the first layer that needs it (most callers hand
-    64/128 contiguous heads and need none)."""
-
-    def __init__(self, num_tokens: int, hp: int, device: torch.device) -> None:
-        self._args = (num_tokens, hp, device)
-        self._staging: _HeadStaging | None = None
-
-    def get(self) -> _HeadStaging:
-        if self._staging is None:
-            self._staging = _HeadStaging.allocate(*self._args)
-        return self._staging
+    return (all_idx if all_idx is not None else bounded_rows(rows, num_slots, multiple=TOPK_BLOCK)), lens
 
 
 @dataclass(frozen=True)
@@ -393,7 +329,7 @@ class FlashMLAMeta:
              layer of a kind has the same lengths); () in prefill
     """
 
-    staging: _LazyStaging
+    staging: LazyStaging
     swa_idx: torch.Tensor | None = None
     all_idx: torch.Tensor | None = None
     scheds: tuple[_Sched, ...] = ()
@@ -415,6 +351,22 @@ class FlashMLABackend(Backend):
         notes="FlashMLA from flash_mla / vllm / sgl_kernel / $DSV4_ATTN_FLASHMLA_LIB; prefill gathers the "
               "selected rows into a bounded bf16 workspace",
     )
+
+    def describe_binary(self, platform: Platform) -> tuple[dict, list[str]]:
+        """The FlashMLA library that loaded (source, version, location) or why none did."""
+        lib = load_flashmla()
+        summary = " ".join(lib.describe().split())
+        info = {"loaded": lib.ops is not None, "source": lib.source, "version": lib.version,
+                "location": lib.location, "summary": lib.describe()}
+        if lib.ops is not None:
+            return info, [f"loaded: {summary}"]
+        return info, ["not found: " + summary.removeprefix("FlashMLA not loaded: ")]
+
+    def raw_ops(self) -> Any:
+        """``torch.ops._flashmla_C`` when the loaded library has vLLM 0.33's op schemas (the calls the
+        bench makes as vLLM makes them), else None."""
+        lib = load_flashmla()
+        return lib.ops.ns if lib.ops is not None and lib.ops.dialect.name == "vllm" else None
 
     def __init__(self, workspace_bytes: int = 256 << 20, index_keys: int = 1 << 24) -> None:
         self.workspace_bytes = workspace_bytes  # bound of one prefill chunk's bf16 workspace
@@ -442,14 +394,15 @@ class FlashMLABackend(Backend):
         if shape.kind.has_comp_scope:
             window = self.meta(plan, shape.window_only())
         else:
-            window = FlashMLAMeta(_LazyStaging(plan.num_tokens, padded_heads(shape.num_heads), plan.device))
+            window = FlashMLAMeta(LazyStaging(plan.num_tokens, padded_heads(shape.num_heads), plan.device))
             if plan.num_decode_tokens:
-                window = replace(window, swa_idx=_kernel_rows(plan.swa_rows, shape.swa_geo.num_slots, TOPK_BLOCK))
+                swa_idx = bounded_rows(plan.swa_rows, shape.swa_geo.num_slots, multiple=TOPK_BLOCK)
+                window = replace(window, swa_idx=swa_idx)
         if not plan.num_decode_tokens:
             return window
         all_idx = None
         if shape.kind.attends_all:
-            all_idx = _kernel_rows(plan.comp_scope(shape.kind)[0], shape.comp_geo.num_slots, TOPK_BLOCK)
+            all_idx = bounded_rows(plan.comp_scope(shape.kind)[0], shape.comp_geo.num_slots, multiple=TOPK_BLOCK)
         scheds = tuple(_Sched() for _ in range(0, plan.num_tokens, DECODE_MAX_ROWS))
         return replace(window, all_idx=all_idx, scheds=scheds)
 
@@ -466,27 +419,13 @@ class FlashMLABackend(Backend):
         if ops is None:
             raise RuntimeError(load_flashmla().describe())
         meta = self.meta(plan, layer.shape)
-        q, kout, sink, staging = self._stage(meta, layer, out)
+        q, kout, sink, staging = stage(meta.staging, layer.q, layer.sink, out)
         if nd:
             self._decode(ops, plan, meta, layer, q, sink, kout)
         else:
             self._prefill(ops, plan, layer, q, sink, kout)
         if staging is not None:
             out.copy_(staging.out[:, : out.shape[1]])
-
-    @staticmethod
-    def _stage(meta: FlashMLAMeta, layer: LayerInputs, out: torch.Tensor):
-        """(q, out, sink, staging) as the kernels take them: 64/128 contiguous heads, contiguous
-        fp32 sink. Without a copy when the caller's tensors already fit."""
-        q, sink = layer.q, layer.sink
-        H = q.shape[1]
-        if H == padded_heads(H) and q.is_contiguous() and (sink is None or sink.is_contiguous()):
-            return q, out, sink, None
-        staging = meta.staging.get()
-        staging.q[:, :H].copy_(q)
-        if sink is not None:
-            staging.sink[:H].copy_(sink)
-        return staging.q, staging.out, (None if sink is None else staging.sink), staging
 
     def _decode(self, ops: FlashMLAOps, plan: StepPlan, meta: FlashMLAMeta, layer: LayerInputs, q, sink,
                 out) -> None:
@@ -519,8 +458,7 @@ class FlashMLABackend(Backend):
         parts = []
         for cache, record, geo, rows, lens in scopes:
             r, n = rows[t0:t1], lens[t0:t1]
-            col = torch.arange(r.shape[1], device=r.device)[None, :]
-            keys = torch.where((col < n[:, None]) & (r >= 0) & (r < geo.num_slots), r, torch.full_like(r, -1))
+            keys = bounded_rows(r, geo.num_slots, n)
             uniq, inverse = torch.unique(keys, return_inverse=True)  # syncs: the distinct count sizes the workspace
             parts.append((cache, record, geo, keys, uniq, inverse))
         rows_needed = sum(p[4].numel() for p in parts)
@@ -537,5 +475,5 @@ class FlashMLABackend(Backend):
                 kv[base + r0 : base + r1, 0].copy_(gather_rows(cache, record, geo, uniq[r0:r1]))
             indices.append(torch.where(keys < 0, torch.full_like(inverse, -1), inverse + base))
             base += uniq.numel()
-        idx = _pad_cols(torch.cat(indices, dim=1).to(torch.int32), TOPK_BLOCK)
+        idx = bounded_rows(torch.cat(indices, dim=1).to(torch.int32), None, multiple=TOPK_BLOCK)
         ops.prefill(q[t0:t1], kv, idx[:, None, :], layer.softmax_scale, sink, out[t0:t1])

@@ -23,7 +23,9 @@ SGLang metadata -> StepRows (``DSV4AttnMetadata``, every forward mode; rows are 
 ===============================  ===========================================================
 StepRows                         SGLang 0.5.23
 ===============================  ===========================================================
-swa_rows int32 [T, 128]          ``swa_page_indices`` (req_to_token -> full_to_swa mapping)
+swa_rows int32 [T, 128]          ``swa_page_indices`` (req_to_token -> full_to_swa mapping;
+                                 under V4.1 decoder SWA bounded replay SGLang floors them at
+                                 the replay start: the StepBatch.swa_start of the vLLM plugin)
 swa_lens                         ``swa_topk_lengths``
 positions int32 [T]              ``positions_casual``
 comp[4] GlobalRows               ``c4_sparse_page_indices`` (the indexer writes each C4A
@@ -154,11 +156,24 @@ def _not_a_deepseek_v4_model(model_runner):
                      "V4.1 models only (SGLang resolves their attention backend to dsv4, which the plugin serves)")
 
 
+SPLIT_BACKEND_FLAGS = ("prefill_attention_backend", "decode_attention_backend",
+                       "speculative_draft_attention_backend")
+
+
 def _before_resolution(server_args, *args, **kwargs):
     """``--attention-backend dsv4_attn`` (seen before SGLang resolves the arguments, which the
-    launchers do before starting any process): the plugin is on here and in the processes started."""
-    if BACKEND_NAME in (getattr(server_args, name, None) for name in
-                        ("attention_backend", "prefill_attention_backend", "decode_attention_backend")):
+    launchers do before starting any process): the plugin is on here and in the processes started.
+    ``dsv4_attn`` for one phase only (``--decode-attention-backend`` and the like) is refused here:
+    SGLang would build that phase's backend from the registry entry beside its DeepSeek-V4 one
+    (``attention_backend_setup._build_resolved_backend``), while the plugin serves both phases of
+    SGLang's one DeepSeek-V4 backend."""
+    for name in SPLIT_BACKEND_FLAGS:
+        if getattr(server_args, name, None) == BACKEND_NAME:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag}: got {BACKEND_NAME}; allowed: not {BACKEND_NAME} (the plugin runs prefill, "
+                             f"decode and MTP draft attention of SGLang's DeepSeek-V4 backend together). Pass "
+                             f"--attention-backend {BACKEND_NAME} (or {ENV_ENABLE}=1) instead of {flag} {BACKEND_NAME}")
+    if getattr(server_args, "attention_backend", None) == BACKEND_NAME:
         if envs.SGLANG.raw is not None and not env_enabled():
             raise ValueError(f"{ENV_ENABLE}: got {envs.SGLANG.raw!r} beside --attention-backend {BACKEND_NAME}; "
                              f"allowed: 1 or unset with that flag")
@@ -251,38 +266,50 @@ def kernel_heads(model_runner) -> int:
 
 
 def unsupported_reasons(model_runner) -> list[str]:
-    """Why dsv4_attn cannot serve this SGLang DeepSeek-V4 backend ([] = it can)."""
+    """Why dsv4_attn cannot serve this SGLang DeepSeek-V4 backend ([] = it can); each reason names
+    the flag (or variable), the value it got and what to pass instead."""
     from sglang.srt.runtime_context import get_exec, get_parallel, get_spec
 
     reasons = []
     version = sglang_version()
     if not is_tested_version(version):
-        reasons.append(f"SGLang {version}: tested with {', '.join(TESTED_SGLANG_VERSIONS)} only")
+        reasons.append(f"sglang: got {version}; allowed: {', '.join(TESTED_SGLANG_VERSIONS)} (install "
+                       f"sglang=={TESTED_SGLANG_VERSIONS[-1]} or unset {ENV_ENABLE})")
     kernel, features = get_exec().kernel, get_exec().features
     if kernel.dsv4_attn_backend in ("trtllm", "flashmla_mega"):
-        reasons.append(f"--dsv4-attn-backend {kernel.dsv4_attn_backend}: its caches or fused RoPE/output "
-                       "quantization are that kernel's own; allowed: flashmla (the default on SM90)")
+        reasons.append(f"--dsv4-attn-backend: got {kernel.dsv4_attn_backend} (its caches or fused RoPE/output "
+                       "quantization are that kernel's own); allowed: flashmla (pass --dsv4-attn-backend flashmla; "
+                       "SGLang's auto picks flashmla_mega only for V4.1 on SM100 without attention TP)")
     pool = model_runner.token_to_kv_pool
     if kv_format_of(pool) is None:
         comp = sorted({pool.compressed_kv_layout(r).value for r in pool.present_ratios})
-        reasons.append(f"KV cache layout: got SWA {pool.get_swa_key_layout().value}, compressed {comp}; allowed: v4 "
-                       "(fp8_ds_mla), or v41_new with v41_new / v41_fp4_new compressed caches (SGLANG_DSV4_KV_LAYOUT)")
+        reasons.append(f"SGLANG_DSV4_KV_LAYOUT: got SWA {pool.get_swa_key_layout().value}, compressed {comp}; allowed: "
+                       "v4 (fp8_ds_mla; SGLang's default), or v41_new with v41_new / v41_fp4_new compressed caches "
+                       "(pass SGLANG_DSV4_KV_LAYOUT=v4 or v41_new)")
     heads = kernel_heads(model_runner)
     if heads > MAX_HEADS:
-        reasons.append(f"query heads per rank: got {heads}; allowed: <= {MAX_HEADS} (raise --tp-size)")
+        reasons.append(f"--tp-size: got {heads} query heads per rank; allowed: <= {MAX_HEADS} (pass a larger "
+                       "--tp-size)")
     algorithm = get_spec().speculative_algorithm
     if algorithm is not None and str(algorithm).upper() != "EAGLE":
-        reasons.append(f"--speculative-algorithm {algorithm}: only EAGLE / MTP (top-k 1) is served; DSpark's "
-                       "non-causal draft windows are not modelled by dsv4_attn")
+        reasons.append(f"--speculative-algorithm: got {algorithm} (DSpark's non-causal draft windows are not modelled "
+                       "by dsv4_attn); allowed: EAGLE (MTP, top-k 1; pass --speculative-algorithm EAGLE, or no "
+                       "speculative decoding)")
     if model_runner.hisparse_coordinator is not None:
-        reasons.append("hierarchical sparse C4 cache (enable_hisparse): its swapped-in pages are not modelled")
+        reasons.append("--enable-hisparse: got on (its swapped-in C4 pages are not modelled); allowed: off (drop "
+                       "--enable-hisparse)")
     if get_parallel().attn_cp_size > 1:
-        reasons.append(f"attention context parallelism (attn_cp_size {get_parallel().attn_cp_size}): not modelled")
-    for name in ("enable_decoder_swa_bounded_replay", "enable_encoder_swa_bounded_replay"):
-        if getattr(features, name, False):
-            reasons.append(f"--{name.replace('_', '-')}: SWA replay windows are not modelled by dsv4_attn")
+        reasons.append(f"--attn-cp-size: got {get_parallel().attn_cp_size} (attention context parallelism is not "
+                       "modelled); allowed: 1 (drop --enable-prefill-cp / --attn-cp-size)")
+    # Decoder SWA bounded replay (SGLang's default for V4.1 on CUDA) is served: SGLang floors the
+    # late layers' SWA rows itself (see StepPlanner.step_rows). Encoder replay swaps the SWA
+    # cache for per-request windows (DeepSeekV4TokenToKVPool.request_window) that are not.
+    if getattr(features, "enable_encoder_swa_bounded_replay", False):
+        reasons.append("--enable-encoder-swa-bounded-replay: got on (its per-request SWA windows are not modelled); "
+                       "allowed: off (drop the flag)")
     if getattr(model_runner.server_args, "enable_two_batch_overlap", False):
-        reasons.append("--enable-two-batch-overlap: interleaved micro-batches share one backend; not supported")
+        reasons.append("--enable-two-batch-overlap: got on (interleaved micro-batches share one backend); allowed: "
+                       "off (drop the flag)")
     return reasons
 
 
@@ -347,12 +374,38 @@ def spec_for(model_runner) -> ModelSpec:
                      layers=model_layer_kinds(cfg, dict.fromkeys(kinds)))
 
 
+def step_token_bound(model_runner) -> int:
+    """The most query rows one SGLang forward can hand a backend of this process, from SGLang's
+    config at engine start (the plan buffers are sized for it, so no step is refused later):
+
+    * an extend: SGLang's prefill buffer ceiling (``sglang/srt/runtime_context.py``
+      ``max_prefill_buffer_tokens``: ``--chunked-prefill-size``, which mixed-in decode tokens and
+      replay rows share); without chunked prefill a whole prompt (``schedule_policy.PrefillAdder``
+      admits the first request above ``--max-prefill-tokens``): the context length or
+      ``--max-prefill-tokens``, whichever is larger;
+    * decode, target verify, draft extend: every request slot (``req_to_token_pool.size``, at
+      most ``--max-running-requests``) times the tokens a request brings (1, the draft tokens, or
+      the draft steps + 1);
+    * CUDA-graph padding: the decode graphs' largest batch times those tokens; the prefill
+      graphs' largest captured size.
+    """
+    from sglang.srt.runtime_context import get_exec, get_spec, max_prefill_buffer_tokens
+
+    args, spec = model_runner.server_args, get_spec()
+    context = int(model_runner.req_to_token_pool.req_to_token.shape[1])
+    extend = max_prefill_buffer_tokens() or max(context, int(getattr(args, "max_prefill_tokens", 0) or 0))
+    per_request = max(1, int(spec.speculative_num_draft_tokens or 0), int(spec.speculative_num_steps or 0) + 1)
+    requests = int(getattr(model_runner.req_to_token_pool, "size", 0) or 0)
+    graphs = getattr(get_exec().graph, "cuda_graph_config", None)
+    decode_graph = int(getattr(getattr(graphs, "decode", None), "max_bs", 0) or 0)
+    prefill_graph = int(getattr(getattr(graphs, "prefill", None), "max_bs", 0) or 0)
+    return max(extend, requests * per_request, decode_graph * per_request, prefill_graph, 1)
+
+
 def planner_for(model_runner) -> StepPlanner:
     spec = spec_for(model_runner)
     fmt = kv_format_of(model_runner.token_to_kv_pool)
-    max_tokens = max(int(getattr(model_runner.server_args, "max_prefill_tokens", 0) or 0),
-                     int(getattr(model_runner.server_args, "chunked_prefill_size", 0) or 0), 8192)
-    planner = StepPlanner(spec, fmt, max_tokens)
+    planner = StepPlanner(spec, fmt, step_token_bound(model_runner), torch.device(model_runner.device))
     planner.log()
     return planner
 
@@ -362,19 +415,33 @@ class StepPlanner:
 
     A forward pass runs the layers in ascending layer id; a layer id that does not ascend, or
     metadata tensors that are not the ones planned, start a new plan (SGLang rebuilds or refills
-    its metadata every forward, also when a breakable CUDA graph replays). Plan buffers:
-    ``max_tokens * 13`` bytes (positions, requests, validity); the rows are SGLang's.
+    its metadata every forward, also when a breakable CUDA graph replays; the late layers of a
+    V4.1 extend under decoder SWA bounded replay switch to SGLang's tail metadata, whose tensors
+    differ). Plan buffers, allocated at construction: ``max_tokens * 529`` bytes (dsv4_attn's
+    PlanBuffers: positions, requests, validity, and SWA row buffers a StepRows plan leaves unused);
+    the rows are SGLang's.
     """
 
-    def __init__(self, spec: ModelSpec, fmt: KVFormat, max_tokens: int) -> None:
+    def __init__(self, spec: ModelSpec, fmt: KVFormat, max_tokens: int, device: torch.device) -> None:
         self.mla = SparseMLA(spec, fmt, max_tokens=max_tokens)  # backend refusals surface here
+        self._allocate(device)
         self.plans_built = 0
         self._last_layer: int | None = None
         self._planned: tuple = ()
         self._plan = None
 
+    def _allocate(self, device: torch.device) -> None:
+        """Allocate the plan buffers now (engine start, before SGLang sizes what memory is left)
+        by planning an empty step: an out-of-memory shows at start, never at the first forward."""
+        none = torch.zeros(0, 1, dtype=torch.int32, device=device)
+        self.mla.plan(StepRows(none, none[:, 0], none[:, 0]))
+
     def step_rows(self, core, num_tokens: int, decode: bool) -> StepRows:
-        """SGLang's per-token metadata as StepRows (views; no copy)."""
+        """SGLang's per-token metadata as StepRows (views; no copy). Under V4.1's decoder SWA
+        bounded replay the late layers get SGLang's tail metadata, whose SWA rows SGLang already
+        floors at each request's replay start (``BuildCausalSwaPageIndices`` with
+        ``swa_replay_start``: -1 below the floor, ``swa_topk_lengths`` cut to match; newest slot
+        first): those rows are what vLLM's ``replay_start`` becomes as ``StepBatch.swa_start``."""
         n = min(num_tokens, core.swa_page_indices.shape[0])
         comp = {}
         for ratio in core.present_ratios:

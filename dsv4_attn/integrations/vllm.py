@@ -67,12 +67,13 @@ import os
 import sys
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .. import envs
 from ..api import SparseMLA
 from ..common.backend import Phase
 from ..common.batch import StepBatch
@@ -82,6 +83,8 @@ from ..common.platform import probe
 from ..common.spec import MAX_HEADS, LayerKind, ModelSpec, model_layer_kinds
 
 ENV_ENABLE = "DSV4_ATTN_VLLM"
+ENV_PREFIX = "DSV4_ATTN_"  # every variable of the package (dsv4_attn/envs.py)
+RAY_EXTRA_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"  # vllm/envs.py, read by vllm/ray/ray_env.py
 BACKEND_NAME = "DSV4_ATTN"  # the --attention-backend name this plugin adds
 TESTED_VLLM_SERIES = "0.33"  # vLLM internals the hooks touch move between minor releases
 CUDA_MODEL_MODULE = "vllm.models.deepseek_v4.nvidia.model"
@@ -95,11 +98,8 @@ logger = logging.getLogger("vllm.dsv4_attn")
 
 # ---- opt-in, version and platform gates ------------------------------------------------------
 def env_enabled() -> bool:
-    """``DSV4_ATTN_VLLM``: "1" on; unset, "" or "0" off; anything else is an error."""
-    value = os.environ.get(ENV_ENABLE, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{ENV_ENABLE}: got {value!r}; allowed: '1' (on) or '0' / unset (off)")
-    return value == "1"
+    """``DSV4_ATTN_VLLM`` (envs.VLLM, the one reader: 1/on or 0/off/unset); anything else is an error."""
+    return envs.VLLM.get()
 
 
 def names_our_backend(vllm_config) -> bool:
@@ -152,7 +152,7 @@ def status() -> dict[str, str]:
     except md.PackageNotFoundError:
         version = None
     declared = any(ep.name == "dsv4_attn" for ep in md.entry_points(group="vllm.general_plugins"))
-    env = os.environ.get(ENV_ENABLE, "")
+    raw = envs.VLLM.raw
     if version is None:
         verdict = "off (vllm not installed)"
     elif not is_tested_version(version):
@@ -160,13 +160,13 @@ def status() -> dict[str, str]:
     elif not declared:
         verdict = ("off (dsv4-attn's vllm.general_plugins entry point is not installed: pip install -e <a clone of "
                    "dsv4-attn> in this environment)")
-    elif env == "1":
-        verdict = (f"on ({ENV_ENABLE}=1): DeepSeek-V4 attention layers run on dsv4_attn, and DeepSeek-V4.1's on "
+    elif env_enabled():
+        verdict = (f"on ({ENV_ENABLE}={raw}): DeepSeek-V4 attention layers run on dsv4_attn, and DeepSeek-V4.1's on "
                    "CUDA (FlashMLA layer class; refusals: docs/vllm.md)")
     else:
         verdict = f"available: on with {ENV_ENABLE}=1 or --attention-backend {BACKEND_NAME}"
     return {"vllm": version or "not installed", "entry point": "installed" if declared else "missing",
-            ENV_ENABLE: env or "unset", "vllm plugin": verdict}
+            ENV_ENABLE: raw or "unset", "vllm plugin": verdict}
 
 
 # ---- the entry point -------------------------------------------------------------------------
@@ -195,6 +195,7 @@ def register() -> None:
             )
         return
     _register_backend_name()
+    carry_env_to_ray_actors()
     if platform == "cuda":
         _after_import(CUDA_MODEL_MODULE, _patch_cuda_model)
         _after_import(V41_CUDA_MODEL_MODULE, _patch_v41_cuda_model)
@@ -206,6 +207,23 @@ def register() -> None:
         logger.info("dsv4_attn: %s=1, vLLM %s on %s: DeepSeek-V4 attention layers built in this process will "
                     "run on dsv4_attn, %s (a log line per layer class follows when they are built); other "
                     "models are not affected", ENV_ENABLE, version, platform, v41)
+
+
+def carry_env_to_ray_actors() -> None:
+    """With ``--data-parallel-backend ray`` vLLM starts each engine core as a Ray actor whose
+    environment is only the driver's variables ``vllm/ray/ray_env.py`` ``get_env_vars_to_copy``
+    selects (vLLM's own prefixes: ``VLLM_``, ``NCCL_``, ...; ``v1/engine/utils.py``
+    ``CoreEngineActorManager``), so ``DSV4_ATTN_VLLM=1`` would stay behind and the actors would
+    build vLLM's own layers. When any ``DSV4_ATTN_*`` variable is set, add the prefix to vLLM's
+    own knob for extra prefixes; that knob is itself a ``VLLM_`` variable, so it travels into the
+    actors too, and from there to their workers (Ray executor: the whole environment;
+    multiprocessing: inherited). ``--attention-backend DSV4_ATTN`` needs nothing: it travels in
+    the config."""
+    if not any(name.startswith(ENV_PREFIX) for name in os.environ):
+        return
+    prefixes = [p.strip() for p in os.environ.get(RAY_EXTRA_PREFIXES, "").split(",") if p.strip()]
+    if ENV_PREFIX not in prefixes:
+        os.environ[RAY_EXTRA_PREFIXES] = ",".join(prefixes + [ENV_PREFIX])
 
 
 def _register_backend_name() -> None:
@@ -535,10 +553,11 @@ def unsupported_reasons(layer, vllm_config) -> list[str]:
     """
     reasons = []
     ratio = layer.compress_ratio
-    block_size = vllm_config.cache_config.block_size
+    block_size = resolved_block_size(layer, vllm_config)
     if ratio > 1 and block_size % ratio:
         reasons.append(f"--block-size: got {block_size}; allowed: a multiple of {ratio} (the ratio-{ratio} "
-                       f"cache holds block_size // {ratio} entries per block)")
+                       f"cache holds block_size // {ratio} entries per block); or leave --block-size unset "
+                       "(vLLM then picks its compressed kernel's block size)")
     if getattr(layer, "max_image_tokens", 0):  # V4 only: V4.1 image tokens keep the causal window
         reasons.append("vision variant (vision_max_n_token > 0): in-image bidirectional SWA windows are "
                        "not modelled by dsv4_attn")
@@ -566,6 +585,23 @@ def unsupported_reasons(layer, vllm_config) -> list[str]:
     return reasons
 
 
+def resolved_block_size(layer, vllm_config) -> int:
+    """The KV-cache block size (uncompressed tokens) vLLM will run ``layer`` with. vLLM builds the
+    model while ``cache_config.block_size`` still holds its placeholder default (16) and resolves
+    it only after ``load_model`` (``v1/executor/multiproc_executor.py`` ->
+    ``platforms/interface.py`` ``update_block_size_for_backend``): ``--block-size`` when given,
+    else a size every layer's attention backend supports -- a multiple of the compressed
+    backend's kernel block (DeepSeek-V4: 256; V4.1: 64 on SM90, 128 on SM100), the size
+    predicted here."""
+    cache = vllm_config.cache_config
+    if cache.user_specified_block_size:
+        return cache.block_size
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vllm_config):  # V4.1's backend reads the device through it
+        return layer.get_attn_backend().get_preferred_block_size(cache.DEFAULT_BLOCK_SIZE)
+
+
 def refuse_v41_rocm(vllm_config) -> None:
     """Engine start of DeepSeek-V4.1 on ROCm with the plugin on: refused (its layer is not hooked)."""
     if enabled_for(vllm_config):
@@ -586,6 +622,9 @@ class PlanGroup:
 
     swa_prefix: str
     comp_prefixes: tuple[tuple[int, str], ...] = ()
+    # The KV-cache group of its ratio-128 cache (``group_of``'s name for it; None without one):
+    # plans of a step with the same one build the same C128A rows, so they share one row set.
+    c128a_table: Any = field(default=None, compare=False)
 
     @property
     def has_c128a(self) -> bool:
@@ -617,7 +656,9 @@ def plan_groups(layers, group_of: Callable[[str], Any]) -> tuple[dict[str, int],
     for swa_gid, (swa_prefix, comps) in per_swa.items():
         first[swa_gid] = len(groups)
         for j in range(max([1] + [len(c) for c in comps.values()])):
-            groups.append(PlanGroup(swa_prefix, tuple((r, c[j][1]) for r, c in comps.items() if j < len(c))))
+            c128a = comps.get(LayerKind.C128A.ratio, [])
+            groups.append(PlanGroup(swa_prefix, tuple((r, c[j][1]) for r, c in comps.items() if j < len(c)),
+                                    c128a[j][0] if j < len(c128a) else None))
     index = {}
     for layer in layers:
         swa_gid, j = group_of(layer.swa_cache_layer.prefix), 0
@@ -656,18 +697,18 @@ def planner_for(layer, vllm_config) -> StepPlanner:
     sched = vllm_config.scheduler_config
     max_tokens = sched.max_num_batched_tokens
     # gfx942 writes the SWA cache in FNUZ fp8 and the compressed cache in OCP (docs/rocm.md).
-    key = (spec, max_tokens, max(sched.max_num_seqs, max_tokens), probe().fp8_dialect,
-           vllm_config.cache_config.block_size, layer.dsv4_kv_format())
+    # No block size in the key: vLLM has not resolved it yet (resolved_block_size); steps carry it.
+    key = (spec, max_tokens, max(sched.max_num_seqs, max_tokens), probe().fp8_dialect, layer.dsv4_kv_format())
     if key not in _planners:
-        planner = StepPlanner(*key, predict=functools.partial(predicted_plan_groups, vllm_config))
+        planner = StepPlanner(*key, predict=functools.partial(predicted_plan_groups, vllm_config),
+                              block_size=lambda: vllm_config.cache_config.block_size)
         planner.log(type(layer))
         _planners[key] = planner
     return _planners[key]
 
 
 class StepPlanner:
-    """The StepPlans of every layer of one model setup (spec, token budget, dialect, block size,
-    KV format).
+    """The StepPlans of every layer of one model setup (spec, token budget, dialect, KV format).
 
     A step is one forward pass: vLLM's ForwardContext (a new one per forward, holding that
     forward's ``attn_metadata`` dict), weakly referenced, so that no plan -- and none of vLLM's
@@ -684,12 +725,19 @@ class StepPlanner:
 
     Every plan lives in a slot (a SparseMLA with buffers for ``max_tokens`` tokens); the
     profiling run (:meth:`reserve`) allocates all slots a step will use, C128A rows included, so
-    vLLM's memory profile counts them before it sizes the KV cache.
+    vLLM's memory profile counts them before it sizes the KV cache. Target slots whose plans read
+    one ratio-128 table (V4: every plan; vLLM puts all compressed caches in one KV-cache group)
+    share one C128A row set (``max_tokens x c128a_width`` int32: 256 MiB at 1M context and 8192
+    tokens): each plan of the step rewrites the same rows, so whichever plan a step builds first,
+    the rows every C128A layer reads are its step's.
+
+    ``block_size()``: the engine's compressed-cache block size, asked only from the profiling run
+    on (vLLM resolves it after building the model; steps carry it in their metadata).
     """
 
     def __init__(self, spec: ModelSpec, max_tokens: int, max_reqs: int, swa_dialect: Fp8Dialect,
-                 block_size: int, fmt: KVFormat = KVFormat.MODEL1_FP8,
-                 predict: Callable[[list], list[PlanGroup]] | None = None) -> None:
+                 fmt: KVFormat = KVFormat.MODEL1_FP8, predict: Callable[[list], list[PlanGroup]] | None = None,
+                 *, block_size: Callable[[], int]) -> None:
         self.spec, self.max_tokens, self.max_reqs = spec, max_tokens, max_reqs
         self.swa_dialect, self.block_size, self.fmt = swa_dialect, block_size, fmt
         self.predict = predict
@@ -703,6 +751,7 @@ class StepPlanner:
         self._layer_plan: dict[str, int] = {}
         self._groups: list[PlanGroup] = []
         self._plans: dict[int, tuple[SparseMLA, StepPlan]] = {}
+        self._row_owner: dict[int, int] = {}  # slot -> the slot whose C128A rows it shares (reserve())
 
     def _new_slot(self) -> SparseMLA:
         return SparseMLA(self.spec, self.fmt, max_tokens=self.max_tokens, max_reqs=self.max_reqs,
@@ -741,6 +790,7 @@ class StepPlanner:
                     if not getattr(t, "is_draft_layer", False) and _has_metadata(t, attn_metadata)]
             self._layer_plan, self._groups = plan_groups(live, lambda prefix: id(attn_metadata[prefix]))
             self._forward, self._step_key, self._plans = weakref.ref(forward, self._forward_ended), key, {}
+            self._unshare_other_tables()
         index = self._layer_plan[layer.prefix]
         if index not in self._plans:
             group = self._groups[index]
@@ -748,6 +798,19 @@ class StepPlanner:
             batch = self.step_batch(attn_metadata[group.swa_prefix], comp, num_tokens)
             self._plans[index] = self._plan(self._slot(index, group), batch)
         return self._plans[index]
+
+    def _unshare_other_tables(self) -> None:
+        """A slot keeps sharing C128A rows only while its plan and the owner's read one ratio-128
+        table this step (as vLLM's grouping predicted at profiling); otherwise it gets rows of its
+        own at its next plan (outside vLLM's budget: :meth:`_slot` says so)."""
+        groups = self._groups
+        for index, owner in list(self._row_owner.items()):
+            if max(index, owner) < len(groups) and groups[index].c128a_table == groups[owner].c128a_table:
+                continue
+            del self._row_owner[index]
+            buffers = self.slots[index]._buffers
+            if buffers is not None:
+                buffers.all_rows.pop(LayerKind.C128A.ratio, None)
 
     def _forward_ended(self, ref: weakref.ref) -> None:
         """The step's forward pass is gone: drop its plans (they point into vLLM's buffers)."""
@@ -791,7 +854,7 @@ class StepPlanner:
             swa_block_table=swa_md.block_table,
             swa_block_size=swa_md.block_size,
             comp_block_tables={ratio: md.block_table for ratio, md in comp_mds.items()},
-            block_size=block_sizes.pop() if block_sizes else self.block_size,
+            block_size=block_sizes.pop() if block_sizes else self.block_size(),
             max_model_len=self.spec.max_model_len,
             num_tokens=num_tokens,
             swa_start=getattr(swa_md, "replay_start", None),  # V4.1 SWA bounded replay
@@ -815,23 +878,30 @@ class StepPlanner:
                                type(exc).__name__, exc)
         while len(self.slots) < len(groups):
             self.slots.append(self._new_slot())
-        for mla, group in zip(self.slots, groups):
+        owners: dict[Any, int] = {}  # ratio-128 table -> the slot that allocates its rows
+        for index, (mla, group) in enumerate(zip(self.slots, groups)):
+            owner = owners.setdefault(group.c128a_table, index) if group.has_c128a else index
+            if owner != index:
+                rows = self.slots[owner]._buffers.all_rows[LayerKind.C128A.ratio]
+                mla._ensure_buffers(device).all_rows[LayerKind.C128A.ratio] = rows
+                self._row_owner[index] = owner
             self._allocate(mla, device, group.has_c128a)
         if drafts:
             self.draft_slot = self.draft_slot or self._new_slot()
             self._allocate(self.draft_slot, device, any(t.dsv4_kind is LayerKind.C128A for t in drafts))
-        self.reserved_bytes = sum(_buffer_bytes(m) for m in self.slots + [self.draft_slot] if m is not None)
+        self.reserved_bytes = _buffer_bytes(*self.slots, self.draft_slot)
         logger.info("dsv4_attn: reserved %.1f MiB of plan buffers during vLLM's memory profile (%d plan(s) per "
-                    "step%s, %d with C128A rows; %d tokens)", self.reserved_bytes / 2**20, len(groups),
-                    " + 1 per draft step" if drafts else "", sum(g.has_c128a for g in groups), self.max_tokens)
+                    "step%s, %d with C128A rows, %d C128A row set(s); %d tokens)", self.reserved_bytes / 2**20,
+                    len(groups), " + 1 per draft step" if drafts else "", sum(g.has_c128a for g in groups),
+                    sum(g.has_c128a for g in groups) - len(self._row_owner), self.max_tokens)
 
     def _allocate(self, mla: SparseMLA, device: torch.device, c128a: bool) -> None:
         """Allocate ``mla``'s plan buffers (and C128A rows) by planning an empty batch."""
         empty = torch.zeros(0, 1, dtype=torch.int32)
         batch = StepBatch.from_lists([], [], empty, 64, comp_block_tables={LayerKind.C128A.ratio: empty} if c128a
-                                     else {}, block_size=self.block_size, max_model_len=self.spec.max_model_len,
+                                     else {}, block_size=self.block_size(), max_model_len=self.spec.max_model_len,
                                      num_tokens=0, device=device)
-        mla.plan(batch)
+        mla.reserve(mla.plan(batch))  # and the decode backends' scratch (aiter): counted by the profile too
 
     def _warn_unreserved(self, what: str) -> None:
         if self.reserved_bytes is not None:
@@ -859,13 +929,16 @@ def _metadata(attn_metadata: dict, prefix: str, layer):
     return attn_metadata[prefix]
 
 
-def _buffer_bytes(mla: SparseMLA, all_rows_only: bool = False) -> int:
-    """Bytes of ``mla``'s plan buffers (0 before its first plan); ``all_rows_only``: just the
-    rows of "all" kinds (C128A)."""
-    buffers = mla._buffers
-    if buffers is None:
-        return 0
-    tensors = [t for pair in buffers.all_rows.values() for t in pair]
-    if not all_rows_only:
-        tensors += [buffers.positions, buffers.token_to_req, buffers.token_valid, buffers.swa_rows, buffers.swa_lens]
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _buffer_bytes(*mlas: SparseMLA | None, all_rows_only: bool = False) -> int:
+    """Bytes of the plan buffers of ``mlas`` (None or not yet planned: nothing), a tensor shared
+    by several (C128A rows) once; ``all_rows_only``: just the rows of "all" kinds (C128A)."""
+    tensors: dict[int, torch.Tensor] = {}
+    for mla in mlas:
+        buffers = mla._buffers if mla is not None else None
+        if buffers is None:
+            continue
+        own = [t for pair in buffers.all_rows.values() for t in pair]
+        if not all_rows_only:
+            own += [buffers.positions, buffers.token_to_req, buffers.token_valid, buffers.swa_rows, buffers.swa_lens]
+        tensors.update((id(t), t) for t in own)
+    return sum(t.numel() * t.element_size() for t in tensors.values())

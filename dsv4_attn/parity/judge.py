@@ -16,8 +16,7 @@ import math
 
 import torch
 
-from ..common import backend as backend_mod
-from ..common import indices, reference
+from ..common import indices, reference, registry
 from ..common.backend import BackendUnavailableError, Phase
 from ..common.layout import KVFormat
 from ..common.platform import platform_for_device
@@ -65,10 +64,10 @@ def _skip(reasons: list[str], emulated: bool = False, ran: dict | None = None) -
 def _skip_reasons(name: str, case: Case, device: torch.device) -> list[str]:
     """Why backend ``name`` cannot serve this case ([] = it can serve at least one of its phases,
     and every phase it implements)."""
-    backend = backend_mod.get_backend(name)
+    backend = registry.get_backend(name)
     plat = platform_for_device(device)
     if backend is None:
-        return backend_mod.reasons_for(name, plat, case.spec, case.fmt, case.kind, Phase.DECODE)
+        return registry.reasons_for(name, plat, case.spec, case.fmt, case.kind, Phase.DECODE)
     own = [p for p in case.phases if p in backend.phases]
     if not own:
         return [f"implements {'/'.join(p.value for p in backend.phases)} only; this case has "
@@ -76,7 +75,7 @@ def _skip_reasons(name: str, case: Case, device: torch.device) -> list[str]:
     reasons = []
     for phase in own:
         reasons += [f"{phase.value}: {r}" for r in
-                    backend_mod.reasons_for(name, plat, case.spec, case.fmt, case.kind, phase)]
+                    registry.reasons_for(name, plat, case.spec, case.fmt, case.kind, phase)]
     return reasons
 
 

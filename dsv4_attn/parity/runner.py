@@ -16,7 +16,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from ..common import backend as backend_mod
+from ..common import registry
 from ..common.checks import resolve_device
 from ..common.platform import platform_for_device, probe
 from .inputs import make_inputs
@@ -47,7 +47,7 @@ def resolve_backends(names, also: tuple[str, ...] = ()) -> list[str]:
     if isinstance(names, str):
         names = [names]
     flat = [n.strip() for item in names for n in str(item).split(",") if n.strip()]
-    known = backend_mod.backend_names()
+    known = registry.backend_names()
     out: list[str] = []
     for n in flat:
         for name in (known if n == "all" else [n]):
@@ -59,37 +59,18 @@ def resolve_backends(names, also: tuple[str, ...] = ()) -> list[str]:
 
 
 def emulated_backends(backends: list[str]) -> set[str]:
-    """Backends whose results come from an emulator (labelled in the table and the JSON): AITER
-    when its emulator is on (``--emulate-aiter``, ``dsv4_attn.rocm.emulate.enable()`` or
-    ``DSV4_ATTN_AITER_EMULATOR``), and any backend instance that declares ``emulated = True``."""
-    names = {n for n in backends if getattr(backend_mod.get_backend(n), "emulated", False)}
-    if "aiter" in backends:
-        try:
-            from ..rocm.aiter import load_aiter  # vendor-free: never imports aiter off ROCm
-
-            if load_aiter().emulated:
-                names.add("aiter")
-        except Exception:  # no aiter module in this build: its cells are skipped with the reason
-            pass
-    return names
+    """Backends whose results come from an emulator (``Backend.emulated``: labelled in the table
+    and the JSON), e.g. AITER while its emulator is on (``--emulate-aiter``,
+    ``DSV4_ATTN_AITER_EMULATOR``). A backend that cannot be imported is not emulated (its cells are
+    skipped with the reason)."""
+    return {name for name in backends if (impl := registry.get_backend(name)) is not None and impl.emulated}
 
 
 def emulation_tags(emulated: set[str]) -> list[str]:
-    """Per emulated backend, what it emulates, for file names: ``aiter-gfx950-0.1.20.post1`` (the
-    emulated arch and AITER version), else the backend's name."""
-    tags = []
-    for name in sorted(emulated):
-        tag = name
-        if name == "aiter":
-            try:
-                from ..rocm.aiter import load_aiter
-
-                api = load_aiter()
-                tag = f"aiter-{api.arch}-{api.version}"
-            except Exception:  # no aiter module in this build: the name alone
-                pass
-        tags.append(tag)
-    return tags
+    """Per emulated backend, what it emulates, for file names (``Backend.emulation_tag``):
+    ``aiter-gfx950-0.1.20.post1`` (the emulated arch and AITER version)."""
+    return [impl.emulation_tag() if (impl := registry.get_backend(name)) is not None else name
+            for name in sorted(emulated)]
 
 
 def run_name(report: dict, full: bool) -> str:
@@ -107,13 +88,13 @@ def run_name(report: dict, full: bool) -> str:
 
 
 def backend_labels(backends: list[str]) -> dict[str, str]:
-    """A backend's own description for result files (``label()`` when it has one, e.g. AITER's
-    "aiter [EMULATED gfx950, AITER ...]"), else its name."""
+    """A backend's own description for result files (``Backend.label()``, e.g. AITER's "aiter
+    [EMULATED gfx950, AITER ...]"), its name when it cannot be imported."""
     out = {}
     for name in backends:
-        label = getattr(backend_mod.get_backend(name), "label", None)
+        impl = registry.get_backend(name)
         try:
-            out[name] = str(label()) if callable(label) else name
+            out[name] = impl.label() if impl is not None else name
         except Exception as exc:
             out[name] = f"{name} (label() raised {type(exc).__name__})"
     return out

@@ -18,6 +18,7 @@ import math
 import torch
 
 from ..common.backend import Backend, Capabilities, LayerInputs, PlatformSupport
+from ..common.indices import attended
 from ..common.layout import Fp8Dialect, KVFormat, Record, gather_rows
 from ..common.plan import StepPlan
 
@@ -64,8 +65,7 @@ def _scope(cache, record: Record, geo, rows: torch.Tensor, lens: torch.Tensor, k
            dialect: Fp8Dialect) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys float32 [C, K, 512] and validity bool [C, K] of one scope: the first lens entries that
     are slots of the cache (-1 and any other out-of-range entry skipped, never gathered)."""
-    col = torch.arange(rows.shape[1], device=rows.device)[None, :]
-    valid = (col < lens[:, None]) & (rows >= 0) & (rows < geo.num_slots)
+    valid = attended(rows, geo.num_slots, lens)
     slots = torch.where(valid, rows, torch.full_like(rows, -1))
     return gather_rows(cache, record, geo, slots, kv_scale, dialect), valid
 

@@ -61,18 +61,38 @@ class TritonBackend(Backend):
         cap = platform.capability
         if fmt.uses_fp8 and cap is not None and cap < (8, 9):
             return [f"format {fmt.value} needs fp8 (e4m3) conversions: NVIDIA sm_89 or newer, got {platform.arch}"]
-        return []
+        return self._compile_reasons(platform, spec, fmt, kind, dialects)
 
-    def choice(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
-               dialects) -> str:
-        """The Triton kernel and tile a layer runs with, and why (shown by ``SparseMLA.explain()``)."""
+    def _kernel(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, dialects):
+        """(ops, config, records, COMP, (impl, why)): the kernel the layer runs with, after asking the
+        compiler whether the Gluon kernel compiles here (``ops.resolved_kernel``)."""
         from .kernels import ops
 
         config = self._config or ops.DEFAULT_CONFIG
         kind = LayerKind.parse(kind)
         scopes = 2 if kind.has_comp_scope else 1
         records = (fmt.swa_record, fmt.comp_record)[:scopes]
-        impl, why = ops.kernel_choice(platform.arch, records, tuple(dialects)[:scopes], config)
+        comp = ops.comp_mode_of(kind)
+        resolved = ops.resolved_kernel(platform.arch, records, tuple(dialects)[:scopes], comp, spec.num_heads, config)
+        return ops, config, records, comp, resolved
+
+    def _compile_reasons(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
+                         dialects) -> list[str]:
+        """The compile error of the kernel this layer would run, if it does not compile on this
+        platform with the installed Triton (compiled at selection: SparseMLA's construction)."""
+        ops, config, records, comp, (impl, why) = self._kernel(platform, spec, fmt, kind, dialects)
+        if impl == "gluon":
+            return []
+        error = ops.compile_reason(platform.arch, "portable", records, comp, spec.num_heads, config)
+        if not error:
+            return []
+        gluon_failed = ops.kernel_choice(platform.arch, records, tuple(dialects)[:len(records)], config)[0] == "gluon"
+        return [why, error] if gluon_failed else [error]
+
+    def choice(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
+               dialects) -> str:
+        """The Triton kernel and tile a layer runs with, and why (shown by ``SparseMLA.explain()``)."""
+        _, config, _, _, (impl, why) = self._kernel(platform, spec, fmt, kind, dialects)
         if impl == "gluon":
             return f"Gluon Hopper kernel, 64 heads x {config.g_block_n} keys per tile ({why}; 16-byte aligned caches)"
         tile = config.tile(platform.arch, spec.num_heads)

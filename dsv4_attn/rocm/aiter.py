@@ -54,6 +54,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import inspect
+import itertools
 import math
 import os
 import warnings
@@ -64,18 +65,32 @@ from typing import Any
 import torch
 
 from .. import envs
-from ..common.backend import Backend, Capabilities, LayerInputs, LayerShape, Phase, PlatformSupport
-from ..common.layout import Fp8Dialect, KVFormat, Record, gather_rows, packed_records, quantize_model1
+from ..common.backend import (
+    Backend,
+    Capabilities,
+    LayerInputs,
+    LayerShape,
+    Phase,
+    PlatformSupport,
+)
+from ..common.layout import Fp8Dialect, KVFormat, Record, gather_rows, new_cache, packed_records, quantize_model1
 from ..common.merge import apply_sink, merge_lse
 from ..common.plan import StepPlan
-from ..common.platform import Platform, probe
+from ..common.platform import LibraryInfo, Platform, platform_for_device, probe
+from ..common.registry import new_backend, reasons_for
 from ..common.spec import HEAD_DIM, NOPE_DIM, NUM_QUANT_TILES, V4_KINDS, LayerKind, ModelSpec
 from . import emulate
 from .scratch import AiterScratch, ScopeBuffers, ScratchKey, compact, quantize_pow2_, write_indices
 
 ARCHS = ("gfx942", "gfx950")
+AITER_SOURCE = "git+https://github.com/ROCm/aiter.git@v0.1.20.post1"  # pyproject's `rocm` extra
+INSTALL_HINT = ("Install AITER v0.1.20.post1 from a clone of dsv4-attn: AITER_USE_SYSTEM_TRITON=1 pip install "
+                "--no-build-isolation -e '.[rocm]' (needs ROCm with hipcc and a ROCm torch; PyPI's amd-aiter 0.1.7 "
+                "is too old: docs/rocm.md \"Install AITER\")")
 NATIVE_DIALECT = {"gfx942": Fp8Dialect.FNUZ, "gfx950": Fp8Dialect.OCP}
 PATHS = ("sparse_mla_fwd", "mla_decode_fwd_v4_nm", "mla_decode_fwd")
+# backends without a token cap that take the decode launches above the scratch's capacity
+FALLBACKS = ("triton", "torch")
 # what each path costs or gains, shown by explain() for the path auto picks
 PATH_NOTES = {
     "sparse_mla_fwd": "caches read in place; both scopes and the sink in one launch",
@@ -109,6 +124,24 @@ _DECODE_PARAMS = ("q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices",
                   "return_lse")
 _NM_PARAMS = ("q", "qrope", "kv_buffer", "kvrope", "output", "qo_indptr", "kv_indptr", "kv_page_indices",
               "max_seqlen_q", "sink", "num_kv_splits")
+# The first AITER release whose path behaves as the adapter needs (the signatures cannot tell):
+# v4 nm before 0.1.18 merges unwritten splits of short rows (#4117) and folds out-of-range page
+# ids to row 0 (#4245); split mode before 0.1.19 looks for an LSE-writing split code object
+# (asm_mla.cu ``lse_flag = lse != nullptr``), finds none and raises.
+MIN_VERSION = {"mla_decode_fwd_v4_nm": ((0, 1, 18), "0.1.17 lacks AITER #4117 (empty splits of short rows merged) "
+                                                    "and #4245 (out-of-range page ids read row 0)"),
+               "mla_decode_fwd": ((0, 1, 19), "before 0.1.19 split mode with return_lse=True finds no code object "
+                                              "(asm_mla.cu lse_flag lacks '&& persistent') and raises")}
+# Paths that compute in fp8 (AITER's a8w8 kernels: q rounded to e4m3, P rounded to fp8 before
+# P.V): opt-in (FP8_COMPUTE). Their error, measured through the emulator on the adversarial cases
+# of tests/test_aiter.py (garbage past the valid top-k, permuted block tables, MTP, 16-128 heads,
+# +-inf sinks), against the bf16 paths' (tests/test_aiter.py::test_fp8_compute_is_opt_in_and_labelled).
+FP8_REL_L2 = 5e-2
+FP8_NOTE = (f"computes in fp8 (e4m3 q, fp8 probabilities): rel L2 up to {FP8_REL_L2:.1e} against float64, "
+            "EMULATED, vs <= 5e-3 for every default path")
+# kv_granularity of a persistent work plan: the gfx942 64-head FP8 object (and AITER's own test for
+# 64 fp8 heads on either arch) needs works of whole 32-key passes (SUB_KV = 32, AITER #3188)
+PLAN_GRANULARITY = {64: 32}
 # keyword aliases across AITER revisions (0.1.7 names the work plan ``work_info``)
 _ALIASES = {"work_info_set": ("work_info_set", "work_info")}
 # keywords older revisions lack; dropped when the installed signature has no such parameter
@@ -152,8 +185,8 @@ def load_aiter(platform: Platform | None = None) -> AiterAPI:
     global _env_emulator
     if emulate.active() is not None:
         return _from_object(emulate.active())
-    env = os.environ.get(emulate.ENV_EMULATOR, "")
-    if env.strip() not in ("", "0"):
+    env = envs.AITER_EMULATOR.get()  # validated: off / on words, arch or arch:flavor
+    if env not in ("0", "off", "false"):
         if _env_emulator is None or _env_emulator[0] != env:
             _env_emulator = (env, emulate.parse_env(env))
         return _from_object(_env_emulator[1])
@@ -171,8 +204,7 @@ def _load_real(arch: str) -> AiterAPI:
         import aiter  # noqa: PLC0415 - ROCm only, lazily
         from aiter import mla
     except Exception as exc:  # missing, or broken (rocminfo, JIT) -> a refusal reason
-        return AiterAPI(None, arch, False, error=f"cannot import aiter: {type(exc).__name__}: {exc} "
-                        "(PyPI's amd-aiter is too old: docs/rocm.md \"Install AITER\")")
+        return AiterAPI(None, arch, False, error=f"cannot import aiter: {type(exc).__name__}: {exc}. {INSTALL_HINT}")
     try:
         from aiter.ops.triton.attention.sparse_mla import sparse_mla_fwd
     except Exception:
@@ -241,9 +273,31 @@ def _sparse_reasons(api: AiterAPI) -> list[str]:
     return []
 
 
+def _version(text: str | None) -> tuple[int, ...] | None:
+    """(major, minor, patch) of an AITER version string ("0.1.20.post1" -> (0, 1, 20)); None when
+    unreadable (a source build without metadata: no version gate applies)."""
+    parts = []
+    for piece in (text or "").split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            return None
+        parts.append(int(digits))
+    return tuple(parts) if len(parts) == 3 else None
+
+
+def _version_reasons(api: AiterAPI, path: str) -> list[str]:
+    minimum, why = MIN_VERSION[path]
+    have = _version(api.version)
+    if have is None or have >= minimum:
+        return []
+    return [f"AITER {api.version}: {why}; allowed: AITER >= {'.'.join(map(str, minimum))}"]
+
+
 def _nm_reasons(api: AiterAPI, fmt: KVFormat, heads: int) -> list[str]:
     if api.mla_decode_fwd_v4_nm is None:
-        return ["aiter.mla.mla_decode_fwd_v4_nm not found (AITER >= 0.1.18)"]
+        return ["aiter.mla.mla_decode_fwd_v4_nm not found (AITER >= 0.1.17)"]
+    if _version_reasons(api, "mla_decode_fwd_v4_nm"):
+        return _version_reasons(api, "mla_decode_fwd_v4_nm")
     missing = [k for k in _NM_PARAMS if k not in _params(api.mla_decode_fwd_v4_nm)]
     if missing:
         return [f"mla_decode_fwd_v4_nm lacks parameter(s) {missing}"]
@@ -265,6 +319,8 @@ def _decode_reasons(api: AiterAPI) -> list[str]:
                 "scopes cannot be merged nor the sink applied"]
     if missing:
         return [f"mla_decode_fwd lacks parameter(s) {missing}"]
+    if _version_reasons(api, "mla_decode_fwd"):
+        return _version_reasons(api, "mla_decode_fwd")
     absent = [name for name in SPLIT_OBJECTS.values() if name not in api.asm_objects]
     return [f"split-mode code object(s) {absent} missing under hsa/{api.arch}/mla"] if absent else []
 
@@ -299,6 +355,12 @@ def _split_heads(heads: int) -> int:
     return 16 if heads <= 16 else 128
 
 
+def _split_mgc(split_heads: int) -> int:
+    """Keys per split stage 2 counts for bf16 split mode (aiter/mla.py ``mgc``: 64 at 16 heads,
+    16 at 128): it merges ``min(S, cdiv(L, mgc))`` partials of a row of L keys."""
+    return 64 if split_heads == 16 else 16
+
+
 def _scope_widths(spec: ModelSpec) -> tuple[tuple[str, int], ...]:
     """Row width of every scope, by name: the window ("swa") and each compressed layer kind of the
     model. One scratch serves every layer kind (the window scope is shared)."""
@@ -314,6 +376,27 @@ def _base_reasons(api: AiterAPI) -> list[str]:
     return []
 
 
+def aiter_text(info: dict, lib: LibraryInfo) -> list[str]:
+    """``describe_aiter``'s facts in words (``lib``: the platform's LibraryInfo of aiter): first
+    line found / not usable, then the paths it serves and what the others lack, each reason once."""
+    if not info["found"]:
+        where = (f"AITER {lib.version or '(version unknown)'} installed at {lib.location}; " if lib.found else "")
+        return [f"not usable: {where}{' '.join(str(info['error']).split())}"]
+    emulated = ", EMULATED" if info["emulated"] else ""
+    lines = [f"found: AITER {info['version']} on {info['arch']} (fp8 dialect {info['dialect']}{emulated})"]
+    enabled = [f"{path} ({status.removeprefix('enabled').strip(' ()')})" if status != "enabled" else path
+               for path, status in info["paths"].items() if status.startswith("enabled")]
+    lines.append(f"serves: {', '.join(enabled) or 'nothing'}")
+    lacking: dict[str, list[str]] = {}  # reason -> paths, so that each reason is printed once
+    for path, status in info["paths"].items():
+        if not status.startswith("enabled"):
+            lacking.setdefault(status, []).append(path)
+    lines += [f"lacks ({', '.join(paths)}): {' '.join(why.split())}" for why, paths in lacking.items()]
+    if lacking:
+        lines.append('what each AITER version has: docs/rocm.md "Install AITER"')
+    return lines
+
+
 def describe_aiter(platform: Platform | None = None) -> dict:
     """What ``dsv4-attn probe`` prints for AITER: version, arch, FP8 dialect, which paths are
     enabled (or why not), and whether this is the emulator."""
@@ -323,12 +406,18 @@ def describe_aiter(platform: Platform | None = None) -> dict:
     base = _base_reasons(api)
     decode = base or _decode_reasons(api)
     persistent = decode or [r for r in [_persistent_heads(api, 1)[1]] if r]
+    fp8_on = envs.AITER_FP8_COMPUTE.get()
+    switch = "opted in" if fp8_on else f"off: opt in with {envs.AITER_FP8_COMPUTE.name}=1"
+    fp8 = f"fp8 compute, {switch}: {FP8_NOTE}"
+    out["fp8_compute"] = fp8_on
     out["paths"] = {
-        "sparse_mla_fwd": "; ".join(base or _sparse_reasons(api)) or "enabled",
-        "mla_decode_fwd_v4_nm": "; ".join(base or _nm_reasons(api, KVFormat.MODEL1_FP8, 1)) or "enabled (fp8_ds_mla)",
-        "mla_decode_fwd (split)": "; ".join(decode) or "enabled",
+        "sparse_mla_fwd": "; ".join(base or _sparse_reasons(api)) or "enabled (bf16 compute)",
+        "mla_decode_fwd_v4_nm": "; ".join(base or _nm_reasons(api, KVFormat.MODEL1_FP8, 1)) or (
+            f"{'enabled' if fp8_on else 'available'} (fp8_ds_mla; {fp8})"),
+        "mla_decode_fwd (split)": "; ".join(decode) or "enabled (bf16 compute)",
         "mla_decode_fwd (persistent)": "; ".join(persistent) or (
-            f"enabled (heads {sorted(h for h, n in PERSISTENT_LSE[api.arch].items() if n in api.asm_objects)})"),
+            f"{'enabled' if fp8_on else 'available'} (heads "
+            f"{sorted(h for h, n in PERSISTENT_LSE[api.arch].items() if n in api.asm_objects)}; {fp8})"),
     }
     return out
 
@@ -365,10 +454,16 @@ class AiterBackend(Backend):
 
     path                  "auto" (the first of PATHS that serves the layer) or one of PATHS;
                           env DSV4_ATTN_AITER_PATH
-    persistent_max_batch  mla_decode_fwd runs persistent for T < this many decode tokens
-                          (0 = never); env DSV4_ATTN_AITER_PERSISTENT_MAX_BATCH, default 32
+    fp8_compute           run the paths that compute in fp8 (mla_decode_fwd_v4_nm, mla_decode_fwd
+                          persistent): opt-in, they are ~10x less accurate than the bf16 paths
+                          (:data:`FP8_NOTE`); env DSV4_ATTN_AITER_FP8_COMPUTE, default off
+    persistent_max_batch  with fp8_compute, mla_decode_fwd runs persistent for T < this many
+                          decode tokens (0 = never); env DSV4_ATTN_AITER_PERSISTENT_MAX_BATCH, default 32
     max_decode_tokens     scratch capacity in decode tokens (bounds the gathered-rows scratch);
-                          env DSV4_ATTN_AITER_MAX_DECODE_TOKENS, default 1024
+                          env DSV4_ATTN_AITER_MAX_DECODE_TOKENS; unset: the engine's decode
+                          tokens when it reserves memory at start (:meth:`reserve`, capped by
+                          what split mode can address), else 1024. Larger decode launches run on
+                          the first of :data:`FALLBACKS` that serves the layer (``explain()``)
     max_splits            split budget per batch row (split mode, persistent work plans)
     """
 
@@ -387,8 +482,12 @@ class AiterBackend(Backend):
     )
 
     def __init__(self, path: str | None = None, persistent_max_batch: int | None = None,
-                 max_decode_tokens: int | None = None, max_splits: int = 16, name: str = "aiter") -> None:
+                 max_decode_tokens: int | None = None, max_splits: int = 16, name: str = "aiter",
+                 fp8_compute: bool | None = None) -> None:
         self.name = name
+        self.fp8_compute = envs.AITER_FP8_COMPUTE.get() if fp8_compute is None else fp8_compute
+        if not isinstance(self.fp8_compute, bool):
+            raise ValueError(f"fp8_compute: got {fp8_compute!r}; allowed: True or False")
         self.path = path if path is not None else envs.AITER_PATH.get()
         if self.path not in ("auto",) + PATHS:
             raise ValueError(f"path: got {self.path!r}; allowed: 'auto', {PATHS}")
@@ -396,6 +495,9 @@ class AiterBackend(Backend):
                                      else envs.AITER_PERSISTENT_MAX_BATCH.get())
         self.max_decode_tokens = (max_decode_tokens if max_decode_tokens is not None
                                   else envs.AITER_MAX_DECODE_TOKENS.get())
+        # given (argument or environment): kept; else reserve() sizes it from the engine
+        self._capacity_fixed = max_decode_tokens is not None or envs.AITER_MAX_DECODE_TOKENS.raw is not None
+        self._fallbacks: dict[str, Backend] = {}
         for arg, value in (("persistent_max_batch", self.persistent_max_batch),
                            ("max_decode_tokens", self.max_decode_tokens), ("max_splits", max_splits)):
             low = 0 if arg == "persistent_max_batch" else (2 if arg == "max_splits" else 1)
@@ -411,10 +513,23 @@ class AiterBackend(Backend):
         api = load_aiter()
         return f"{self.name} [EMULATED {api.arch}, AITER {api.version}]" if api.emulated else self.name
 
+    @property  # type: ignore[override]  # Backend declares a class attribute; here it depends on the emulator
+    def emulated(self) -> bool:
+        """True while the AITER emulator serves this backend (--emulate-aiter, DSV4_ATTN_AITER_EMULATOR)."""
+        return load_aiter().emulated
+
+    def emulation_tag(self) -> str:
+        api = load_aiter()
+        return f"{self.name}-{api.arch}-{api.version}"
+
+    def describe_binary(self, platform: Platform) -> tuple[dict, list[str]]:
+        info = describe_aiter(platform)
+        return info, aiter_text(info, platform.library("aiter"))
+
     # ---- selection --------------------------------------------------------------------------
     def _split_rows_reasons(self, spec: ModelSpec) -> list[str]:
         width = max(w for _, w in _scope_widths(spec))  # the gathered-rows scratch serves every scope
-        rows = self.max_decode_tokens * width
+        rows = self.max_decode_tokens * width + 2  # + the scatter dump and the sentinel row
         if rows < SPLIT_MAX_ROWS and rows * ROW * 2 < SPLIT_MAX_BYTES:
             return []
         return [f"split mode gathers up to max_decode_tokens x {width} = {rows} rows of {ROW * 2} B; its code "
@@ -436,6 +551,8 @@ class AiterBackend(Backend):
             in_place = fmt is not KVFormat.BF16
         elif path == "mla_decode_fwd_v4_nm":
             why = _nm_reasons(api, fmt, heads or 1)
+            if not why and not self.fp8_compute:
+                why = [f"{FP8_NOTE}; opt in with {envs.AITER_FP8_COMPUTE.name}=1 or AiterBackend(fp8_compute=True)"]
             in_place = True  # MODEL1 bytes copied as they are
         else:
             why = _decode_reasons(api) or (self._split_rows_reasons(spec) if spec is not None else [])
@@ -483,21 +600,78 @@ class AiterBackend(Backend):
                    for p in PATHS[: PATHS.index(path)]]
         status = ("EMULATED: a model of AITER's kernels, not AITER" if api.emulated
                   else "this adapter has not yet been validated on MI300X/MI355X hardware (docs/rocm.md)")
-        return "; ".join([f"path {path} ({PATH_NOTES[path]})"] + skipped + [status])
+        fp8 = self._computes_fp8(api, path, fmt, spec.num_heads)
+        precision = (f"fp8 compute opted in ({envs.AITER_FP8_COMPUTE.name}): {FP8_NOTE}" if fp8
+                     else "bf16 compute (the accuracy of every other backend)")
+        fallback = self.fallback_name(platform, spec, fmt, kind, dialects)
+        capacity = (f"decode launches above {self.max_decode_tokens} tokens (the scratch's capacity"
+                    f"{'' if self._capacity_fixed else ', or the engine decode tokens reserve() sets'}) run on "
+                    f"{fallback or 'nothing: they raise'}")
+        return "; ".join([f"path {path} ({PATH_NOTES[path]})", precision, capacity] + skipped + [status])
+
+    def _computes_fp8(self, api: AiterAPI, path: str, fmt: KVFormat, heads: int) -> bool:
+        """Whether ``path`` runs AITER's a8w8 kernels for this layer (for some batch size)."""
+        if path == "mla_decode_fwd_v4_nm":
+            return True
+        return path == "mla_decode_fwd" and self._persistent_heads_for(api, fmt, heads) is not None
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
         T = plan.num_tokens
         if T == 0:
             return
-        if T > self.max_decode_tokens:
-            raise ValueError(f"plan: got {T} decode tokens; allowed: <= max_decode_tokens ({self.max_decode_tokens}) "
-                             f"of the aiter backend (raise it: AiterBackend(max_decode_tokens=...) or "
-                             f"{envs.AITER_MAX_DECODE_TOKENS.name})")
+        if T > self.max_decode_tokens:  # past the scratch: a backend without a cap
+            self._fallback(plan, layer).forward(plan, layer, out)
+            return
         api = load_aiter()
         meta = self.meta(plan, layer.shape)
         {"sparse_mla_fwd": self._forward_sparse, "mla_decode_fwd_v4_nm": self._forward_nm,
          "mla_decode_fwd": self._forward_decode}[meta.path](api, plan, meta, layer, out)
+
+    # ---- capacity ---------------------------------------------------------------------------
+    def fallback_name(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
+                      dialects) -> str | None:
+        """The backend that runs this layer's decode launches above ``max_decode_tokens``."""
+        return next((n for n in FALLBACKS if not reasons_for(n, platform, spec, fmt, kind, Phase.DECODE,
+                                                             tuple(dialects))), None)
+
+    def _fallback(self, plan: StepPlan, layer: LayerInputs) -> Backend:
+        name = self.fallback_name(platform_for_device(plan.device), plan.spec, layer.fmt, layer.kind,
+                                  (layer.swa_dialect, layer.comp_dialect))
+        if name is None:
+            raise ValueError(f"plan: got {plan.num_tokens} decode tokens; allowed: <= max_decode_tokens "
+                             f"({self.max_decode_tokens}) of the aiter backend, as none of {FALLBACKS} serves "
+                             f"this layer (raise it: AiterBackend(max_decode_tokens=...) or "
+                             f"{envs.AITER_MAX_DECODE_TOKENS.name})")
+        if name not in self._fallbacks:
+            self._fallbacks[name] = new_backend(name)
+        return self._fallbacks[name]
+
+    def addressable_tokens(self, spec: ModelSpec) -> int:
+        """The most decode tokens split mode's gathered rows can address (24-bit row numbers,
+        32-bit byte offsets: :meth:`_split_rows_reasons`)."""
+        width = max(w for _, w in _scope_widths(spec))
+        return max(1, min(SPLIT_MAX_ROWS - 3, (SPLIT_MAX_BYTES - 1) // (ROW * 2) - 3) // width)
+
+    def reserve(self, plan: StepPlan, fmt: KVFormat, num_heads: int, dialects, decode_tokens: int) -> None:
+        """Engine start (vLLM's memory profile): unless ``max_decode_tokens`` was given, size the
+        scratch for the engine's ``decode_tokens`` (capped by :meth:`addressable_tokens`); then
+        allocate every scratch the model's layers will use and run every kernel variant once, so
+        no step allocates scratch or loads a kernel (the engine counts this memory before it
+        sizes its KV cache)."""
+        if not self._capacity_fixed:
+            self.max_decode_tokens = min(decode_tokens, self.addressable_tokens(plan.spec))
+        api = load_aiter()
+        for kind in plan.spec.kinds:
+            path, _ = self.choose_path(api, plan.spec, fmt, kind, tuple(dialects), num_heads)
+            if path is not None:
+                self._path_scratch(path, api, plan, fmt, num_heads)
+
+    def _path_scratch(self, path: str, api: AiterAPI, plan: StepPlan, fmt: KVFormat, heads: int) -> AiterScratch:
+        """The scratch ``path`` runs a layer on (allocated, kernels warmed, on first use)."""
+        scratch = {"sparse_mla_fwd": self._sparse_scratch, "mla_decode_fwd_v4_nm": self._nm_scratch,
+                   "mla_decode_fwd": self._decode_scratch}[path]
+        return scratch(api, plan, fmt, heads)
 
     def prepare(self, plan: StepPlan, shape: LayerShape) -> AiterMeta:
         """The shape's path and scratch (every kernel variant it may run warmed first)."""
@@ -505,8 +679,7 @@ class AiterBackend(Backend):
         path, reasons = self.choose_path(api, plan.spec, shape.fmt, shape.kind, shape.dialects, shape.num_heads)
         if path is None:
             raise ValueError("aiter: cannot run this layer:\n" + "\n".join(f"  - {r}" for r in reasons))
-        scratch = {"sparse_mla_fwd": self._sparse_scratch, "mla_decode_fwd_v4_nm": self._nm_scratch,
-                   "mla_decode_fwd": self._decode_scratch}[path](api, plan, shape)
+        scratch = self._path_scratch(path, api, plan, shape.fmt, shape.num_heads)
         shared: dict[str, ScopeBuffers] = {}
         window_path = self.choose_path(api, plan.spec, shape.fmt, LayerKind.SWA, shape.dialects, shape.num_heads)[0]
         if shape.kind.has_comp_scope and path != "mla_decode_fwd_v4_nm" and window_path == path:
@@ -545,7 +718,11 @@ class AiterBackend(Backend):
         scr = meta.scratch
         sb = scr.scopes[name]
         keep, pos, counts = compact(list(parts), sb.width)
-        write_indices(sb, keep, pos, counts, torch.cat([p[0] for p in parts], dim=1), scr.key.layout)
+        unit = 0
+        if scr.key.layout == "padded":
+            unit = self._split_count(plan.num_tokens, sb.width, scr.key.heads) * _split_mgc(scr.key.heads)
+        write_indices(sb, keep, pos, counts, torch.cat([p[0] for p in parts], dim=1), scr.key.layout, unit,
+                      scr.rows.shape[0] - 1 if scr.rows is not None else -1)
         if scr.key.persistent:  # the plan bakes in each token's key range
             self._fill_work_plan(api, scr, sb, plan.num_tokens)
         if not per_layer:
@@ -560,7 +737,8 @@ class AiterBackend(Backend):
               seqlens_kv_indptr=sb.kv_indptr[: T + 1], kv_last_page_lens=scr.last_page[:T],
               num_heads_per_head_k=k.heads, num_heads_k=1, is_causal=True, work_metadata_ptrs=wmd,
               work_info_set=wis, work_indptr=wi, reduce_indptr=ri, reduce_final_map=rfm, reduce_partial_map=rpm,
-              page_size=1, kv_granularity=16, max_seqlen_qo=1, uni_seqlen_qo=1, fast_mode=True, topk=sb.width,
+              page_size=1, kv_granularity=PLAN_GRANULARITY.get(k.heads, 16), max_seqlen_qo=1, uni_seqlen_qo=1,
+              fast_mode=True, topk=sb.width,
               max_split_per_batch=k.max_splits, dtype_q=k.q_dtype, dtype_kv=k.kv_dtype)
 
     def _warm(self, key: tuple, runs: list[Callable[[], Any]]) -> None:
@@ -576,10 +754,26 @@ class AiterBackend(Backend):
         self._warmed.add(key)
 
     # ---- path 1: sparse_mla_fwd ---------------------------------------------------------------
-    def _sparse_scratch(self, api: AiterAPI, plan: StepPlan, shape: LayerShape) -> AiterScratch:
+    def _sparse_scratch(self, api: AiterAPI, plan: StepPlan, fmt: KVFormat, heads: int) -> AiterScratch:
+        # its Triton kernels compile per cache format and scope count on first use
+        self._warm(("sparse_mla_fwd", fmt, heads),
+                   [functools.partial(self._sparse_dummy, api, fmt, heads, plan.device, two) for two in (False, True)])
         return self._get_scratch(api, ScratchKey(
-            path="sparse_mla_fwd", device=plan.device, max_tokens=self.max_decode_tokens, heads=shape.num_heads,
+            path="sparse_mla_fwd", device=plan.device, max_tokens=self.max_decode_tokens, heads=heads,
             widths=_scope_widths(plan.spec), q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, layout="slots"))
+
+    @staticmethod
+    def _sparse_dummy(api: AiterAPI, fmt: KVFormat, heads: int, device: torch.device, two_scopes: bool) -> None:
+        """One token, one zero key in a one-block cache of ``fmt`` (and a second scope)."""
+        cache = new_cache(fmt, 1, 64, device)
+        i32 = dict(dtype=torch.int32, device=device)
+        indptr, indices = torch.arange(2, **i32), torch.zeros(1, **i32)
+        scale = torch.ones(1, dtype=torch.float32, device=device) if fmt is KVFormat.FP8_TENSOR else None
+        extra = dict(extra_kv=cache, extra_indptr=indptr, extra_indices=indices) if two_scopes else {}
+        api.sparse_mla_fwd(torch.zeros(1, heads, HEAD_DIM, dtype=torch.bfloat16, device=device), cache, indptr,
+                           indices, 1.0, kv_scale=scale, kv_lora_rank=HEAD_DIM, qk_rope_head_dim=0,
+                           has_invalid=False, out=torch.empty(1, heads, HEAD_DIM, dtype=torch.bfloat16, device=device),
+                           attn_sink=torch.zeros(heads, dtype=torch.float32, device=device), **extra)
 
     def _forward_sparse(self, api: AiterAPI, plan: StepPlan, meta: AiterMeta, layer: LayerInputs,
                         out: torch.Tensor) -> None:
@@ -598,9 +792,9 @@ class AiterBackend(Backend):
         kwargs = dict(kv_scale=swa_scale, kv_lora_rank=HEAD_DIM, qk_rope_head_dim=0, has_invalid=False, out=out,
                       attn_sink=None if layer.sink is None else self._stage_sink(scr, layer.sink, H))
         if extra is not None:
-            sb, cache, scale = extra
+            sb, cache, _ = extra
             kwargs.update(extra_kv=cache, extra_indptr=sb.kv_indptr[: T + 1],
-                          extra_indices=sb.kv_indices[: T * sb.width], extra_kv_scale=scale)
+                          extra_indices=sb.kv_indices[: T * sb.width])  # one kv_scale serves both caches
         api.sparse_mla_fwd(layer.q, swa_cache, swa.kv_indptr[: T + 1], swa.kv_indices[: T * swa.width],
                            layer.softmax_scale, **kwargs)
         empty = swa.counts[:T] == 0
@@ -609,8 +803,8 @@ class AiterBackend(Backend):
         out.masked_fill_(empty[:, None, None], 0.0)  # AITER's output for a row with no key is unspecified
 
     # ---- path 2: mla_decode_fwd_v4_nm, both scopes + sink in one call -------------------------
-    def _nm_scratch(self, api: AiterAPI, plan: StepPlan, shape: LayerShape) -> AiterScratch:
-        heads = next(h for h in NM_HEADS if h >= shape.num_heads)
+    def _nm_scratch(self, api: AiterAPI, plan: StepPlan, fmt: KVFormat, num_heads: int) -> AiterScratch:
+        heads = next(h for h in NM_HEADS if h >= num_heads)
         # one index scope per layer kind, over its SWA keys then its compressed keys
         widths = tuple((name, plan.spec.window + (w if name != "swa" else 0)) for name, w in _scope_widths(plan.spec))
         fp8 = NATIVE_DIALECT[api.arch].torch_dtype
@@ -647,9 +841,12 @@ class AiterBackend(Backend):
         scr.q_rope[:T, H:].zero_()
         n = T * sb.width
         o = scr.out[0][:T]
-        api.mla_decode_fwd_v4_nm(scr.q[:T].view(fp8), scr.q_rope[:T], scr.rows[:n].view(fp8).view(n, 1, 1, NM_ROW),
-                                 scr.rows_rope[:n].view(n, 1, 1, -1), o, scr.qo_indptr[: T + 1],
-                                 sb.kv_indptr[: T + 1], sb.kv_indices[:n], 1, sink=self._stage_sink(scr, layer.sink, H))
+        # by keyword: kv_last_page_lens is the 9th positional parameter on 0.1.17 / 0.1.18
+        _call(api.mla_decode_fwd_v4_nm, q=scr.q[:T].view(fp8), qrope=scr.q_rope[:T],
+              kv_buffer=scr.rows[:n].view(fp8).view(n, 1, 1, NM_ROW), kvrope=scr.rows_rope[:n].view(n, 1, 1, -1),
+              output=o, qo_indptr=scr.qo_indptr[: T + 1], kv_indptr=sb.kv_indptr[: T + 1],
+              kv_page_indices=sb.kv_indices[:n], kv_last_page_lens=scr.last_page[:T], max_seqlen_q=1,
+              sink=self._stage_sink(scr, layer.sink, H))
         keyless = (sb.counts[:T] == 0)[:, None, None]
         out.copy_(torch.where(keyless, torch.zeros_like(o[:, :H]), o[:, :H]))
 
@@ -667,13 +864,14 @@ class AiterBackend(Backend):
         """One token, one key: a multi-split call (stage 2 compiled) of the v4 nm kernel."""
         fp8 = NATIVE_DIALECT[api.arch].torch_dtype
         i32 = dict(dtype=torch.int32, device=device)
-        api.mla_decode_fwd_v4_nm(torch.zeros(1, heads, NM_ROW, dtype=fp8, device=device),
-                                 torch.zeros(1, heads, 64, dtype=torch.bfloat16, device=device),
-                                 torch.zeros(1, 1, 1, NM_ROW, dtype=fp8, device=device),
-                                 torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16, device=device),
-                                 torch.zeros(1, heads, HEAD_DIM, dtype=torch.bfloat16, device=device),
-                                 torch.arange(2, **i32), torch.arange(2, **i32), torch.zeros(1, **i32), 1,
-                                 sink=torch.full((heads,), -math.inf, device=device), num_kv_splits=2)
+        _call(api.mla_decode_fwd_v4_nm, q=torch.zeros(1, heads, NM_ROW, dtype=fp8, device=device),
+              qrope=torch.zeros(1, heads, 64, dtype=torch.bfloat16, device=device),
+              kv_buffer=torch.zeros(1, 1, 1, NM_ROW, dtype=fp8, device=device),
+              kvrope=torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16, device=device),
+              output=torch.zeros(1, heads, HEAD_DIM, dtype=torch.bfloat16, device=device),
+              qo_indptr=torch.arange(2, **i32), kv_indptr=torch.arange(2, **i32),
+              kv_page_indices=torch.zeros(1, **i32), kv_last_page_lens=torch.ones(1, **i32), max_seqlen_q=1,
+              sink=torch.full((heads,), -math.inf, device=device), num_kv_splits=2)
 
     # ---- path 3: mla_decode_fwd, two scopes + LSE merge + sink ----------------------------------
     def _decode_key(self, api: AiterAPI, plan: StepPlan, heads: int, persistent_heads: int | None,
@@ -681,25 +879,33 @@ class AiterBackend(Backend):
         widths = _scope_widths(plan.spec)
         split = ScratchKey(path="mla_decode_fwd", device=plan.device, max_tokens=self.max_decode_tokens,
                            heads=_split_heads(heads), widths=widths, q_dtype=torch.bfloat16,
-                           kv_dtype=torch.bfloat16, layout="ragged", row=ROW, max_splits=self.max_splits)
+                           kv_dtype=torch.bfloat16, layout="padded", row=ROW, max_splits=self.max_splits,
+                           pad_slack=max(w for _, w in widths) + 2 * _split_mgc(_split_heads(heads)))
         if persistent_heads is None or T >= self.persistent_max_batch:
             return split
         fp8 = NATIVE_DIALECT[api.arch].torch_dtype
         # persistent mode only runs below persistent_max_batch: its work buffers (and the fp32
         # partials AITER allocates per call from them) are sized for that, not max_decode_tokens
         return replace(split, max_tokens=min(self.max_decode_tokens, self.persistent_max_batch - 1),
-                       heads=persistent_heads, q_dtype=fp8, kv_dtype=fp8, layout="fixed", persistent=True)
+                       heads=persistent_heads, q_dtype=fp8, kv_dtype=fp8, layout="fixed", persistent=True,
+                       pad_slack=0)
 
-    def _decode_scratch(self, api: AiterAPI, plan: StepPlan, shape: LayerShape) -> AiterScratch:
-        H = shape.num_heads
-        # persistent mode is FP8/FP8: never for bf16 caches (their precision is why they are bf16)
-        fp8_ok = shape.fmt is not KVFormat.BF16 and self.persistent_max_batch > 1
-        persistent_heads = _persistent_heads(api, H)[0] if fp8_ok else None
-        key = self._decode_key(api, plan, H, persistent_heads, plan.num_tokens)
+    def _persistent_heads_for(self, api: AiterAPI, fmt: KVFormat, heads: int) -> int | None:
+        """Heads handed to the persistent (FP8/FP8) kernels, or None where split mode serves every
+        batch: persistent mode computes in fp8, so only with fp8_compute, and never for bf16
+        caches (their precision is why they are bf16)."""
+        if not self.fp8_compute or fmt is KVFormat.BF16 or self.persistent_max_batch <= 1:
+            return None
+        return _persistent_heads(api, heads)[0]
+
+    def _decode_scratch(self, api: AiterAPI, plan: StepPlan, fmt: KVFormat, H: int) -> AiterScratch:
+        persistent_heads = self._persistent_heads_for(api, fmt, H)
         variants = [self._decode_key(api, plan, H, persistent_heads, t) for t in (1, self.persistent_max_batch)]
         self._warm(("mla_decode_fwd",) + tuple(sorted({(k.heads, k.persistent) for k in variants})),
                    [functools.partial(self._decode_dummy, api, k) for k in dict.fromkeys(variants)])
-        return self._get_scratch(api, key)
+        for key in variants:  # both modes' scratch now: a later batch size allocates nothing
+            self._get_scratch(api, key)
+        return self._get_scratch(api, self._decode_key(api, plan, H, persistent_heads, plan.num_tokens))
 
     def _forward_decode(self, api: AiterAPI, plan: StepPlan, meta: AiterMeta, layer: LayerInputs,
                         out: torch.Tensor) -> None:
@@ -711,17 +917,13 @@ class AiterBackend(Backend):
             quantize_pow2_(q[:, :H, :HEAD_DIM], layer.q, scr.q_scale)
         else:
             q[:, :H, :HEAD_DIM].copy_(layer.q)
-        q[:, H:].zero_()
-        # split mode: >= 2 splits (the LSE comes from the stage-2 reduce), more for small batches
-        splits = self.max_splits if key.persistent else min(self.max_splits, max(2, math.ceil(512 / T)))
-        if not key.persistent:
-            torch.arange(0, (T + 1) * splits, splits, out=scr.splits_indptr[: T + 1])
+        q[:, H:, :HEAD_DIM].zero_()
         results = []
         for i, (name, rows, lens, cache, geo) in enumerate(self._scopes(plan, layer)):
             dialect = layer.swa_dialect if name == "swa" else layer.comp_dialect
             sb = self._indices(plan, meta, name, [(rows, lens, geo.num_slots)], layer.kind.uses_topk and name != "swa",
                                api)
-            n = T * sb.width
+            n = T * (sb.width + key.pad_slack)
             values = gather_rows(cache, layer.fmt, geo, sb.slots[: T * rows.shape[1]], layer.kv_scale, dialect)
             staged = torch.empty_like(values, dtype=key.kv_dtype)
             if key.persistent:
@@ -734,7 +936,10 @@ class AiterBackend(Backend):
             o = scr.out[i][:T]
             work_plan = dict(zip(("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr",
                                   "reduce_final_map", "reduce_partial_map"), sb.meta)) if key.persistent else {}
-            _, lse = _call(api.mla_decode_fwd, q=q, kv_buffer=scr.rows[:n].view(n, 1, 1, ROW), o=o,
+            splits = self.max_splits if key.persistent else self._split_count(T, sb.width, key.heads)
+            if not key.persistent:
+                torch.arange(0, (T + 1) * splits, splits, out=scr.splits_indptr[: T + 1])
+            _, lse = _call(api.mla_decode_fwd, q=q, kv_buffer=scr.rows.view(-1, 1, 1, ROW), o=o,
                            qo_indptr=scr.qo_indptr[: T + 1], kv_indptr=sb.kv_indptr[: T + 1],
                            kv_indices=sb.kv_indices[:n], kv_last_page_lens=scr.last_page[:T], max_seqlen_q=1,
                            page_size=1, nhead_kv=1, sm_scale=layer.softmax_scale, num_kv_splits=splits,
@@ -747,6 +952,12 @@ class AiterBackend(Backend):
             results.append((o, lse_buf))
         merged, lse = results[0] if len(results) == 1 else merge_lse(*results[0], *results[1])
         out.copy_(apply_sink(merged[:, :H], lse[:, :H], layer.sink))
+
+    def _split_count(self, T: int, width: int, heads: int) -> int:
+        """Splits per row in split mode: >= 2 (the LSE comes from the stage-2 reduce), more for
+        small batches, at most one per ``mgc`` keys of the scope's width (every row's range is
+        padded to ``splits * mgc`` sentinel-filled entries: scratch.py, layout "padded")."""
+        return min(self.max_splits, max(2, math.ceil(512 / T)), max(2, math.ceil(width / _split_mgc(heads))))
 
     def _decode_dummy(self, api: AiterAPI, key: ScratchKey) -> None:
         """One token, one zero key: every kernel of a mode (stage 1, stage 2 or reduce, metadata)."""
@@ -765,7 +976,8 @@ class AiterBackend(Backend):
             _call(api.get_mla_metadata_v1, seqlens_qo_indptr=ar, seqlens_kv_indptr=ar,
                   kv_last_page_lens=torch.ones(1, **i32), num_heads_per_head_k=h, num_heads_k=1, is_causal=True,
                   work_metadata_ptrs=bufs[0], work_info_set=bufs[2], work_indptr=bufs[1], reduce_indptr=bufs[3],
-                  reduce_final_map=bufs[4], reduce_partial_map=bufs[5], page_size=1, kv_granularity=16,
+                  reduce_final_map=bufs[4], reduce_partial_map=bufs[5], page_size=1,
+                  kv_granularity=PLAN_GRANULARITY.get(h, 16),
                   max_seqlen_qo=1, uni_seqlen_qo=1, fast_mode=True, topk=1, max_split_per_batch=key.max_splits,
                   dtype_q=key.q_dtype, dtype_kv=key.kv_dtype)
         _call(api.mla_decode_fwd, q=torch.zeros(1, h, ROW, dtype=key.q_dtype, device=dev),

@@ -52,10 +52,21 @@ from dataclasses import dataclass
 import torch
 
 ARCHS = ("gfx942", "gfx950")
-FLAVORS = ("0.1.7", "0.1.20", "sparse")
+FLAVORS = ("0.1.7", "0.1.17", "0.1.18", "0.1.19", "0.1.20", "sparse")
 AITER_COMMIT = "e4048607a535ace3a2b51ded31b1c8c2d45c0879"  # main of 2026-08-22 == v0.1.20.post1 for MLA
-_VERSIONS = {"0.1.7": "0.1.7.post2.dev18", "0.1.20": "0.1.20.post1",
-             "sparse": "0.1.20.post1 + sparse_mla_fwd (vLLM 0.33 keywords)"}
+_VERSIONS = {"0.1.7": "0.1.7.post2.dev18", "0.1.17": "0.1.17", "0.1.18": "0.1.18", "0.1.19": "0.1.19.post2",
+             "0.1.20": "0.1.20.post1", "sparse": "0.1.20.post1 + sparse_mla_fwd (vLLM 0.33 keywords)"}
+# What changed between the releases, read from each tag's aiter/mla.py, csrc/py_itfs_cu/asm_mla.cu
+# and hsa/*/mla/mla_asm.csv:
+# * mla_decode_fwd_v4_nm: 0.1.17 / 0.1.18 take ``kv_last_page_lens`` as the 9th POSITIONAL
+#   parameter (required); from 0.1.19 it is a trailing keyword (optional). 0.1.17 predates
+#   #4117 (empty splits of short rows merged) and #4245 (out-of-range page ids fold to row 0).
+# * asm_mla.cu ``lse_flag = lse != nullptr`` up to 0.1.18, ``&& persistent`` from 0.1.19: before,
+#   a split-mode call with return_lse=True finds no code object and raises.
+# * gfx942's native 64-head FP8 persistent objects (#3188, needing kv_granularity 32) from 0.1.18.
+_POSITIONAL_NM_LAST_PAGE = ("0.1.17", "0.1.18")
+_SPLIT_LSE_RAISES = ("0.1.17", "0.1.18")
+_NO_GFX942_QH64 = ("0.1.17",)
 _CU_NUM = {"gfx942": 304, "gfx950": 256}  # MI300X, MI355X
 ROW = 576  # elements per q head / KV row the mla_decode_fwd code objects read
 V_DIM = 512
@@ -73,10 +84,11 @@ class CodeObject:
     name: str
     writes_lse: bool  # loads the final-LSE pointer (kernarg 0x130)
     wide: bool  # 64-bit row addressing; else 24-bit rows and 32-bit byte offsets
+    kv_granularity: int = 16  # persistent: every work but a row's last covers whole passes of this many keys
 
 
-def _co(name: str, lse: bool = False, wide: bool = False) -> CodeObject:
-    return CodeObject(name + ".co", lse, wide)
+def _co(name: str, lse: bool = False, wide: bool = False, gran: int = 16) -> CodeObject:
+    return CodeObject(name + ".co", lse, wide, gran)
 
 
 # What asm_mla.cu (v0.1.20) launches for one query token, by (persistent, q/kv fp8, heads, lse).
@@ -101,9 +113,10 @@ _STAGE1 = {
         (False, False, 128, False): _co("mla_dec_stage1_bf16_a16w16_subQ128_mqa128"),
         (False, True, 16, False): _co("mla_a8w8_qh16_qseqlen1_gqaratio16"),
         (False, True, 128, False): _co("mla_a8w8_qh128_m32x4_n16x2_msk1"),
-        (True, True, 64, True): _co("mla_a8w8_qh64_qseqlen1_gqaratio64_lse_v3_ps", True),
+        # SUB_KV = 32 partial producers (#3188: "requires SUB_KV=32 partial granularity")
+        (True, True, 64, True): _co("mla_a8w8_qh64_qseqlen1_gqaratio64_lse_v3_ps", True, gran=32),
         (True, True, 16, False): _co("mla_a8w8_qh16_qseqlen1_gqaratio16_ps"),
-        (True, True, 64, False): _co("mla_a8w8_qh64_qseqlen1_gqaratio64_v3_ps"),
+        (True, True, 64, False): _co("mla_a8w8_qh64_qseqlen1_gqaratio64_v3_ps", gran=32),
         (True, True, 128, False): _co("mla_a8w8_qh128_m32x4_n16x2_msk0_ps"),
     },
 }
@@ -318,6 +331,53 @@ def stage2_merge(part_out: torch.Tensor, part_lse: torch.Tensor, count: torch.Te
     return acc / total[..., None], top[:, 0] + torch.log(total)
 
 
+def plan_works(lens: list[int], topk: int, ratio: int, kv_granularity: int, cu_num: int,
+               max_split_per_batch: int) -> list[tuple[int, int, int, int]]:
+    """The works AITER's sparse persistent planner makes: a port of ``kn_get_mla_metadata_v1_2``
+    (``csrc/kernels/mla/metadata/v1_2_device.cuh``, v0.1.20.post1) for one query token per row,
+    page size 1, causal, one KV head. ``lens``: keys per row (``kv_indptr`` differences), row b's
+    keys at ``[b*topk, b*topk + min(len_b, topk))``; ``ratio``: 16-head pseudo-batches per row
+    (``qk_batch_ratio``). Returns (row, pseudo-batch of the row, kv_start, kv_end) per work in CU
+    order: rows that do not fit a CU's payload are split into works of whole ``kv_granularity``
+    blocks but their last."""
+    overhead, tail_threshold = 16, 1  # fixed_over_head_num_blocks (page 1), tail_done_threshold = max_seqlen_qo
+    num_batches = len(lens) * ratio
+    seqlen = [min(n, topk) for n in lens for _ in range(ratio)]
+    num_splits = cu_num if max_split_per_batch < 0 else min(cu_num, max_split_per_batch * num_batches)
+    sum_blocks = sum(-(-n // kv_granularity) + overhead for n in seqlen)
+    payload = -(-sum_blocks // max(num_splits, 1)) + overhead
+    works: list[tuple[int, int, int, int]] = []
+    batch, kv_block, kv_begin, tail_done = 0, 0, 0, False
+    kv_end = kv_begin + (seqlen[0] if seqlen else 0)
+    for _ in range(cu_num):
+        remain = payload
+        while batch < num_batches:
+            remain_blocks = -(-seqlen[batch] // kv_granularity) - kv_block
+            row, sub = divmod(batch, ratio)
+            start = kv_begin + kv_block * kv_granularity
+            if remain >= remain_blocks + overhead or tail_done:
+                works.append((row, sub, start,
+                              kv_end if tail_done else min(start + remain_blocks * kv_granularity, kv_end)))
+                remain -= remain_blocks + overhead
+                batch += 1
+                if batch < num_batches and batch % ratio == 0:
+                    kv_begin += topk
+                    kv_end = kv_begin + seqlen[batch]
+                kv_block, tail_done = 0, False
+                continue
+            if remain > overhead:
+                consuming = remain - overhead
+                end = min(start + consuming * kv_granularity, kv_end)
+                if kv_end - end < tail_threshold:
+                    tail_done = True
+                else:
+                    works.append((row, sub, start, end))
+                    kv_block += consuming
+            if not tail_done:
+                break
+    return works
+
+
 class AiterEmulator:
     """One emulated AITER installation: ``arch`` gfx942 (FNUZ fp8) or gfx950 (OCP fp8) and
     ``flavor`` (see the module docstring).
@@ -344,16 +404,23 @@ class AiterEmulator:
         self.call_bytes: list[int] = []
         self.loaded: set[str] = set()
         self.simulate_capture = False
+        # bf16 split mode's stage-1 partition of a row (the code objects do not say): "mgc" splits
+        # of whole stage-2 blocks (min(S, cdiv(L, mgc)) of them, what stage 2 merges) or "even"
+        # (cdiv(L, S) keys each: partials stage 2 never merges when cdiv(L, mgc) < S)
+        self.stage1_partition = "mgc"
         self._plans: dict[int, dict] = {}  # work_info_set data_ptr -> static facts of its plan
         legacy = flavor == "0.1.7"
         names = set(_ASM_017) if legacy else {o.name for o in _STAGE1[arch].values()}
+        if flavor in _NO_GFX942_QH64:
+            names = {n for n in names if "qh64_qseqlen1_gqaratio64" not in n}
         if not legacy and arch == "gfx950":
             names.add(V4_NM_OBJECT)
         self.asm_objects = frozenset(names)
         self.mla_decode_fwd = self._mla_decode_fwd_017 if legacy else self._mla_decode_fwd_new
         self.get_mla_metadata_info_v1 = self._info_017 if legacy else self._info_new
         self.get_mla_metadata_v1 = self._metadata_017 if legacy else self._metadata_new
-        self.mla_decode_fwd_v4_nm = None if legacy else self._mla_decode_fwd_v4_nm
+        self.mla_decode_fwd_v4_nm = (None if legacy else self._mla_decode_fwd_v4_nm_0117
+                                     if flavor in _POSITIONAL_NM_LAST_PAGE else self._mla_decode_fwd_v4_nm)
         self.sparse_mla_fwd = self._sparse_mla_fwd if flavor == "sparse" else None
 
     def __repr__(self) -> str:
@@ -408,7 +475,7 @@ class AiterEmulator:
                       topk=-1, max_split_per_batch=-1):
         self._metadata(seqlens_qo_indptr, seqlens_kv_indptr, None, num_heads_per_head_k, num_heads_k,
                        work_metadata_ptrs, work_indptr, work_info, reduce_indptr, reduce_final_map,
-                       reduce_partial_map, 1, topk)
+                       reduce_partial_map, 1, topk, kv_granularity, max_split_per_batch, None)
 
     def _metadata_new(self, seqlens_qo_indptr, seqlens_kv_indptr, kv_last_page_lens, num_heads_per_head_k,
                       num_heads_k, is_causal, work_metadata_ptrs, work_info_set, work_indptr, reduce_indptr,
@@ -418,7 +485,7 @@ class AiterEmulator:
                       dtype_kv_nope=None, dtype_kv_rope=None, dtype_q=None, dtype_kv=None):
         self._metadata(seqlens_qo_indptr, seqlens_kv_indptr, kv_last_page_lens, num_heads_per_head_k, num_heads_k,
                        work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map,
-                       reduce_partial_map, page_size, topk)
+                       reduce_partial_map, page_size, topk, kv_granularity, max_split_per_batch, dtype_q)
 
     def _mla_decode_fwd_v4_nm(self, q, qrope, kv_buffer, kvrope, output, qo_indptr, kv_indptr, kv_page_indices,
                               max_seqlen_q, *, sink, split_indptr=None, sm_scale=None, out_16_nosplit=0,
@@ -426,14 +493,26 @@ class AiterEmulator:
         return self._v4_nm(q, qrope, kv_buffer, kvrope, output, qo_indptr, kv_indptr, kv_page_indices,
                            max_seqlen_q, sink, split_indptr, num_kv_splits, logits, attn_lse)
 
+    def _mla_decode_fwd_v4_nm_0117(self, q, qrope, kv_buffer, kvrope, output, qo_indptr, kv_indptr, kv_page_indices,
+                                   kv_last_page_lens, max_seqlen_q, *, sink, split_indptr=None, sm_scale=None,
+                                   out_16_nosplit=0, num_kv_splits=None, logits=None, attn_lse=None):
+        """0.1.17 / 0.1.18: ``kv_last_page_lens`` is the 9th positional parameter (an int32
+        tensor; a positional call of the 0.1.19 order hands it max_seqlen_q)."""
+        _check_tensor("kv_last_page_lens", kv_last_page_lens, torch.int32, 1, q.device if isinstance(q, torch.Tensor)
+                      else None)
+        return self._v4_nm(q, qrope, kv_buffer, kvrope, output, qo_indptr, kv_indptr, kv_page_indices,
+                           max_seqlen_q, sink, split_indptr, num_kv_splits, logits, attn_lse)
+
     def _sparse_mla_fwd(self, q, kv_buffer, kv_indptr, kv_indices, softmax_scale, *, kv_scale=None,
                         kv_lora_rank=512, qk_rope_head_dim=64, kv_splits=None, skip_reduce=False, has_invalid=False,
                         dot_precision="bf16", q_scale=None, out=None, return_lse=False, attn_sink=None,
-                        extra_kv=None, extra_indptr=None, extra_indices=None, extra_kv_scale=None,
+                        extra_kv=None, extra_indptr=None, extra_indices=None,
                         inv_rope_positions=None, inv_rope_cos_sin_cache=None, out_mxfp8=None):
+        """The keyword set vLLM 0.33 calls (``_aiter_ops.triton_sparse_mla_fwd``): one
+        ``kv_scale`` for both caches, no ``extra_kv_scale``."""
         return self._sparse(q, kv_buffer, kv_indptr, kv_indices, softmax_scale, kv_scale, kv_lora_rank,
                             qk_rope_head_dim, skip_reduce, has_invalid, dot_precision, out, return_lse, attn_sink,
-                            extra_kv, extra_indptr, extra_indices, extra_kv_scale,
+                            extra_kv, extra_indptr, extra_indices,
                             inv_rope_positions is not None or out_mxfp8 is not None)
 
     # ---- persistent metadata --------------------------------------------------------------
@@ -456,14 +535,26 @@ class AiterEmulator:
         return ((2, torch.uint64), (max_splits + 1, torch.int32), ((max_work, 8), torch.int32),
                 (tile_cnt + 1, torch.int32), ((tile_cnt, 2), torch.int32), (max_split_tiles, torch.int32))
 
-    def _metadata(self, qo_indptr, kv_indptr, last_page, heads_per_k, heads_k, ptrs, work_indptr, work_info,
-                  reduce_indptr, reduce_final_map, reduce_partial_map, page_size, topk):
-        """Fill the six work buffers for the current indptrs with fixed-shape device ops.
+    def _plan_ratio(self, heads: int, dtype_q) -> int:
+        """qk_batch_ratio of v1_2_device.cuh: heads the FP8 kernels do not take natively run as
+        16-head pseudo-batches (natively: 16, 64 and on gfx950 32 / 128, on gfx942 128)."""
+        native = heads in _NATIVE_PERSISTENT[self.arch] or (dtype_q not in (None, self.fp8) and self.arch == "gfx950")
+        return 1 if native or heads % 16 else heads // 16
 
-        The emulated plan has one work item per batch row and no split: work_info row b =
-        [b, -1, q_start, q_end, kv_start, kv_end, 0, 0]; every reduce range is empty. The real
-        planner splits long rows across CUs, which changes speed and the fp8 rounding of P.
+    def _metadata(self, qo_indptr, kv_indptr, last_page, heads_per_k, heads_k, ptrs, work_indptr, work_info,
+                  reduce_indptr, reduce_final_map, reduce_partial_map, page_size, topk, kv_granularity=16,
+                  max_split_per_batch=-1, dtype_q=None):
+        """Fill the six work buffers for the current indptrs.
+
+        The device buffers get one work item per batch row (fixed-shape device ops: what a graph
+        capture records): work_info row b = [b, -1, q_start, q_end, kv_start, kv_end, 0, 0].
+        Outside a capture the sparse (``topk``) plan is also built the way AITER's planner builds
+        it (:func:`plan_works`, a port of ``kn_get_mla_metadata_v1_2``), which splits rows across
+        CUs in ``kv_granularity`` blocks; the persistent call runs those works and asserts its code
+        object's granularity on them.
         """
+        if kv_granularity < 1 or kv_granularity & (kv_granularity - 1):
+            _fail("kv_granularity", kv_granularity, "a power of two (metadata.cu AITER_CHECK)")
         self._load("get_mla_metadata_v1")
         dev = qo_indptr.device
         _check_tensor("seqlens_qo_indptr", qo_indptr, torch.int32, 1, contiguous=True)
@@ -511,7 +602,14 @@ class AiterEmulator:
         reduce_partial_map.fill_(-1)
         ptrs.view(torch.int64)[0].fill_(work_indptr.data_ptr())
         ptrs.view(torch.int64)[1].fill_(work_info.data_ptr())
-        self._plans[work_info.data_ptr()] = {"topk": int(topk), "heads": int(heads_per_k), "batch": B}
+        plan = {"topk": int(topk), "heads": int(heads_per_k), "batch": B}
+        if not _capturing() and topk > 0:  # the real planner's works (host values: not inside a capture)
+            lens = (kv_indptr[1:] - kv_indptr[:-1]).tolist()
+            plan.update(lens=lens, works=plan_works(lens, int(topk), self._plan_ratio(int(heads_per_k), dtype_q),
+                                                    kv_granularity, self.cu_num, max_split_per_batch))
+            if len(plan["works"]) > work_info.shape[0]:
+                _fail("work_info_set", _desc(work_info), f">= {len(plan['works'])} works (the planner's count)")
+        self._plans[work_info.data_ptr()] = plan
         self.calls.append(("get_mla_metadata_v1", f"topk={topk}"))
 
     # ---- mla_decode_fwd -------------------------------------------------------------------
@@ -520,8 +618,10 @@ class AiterEmulator:
         32..128 into 16-head pseudo-batches); AiterContractError where it finds none."""
         if persistent and heads not in _NATIVE_PERSISTENT[self.arch] and heads in range(32, 129, 16):
             heads = 16
-        obj = _STAGE1[self.arch].get((persistent, fp8, heads, lse and persistent))
-        if obj is None:
+        # lse_flag: ``lse != nullptr && persistent`` from 0.1.19, ``lse != nullptr`` before
+        lse_flag = lse if self.flavor in _SPLIT_LSE_RAISES else lse and persistent
+        obj = _STAGE1[self.arch].get((persistent, fp8, heads, lse_flag))
+        if obj is None or obj.name not in self.asm_objects:
             _fail("q", f"{heads} heads, {'fp8' if fp8 else 'bf16'} q/kv, {'persistent' if persistent else 'split'}"
                   f"{', LSE' if lse and persistent else ''} on {self.arch}",
                   "a shipped code object (asm_mla.cu: 'cannot get heuristic kernel'); modelled: split 16/128 "
@@ -589,7 +689,8 @@ class AiterEmulator:
         if persistent:
             out, lse, mode = self._decode_persistent(a, qf, rows, meta, obj, scale, p_dtype)
         else:
-            out, lse, mode = self._decode_split(a, qf, rows, fp8, scale, p_dtype, return_lse)
+            out, lse, mode = self._decode_split(a, qf, rows, fp8, scale, p_dtype, return_lse,
+                                                kv_flat.numel() * elem // row_bytes)
         self.calls.append(("mla_decode_fwd", f"{mode} {obj.name}"))
         o.copy_(out)
         if self.flavor == "0.1.7" or not return_lse:
@@ -614,8 +715,12 @@ class AiterEmulator:
         rows = _read_windows(_storage_from(q), starts, ROW, "q").float().view(T, H, ROW)
         return rows * q_scale.float() if q_scale is not None else rows
 
-    def _decode_split(self, a, qf, rows, fp8, scale, p_dtype, return_lse):
-        """Stage 1 over S splits of each row's ragged CSR range, then stage 2 (see module docstring)."""
+    def _decode_split(self, a, qf, rows, fp8, scale, p_dtype, return_lse, num_rows):
+        """Stage 1 over S splits of each row's ragged CSR range, then stage 2 (see module docstring).
+        Each split reads its indices in 16-key tiles: the entries past its end up to the tile
+        boundary are loaded too (masked from the softmax, their V times p = 0); one that is
+        negative or past ``num_rows`` folds to row 0, and a non-finite V there poisons the split
+        (0 * NaN), as in AITER's v4 nm before #4245."""
         B, H, dev = qf.shape[0], qf.shape[1], qf.device
         S, splits_indptr = a["num_kv_splits"], a["num_kv_splits_indptr"]
         kv_indptr, kv_indices = a["kv_indptr"], a["kv_indices"]
@@ -631,8 +736,12 @@ class AiterEmulator:
         self._load(f"stage2(mgc={mgc}, lse={return_lse})")
         lens = (kv_indptr[1:] - kv_indptr[:-1]).long()
         block = _FP8_BLOCK[H] if fp8 else mgc
-        written = torch.minimum(torch.full_like(lens, S), -(-lens // block))
-        chunk = -(-lens // written.clamp(min=1))
+        if self.stage1_partition == "even" and not fp8:
+            chunk = -(-lens // S)
+            written = -(-lens // chunk.clamp(min=1))
+        else:
+            written = torch.minimum(torch.full_like(lens, S), -(-lens // block))
+            chunk = -(-lens // written.clamp(min=1))
         n = kv_indices.numel()
         row, j = _ranges(kv_indptr, n)
         valid = torch.arange(n, device=dev) < kv_indptr[-1].long()
@@ -642,10 +751,30 @@ class AiterEmulator:
         if S == 1 and fp8:  # one pass: the kernel writes o directly; stage 2 (and the final LSE) skipped
             return out, torch.full((B, H), STALE, device=dev), "split1"
         part_out, part_lse = out.view(B, S, H, V_DIM), lse.view(B, S, H)
+        if not _capturing():
+            poisoned = self._tile_overread(rows, kv_indptr, kv_indices, chunk, written, S, num_rows)
+            part_out = torch.where(poisoned[:, :, None, None], torch.full_like(part_out, math.nan), part_out)
         unwritten = (torch.arange(S, device=dev)[None, :] >= written[:, None])[:, :, None]
         part_lse = torch.where(unwritten, torch.full_like(part_lse, math.nan), part_lse)
         merged, final = stage2_merge(part_out, part_lse, torch.minimum(torch.full_like(lens, S), -(-lens // mgc)))
         return merged, final, f"split{S}"
+
+    @staticmethod
+    def _tile_overread(rows, kv_indptr, kv_indices, chunk, written, S: int, num_rows: int, tile: int = 16):
+        """bool [B, S]: split s of row b over-reads (see :meth:`_decode_split`) a non-finite row."""
+        dev = chunk.device
+        start = kv_indptr[:-1].long()[:, None] + torch.arange(S, device=dev)[None, :] * chunk[:, None]
+        end = torch.minimum(start + chunk[:, None], kv_indptr[1:].long()[:, None])
+        tile_end = start + (end - start + tile - 1) // tile * tile
+        pos = end[:, :, None] + torch.arange(tile - 1, device=dev)
+        live = (pos < tile_end[:, :, None]) & (torch.arange(S, device=dev)[None, :, None] < written[:, None, None])
+        n = kv_indices.numel()
+        idx = torch.where(pos < n, kv_indices[pos.clamp(max=max(n - 1, 0))].long(), torch.zeros_like(pos))
+        idx = torch.where((idx < 0) | (idx >= num_rows), torch.zeros_like(idx), idx)
+        bad = torch.zeros_like(live)
+        if bool(live.any()):
+            bad[live] = ~torch.isfinite(rows(idx[live])[:, :V_DIM]).all(dim=1)
+        return bad.any(dim=2)
 
     def _decode_persistent(self, a, qf, rows, meta, obj, scale, p_dtype):
         """Key ranges come from the work plan; with ``topk`` (sparse plan) batch row b reads the
@@ -659,6 +788,8 @@ class AiterEmulator:
             _fail("work_info_set", f"a plan for {plan['batch']} rows x {plan['heads']} heads",
                   f"a plan for this call's {B} rows x {H} heads")
         kv_indptr, kv_indices = a["kv_indptr"], a["kv_indices"]
+        if "works" in plan:
+            return self._run_works(a, qf, rows, meta, obj, scale, p_dtype, plan)
         starts, ends = work_info[:B, 4].long(), work_info[:B, 5].long()
         if not _capturing() and not (torch.equal(starts, kv_indptr[:-1].long()) and
                                      torch.equal(ends, kv_indptr[1:].long())):
@@ -684,6 +815,52 @@ class AiterEmulator:
         if not obj.writes_lse:
             return out, torch.full_like(lse, STALE), mode
         return out, torch.where(has[:, None], lse, torch.full_like(lse, math.inf)), mode
+
+    def _run_works(self, a, qf, rows, meta, obj, scale, p_dtype, plan):
+        """Persistent call over the planner's works: each work attends its key range (P rounded
+        per work), split rows are merged by the reduce; the code object's granularity holds."""
+        B, H, dev = qf.shape[0], qf.shape[1], qf.device
+        kv_indptr, kv_indices, topk = a["kv_indptr"], a["kv_indices"], plan["topk"]
+        if (kv_indptr[1:] - kv_indptr[:-1]).tolist() != plan["lens"]:
+            _fail("work_info_set", "a stale work plan (filled for other kv_indptr values)",
+                  "get_mla_metadata_v1 re-run after every kv_indptr update (stale plans read out of bounds)")
+        if kv_indices.numel() < B * topk:
+            _fail("kv_indices", _desc(kv_indices), f">= B * topk = {B * topk} entries (fixed stride)")
+        self._load("mla_reduce_v1")
+        g = obj.kv_granularity
+        for i, (b, sub, start, end) in enumerate(plan["works"]):
+            nxt = plan["works"][i + 1] if i + 1 < len(plan["works"]) else None
+            last = nxt is None or nxt[:2] != (b, sub)
+            if (start - b * topk) % g or (not last and (end - start) % g):
+                _fail("kv_granularity",
+                      f"a work of keys [{start - b * topk}, {end - b * topk}) of row {b} ({obj.name})",
+                      f"works of whole {g}-key passes (its SUB_KV); the planner splits rows in kv_granularity "
+                      f"blocks: pass kv_granularity={g}")
+        # every pseudo-batch of a row reads the same keys for its 16 heads: one set of works for all heads
+        works = [(b, start, end) for b, sub, start, end in plan["works"] if sub == 0]
+        pos = [torch.arange(s, e, device=dev) for _, s, e in works]
+        seg = torch.cat([torch.full((e - s,), i, device=dev) for i, (_, s, e) in enumerate(works)]).long()
+        keys = kv_indices[torch.cat(pos)] if pos else kv_indices[:0]
+        work_row = torch.tensor([b for b, _, _ in works], device=dev, dtype=torch.long)
+        part_out, part_lse, has = _attend(qf, rows, keys, seg, torch.ones_like(seg, dtype=torch.bool), work_row, scale,
+                                          p_dtype)
+        # the reduce: an LSE merge of each row's works (works without a key contribute nothing)
+        part_lse = torch.where(has[:, None], part_lse, torch.full_like(part_lse, -math.inf))
+        top = torch.full((B, H), -math.inf, device=dev).scatter_reduce_(0, work_row[:, None].expand(-1, H), part_lse,
+                                                                       "amax")
+        top_ref = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        w = torch.exp(part_lse - top_ref[work_row])
+        total = torch.zeros(B, H, device=dev).index_add_(0, work_row, w)
+        acc = torch.zeros(B, H, V_DIM, device=dev).index_add_(
+            0, work_row, torch.where(has[:, None, None], w[..., None] * part_out, torch.zeros_like(part_out)))
+        row_has = torch.zeros(B, dtype=torch.bool, device=dev).index_fill_(0, work_row[has], True)
+        out = torch.where(row_has[:, None, None], acc / total[..., None], torch.full_like(acc, math.nan))
+        lse = torch.where(row_has[:, None], top_ref + torch.log(total), torch.full_like(total, math.inf))
+        self.call_bytes.append(meta[5].numel() * H * (V_DIM + 1) * 4)
+        mode = f"persistent topk={topk} works={len(works)}"
+        if not obj.writes_lse:
+            return out, torch.full_like(lse, STALE), mode
+        return out, lse, mode
 
     @staticmethod
     def _sm_scale(a, D: int) -> float:
@@ -834,7 +1011,7 @@ class AiterEmulator:
 
     def _sparse(self, q, kv, kv_indptr, kv_indices, softmax_scale, kv_scale, kv_lora_rank, qk_rope_head_dim,
                 skip_reduce, has_invalid, dot_precision, out, return_lse, attn_sink, extra_kv, extra_indptr,
-                extra_indices, extra_kv_scale, epilogue):
+                extra_indices, epilogue):
         if self.arch != "gfx950":
             _fail("sparse_mla_fwd", f"arch {self.arch}", "gfx950 (sparse_mla.py asserts it: gfx950 Gluon kernels)")
         _check_tensor("q", q, torch.bfloat16, 3, device=None)
@@ -851,7 +1028,7 @@ class AiterEmulator:
             _fail("extra_kv/extra_indptr/extra_indices", "some given", "all three together")
         x_fmt = None
         if has_extra:
-            x_scale = extra_kv_scale if extra_kv_scale is not None else kv_scale
+            x_scale = kv_scale
             x_fmt = self._classify(q, extra_kv, x_scale if fmt == "fp8_scalar" else None, "extra_kv")
             if (fmt == "fp8_scalar") != (x_fmt == "fp8_scalar"):
                 _fail("extra_kv", x_fmt, f"a cache of the two-loop family of kv_buffer ({fmt})")

@@ -21,7 +21,15 @@ scope's first ``lens`` columns and inside ``[0, capacity)`` of their cache, in r
 * ``"slots"``  ragged CSR of cache slots (``sparse_mla_fwd`` reads the caches in place);
 * ``"ragged"`` ragged CSR of gathered-row positions (``mla_decode_fwd`` split mode, v4 nm);
 * ``"fixed"``  token t's positions at ``kv_indices[t*width : t*width + count_t]`` and
-  ``kv_indptr = cumsum(counts)`` (``mla_decode_fwd`` persistent mode with a ``topk=`` plan).
+  ``kv_indptr = cumsum(counts)`` (``mla_decode_fwd`` persistent mode with a ``topk=`` plan);
+* ``"padded"`` ragged CSR of gathered-row positions with each token's range padded to a whole
+  number of ``pad_unit`` entries (at least one) that point to the SENTINEL row, as is every
+  entry past the last range (``mla_decode_fwd`` split mode). The sentinel row is zero but for
+  its last element, ``-SENTINEL``; split mode's q carries 1.0 there (real rows carry 0), so a
+  sentinel key scores about -1e30 and weighs nothing. A range of ``S * mgc`` keys gives every one
+  of S splits keys under any stage-1 partition (AITER's stage 2 merges ``min(S, cdiv(L, mgc))``
+  partials), a tile's over-read past a split's end stays inside the split, and an over-read past
+  the last range reads the sentinel, never a live row.
 
 Gathered rows of token t sit at positions ``t*width + j`` (j < its key count), so the three
 layouts share one gather.
@@ -35,7 +43,8 @@ from dataclasses import dataclass, field
 import torch
 
 SCOPES = ("swa", "c4a", "c128a")
-LAYOUTS = ("slots", "ragged", "fixed")
+LAYOUTS = ("slots", "ragged", "fixed", "padded")
+SENTINEL = 1e30  # -SENTINEL: the sentinel row's last element (bf16 holds it)
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class ScratchKey:
     layout     one of :data:`LAYOUTS`
     row        elements per gathered row (576 for mla_decode_fwd, 512 packed bytes for v4 nm;
                0 = nothing gathered)
+    pad_slack  index entries per token beyond its width that the "padded" layout may use
     persistent True when the six persistent work buffers are needed
     """
 
@@ -63,6 +73,7 @@ class ScratchKey:
     row: int = 0
     persistent: bool = False
     max_splits: int = 16
+    pad_slack: int = 0
 
     def width(self, scope: str) -> int:
         return dict(self.widths)[scope]
@@ -107,8 +118,9 @@ class AiterScratch:
     out        mla_decode_fwd: two [max_tokens, heads, 512] bf16 (first / second scope call);
                v4 nm: one
     lse        two float32 [max_tokens, heads] (mla_decode_fwd)
-    rows       gathered rows [max_tokens * max width + 1, row] (the last row is a scatter dump):
-               mla_decode_fwd kv_dtype with a zero tail past 512; v4 nm packed uint8
+    rows       gathered rows [max_tokens * max width + 2, row] (row max_tokens * width is a scatter
+               dump; the last row is the "padded" layout's sentinel): mla_decode_fwd kv_dtype with a
+               zero tail past 512; v4 nm packed uint8
     rows_rope  v4 nm: bf16 [max_tokens * width + 1, 64]
     """
 
@@ -137,7 +149,7 @@ class AiterScratch:
             scopes[name] = ScopeBuffers(
                 width=width,
                 kv_indptr=torch.zeros(n + 1, **i32),
-                kv_indices=torch.full((n * width + 1,), -1, **i32),
+                kv_indices=torch.full((n * (width + key.pad_slack) + 1,), -1, **i32),
                 slots=torch.full((n * width,), -1, **i32),
                 pos=torch.zeros(n * width, dtype=torch.int64, device=dev),
                 counts=torch.zeros(n, dtype=torch.int64, device=dev),
@@ -151,11 +163,14 @@ class AiterScratch:
         if key.path == "sparse_mla_fwd":
             return scr  # reads q and writes out in place, reads the caches in place
         nm = key.path == "mla_decode_fwd_v4_nm"
-        max_rows = n * max(w for _, w in key.widths) + 1
+        max_rows = n * max(w for _, w in key.widths) + 2
         scr.q = torch.zeros(n, h, key.row, dtype=torch.uint8 if nm else key.q_dtype, device=dev)
         scr.out = [torch.zeros(n, h, 512, dtype=torch.bfloat16, device=dev) for _ in range(1 if nm else 2)]
         scr.lse = [] if nm else [torch.zeros(n, h, dtype=torch.float32, device=dev) for _ in range(2)]
         scr.rows = torch.zeros(max_rows, key.row, dtype=torch.uint8 if nm else key.kv_dtype, device=dev)
+        if key.layout == "padded":
+            scr.rows[-1, -1] = -SENTINEL
+            scr.q[:, :, -1] = 1.0
         if nm:
             scr.q_rope = torch.zeros(n, h, 64, dtype=torch.bfloat16, device=dev)
             scr.rows_rope = torch.zeros(max_rows, 64, dtype=torch.bfloat16, device=dev)
@@ -193,28 +208,33 @@ def compact(parts: list[tuple[torch.Tensor, torch.Tensor, int]], width: int) -> 
 
 
 def write_indices(scope: ScopeBuffers, keep: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor,
-                  slots: torch.Tensor, layout: str) -> None:
+                  slots: torch.Tensor, layout: str, pad_unit: int = 0, sentinel: int = -1) -> None:
     """Write a scope's ``kv_indptr`` / ``kv_indices`` in ``layout`` (see module docstring) and its
     ``slots`` / ``pos`` from :func:`compact`'s result; ``slots`` int32 [T, K] are the rows' cache
-    slots. In place, fixed shapes, no host sync."""
+    slots; "padded": ranges padded to whole ``pad_unit`` entries of row ``sentinel``. In place,
+    fixed shapes, no host sync."""
     T, K = keep.shape
     cap = T * scope.width
     scope.slots[: T * K].copy_(torch.where(keep, slots, torch.full_like(slots, -1)).reshape(-1))
     scope.pos[: T * K].copy_(pos.reshape(-1))
     ind = scope.kv_indices
+    lengths = counts
     if layout == "fixed":
         grid = torch.arange(cap, device=keep.device).view(T, scope.width)
         inside = grid % scope.width < counts[:, None]
         ind[:cap].copy_(torch.where(inside, grid, torch.full_like(grid, -1)).view(-1))
     else:
-        start = torch.cumsum(counts, 0) - counts
+        if layout == "padded":  # at least one unit: a keyless token's splits read sentinels only
+            lengths = torch.clamp((counts + pad_unit - 1) // pad_unit, min=1) * pad_unit
+            cap = ind.numel() - 1
+        start = torch.cumsum(lengths, 0) - lengths
         dest = torch.where(keep, pos - (torch.arange(T, device=keep.device)[:, None] * scope.width) + start[:, None],
                            torch.full_like(pos, cap))
         value = slots.long() if layout == "slots" else pos
-        ind[: cap + 1].fill_(-1)
+        ind[: cap + 1].fill_(sentinel if layout == "padded" else -1)
         ind.scatter_(0, dest.reshape(-1), value.reshape(-1).to(torch.int32))
     scope.counts[:T].copy_(counts)
-    torch.cumsum(counts, 0, dtype=torch.int32, out=scope.kv_indptr[1 : T + 1])
+    torch.cumsum(lengths, 0, dtype=torch.int32, out=scope.kv_indptr[1 : T + 1])
 
 
 def quantize_pow2_(dst: torch.Tensor, src: torch.Tensor, scale_out: torch.Tensor) -> None:

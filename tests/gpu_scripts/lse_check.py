@@ -53,7 +53,7 @@ def flashmla_like(seed: int, T: int, H: int, two_scopes: bool, dev: torch.device
 def production(cfg: str, b: int, dev: torch.device):
     """A bench decode case as global rows (the plan's SWA and compressed rows)."""
     case = bench.make_decode_case(bench.DECODE_CONFIGS[cfg], b, 1, dev, seed=b)
-    _, _, plan = bench.api_runner(case, "torch")
+    _, _, plan = bench.runners.api_runner(case, "torch")
     crows, clens = plan.comp_scope(case.kind, case.topk)
     return case.q, case.spec.scale, case.swa_cache, plan.swa_rows, plan.swa_lens, case.comp_cache, crows, clens
 

@@ -15,19 +15,17 @@ import subprocess
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from dsv4_attn.common.layout import KVFormat
-from dsv4_attn.common.platform import triton_interpreting
 from dsv4_attn.portable.kernels import attention as K
 from dsv4_attn.portable.kernels import ops
+from dsv4_attn.portable.kernels.build import (  # noqa: F401 (the compile helpers the scripts use)
+    compile_combine,
+    compile_hopper,
+    compile_portable,
+    hopper_constexprs,
+)
 
-POINTERS = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32", "A_U8": "*u8", "A_16": "*bf16",
-            "B_U8": "*u8", "B_16": "*bf16", "A_ROWS": "*i32", "A_LENS": "*i32", "B_ROWS": "*i32",
-            "B_LENS": "*i32", "BT": "*i32", "TOK2REQ": "*i32", "POS": "*i64", "PO": "*fp32", "PML": "*fp32",
-            "SCR_P": "*bf16", "SCR_A": "*fp32"}
-FLOATS = {"qk_scale", "kv_scale"}
 # AMD limits per workgroup: LDS bytes; VGPRs (arch + AGPRs) per lane at one wave per SIMD
 LDS_LIMIT = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
 COMP_NAMES = {K.COMP_NONE: "SWA only", K.COMP_GLOBAL: "all entries (C128A)", K.COMP_C4A_LOCAL: "top-k"}
@@ -38,31 +36,6 @@ def variant(fmt: KVFormat, comp_mode: int, tile: ops.Tile, split: int = 1, topk_
     records = (fmt.swa_record,) if comp_mode == K.COMP_NONE else (fmt.swa_record, fmt.comp_record)
     codes = (ops.RECORD_CODE[records[0]], ops.RECORD_CODE[records[-1]])
     return ops.portable_constexprs(codes, comp_mode, topk_ratio, True, True, split, tile, K.tl.bfloat16, True)
-
-
-def compile_portable(target: GPUTarget, constexprs: dict, options: dict):
-    """A CompiledKernel of the portable kernel (pointers specialized as 16-byte aligned, as the
-    launcher's are for cache tensors)."""
-    if triton_interpreting():
-        raise RuntimeError("TRITON_INTERPRET is set: offline compiles need Triton's compiler")
-    fn = K.sparse_mla_fwd_kernel
-    sig = {p.name: POINTERS.get(p.name) or ("constexpr" if p.name in constexprs else
-                                            "fp32" if p.name in FLOATS else "i32") for p in fn.params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in POINTERS}
-    return triton.compile(ASTSource(fn, sig, constexprs, attrs=attrs), target=target, options=options)
-
-
-def compile_combine(target: GPUTarget, split: int = 304, block_h: int = 16):
-    """A CompiledKernel of the split-KV merge (``attention.combine_kernel``) as the launcher
-    compiles it; 304 splits: one token on an MI300X's 304 CUs, the most ``ops.choose_split`` gives."""
-    if triton_interpreting():
-        raise RuntimeError("TRITON_INTERPRET is set: offline compiles need Triton's compiler")
-    fn = K.combine_kernel
-    constexprs = dict(SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), HAS_SINK=True, WRITE_LSE=True,
-                      BLOCK_H=block_h, BLOCK_D=128)
-    sig = {p.name: {"PO": "*fp32", "PML": "*fp32", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32"}.get(p.name)
-           or ("constexpr" if p.name in constexprs else "i32") for p in fn.params}
-    return triton.compile(ASTSource(fn, sig, constexprs), target=target, options=dict(num_warps=4))
 
 
 def _amd_field(asm: str, name: str) -> int:

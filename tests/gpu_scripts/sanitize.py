@@ -41,8 +41,8 @@ IS_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import dsv4_attn as dsv4  # noqa: E402
-from dsv4_attn.common import backend as backend_mod  # noqa: E402
 from dsv4_attn.common import reference  # noqa: E402
+from dsv4_attn.common import registry as backend_mod  # noqa: E402
 from dsv4_attn.common.backend import Phase  # noqa: E402
 from dsv4_attn.portable.kernels.ops import KernelConfig, sparse_mla_fwd  # noqa: E402
 from dsv4_attn.portable.triton_backend import TritonBackend  # noqa: E402

@@ -25,8 +25,8 @@ def compare(out, ref):
 
 def main() -> int:
     dev = torch.device("cuda")
-    names = {"gluon": bench.register_variant("gluon=impl=gluon") if torch.cuda.get_device_capability() == (9, 0)
-             else None, "portable": bench.register_variant("portable=impl=triton")}
+    names = {"gluon": bench.runners.register_variant("gluon=impl=gluon") if torch.cuda.get_device_capability() == (9, 0)
+             else None, "portable": bench.runners.register_variant("portable=impl=triton")}
     v4 = KVFormat.MODEL1_FP8
     cases = [
         ("h64-c4a512", 3, 1, v4), ("h64-c4a512", 2, 2, v4), ("h128-c4a1024", 2, 1, v4), ("h64-c128a", 4, 1, v4),
@@ -42,7 +42,7 @@ def main() -> int:
         for impl, name in names.items():
             if name is None or (impl == "gluon" and fmt is not v4):
                 continue
-            run, out, plan = bench.api_runner(case, name)
+            run, out, plan = bench.runners.api_runner(case, name)
             out.fill_(float("nan"))
             run()
             torch.cuda.synchronize()

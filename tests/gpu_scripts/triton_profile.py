@@ -27,12 +27,12 @@ def main() -> None:
     p.add_argument("--flashmla-raw", action="store_true", help="also run FlashMLA's raw op on the same rows")
     p.add_argument("--profile-last", action="store_true", help="cudaProfilerStart/Stop around the last call")
     args = p.parse_args()
-    name = bench.register_variant(args.variant) if args.variant else "triton"
+    name = bench.runners.register_variant(args.variant) if args.variant else "triton"
     case = bench.make_decode_case(bench.DECODE_CONFIGS[args.config], args.batch, args.mtp, torch.device("cuda"))
-    run, out, plan = bench.api_runner(case, name)
+    run, out, plan = bench.runners.api_runner(case, name)
     runs = [(name, run, out)]
     if args.flashmla_raw:
-        raw, raw_out, how = bench.flashmla_raw_runner(case, plan)
+        raw, raw_out, how = bench.runners.flashmla_raw_runner(case, plan)
         if raw is None:
             raise SystemExit(f"FlashMLA raw op unavailable: {how}")
         runs.append(("flashmla_raw", raw, raw_out))

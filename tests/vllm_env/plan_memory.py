@@ -61,6 +61,7 @@ def reserved(shape: dict, max_tokens: int, max_model_len: int) -> tuple[int, lis
         mtp = cls(vllm_config, prefix=f"model.layers.{n}.attn", topk_indices_buffer=topk)
         for name, layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).items():
             layer.is_draft_layer = name not in targets  # as vLLM's speculator flags the MTP layers
+        vllm_stack.resolve_block_size(vllm_config)  # vLLM's default flags: resolved after the model is built
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
         from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
@@ -88,7 +89,8 @@ def main() -> None:
             print(f"{name} (H{shape['num_attention_heads']} per rank, topk {shape['index_topk']}, "
                   f"{shape['num_hidden_layers']} layers + 1 MTP), max_num_batched_tokens {args.max_tokens}, "
                   f"max_model_len {args.max_model_len}: {total / 2**20:.1f} MiB reserved per GPU; "
-                  f"{len(groups)} plans per target step ({sum(g.has_c128a for g in groups)} with C128A rows) "
+                  f"{len(groups)} plans per target step ({sum(g.has_c128a for g in groups)} with C128A layers, "
+                  f"{len({g.c128a_table for g in groups if g.has_c128a})} C128A row set) "
                   f"+ 1 draft slot; vLLM made {kv_groups} KV-cache groups")
             for group in groups:
                 print(f"    plan: SWA {group.swa_prefix}, compressed {dict(group.comp_prefixes)}")

@@ -40,6 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import compat
+
 BLOCK_H = gl.constexpr(64)
 NUM_WARPS = 8  # the consumer (default) partition; the producer adds one warpgroup
 PRODUCER_REGS = gl.constexpr(120)
@@ -204,7 +206,7 @@ def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slot
         c_r = gl.arange(0, 64, layout=gl.SliceLayout(0, Lr))
         rptr = gl.expand_dims(row_r + 448, 1).to(gl.pointer_type(gl.bfloat16), bitcast=True) \
             + gl.expand_dims(c_r, 0)
-        async_copy.async_copy_global_to_shared(rope.index(stage), rptr, mask=valid_r)
+        compat.async_load(rope.index(stage), rptr, mask=valid_r)
         async_copy.commit_group()
         # next tile's rows through the block table (and into L2) while this tile's bytes are in flight
         slots_c, valid_c = _idx_resolve(g + 1, tiles_a, v_c, r_c, a_slots, b_slots, visible, bt_row, bt_cols, b_bs,
@@ -223,7 +225,7 @@ def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slot
         k_buf.slice(448, 64, dim=1).store(rope.index(stage).load(Lr).to(gl.float16))
         vflag.index(stage).store(valid.to(gl.int8))
         fence_async_shared()
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(kready.index(stage), count=1)
 
 
@@ -250,7 +252,7 @@ def _consumer(q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, strid
     # cost the LSE up to ~3e-5 (docs/bad-input.md)
     q_smem.store(q.to(gl.float16))
     fence_async_shared()
-    gl.thread_barrier()
+    compat.barrier()
 
     m_i = gl.full([BH], -1.0e30, gl.float32, layout=Lsr)
     l_i = gl.zeros([BH], gl.float32, layout=Lsr)
@@ -273,13 +275,13 @@ def _consumer(q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, strid
         m_i = m_new
         p_smem.store(p.to(gl.float16))
         fence_async_shared()
-        gl.thread_barrier()
+        compat.barrier()
         alpha_o = gl.convert_layout(alpha, Lor)
         acc = warpgroup_mma(p_smem, k_cur, acc * gl.expand_dims(alpha_o, 1), is_async=True)
         # retired here, not across the next mbarrier wait (ptxas serializes every wgmma otherwise,
         # C7515); the producer runs meanwhile. Both warpgroups past it: K[stage] and P are free.
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        gl.thread_barrier()
+        compat.barrier()
         mbarrier.arrive(kempty.index(stage), count=1)
     return acc, m_i, l_i
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...common.indices import IndexPair, Tokens, comp_rows_for
+from ...common.indices import INT32_SLOTS, IndexPair, Tokens, comp_rows_for
 from ...common.spec import LayerKind
 
 
@@ -161,9 +161,6 @@ def _topk_rows_kernel(
     tl.store(LENS + t, n.to(tl.int32))
 
 
-INT32_SLOTS = 2**31  # slots must fit int32 (the vendor kernels' index type)
-
-
 def topk_rows(tokens: Tokens, ratio: int, table: torch.Tensor, comp_block_size: int,
               local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:
     """Rows int32 [T, round_up(K, multiple)] (contiguous) and lens int32 [T] of a top-k layer of
@@ -212,7 +209,7 @@ class TritonFrontEnd:
                           buffers.spec.all_width(kind.ratio), out=(rows[:T], lens[:T]))
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
-                  local_topk: torch.Tensor) -> IndexPair:
+                  local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:
         if local_topk.stride(-1) != 1:
             local_topk = local_topk.contiguous()
-        return topk_rows(tokens, kind.ratio, table, comp_block_size, local_topk)
+        return topk_rows(tokens, kind.ratio, table, comp_block_size, local_topk, num_slots, multiple)

@@ -16,7 +16,9 @@ import triton
 
 from ...common.layout import Fp8Dialect, KVFormat, Record
 from ...common.platform import triton_interpreting
+from ...common.spec import LayerKind
 from . import attention as K
+from . import build
 
 LOG2E = 1.4426950408889634
 
@@ -180,13 +182,49 @@ def kernel_choice(arch: str, records: tuple[Record, ...], dialects: tuple[Fp8Dia
     return "gluon", "sm_90, V4 records in OCP e4m3"
 
 
+def comp_mode_of(kind: LayerKind) -> int:
+    """The kernels' COMP constexpr of a layer kind (top-k kinds: local entries translated inside)."""
+    if not kind.has_comp_scope:
+        return K.COMP_NONE
+    return K.COMP_C4A_LOCAL if kind.uses_topk else K.COMP_GLOBAL
+
+
+def compile_reason(arch: str, impl: str, records: tuple[Record, ...], comp_mode: int, num_heads: int,
+                   config: KernelConfig = DEFAULT_CONFIG) -> str:
+    """'' when kernel ``impl`` ('gluon' | 'portable') of a layer reading ``records`` compiles for
+    ``arch`` with the installed Triton, else the compile error (``build.compile_error``: one
+    non-split variant with the LSE and a sink, compiled once per process)."""
+    if impl == "gluon":
+        variant = build.hopper_constexprs(comp_mode, write_lse=True)
+        return build.compile_error(arch, "gluon", tuple(sorted(variant.items())))
+    tile = config.tile(arch, num_heads)
+    codes = (RECORD_CODE[records[0]], RECORD_CODE[records[-1]])
+    const = portable_constexprs(codes, comp_mode, 4, True, True, 1, tile, config.dt(), config.range_checks)
+    return build.compile_error(arch, "portable", tuple(sorted(const.items())),
+                               tuple(sorted(launch_options(tile).items())))
+
+
+def resolved_kernel(arch: str, records: tuple[Record, ...], dialects: tuple[Fp8Dialect, ...], comp_mode: int,
+                    num_heads: int, config: KernelConfig = DEFAULT_CONFIG) -> tuple[str, str]:
+    """``kernel_choice`` after asking the compiler: the Gluon kernel only where it is importable and
+    compiles for ``arch`` with this Triton, else the portable kernel, the reason saying why."""
+    impl, why = kernel_choice(arch, records, dialects, config)
+    if impl != "gluon":
+        return impl, why
+    if not _gluon_importable():
+        return "portable", "the Gluon kernel does not import with this Triton"
+    error = compile_reason(arch, "gluon", records, comp_mode, num_heads, config)
+    return ("portable", error) if error else (impl, why)
+
+
 def use_gluon(device: torch.device, records: tuple[Record, ...], dialects: tuple[Fp8Dialect, ...],
-              config: KernelConfig, caches=()) -> bool:
-    impl, _ = kernel_choice(device_arch(device), records, dialects, config)
-    ok = impl == "gluon" and _gluon_importable() and all(_aligned(c) for c in caches)
+              config: KernelConfig, caches=(), comp_mode: int = K.COMP_NONE, num_heads: int = 64) -> bool:
+    impl, why = resolved_kernel(device_arch(device), records, dialects, comp_mode, num_heads, config)
+    ok = impl == "gluon" and all(_aligned(c) for c in caches)
     if config.impl == "gluon" and not ok:
-        raise ValueError("config.impl: got 'gluon'; allowed only on an sm_90 GPU with Triton's Gluon, the "
-                         "fp8_ds_mla format in OCP e4m3 and 16-byte aligned cache blocks")
+        raise ValueError("config.impl: got 'gluon'; allowed only on an sm_90 GPU with Triton's Gluon (compiling "
+                         "with this Triton), the fp8_ds_mla format in OCP e4m3 and 16-byte aligned cache blocks; "
+                         f"here: {why}")
     return ok
 
 
@@ -272,7 +310,7 @@ def sparse_mla_fwd(
         bt, tok2req, pos = swa_rows, swa_lens, swa_lens
     ranges = (a_nb * a_bs, swa_rows.shape[1], b_nb * b_bs, bt.shape[1], b_nb)  # the range checks' bounds
     dialects = tuple(Fp8Dialect.FNUZ if fnuz else Fp8Dialect.OCP for fnuz in (swa_fnuz, comp_fnuz))[:len(records)]
-    gluon = use_gluon(q.device, records, dialects, config, (swa_cache, comp_cache))
+    gluon = use_gluon(q.device, records, dialects, config, (swa_cache, comp_cache), comp_mode, H)
     tile = config.tile(device_arch(q.device), H)
     block_h = 64 if gluon else tile.block_h
     n_hb = triton.cdiv(H, block_h)

@@ -1,0 +1,231 @@
+"""Compile every Triton kernel the package launches, offline, for every target it serves, with the
+Triton this process imports (put a side Triton first on PYTHONPATH to try another version), and
+print registers, spills and scratch per variant. No GPU needed; run it without TRITON_INTERPRET.
+
+    PYTHONPATH=/work/tritons/3.9:. python tests/gpu_scripts/compile_matrix.py [--full] [--jobs 2] [--json F]
+
+Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
+
+* ``hopper``: the Gluon Hopper kernel, sm_90a (its 11 variants: SWA / every-entry / top-k, each
+  alone, with the LSE and split; top-k with non-power-of-two cache blocks and without range checks);
+* ``attention``: the portable kernel in every tile ``KernelConfig.tile`` picks for 1 - 128 heads,
+  on sm_80 (bf16 caches only: the fp8 formats need sm_89), sm_90, sm_100, gfx942, gfx950; the
+  top-k walk with its LSE in the records with the most registers live (V4, bf16), nvfp4_ds_mla's
+  two records and the split epilogue (``--full``: every record x layer kind x split);
+* ``combine`` (split merge) and ``step_rows`` / ``topk_rows`` (the index front end) on every target.
+
+Fails (exit 1) on a compile error, or on AMD VGPR spills, scratch or LDS past the arch's limit
+(the bar of tests/test_amd_compile.py); NVIDIA spills are reported, not failed (ptxas' own log:
+``TRITON_DUMP_PTXAS_LOG``, so the figures are those of the Triton's own ptxas and flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas -v's report on stdout, captured per compile
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a cached binary would print no report
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import portable_build as pb  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from dsv4_attn.common.layout import KVFormat  # noqa: E402
+from dsv4_attn.common.spec import MAX_HEADS  # noqa: E402
+from dsv4_attn.portable.kernels import attention as K  # noqa: E402
+from dsv4_attn.portable.kernels import indices, ops  # noqa: E402
+
+TARGETS = {"sm80": GPUTarget("cuda", 80, 32), "sm90": GPUTarget("cuda", 90, 32),
+           "sm100": GPUTarget("cuda", 100, 32), "gfx942": GPUTarget("hip", "gfx942", 64),
+           "gfx950": GPUTarget("hip", "gfx950", 64)}
+KINDS = {"SWA": K.COMP_NONE, "all": K.COMP_GLOBAL, "top-k": K.COMP_C4A_LOCAL}
+# (COMP, split, write_lse, shifts, range_checks): what the launcher compiles of the Gluon kernel
+HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True) for comp in (0, 1, 2) for lse in (True, False)]
+                   + [(comp, True, False, (6, 6), True) for comp in (0, 1, 2)]
+                   + [(2, False, True, (-1, -1), True), (2, False, True, (6, 6), False)])
+
+
+@dataclass(frozen=True)
+class Job:
+    target: str
+    kernel: str  # hopper | attention | combine | step_rows | topk_rows
+    label: str
+    args: tuple = ()
+
+
+def _attention_jobs(target: str, full: bool) -> list[Job]:
+    fmts = [KVFormat.BF16] if target == "sm80" else list(KVFormat)  # fp8 conversions need sm_89+
+    arch = target if target.startswith("gfx") else "sm90"  # NVIDIA archs share the tile choice
+    tiles = sorted({ops.DEFAULT_CONFIG.tile(arch, h) for h in range(1, MAX_HEADS + 1)}, key=lambda t: t.block_h)
+    jobs = []
+    for tile in tiles:
+        name = f"{tile.block_h}h x {tile.block_n}k {tile.num_warps}w"
+        if full:
+            cases = [(fmt, kind, split) for fmt in fmts for kind in KINDS for split in (1, 2)]
+        else:
+            quick = [(KVFormat.MODEL1_FP8, 1), (KVFormat.BF16, 1), (KVFormat.NVFP4, 1), (KVFormat.MODEL1_FP8, 2)]
+            cases = [(fmt, "top-k", split) for fmt, split in quick if fmt in fmts] + \
+                    ([(KVFormat.BF16, "top-k", 2)] if target == "sm80" else [])
+        seen = set()
+        for fmt, kind, split in cases:
+            const = pb.variant(fmt, KINDS[kind], tile, split)
+            key = (const["FMT_A"], const["FMT_B"], KINDS[kind], split)
+            if key not in seen:  # an SWA layer of nvfp4_ds_mla is mxfp8_ds_mla's
+                seen.add(key)
+                jobs.append(Job(target, "attention", f"{name} {fmt.value} {kind}{' split' if split > 1 else ''}",
+                                (tile, fmt, kind, split)))
+    return jobs
+
+
+def jobs_for(targets: list[str], kernels: list[str], full: bool) -> list[Job]:
+    out = []
+    for target in targets:
+        if "hopper" in kernels and target == "sm90":
+            for v in HOPPER_VARIANTS:
+                comp, split, lse, shifts, checks = v
+                label = (f"{list(KINDS)[comp]}{' split' if split else ''}{' lse' if lse else ''}"
+                         f"{' bs!=2^n' if shifts[0] < 0 else ''}{' no range checks' if not checks else ''}")
+                out.append(Job(target, "hopper", label, v))
+        if "attention" in kernels:
+            out += _attention_jobs(target, full)
+        if "combine" in kernels:
+            out.append(Job(target, "combine", "split 304"))
+        if "indices" in kernels:
+            out += [Job(target, "step_rows", "window 128 + C128A"), Job(target, "topk_rows", "ratio 4, 512 wide")]
+    return out
+
+
+def _compile_indices(job: Job, target: GPUTarget):
+    if job.kernel == "step_rows":
+        fn = indices._step_rows_kernel
+        const = dict(WINDOW=128, W_P2=128, HAS_START=True, HAS_C128=True, C_RATIO=128, BLOCK_R=64, BLOCK_C=512)
+        ptrs = {"QSL": "*i32", "SEQ": "*i32", "SWA_START": "*i32", "POS": "*i64", "TOK2REQ": "*i32", "VALID": "*i1",
+                "SWA_TABLE": "*i32", "SWA_ROWS": "*i32", "SWA_LENS": "*i32", "C_TABLE": "*i32", "C_ROWS": "*i32",
+                "C_LENS": "*i32"}
+    else:
+        fn = indices._topk_rows_kernel
+        const = dict(RATIO=4, BLOCK_K=512)
+        ptrs = {"LOCAL": "*i32", "POS": "*i64", "TOK2REQ": "*i32", "VALID": "*i1", "TABLE": "*i32", "ROWS": "*i32",
+                "LENS": "*i32"}
+    sig = {p.name: ptrs.get(p.name) or ("constexpr" if p.name in const else "i32") for p in fn.params}
+    return triton.compile(ASTSource(fn, sig, const), target=target, options=dict(num_warps=4))
+
+
+def _compile(job: Job):
+    target = TARGETS[job.target]
+    if job.kernel == "hopper":
+        comp, split, lse, shifts, checks = job.args
+        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks))
+    if job.kernel == "attention":
+        tile, fmt, kind, split = job.args
+        return pb.compile_portable(target, pb.variant(fmt, KINDS[kind], tile, split), ops.launch_options(tile))
+    if job.kernel == "combine":
+        return pb.compile_combine(target)
+    return _compile_indices(job, target)
+
+
+def _ptxas_figures(log: str) -> dict:
+    """Registers, spill store / load bytes and stack frame of ptxas -v's report (the kernel's own
+    line: Triton compiles one entry per module)."""
+    regs = re.findall(r"Used (\d+) registers", log)
+    spill = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if not regs or not spill:
+        raise ValueError(f"no register / spill line in ptxas' report: {log[-500:]!r}")
+    frame, stores, loads = (int(x) for x in spill[-1])
+    return {"regs": int(regs[-1]), "spill_stores": stores, "spill_loads": loads, "scratch": frame}
+
+
+def measure(job: Job) -> dict:
+    row = {"triton": triton.__version__, "target": job.target, "kernel": job.kernel, "label": job.label}
+    start = time.perf_counter()
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            kernel = _compile(job)
+    except Exception as exc:
+        row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-1500:]}", trace=traceback.format_exc()[-3000:])
+        return row
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    if job.target.startswith("gfx"):
+        res = pb.amd_resources(kernel)
+        row.update(regs=res["vgprs"], agprs=res["agprs"], sgprs=res["sgprs"], vgpr_spills=res["vgpr_spills"],
+                   sgpr_spills=res["sgpr_spills"], scratch=res["scratch"], lds=res["lds"])
+        row["ok"] = res["vgpr_spills"] == 0 and res["scratch"] == 0 and res["lds"] <= pb.LDS_LIMIT[job.target]
+        if not row["ok"]:
+            row["error"] = "AMD VGPR spills / scratch / LDS past the limit"
+    else:
+        row.update(_ptxas_figures(log.getvalue()), shared=kernel.metadata.shared, ok=True)
+    return row
+
+
+def _most(rows: list[dict], key: str) -> str:
+    vals = [r[key] for r in rows if key in r]
+    return str(max(vals)) if vals else "-"
+
+
+def markdown(rows: list[dict]) -> str:
+    """One line per Triton x target x kernel (x tile): the most over its variants."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        tile = r["label"].split(" ", 4)[:4] if r["kernel"] == "attention" else []
+        groups.setdefault((r["triton"], r["target"], r["kernel"], " ".join(tile)), []).append(r)
+    out = ["| Triton | target | kernel | variants | registers (max) | NVIDIA spill stores B / AMD SGPR spills (max) "
+           "| scratch B (max) | compiled |", "|---|---|---|---|---|---|---|---|"]
+    for (version, target, kernel, tile), members in groups.items():
+        spills = _most(members, "sgpr_spills" if target.startswith("gfx") else "spill_stores")
+        bad = sum(not r["ok"] for r in members)
+        compiled = "yes" if not bad else f"NO ({bad} failed)"
+        out.append(f"| {version} | {target} | {kernel}{' ' + tile if tile else ''} | {len(members)} "
+                   f"| {_most(members, 'regs')} | {spills} | {_most(members, 'scratch')} | {compiled} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--targets", nargs="+", choices=list(TARGETS), default=list(TARGETS))
+    p.add_argument("--kernels", nargs="+", choices=["hopper", "attention", "combine", "indices"],
+                   default=["hopper", "attention", "combine", "indices"])
+    p.add_argument("--full", action="store_true", help="every record x layer kind x split of the portable kernel")
+    p.add_argument("--only", nargs="+", metavar="LABEL", help="only the variants of these labels")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--json", metavar="FILE", help="also write every row (with errors) as JSON")
+    args = p.parse_args()
+    todo = [j for j in jobs_for(args.targets, args.kernels, args.full) if not args.only or j.label in args.only]
+    start = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(measure, job) for job in todo]
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            r = future.result()
+            figures = ", ".join(f"{k} {r[k]}" for k in ("regs", "spill_stores", "sgpr_spills", "vgpr_spills", "scratch",
+                                                          "seconds") if k in r)
+            print(f"[{done}/{len(todo)}] {r['target']} {r['kernel']} {r['label']}: "
+                  f"{figures if r['ok'] else 'FAILED ' + r['error'][:200]}", file=sys.stderr, flush=True)
+        rows = [f.result() for f in futures]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(markdown(rows))
+    failed = [r for r in rows if not r["ok"]]
+    for r in failed:
+        print(f"FAILED Triton {r['triton']} {r['target']} {r['kernel']} {r['label']}: {r['error']}", file=sys.stderr)
+    print(f"Triton {triton.__version__}: {len(rows)} compiles, {len(failed)} failed, "
+          f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

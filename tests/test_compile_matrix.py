@@ -1,0 +1,69 @@
+"""The kernels compile with the Triton installed here (issue 23): the Gluon Hopper kernel for sm_90a,
+compiled offline in a child process (this process runs Triton's interpreter), and no kernel names
+a Gluon / Triton API that one supported Triton lacks (kernels/compat.py resolves the renamed ones).
+
+ci/compile-matrix.sh compiles every kernel x target under the lowest and highest supported Triton
+(3.6 and 3.9); this test covers the installed one in the main test run (Triton 3.9 with the test
+extra), where main's Hopper kernel (``gl.thread_barrier``, 3.6 only) failed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "dsv4_attn" / "portable" / "kernels"
+SCRIPT = ROOT / "tests" / "gpu_scripts" / "compile_matrix.py"
+# names one supported Triton lacks or stubs out: 3.6 has no gl.barrier / async_load, 3.8+ no
+# thread_barrier, 3.9 no async_copy_global_to_shared (a raising stub) and no block pointers
+VERSIONED = ("thread_barrier", "async_copy_global_to_shared", "async_load", "make_block_ptr", "barrier")
+
+
+def test_kernels_call_renamed_apis_only_through_compat():
+    for path in sorted(KERNELS.glob("*.py")):
+        if path.name == "compat.py":
+            continue
+        code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())  # comments may name them
+        calls = [prefix + name for name in VERSIONED for prefix in re.findall(rf"([\w.]*)\b{name}\s*\(", code)
+                 if prefix != "compat."]
+        assert not calls, f"{path.name} calls {calls}: go through kernels/compat.py"
+
+
+def test_compat_resolves_the_installed_tritons_names():
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    from dsv4_attn.portable.kernels import compat
+
+    assert compat.barrier in (getattr(gl, "barrier", None), getattr(gl, "thread_barrier", None))
+    # never 3.9's stub of the old name, which raises "has been removed"
+    assert compat.async_load is getattr(async_copy, "async_load", None) or not hasattr(async_copy, "async_load")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None,
+                    reason="this Triton has no NVIDIA backend")
+def test_gluon_hopper_kernel_compiles_for_sm90a_with_the_installed_triton(tmp_path):
+    """Top-k with and without the split (every Gluon builtin the kernel uses is in them); the
+    other nine variants are ci/compile-matrix.sh's."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    out = tmp_path / "rows.json"
+    args = ["--targets", "sm90", "--kernels", "hopper", "--only", "top-k lse", "top-k split", "--jobs", "2"]
+    res = subprocess.run([sys.executable, str(SCRIPT), *args, "--json", str(out)], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=900)
+    rows = json.loads(out.read_text()) if out.exists() else []
+    assert res.returncode == 0 and rows, res.stderr[-4000:]
+    labels = {r["label"] for r in rows}
+    assert {"top-k lse", "top-k split"} <= labels, labels
+    for r in rows:
+        assert r["ok"] and r["kernel"] == "hopper", r
+        # read from ptxas' own report; the kernel asks for maxnreg 168 (hopper.MAXNREG)
+        assert 0 < r["regs"] <= 168 and r["shared"] > 100_000, r
