@@ -4,8 +4,9 @@ Tolerances are READ FROM THE PARITY MATRIX (``dsv4_attn/data/parity.yaml``, the 
 ``dsv4-attn parity`` judges with), so a test and the matrix cannot drift apart:
 
     BF16        the default: bf16 output rounding plus a float32 kernel
-    FP8_Q       q cast to e4m3 before the kernel (the matrix's aiter-on-fp8 entry: its persistent
-                and v4 nm kernels run FP8 q; FlashInfer's fp8 path casts q as well)
+    FP8_Q       q cast to e4m3 before the kernel: NOT in the matrix, which holds every backend to
+                BF16 (one contract); for the tests of paths that compute in fp8 by choice (aiter's
+                opt-in a8w8 kernels; FlashInfer's fp8 path casts q as well)
 
 A test compares with ``compare`` (or ``metrics``, which also says whether the NaN poison was
 overwritten everywhere) and checks with ``assert_close``, whose bounds are strict (<, >).
@@ -21,7 +22,7 @@ from dsv4_attn.parity.matrix import Tolerance, load_matrix
 
 _MATRIX = load_matrix()
 BF16: Tolerance = _MATRIX.tolerance_default
-FP8_Q: Tolerance = _MATRIX.tolerance_for("aiter", "fp8_ds_mla")
+FP8_Q: Tolerance = Tolerance(max_abs=5.0e-1, rel_l2=6.0e-2, cosine=0.998)
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:

@@ -477,8 +477,9 @@ class AiterBackend(Backend):
         heads_note="padded to what each kernel takes: 16/32/64/128",
         validated="emulated (a model of AITER 0.1.20's kernels: CPU CI, H100 CUDA-graph test); never run on "
                   "MI300X/MI355X",
-        notes="decode only; sparse_mla_fwd (gfx950, vLLM 0.33's AITER; V4.1's C1A/C2A only there), else "
-              "mla_decode_fwd_v4_nm (MODEL1, gfx950, AITER >= 0.1.18), else mla_decode_fwd + LSE merge",
+        notes="decode only; bf16 compute by default: sparse_mla_fwd (gfx950, vLLM 0.33's AITER; V4.1's C1A/C2A "
+              "only there), else mla_decode_fwd split mode + LSE merge (AITER >= 0.1.19); fp8 compute "
+              "(mla_decode_fwd_v4_nm, persistent mode) opt-in: DSV4_ATTN_AITER_FP8_COMPUTE",
     )
 
     def __init__(self, path: str | None = None, persistent_max_batch: int | None = None,
