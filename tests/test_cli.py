@@ -75,7 +75,8 @@ def test_probe_says_each_vendor_status_in_words_with_each_reason_once(monkeypatc
     assert lines[0].startswith("flashmla          not found: flash_mla: not installed")
     assert lines[1].startswith("flashinfer-trtllm not used: ")
     assert lines[2] == "aiter             found: AITER 0.1.20.post1 on gfx942 (fp8 dialect fnuz, EMULATED)"
-    assert "serves: mla_decode_fwd (split), mla_decode_fwd (persistent)" in section
+    assert "serves: mla_decode_fwd (split) (bf16 compute)" in section  # the a8w8 paths are opt-in (docs/rocm.md)
+    assert "lacks (mla_decode_fwd (persistent)): available (heads [64]; fp8 compute, off: opt in with " in section
     assert "lacks (sparse_mla_fwd): " in section and "lacks (mla_decode_fwd_v4_nm): no v4 nm code object" in section
     monkeypatch.delenv("DSV4_ATTN_AITER_EMULATOR")
     text = probe_cli.render(probe_cli.collect(device="cpu"))
