@@ -25,7 +25,7 @@ import torch
 
 import dsv4_attn as dsv4
 from dsv4_attn.common import layout, reference
-from dsv4_attn.common.backend import unregister_backend
+from dsv4_attn.common.registry import unregister_backend
 from dsv4_attn.common.spec import V4_KINDS, LayerKind
 
 from compare import assert_close, compare
