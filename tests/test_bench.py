@@ -280,3 +280,14 @@ def test_host_us_times_eager_calls_on_the_calling_thread():
     calls = []
     us = bench.host_us(lambda: calls.append(1), torch.device("cpu"), calls=7)
     assert len(calls) == 8 and us > 0 and "host_us" in bench.CSV_COLUMNS
+
+
+def test_batch_invariant_rows_name_the_backends_that_offer_the_mode():
+    """--batch-invariant adds 'NAME+batch-invariant' rows for the backends that declare the mode
+    (triton), none for the others; a row name maps back to its backend and the mode."""
+    from dsv4_attn.bench.cli import batch_invariant_rows
+    from dsv4_attn.bench.runners import backend_mode
+
+    assert batch_invariant_rows(["auto", "torch", "triton"]) == ["triton+batch-invariant"]
+    assert backend_mode("triton+batch-invariant") == ("triton", True)
+    assert backend_mode("triton") == ("triton", False)

@@ -76,6 +76,16 @@ from .step import run_step_case
 from .timing import L2Flush, measure_ceilings, warm_up
 
 
+def batch_invariant_rows(backends: list[str]) -> list[str]:
+    """The ``NAME+batch-invariant`` rows of ``--batch-invariant``: one per named backend that
+    declares the mode (Backend.batch_invariant; today triton)."""
+    from ..common.registry import get_backend
+    from .runners import BATCH_INVARIANT
+
+    return [name + BATCH_INVARIANT for name in backends
+            if name != "auto" and (impl := get_backend(name)) is not None and impl.batch_invariant]
+
+
 def default_backends() -> list[str]:
     """What `dsv4-attn bench` times without --backend: the portable kernels, and on ROCm the AITER
     path first."""
@@ -118,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=None, help="timed runs per case (default 50; on the CPU 5)")
     p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replays")
     p.add_argument("--no-flashmla", action="store_true", help="do not time FlashMLA beside our backends")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="also time each named backend that offers it under SparseMLA(batch_invariant=True), as "
+                        "'NAME+batch-invariant' (docs/batch-invariance.md): the mode's cost, side by side")
     p.add_argument("--guard-cost", action="store_true",
                    help="also time each Triton kernel with and without its index range checks (same case, "
                         "A-B-B-A) and print the checks' cost")
@@ -291,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     formats = [KVFormat.parse(f) for f in args.format]
     args.backends.extend(register_variant(spec_str) for spec_str in args.variant)
+    if args.batch_invariant:
+        args.backends.extend(batch_invariant_rows(args.backends))
     t0 = time.time()
     if device.type != "cpu":
         warm_up(device)

@@ -10,7 +10,7 @@ import torch
 
 from ..common.layout import KVFormat
 from .cases import Case, row_bytes
-from .runners import _case_mla, _run_layer, api_runner, compare, flashmla_runners, register_variant
+from .runners import _case_mla, _run_layer, api_runner, backend_mode, compare, flashmla_runners, register_variant
 from .timing import host_us, sync, time_callable
 
 
@@ -57,7 +57,8 @@ def uncapturable(backend: str, case: Case, plan) -> str | None:
     from ..common.backend import Phase
     from ..common.registry import get_backend
 
-    name = plan.owner.backend_for(case.kind, case.phase, case.q.shape[0]) if backend == "auto" else backend
+    name = plan.owner.backend_for(case.kind, case.phase, case.q.shape[0]) if backend == "auto" \
+        else backend_mode(backend)[0]
     impl = get_backend(name)
     why = impl.uncapturable.get(Phase(case.phase)) if impl is not None else None
     return f"{name} {case.phase} cannot be graph-captured: {why}" if why else None

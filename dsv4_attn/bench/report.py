@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .runners import backend_mode
+
 HEADER = (f"{'case':<30} {'format':<12} {'backend':<9} {'us':>8} {'us_p90':>8} {'TFLOP/s':>7} {'GB/s':>6} {'floor':>7} "
           f"{'x_flr':>6} "
           f"{'fmla_api':>9} {'speedup':>7} {'fmla_raw':>9} {'speedup':>7}")
@@ -31,7 +33,8 @@ def auto_gaps(results: list[dict]) -> list[tuple[float, float, str, str, str]]:
     gaps = []
     for r in results:
         rows = r.get("backends", {})
-        named = {name: b for name, b in rows.items() if name != "auto" and "us" in b}
+        named = {name: b for name, b in rows.items()  # auto chooses among backends, not modes
+                 if name != "auto" and "us" in b and not backend_mode(name)[1]}
         cost = {name: b["us"] + b.get("per_step_us", 0.0) for name, b in named.items()}
         auto = rows.get("auto", {})
         if "us" in auto and named:

@@ -20,11 +20,21 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
     return {"max_abs": float((a - b).abs().max()), "rel_l2": rel, "cosine": cos}
 
 
+BATCH_INVARIANT = "+batch-invariant"  # a bench row: the backend under SparseMLA(batch_invariant=True)
+
+
+def backend_mode(name: str) -> tuple[str, bool]:
+    """(the registered backend, batch-invariant mode?) of a bench row name such as
+    ``triton+batch-invariant`` (``--batch-invariant``)."""
+    return (name[:-len(BATCH_INVARIANT)], True) if name.endswith(BATCH_INVARIANT) else (name, False)
+
+
 def _case_mla(case: Case, backend: str):
-    """A SparseMLA for ``case`` on ``backend``, sized for its tokens and requests."""
+    """A SparseMLA for ``case`` on ``backend`` (a bench row name), sized for its tokens and requests."""
     from ..api import SparseMLA
 
-    return SparseMLA(case.spec, case.fmt, backend=backend, device=case.q.device,
+    name, batch_invariant = backend_mode(backend)
+    return SparseMLA(case.spec, case.fmt, backend=name, device=case.q.device, batch_invariant=batch_invariant,
                      max_tokens=max(case.q.shape[0], 1), max_reqs=max(case.num_reqs, 1))
 
 
