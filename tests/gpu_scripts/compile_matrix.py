@@ -2,7 +2,7 @@
 Triton this process imports (put a side Triton first on PYTHONPATH to try another version), and
 print registers, spills and scratch per variant. No GPU needed; run it without TRITON_INTERPRET.
 
-    PYTHONPATH=/work/tritons/3.9:. python tests/gpu_scripts/compile_matrix.py [--full] [--jobs 2] [--json F]
+    PYTHONPATH=TRITON_DIR:. python tests/gpu_scripts/compile_matrix.py [--full] [--jobs 2] [--json F]
 
 Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
 
