@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The CPU tests a second time under the newest torch the package supports (2.15) and the Triton it
+# pins (3.9), in a brand-new venv of their own (the main run has the README's torch 2.13).
+#
+# torch 2.15 for Linux x86_64 on PyPI is the CUDA build (the CPU builds live on download.pytorch.org,
+# which CI machines cannot reach): it runs on a CPU, but needs its CUDA libraries to import (libtorch
+# links cuBLAS, cuDNN, NCCL, ...; `--no-deps` leaves `import torch` failing on libcudnn.so.9), so
+# it installs whole: measured in docs/testing.md "torch 2.15". PIP_CONSTRAINT=/dev/null: a pip
+# configuration that caps torch (some CI images cap it at the releases they carry) does not apply
+# to this venv.
+#
+#   bash ci/torch-next.sh                    # venv in ~/.cache/dsv4-attn/torch-next-venv (reused when present)
+#   TORCH_NEXT_VENV=/tmp/t bash ci/torch-next.sh tests/test_api.py   # other tests than the subset
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${TORCH_NEXT_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/dsv4-attn/torch-next-venv}
+[[ -x $venv/bin/python ]] || python3 -m venv "$venv"
+py=$venv/bin/python
+if ! "$py" -c "import sys, torch; sys.exit(not torch.__version__.startswith('2.15.'))" 2>/dev/null; then
+  PIP_CONSTRAINT=/dev/null "$py" -m pip install -q "torch==2.15.*"
+fi
+PIP_CONSTRAINT=/dev/null "$py" -m pip install -q -e ".[test]"
+"$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# The subset: every test of the public API, the reference, the index builders and the Triton kernels
+# under the interpreter (what touches torch and Triton the most); the engine shims, the bench, the CLI,
+# the offline compiles and the docs checks run once, in the main run.
+subset=(tests/test_api.py tests/test_reference.py tests/test_indices.py tests/test_rows.py tests/test_batch.py
+        tests/test_triton_kernels.py tests/test_v41.py tests/test_layout.py tests/test_kv_records.py
+        tests/test_merge.py tests/test_golden.py tests/test_compile_probe.py)
+if [[ $# -gt 0 ]]; then subset=("$@"); fi
+exec "$py" -m pytest -q "${subset[@]}"
