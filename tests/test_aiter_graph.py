@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.gpu,
 # (MODEL1 records repacked, sink in the kernel) and sparse_mla_fwd (in place, sink in kernel)
 PATHS = [("0.1.20", {"path": "mla_decode_fwd"}, "fp8_ds_mla", 64, FP8),
          ("0.1.20", {"path": "mla_decode_fwd", "persistent_max_batch": 0}, "fp8_ds_mla", 16, EXACT),
-         ("0.1.20", {"path": "mla_decode_fwd_v4_nm"}, "fp8_ds_mla", 64, FP8),
+         ("0.1.20", {"path": "mla_decode_fwd_v4_nm", "fp8_compute": True}, "fp8_ds_mla", 64, FP8),  # a8w8: opt-in
          ("sparse", {"path": "sparse_mla_fwd"}, "fp8_ds_mla", 64, EXACT)]
 SHORT = (3, 90, 140, 260, 130, 5)
 LONG = (5000, 7000, 3100, 8000, 6000, 4500)
