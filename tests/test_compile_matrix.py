@@ -3,7 +3,7 @@ compiled offline in a child process (this process runs Triton's interpreter), an
 a Gluon / Triton API that one supported Triton lacks (kernels/compat.py resolves the renamed ones).
 
 ci/compile-matrix.sh compiles every kernel x target under the lowest and highest supported Triton
-(3.6 and 3.9); this test covers the installed one in the main test run (Triton 3.9 with the test
+(3.6 and 3.9); this test covers the installed one in the main test run (Triton 3.8 with the test
 extra), where main's Hopper kernel (``gl.thread_barrier``, 3.6 only) failed.
 """
 
