@@ -14,7 +14,7 @@ import pytest
 
 import dsv4_attn as dsv4
 from dsv4_attn import api
-from dsv4_attn.common import backend as bm
+from dsv4_attn.common import registry as bm
 from dsv4_attn.common.layout import KVFormat
 from dsv4_attn.common.platform import Platform
 from dsv4_attn.common.spec import LayerKind, ModelSpec
