@@ -22,10 +22,14 @@ KINDS = (LayerKind.SWA, LayerKind.C4A)
 SEQ_LENS = [300, 41, 170, 96]
 
 
+def _step(gen, device="cpu"):
+    return make_step(gen, [1] * len(SEQ_LENS), SEQ_LENS, kinds=KINDS, topk=32, max_model_len=1024, swa_bs=32,
+                     block_size=64, device=device)
+
+
 @pytest.fixture
 def case(gen):
-    return make_step(gen, [1] * len(SEQ_LENS), SEQ_LENS, kinds=KINDS, topk=32, max_model_len=1024, swa_bs=32,
-                     block_size=64)
+    return _step(gen)
 
 
 def _run(case, requests, batch_invariant):
@@ -49,6 +53,12 @@ def test_a_tokens_bytes_do_not_depend_on_its_batch(case):
         assert torch.equal(_run(case, [r], True)[0], full[r]), f"request {r} alone"
     mixed = _run(case, [2, 0], True)
     assert torch.equal(mixed[0], full[2]) and torch.equal(mixed[1], full[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernels)")
+def test_a_tokens_bytes_do_not_depend_on_its_batch_on_the_gpu(gen):
+    test_a_tokens_bytes_do_not_depend_on_its_batch(_step(gen, "cuda"))
 
 
 def test_without_the_mode_the_split_decision_changes_bytes_and_the_mode_costs_no_accuracy(case):
