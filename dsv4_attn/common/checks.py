@@ -233,20 +233,32 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
+def _spans(named: list[tuple[str, torch.Tensor | None]]) -> list[tuple[str, torch.device, int, int]]:
+    """(name, device, first byte, last byte) of each tensor given (None skipped)."""
+    return [(name, t.device, *_byte_span(t)) for name, t in named if t is not None]
+
+
+def _plan_spans(plan: StepPlan) -> list[tuple[str, torch.device, int, int]]:
+    """The byte spans of the plan's index tensors: once per plan, since every layer of the step
+    checks its ``out`` against the same buffers."""
+    named: list[tuple[str, torch.Tensor | None]] = [
+        ("plan.positions", plan.positions), ("plan.token_to_req", plan.token_to_req),
+        ("plan.token_valid", plan.token_valid), ("plan.swa_rows", plan.swa_rows), ("plan.swa_lens", plan.swa_lens)]
+    for ratio, (rows, lens) in plan.comp_rows.items():
+        named += [(f"plan.comp_rows[{ratio}]", rows), (f"plan.comp_rows[{ratio}] lens", lens)]
+    return _spans(named)
+
+
 def _check_out_alone(out: torch.Tensor, plan: StepPlan, layer: LayerInputs) -> None:
     """``out`` shares no byte with an input, a cache or the plan's buffers: the kernels write
     ``out`` while they read those (a cache would be overwritten, q read after being written)."""
-    readers: list[tuple[str, torch.Tensor | None]] = [
-        ("q", layer.q), ("swa_cache", layer.swa_cache), ("comp_cache", layer.comp_cache), ("topk", layer.topk),
-        ("sink", layer.sink), ("plan.positions", plan.positions), ("plan.token_to_req", plan.token_to_req),
-        ("plan.token_valid", plan.token_valid), ("plan.swa_rows", plan.swa_rows), ("plan.swa_lens", plan.swa_lens)]
-    for ratio, (rows, lens) in plan.comp_rows.items():
-        readers += [(f"plan.comp_rows[{ratio}]", rows), (f"plan.comp_rows[{ratio}] lens", lens)]
+    readers = _spans([("q", layer.q), ("swa_cache", layer.swa_cache), ("comp_cache", layer.comp_cache),
+                      ("topk", layer.topk), ("sink", layer.sink)])
+    readers += plan.cached("out_check_spans", lambda: _plan_spans(plan))
     lo, hi = _byte_span(out)
-    for name, t in readers:
-        if t is None or t.device != out.device:
+    for name, device, t_lo, t_hi in readers:
+        if device != out.device:
             continue
-        t_lo, t_hi = _byte_span(t)
         if lo < t_hi and t_lo < hi:
             raise ValueError(f"out: got a tensor overlapping {name} (bytes {lo:#x}..{hi:#x} and {t_lo:#x}..{t_hi:#x}); "
                              f"allowed: memory of its own (the kernels read {name} while writing out)")
