@@ -103,6 +103,28 @@ def test_out_overlapping_an_input_is_refused_before_any_write(gen, backend, alia
     assert torch.equal(q, before[0]) and torch.equal(swa, before[1])
 
 
+def test_out_overlapping_a_plan_buffer_is_refused_at_every_layer(gen):
+    """out viewing the plan's SWA rows: refused after a good layer call of the same step and again
+    at the next call (the plan's buffer spans are computed once per plan), the rows untouched."""
+    case = make_step(gen, [1, 1], [40, 90], kinds=C4A_ONLY, topk=16, max_model_len=1024)
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")
+    plan = mla.plan(case.batch)
+
+    def layer(out):
+        mla.forward(plan, LayerKind.C4A, case.q, case.caches["swa"], case.caches[LayerKind.C4A],
+                    topk=case.topk[LayerKind.C4A], sink=case.sink, out=out)
+
+    layer(torch.full_like(case.q, float("nan")))
+    storage = plan.swa_rows.untyped_storage()
+    assert storage.nbytes() >= case.q.numel() * 2  # the plan buffer holds a whole output
+    aliased = torch.empty(0, dtype=torch.bfloat16).set_(storage, 0, tuple(case.q.shape))
+    rows = plan.swa_rows.clone()
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^out: got a tensor overlapping plan\.swa_rows .*memory of its own"):
+            layer(aliased)
+    assert torch.equal(plan.swa_rows, rows)
+
+
 # ---- cause 5: Layer records -------------------------------------------------------------------
 def test_layer_records_are_checked_and_named_kinds_accepted():
     spec = ModelSpec(4, layers=[Layer(0, "c4a", 0)])  # a kind's name, as LayerKind.parse takes it
