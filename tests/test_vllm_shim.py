@@ -64,8 +64,8 @@ def clean_state(monkeypatch):
     machine has none: vLLM sees an 'unspecified' platform, which the plugin refuses)."""
     for name in (shim.ENV_ENABLE, "DSV4_ATTN_BACKEND"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(shim, "vllm_platform", lambda: "cuda")
-    monkeypatch.setattr(shim, "_planners", {})
+    monkeypatch.setattr(shim.gates, "vllm_platform", lambda: "cuda")
+    monkeypatch.setattr(shim.sizing, "_planners", {})
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +232,7 @@ def test_mismatched_vllm_version_is_refused(monkeypatch):
 
 
 def test_other_platform_is_refused_when_enabled(monkeypatch):
-    monkeypatch.setattr(shim, "vllm_platform", lambda: "cpu")
+    monkeypatch.setattr(shim.gates, "vllm_platform", lambda: "cpu")
     shim.register()
     monkeypatch.setenv(shim.ENV_ENABLE, "1")
     with pytest.raises(RuntimeError, match="got vLLM platform 'cpu'; allowed: cuda or rocm"):
@@ -653,6 +653,27 @@ def test_heads_and_backend_choice(built_stack, model_dir, monkeypatch):
     layer = build_layer(vllm_stack.vllm_config(model_dir, speculative=False), index=2)
     assert {layer.dsv4_planner.slots[0].backend_for(k, p) for k in ("swa", "c4a", "c128a")
             for p in ("decode", "prefill")} == {"torch"}
+
+
+@pytest.mark.parametrize("max_seqs, k, expected", [
+    (4, 2, 4 * 3),  # 4 requests x 3 tokens, below the 256-token budget
+    (100, 3, vllm_stack.MAX_TOKENS),  # 400 decode tokens do not fit one step: the budget bounds them
+])
+def test_decode_scratch_is_sized_for_decode_launches(built_stack, model_dir, monkeypatch, max_seqs, k, expected):
+    """The decode backends' scratch (aiter's) is reserved at engine start for the most decode
+    tokens one launch holds -- --max-num-seqs x (1 + speculative tokens), within the step's token
+    budget -- not for --max-num-batched-tokens (prefill tokens are another phase's launch; at long
+    context that budget made ~4 GiB of AITER scratch)."""
+    from dsv4_attn.api import SparseMLA
+
+    config = vllm_stack.vllm_config(model_dir, max_seqs=max_seqs, num_spec_tokens=k)
+    seen = []
+    monkeypatch.setattr(SparseMLA, "reserve", lambda self, plan, decode_tokens=None: seen.append(decode_tokens))
+    layer = build_layer(config, index=2)
+    vllm_stack.resolve_block_size(config)
+    layer.dsv4_planner.reserve(torch.device("cpu"))
+    assert config.scheduler_config.max_num_batched_tokens == vllm_stack.MAX_TOKENS
+    assert seen and set(seen) == {expected}
 
 
 def test_rocm_hook_on_a_stand_in_module():

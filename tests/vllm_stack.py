@@ -183,7 +183,7 @@ def as_sm90_cpu(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(cache_utils.CombineTopkSwaIndicesKernel, "NUM_WORKERS", 4)
     mp.setattr(v41_cache_utils, "_GATHER_MIN_WORKERS", 4)
     mp.setattr(v41_cache_utils, "_COMBINE_TOPK_SWA_NUM_WORKERS", 4)
-    mp.setattr(shim, "vllm_platform", lambda: "cuda")
+    mp.setattr(shim.gates, "vllm_platform", lambda: "cuda")
     # A CPU build of torch (what CI installs) raises where vLLM, built against a CUDA torch, expects
     # no-ops on a machine without a GPU: its V4 layers create CUDA events for their auxiliary
     # streams (never used here), its workspace manager empties the accelerator's cache as it grows.

@@ -8,7 +8,7 @@ Runs on a CPU in the vLLM test venv that ``bash ci/vllm-tests.sh`` builds:
 
 Every attention layer is built by vLLM's own ``__init__`` through the plugin, vLLM groups their
 KV caches (``get_global_kv_cache_groups``, as its engine core does), and the shim's profiling
-reservation runs on the meta device: the sizes of every buffer, no memory. The hidden size and
+reservation runs on the CPU (the meta device is not a plan device): every buffer, measured. The hidden size and
 q-LoRA rank are reduced (they enter no KV-cache spec and no plan buffer); the layer pattern is
 transformers' ``DeepseekV4Config`` default (two C128A layers, then C4A / C128A alternating).
 """
@@ -72,7 +72,7 @@ def reserved(shape: dict, max_tokens: int, max_model_len: int) -> tuple[int, lis
         resolve_kv_cache_layout(vllm_config, [layouts], list(specs.values()))  # the engine core does this first
         planner = layers[0].dsv4_planner
         assert all(layer.dsv4_planner is planner for layer in layers + [mtp])
-        planner.reserve(torch.device("meta"))
+        planner.reserve(torch.device("cpu"))
         groups = planner.predict([layer for layer in layers])
         return planner.reserved_bytes, groups, len(get_global_kv_cache_groups(vllm_config, [specs]))
 
