@@ -50,18 +50,19 @@ class Phase(str, enum.Enum):
 class PlanBuffers:
     """Index buffers for up to ``max_tokens`` tokens (allocated once per SparseMLA).
 
-    The rows of an "all" kind of ratio r (``max_tokens x spec.all_width(r)`` int32; C128A at 1M
-    context and 8k tokens: 256 MiB) are allocated by the first plan whose batch has a ratio-r
-    block table, so plans for window-only KV-cache groups never pay for them. Do that first plan
-    before a CUDA-graph capture.
+    The rows are allocated by the first plan that builds them: the SWA rows (``max_tokens x W``
+    int32, 512 B per token) by the first StepBatch plan, so a SparseMLA planning only StepRows
+    (whose rows are the engine's, viewed) never pays for them; the rows of an "all" kind of
+    ratio r (``max_tokens x spec.all_width(r)`` int32; C128A at 1M context and 8k tokens:
+    256 MiB) by the first plan whose batch has a ratio-r block table, so plans for window-only
+    KV-cache groups never pay for them. Do that first plan before a CUDA-graph capture.
     """
 
     spec: ModelSpec
     positions: torch.Tensor  # int64 [max_tokens]
     token_to_req: torch.Tensor  # int32 [max_tokens]
     token_valid: torch.Tensor  # bool [max_tokens]
-    swa_rows: torch.Tensor  # int32 [max_tokens, W]
-    swa_lens: torch.Tensor  # int32 [max_tokens]
+    window: IndexPair | None = None  # SWA rows int32 [max_tokens, W], lens int32 [max_tokens] (window_rows())
     all_rows: dict[int, IndexPair] = field(default_factory=dict)  # ratio -> int32 [max_tokens, width], [max_tokens]
 
     @classmethod
@@ -71,9 +72,15 @@ class PlanBuffers:
             positions=torch.zeros(max_tokens, dtype=torch.int64, device=device),
             token_to_req=torch.zeros(max_tokens, dtype=torch.int32, device=device),
             token_valid=torch.zeros(max_tokens, dtype=torch.bool, device=device),
-            swa_rows=torch.full((max_tokens, spec.window), -1, dtype=torch.int32, device=device),
-            swa_lens=torch.zeros(max_tokens, dtype=torch.int32, device=device),
         )
+
+    def window_rows(self) -> IndexPair:
+        """The SWA row buffers (a StepBatch plan's), allocated on first use."""
+        if self.window is None:
+            dev = self.positions.device
+            self.window = (torch.full((self.max_tokens, self.spec.window), -1, dtype=torch.int32, device=dev),
+                           torch.zeros(self.max_tokens, dtype=torch.int32, device=dev))
+        return self.window
 
     @property
     def max_tokens(self) -> int:
@@ -121,8 +128,9 @@ class TorchFrontEnd:
         for buf, fact in zip((buffers.positions, buffers.token_to_req, buffers.token_valid), batch.token_facts()):
             buf[:T].copy_(fact)
         tokens = Tokens(buffers.positions[:T], buffers.token_to_req[:T], buffers.token_valid[:T])
+        swa_rows, swa_lens = buffers.window_rows()
         swa_rows_for(tokens, batch.swa_block_table, batch.swa_block_size, buffers.spec.window,
-                     out=(buffers.swa_rows[:T], buffers.swa_lens[:T]),
+                     out=(swa_rows[:T], swa_lens[:T]),
                      starts=batch.window_starts(tokens.token_to_req))
         for kind in buffers.all_kinds(batch):
             rows, lens = buffers.rows_of(kind)
@@ -247,7 +255,7 @@ def build_plan(spec: ModelSpec, batch: StepBatch | StepRows, buffers: PlanBuffer
         comp = {r: (e.rows[:T], e.lens[:T]) for r, e in batch.comp.items() if isinstance(e, GlobalRows)}
     else:
         front_end.step_rows(batch, buffers, T)
-        swa_rows, swa_lens = buffers.swa_rows, buffers.swa_lens
+        swa_rows, swa_lens = buffers.window_rows()
         for kind in buffers.all_kinds(batch):
             rows, lens = buffers.rows_of(kind)
             comp[kind.ratio] = (rows[:T], lens[:T])

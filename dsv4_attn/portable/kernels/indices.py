@@ -196,7 +196,7 @@ class TritonFrontEnd:
         rows, lens = buffers.rows_of(fused) if fused else (None, None)
         build_step_rows(batch.query_start_loc, batch.seq_lens, num_tokens, batch.swa_block_table,
                         batch.swa_block_size, buffers.spec.window, buffers.positions, buffers.token_to_req,
-                        buffers.token_valid, buffers.swa_rows, buffers.swa_lens,
+                        buffers.token_valid, *buffers.window_rows(),
                         batch.comp_block_tables[fused.ratio] if fused else None,
                         batch.comp_block_size(fused) if fused else 1, rows, lens,
                         fused.ratio if fused else 1, batch.swa_start)
