@@ -9,21 +9,35 @@ decode backends' scratch (``SparseMLA.reserve``), so nothing is allocated after 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ...api import SparseMLA
 from ...common.batch import StepBatch
-from ...common.spec import LayerKind
+from ...common.spec import LayerKind, ModelSpec
 from ..base import StepPlannerBase
 from .gates import logger
 from .metadata import PlanGroup
 
 
 class PlanReservation:
-    """The reservation half of :class:`.planner.StepPlanner` (its state: ``layers``, ``slots``,
-    ``draft_slot``, ``predict``, ``reserved_bytes``, ``_row_owner``)."""
+    """The reservation half of :class:`.planner.StepPlanner`, over the planner's state below."""
+
+    spec: ModelSpec
+    max_tokens: int
+    decode_tokens: int  # the most decode tokens of one launch (the decode backends' scratch)
+    block_size: Callable[[], int]
+    predict: Callable[[list], list[PlanGroup]] | None
+    layers: list
+    slots: list[SparseMLA]
+    draft_slot: SparseMLA | None
+    reserved_bytes: int | None
+    _row_owner: dict[int, int]
+
+    def _new_slot(self) -> SparseMLA:
+        raise NotImplementedError  # StepPlanner's
 
     def reserve(self, device: torch.device) -> None:
         """Profiling / dummy run: allocate on ``device`` every plan buffer later steps will use,

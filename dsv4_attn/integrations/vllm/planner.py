@@ -57,7 +57,7 @@ class StepPlanner(PlanReservation, StepPlannerBase):
                  fmt: KVFormat = KVFormat.MODEL1_FP8, predict: Callable[[list], list[PlanGroup]] | None = None,
                  *, block_size: Callable[[], int], decode_tokens: int | None = None) -> None:
         self.spec, self.max_tokens, self.max_reqs = spec, max_tokens, max_reqs
-        self.decode_tokens = decode_tokens or max_tokens  # the most decode tokens one launch holds
+        self.decode_tokens = decode_tokens or max_tokens
         self.swa_dialect, self.block_size, self.fmt = swa_dialect, block_size, fmt
         self.predict = predict
         super().__init__()
