@@ -16,6 +16,7 @@ random inputs here.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -388,10 +389,25 @@ def run_all(stack, layers, step, num_tokens=None) -> list[tuple[torch.Tensor, to
             ours = torch.full((T, layer.padded_heads, 512), float("nan"), dtype=torch.bfloat16)
             theirs = ours.clone()
             layer.forward_mqa(q, None, step.positions[:T], ours)
-            stack.vllm_cls.forward_mqa(layer, q, None, step.positions[:T], theirs)
+            with vllms_own_metadata(step):
+                stack.vllm_cls.forward_mqa(layer, q, None, step.positions[:T], theirs)
             assert not ours.isnan().any(), "the shim left output elements unwritten"
             results.append((ours, theirs))
     return results
+
+
+@contextlib.contextmanager
+def vllms_own_metadata(step):
+    """The forward's metadata as vLLM's own builders make it (with vLLM's C128A rows, which the
+    plugin's builders leave out) while vLLM's own path runs."""
+    from vllm.forward_context import get_forward_context
+
+    forward = get_forward_context()
+    forward.attn_metadata = step.reference_metadata or step.attn_metadata
+    try:
+        yield
+    finally:
+        forward.attn_metadata = step.attn_metadata
 
 
 def run_both(stack, layer, step, num_tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -471,7 +487,7 @@ def test_no_plan_outlives_its_forward(stack):
     captures, then frees them (v1/worker/gpu/cudagraph_utils.py): once a forward is over, the
     planner keeps none of its metadata -- views of those builders' buffers -- alive."""
     step = stack.step([1, 5], [70, 300])
-    layer = stack.layers[2]  # C128A: its metadata views vLLM's C128A builder buffers
+    layer = stack.layers[2]  # C128A: its metadata views its builder's buffers
     metadata = weakref.ref(step.attn_metadata[layer.prefix])
     swa_table = weakref.ref(step.block_tables[stack.group_of[layer.swa_cache_layer.prefix]])  # the plan's batch
     built = layer.dsv4_planner.plans_built
@@ -480,6 +496,28 @@ def test_no_plan_outlives_its_forward(stack):
     del step
     gc.collect()
     assert metadata() is None and swa_table() is None
+
+
+def test_vllms_own_c128a_rows_are_not_allocated(stack):
+    """vLLM's DeepSeek-V4 builder keeps two C128A row buffers for its own FlashMLA calls
+    (``max_num_batched_tokens x round_up(cdiv(max_model_len, 128), 128)`` int32 each: 2 x 256 MiB
+    at vLLM's defaults and 1M context) and fills them every step; the plugin never reads them, so
+    a C128A layer's builder has neither the buffers nor the fields, and keeps every other
+    attribute of vLLM's builder."""
+    layer = stack.layers[2]
+    assert layer.dsv4_kind.name == "C128A"
+    ours = [g.get_metadata_builder(0) for groups in stack.target_groups for g in groups
+            if layer.prefix in g.layer_names]
+    assert len(ours) == 1
+    builder = ours[0]
+    vllms = stack.vllm_cls.backend_cls.get_builder_cls()(builder.kv_cache_spec, builder.layer_names, stack.config,
+                                                         builder.device)
+    rows = {"c128a_global_decode_buffer", "c128a_decode_lens_buffer", "c128a_prefill_buffer"}
+    assert rows <= set(vars(vllms)) and not rows & set(vars(builder))
+    assert set(vars(vllms)) - rows <= set(vars(builder))
+    assert isinstance(builder, type(vllms))
+    metadata = stack.step([1, 5], [70, 300]).attn_metadata[layer.prefix]
+    assert metadata.c128a_global_decode_topk_indices is None and metadata.c128a_prefill_topk_indices is None
 
 
 # ---- profiling: every plan buffer inside vLLM's budget -----------------------------------------

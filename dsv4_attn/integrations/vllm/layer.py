@@ -13,6 +13,7 @@ import torch
 from ...common.layout import KVFormat
 from ...common.spec import MAX_HEADS, LayerKind
 from ..base import refuse
+from .memory import without_c128a_rows
 from .sizing import planner_for, unsupported_reasons
 
 
@@ -69,6 +70,12 @@ class DSv4AttnLayerMixin:
     def dsv4_comp_cache(self) -> torch.Tensor:
         """The compressed cache this layer reads (bound after __init__)."""
         return self.kv_cache
+
+    def get_attn_backend(self) -> type:
+        """vLLM's backend class, whose builder leaves vLLM's own C128A rows out for a C128A layer
+        (:func:`.memory.without_c128a_rows`: 2 x 256 MiB at 1M context, never read here)."""
+        backend = super().get_attn_backend()
+        return without_c128a_rows(backend) if self.compress_ratio == LayerKind.C128A.ratio else backend
 
     def forward_mqa(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
                     output: torch.Tensor) -> None:

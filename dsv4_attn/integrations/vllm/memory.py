@@ -5,10 +5,20 @@ vLLM sizes the KV cache from what its profiling run leaves free (``v1/worker/gpu
 every plan buffer later steps use -- every slot vLLM's KV-cache grouping predicts, the C128A
 rows where a plan has C128A layers (one row set per ratio-128 table), the draft slot -- and the
 decode backends' scratch (``SparseMLA.reserve``), so nothing is allocated after the profile.
+
+And what vLLM would allocate for its own kernels but the plugin never reads is not allocated:
+vLLM's DeepSeek-V4 compressed-cache metadata builder (``models/deepseek_v4/sparse_mla.py``
+``DeepseekV4SparseMLAMetadataBuilder.__init__``) keeps two C128A row buffers for its FlashMLA
+calls, decode global slots and prefill local indices, each ``max_num_batched_tokens x
+round_up(cdiv(max_model_len, 128), 128)`` int32 (2 x 256 MiB at vLLM's defaults and 1M context;
+its ROCm subclass, ``amd/rocm.py``, a third of the same size for ragged indices), and fills them
+at every step (``_build_c128a_metadata``). The plugin builds its own rows (:mod:`.planner`), so
+our C128A layers report a builder without them (:func:`without_c128a_rows`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -85,6 +95,58 @@ class PlanReservation:
         if self.reserved_bytes is not None:
             logger.warning("dsv4_attn: allocating %s after vLLM's memory profile: it is outside vLLM's KV-cache "
                            "budget (the KV-cache groups differ from the prediction at profiling)", what)
+
+
+def without_c128a_rows(backend: type) -> type:
+    """``backend`` (vLLM's DeepSeek-V4 compressed-cache backend class of a C128A layer) with a
+    metadata builder that neither allocates nor builds vLLM's C128A rows: the metadata's
+    ``c128a_*`` fields stay None (only vLLM's own attention kernels read them). Everything else
+    of the builder -- block table, slot mapping, compressed slot mapping, request map -- is
+    vLLM's. One class per ``backend`` (vLLM groups layers by the backend's class name)."""
+    builder = _builder_without_c128a_rows(backend.get_builder_cls())
+    return _backend_with_builder(backend, builder)
+
+
+@functools.cache
+def _backend_with_builder(backend: type, builder: type) -> type:
+    return type(backend.__name__, (backend,), {
+        "__module__": __name__, "get_builder_cls": staticmethod(lambda: builder),
+        "__doc__": f"{backend.__name__} whose builder leaves vLLM's C128A rows out (dsv4_attn reads its own)."})
+
+
+@functools.cache
+def _builder_without_c128a_rows(builder: type) -> type:
+    """``builder`` with :class:`_NoC128ARows` after it in the MRO, so that its own ``__init__``
+    (ROCm's allocates ragged C128A indices ``max_tokens x c128a_max_compressed``: 0 here) runs
+    on top of the one without the rows."""
+    return type(builder.__name__, (builder, _no_c128a_rows_base()), {"__module__": __name__,
+                                                                      "vllm_builder": builder})
+
+
+@functools.cache
+def _no_c128a_rows_base() -> type:
+    from vllm.models.deepseek_v4.sparse_mla import DeepseekV4SparseMLAMetadataBuilder
+    from vllm.v1.attention.backend import AttentionMetadataBuilder
+
+    class _NoC128ARows(DeepseekV4SparseMLAMetadataBuilder):
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+            # vLLM 0.33's DeepseekV4SparseMLAMetadataBuilder.__init__ without its C128A row buffers
+            # (test_vllm_shim checks that every other attribute is there).
+            AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
+            self.model_config = vllm_config.model_config
+            self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+            self.topk_tokens = self.model_config.hf_config.index_topk
+            max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+            self.req_id_per_token_buffer = torch.empty((max_tokens,), dtype=torch.int32, device=device)
+            self.compress_ratio = int(kv_cache_spec.tokens_per_state)
+            if self.compress_ratio > 1:
+                self.compressed_slot_mapping_buffer = torch.empty(max_tokens, dtype=torch.int64, device=device)
+            self.c128a_max_compressed = 0
+
+        def _build_c128a_metadata(self, cm, req_id_per_token) -> dict:
+            return {}
+
+    return _NoC128ARows
 
 
 def _buffer_bytes(*mlas: SparseMLA | None, all_rows_only: bool = False) -> int:
