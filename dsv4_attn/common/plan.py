@@ -36,7 +36,7 @@ import torch
 from .batch import StepBatch
 from .indices import IndexPair, Tokens, bounded_rows, check_local_topk, comp_rows_for, swa_rows_for
 from .rows import GlobalRows, StepRows
-from .spec import LayerKind, ModelSpec
+from .spec import ALL_WIDTH_MULTIPLE, LayerKind, ModelSpec
 
 
 class Phase(str, enum.Enum):
@@ -90,14 +90,36 @@ class PlanBuffers:
         """The model's "all" kinds whose block table the batch carries (their rows are built)."""
         return [k for k in self.spec.kinds if k.attends_all and k.ratio in batch.comp_block_tables]
 
-    def rows_of(self, kind: LayerKind) -> IndexPair:
-        """The row buffers of an "all" kind, allocated on first use."""
+    def rows_of(self, kind: LayerKind, batch: StepBatch) -> IndexPair:
+        """The row buffers of an "all" kind (allocated on first use, at the model's width), their
+        columns cut to what ``batch`` needs (:func:`active_width`)."""
         if kind.ratio not in self.all_rows:
             dev = self.positions.device
             self.all_rows[kind.ratio] = (
                 torch.full((self.max_tokens, self.spec.all_width(kind.ratio)), -1, dtype=torch.int32, device=dev),
                 torch.zeros(self.max_tokens, dtype=torch.int32, device=dev))
-        return self.all_rows[kind.ratio]
+        rows, lens = self.all_rows[kind.ratio]
+        return rows[:, : active_width(self.spec, batch, kind)], lens
+
+
+def active_width(spec: ModelSpec, batch: StepBatch, kind: LayerKind) -> int:
+    """Columns of an "all" kind's rows for ``batch``: the model's width, or with the batch's
+    ``max_seq_len`` the next power of two >= its entries (at least ALL_WIDTH_MULTIPLE), as vLLM
+    sizes its own C128A rows (models/deepseek_v4/sparse_mla.py ``_build_c128a_metadata``). Inside
+    a CUDA-graph capture always the model's width: the kernels captured with it are replayed for
+    every later step, whatever its lengths (a few widths overall: one compile of the row kernel
+    each)."""
+    full = spec.all_width(kind.ratio)
+    bound = batch.max_seq_len
+    if bound is None or _capturing(batch.device):
+        return full
+    entries = max(bound // kind.ratio, 1)
+    return min(max(1 << (entries - 1).bit_length(), ALL_WIDTH_MULTIPLE), full)
+
+
+def _capturing(device: torch.device) -> bool:
+    """A CUDA / HIP graph capture is in progress on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class FrontEnd(Protocol):
@@ -133,9 +155,9 @@ class TorchFrontEnd:
                      out=(swa_rows[:T], swa_lens[:T]),
                      starts=batch.window_starts(tokens.token_to_req))
         for kind in buffers.all_kinds(batch):
-            rows, lens = buffers.rows_of(kind)
-            comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
-                          buffers.spec.all_width(kind.ratio), out=(rows[:T], lens[:T]))
+            rows, lens = buffers.rows_of(kind, batch)
+            comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind), rows.shape[1],
+                          out=(rows[:T], lens[:T]))
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
                   local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:
@@ -257,7 +279,7 @@ def build_plan(spec: ModelSpec, batch: StepBatch | StepRows, buffers: PlanBuffer
         front_end.step_rows(batch, buffers, T)
         swa_rows, swa_lens = buffers.window_rows()
         for kind in buffers.all_kinds(batch):
-            rows, lens = buffers.rows_of(kind)
+            rows, lens = buffers.rows_of(kind, batch)
             comp[kind.ratio] = (rows[:T], lens[:T])
     return StepPlan(spec, batch, owner, generation, 0, T, batch.num_decode_tokens, buffers.positions[:T],
                     buffers.token_to_req[:T], buffers.token_valid[:T], swa_rows[:T], swa_lens[:T], comp, front_end,

@@ -20,6 +20,8 @@ block_size                     ``DeepseekV4FlashMLAMetadata.block_size`` (in UNC
                                SM90, 128 on SM100
 swa_start                      ``DeepseekSparseSWAMetadata.replay_start`` (V4.1 SWA bounded
                                replay; None otherwise)
+max_seq_len                    ``DeepseekV4FlashMLAMetadata.max_seq_len`` (a host bound of the
+                               lengths: the C128A rows' width; None in draft steps)
 num_tokens                     ``q.shape[0]`` (padded token count)
 topk (top-k layers)            the model's shared ``topk_indices_buffer`` [max_tokens, index_topk]
                                of LOCAL compressed positions, last written by the layer's indexer
@@ -41,11 +43,16 @@ from ...common.batch import StepBatch
 from ...common.spec import LayerKind, ModelSpec
 
 
-def step_batch(swa_md, comp_mds: dict, num_tokens: int, spec: ModelSpec, block_size: Callable[[], int]) -> StepBatch:
+def step_batch(swa_md, comp_mds: dict, num_tokens: int, spec: ModelSpec, block_size: Callable[[], int],
+               bound_width: bool = True) -> StepBatch:
     """vLLM's DeepseekSparseSWAMetadata and the step's DeepseekV4FlashMLAMetadata per ratio
     -> StepBatch (device tensors and host ints vLLM already holds: no sync). vLLM's SWA
     builder hands V4.1 steps a ``replay_start`` (zeros when nothing replays). ``block_size()``:
-    the engine's compressed-cache block size, for a plan of window-only layers."""
+    the engine's compressed-cache block size, for a plan of window-only layers.
+    ``bound_width``: hand over the compressed metadata's ``max_seq_len`` (the longest request,
+    an upper bound vLLM also sizes its own C128A rows by; ``max_model_len`` when vLLM captures a
+    CUDA graph) so the C128A rows are as wide as the step needs (StepBatch.max_seq_len)."""
+    bounds = [getattr(md, "max_seq_len", None) for md in comp_mds.values()]
     block_sizes = {md.block_size for md in comp_mds.values()}
     if len(block_sizes) > 1:
         raise ValueError(f"attn_metadata: got compressed-cache block sizes {sorted(block_sizes)}; allowed: one "
@@ -61,6 +68,7 @@ def step_batch(swa_md, comp_mds: dict, num_tokens: int, spec: ModelSpec, block_s
         max_model_len=spec.max_model_len,
         num_tokens=num_tokens,
         swa_start=getattr(swa_md, "replay_start", None),  # V4.1 SWA bounded replay
+        max_seq_len=max(bounds) if bound_width and bounds and None not in bounds else None,
     )
 
 

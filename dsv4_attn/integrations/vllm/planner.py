@@ -143,7 +143,10 @@ class StepPlanner(PlanReservation, StepPlannerBase):
         if self.draft_slot is None:
             self._warn_unreserved("the draft (MTP) layers' slot")
             self.draft_slot = self._new_slot()
-        return self._plan(self.draft_slot, self.step_batch(swa_md, comp, num_tokens))
+        # The model's C128A width: vLLM updates the draft metadata in place between draft steps
+        # (its lengths grow; its max_seq_len does not).
+        return self._plan(self.draft_slot, step_batch(swa_md, comp, num_tokens, self.spec, self.block_size,
+                                                      bound_width=False))
 
     def _slot(self, index: int, group: PlanGroup) -> SparseMLA:
         while len(self.slots) <= index:
