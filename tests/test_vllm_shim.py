@@ -482,6 +482,18 @@ def test_step_batch_maps_each_vllm_field(stack):
     assert layer.dsv4_planner.step_batch(swa_md, {}, step.num_tokens).comp_block_tables == {}
 
 
+def test_c128a_width_bound_is_vllms_max_seq_len(stack):
+    """A target plan's C128A rows are bounded by the step's longest request, vLLM's
+    ``max_seq_len`` (what vLLM sizes its own C128A launch by); a FULL-graph step's metadata
+    carries ``max_model_len`` (vLLM builds it so for capture): the model's width."""
+    layer = stack.layers[2]  # C128A
+    for step, bound in ((stack.step([1, 6], [70, 300]), 300),
+                        (stack.step([1, 1], [70, 300], pad_tokens=1, pad_reqs=1, full_graph=True),
+                         vllm_stack.MAX_MODEL_LEN)):
+        swa_md, c128 = step.attn_metadata[layer.swa_cache_layer.prefix], step.attn_metadata[layer.prefix]
+        assert layer.dsv4_planner.step_batch(swa_md, {128: c128}, step.num_tokens).max_seq_len == bound
+
+
 def test_no_plan_outlives_its_forward(stack):
     """vLLM's CUDA-graph memory profile builds a throwaway KV cache and metadata builders,
     captures, then frees them (v1/worker/gpu/cudagraph_utils.py): once a forward is over, the
