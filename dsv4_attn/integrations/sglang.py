@@ -46,13 +46,15 @@ import functools
 import logging
 import os
 import weakref
+from typing import Any
 
 import torch
 
 from .. import envs
 from ..api import SparseMLA
 from ..common.layout import KVFormat
-from ..common.rows import GlobalRows, StepRows
+from ..common.plan import StepPlan
+from ..common.rows import GlobalRows, StepRows, TopkTable
 from ..common.spec import MAX_HEADS, LayerKind, ModelSpec, model_layer_kinds
 from .base import EngineGate, StepPlannerBase, describe_backends, refuse
 
@@ -180,8 +182,9 @@ def _refuse_dsv4_backend(check) -> None:
             check()
         return original(runner)
 
-    create_dsv4_backend._dsv4_attn_check = check
-    ATTENTION_BACKENDS["dsv4"] = create_dsv4_backend
+    hooked: Any = create_dsv4_backend  # a function with our marker attribute
+    hooked._dsv4_attn_check = check
+    ATTENTION_BACKENDS["dsv4"] = hooked
 
 
 def _check_platform() -> None:
@@ -374,6 +377,7 @@ def step_token_bound(model_runner) -> int:
 def planner_for(model_runner) -> StepPlanner:
     spec = spec_for(model_runner)
     fmt = kv_format_of(model_runner.token_to_kv_pool)
+    assert fmt is not None  # unsupported_reasons refused the pools without a dsv4_attn format
     planner = StepPlanner(spec, fmt, step_token_bound(model_runner), torch.device(model_runner.device))
     planner.log()
     return planner
@@ -397,7 +401,7 @@ class StepPlanner(StepPlannerBase):
         self._allocate(device)
         self._last_layer: int | None = None
         self._planned: tuple = ()
-        self._plan = None
+        self._plan: StepPlan | None = None
 
     def _allocate(self, device: torch.device) -> None:
         """Allocate the plan buffers now (engine start, before SGLang sizes what memory is left)
@@ -412,7 +416,7 @@ class StepPlanner(StepPlannerBase):
         ``swa_replay_start``: -1 below the floor, ``swa_topk_lengths`` cut to match; newest slot
         first): those rows are what vLLM's ``replay_start`` becomes as ``StepBatch.swa_start``."""
         n = min(num_tokens, core.swa_page_indices.shape[0])
-        comp = {}
+        comp: dict[int, GlobalRows | TopkTable] = {}
         for ratio in core.present_ratios:
             rows = core.sparse_page_indices(ratio)
             if rows is not None:
@@ -422,6 +426,7 @@ class StepPlanner(StepPlannerBase):
 
     def plan(self, layer_id: int, rows: StepRows):
         tensors = [rows.swa_rows, rows.swa_lens, rows.positions] + [t for e in rows.comp.values()
+                                                                     if isinstance(e, GlobalRows)
                                                                      for t in (e.rows, e.lens)]
         same = (self._plan is not None and self._last_layer is not None and layer_id > self._last_layer
                 and self._plan.num_tokens == rows.num_tokens and len(tensors) == len(self._planned)

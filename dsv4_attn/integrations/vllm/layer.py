@@ -8,6 +8,8 @@ run at the end of ``__init__`` (:mod:`.sizing`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from ...common.layout import KVFormat
@@ -16,8 +18,12 @@ from ..base import refuse
 from .memory import without_c128a_rows
 from .sizing import planner_for, unsupported_reasons
 
+# The mixins go in front of vLLM's layer classes (not importable here): to the type checker their
+# base is any class, at run time object.
+_VllmLayer: Any = Any if TYPE_CHECKING else object
 
-class DSv4AttnLayerMixin:
+
+class DSv4AttnLayerMixin(_VllmLayer):
     """Put in front of a vLLM DeepSeek-V4 attention class: ``forward_mqa`` runs on dsv4_attn.
 
     vLLM's contract (``DeepseekV4Attention.forward_mqa``): ``q`` bf16 [T, H, 512], normed and

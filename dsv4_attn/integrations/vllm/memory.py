@@ -70,7 +70,7 @@ class PlanReservation:
         for index, (mla, group) in enumerate(zip(self.slots, groups)):
             owner = owners.setdefault(group.c128a_table, index) if group.has_c128a else index
             if owner != index:
-                rows = self.slots[owner]._buffers.all_rows[LayerKind.C128A.ratio]
+                rows = self.slots[owner]._ensure_buffers(device).all_rows[LayerKind.C128A.ratio]
                 mla._ensure_buffers(device).all_rows[LayerKind.C128A.ratio] = rows
                 self._row_owner[index] = owner
             self._allocate(mla, device, group.has_c128a)
@@ -97,7 +97,7 @@ class PlanReservation:
                            "budget (the KV-cache groups differ from the prediction at profiling)", what)
 
 
-def without_c128a_rows(backend: type) -> type:
+def without_c128a_rows(backend: Any) -> type:
     """``backend`` (vLLM's DeepSeek-V4 compressed-cache backend class of a C128A layer) with a
     metadata builder that neither allocates nor builds vLLM's C128A rows: the metadata's
     ``c128a_*`` fields stay None (only vLLM's own attention kernels read them). Everything else

@@ -53,6 +53,7 @@ def step_batch(swa_md, comp_mds: dict, num_tokens: int, spec: ModelSpec, block_s
     an upper bound vLLM also sizes its own C128A rows by; ``max_model_len`` when vLLM captures a
     CUDA graph) so the C128A rows are as wide as the step needs (StepBatch.max_seq_len)."""
     bounds = [getattr(md, "max_seq_len", None) for md in comp_mds.values()]
+    known = [int(b) for b in bounds if b is not None]
     block_sizes = {md.block_size for md in comp_mds.values()}
     if len(block_sizes) > 1:
         raise ValueError(f"attn_metadata: got compressed-cache block sizes {sorted(block_sizes)}; allowed: one "
@@ -68,7 +69,7 @@ def step_batch(swa_md, comp_mds: dict, num_tokens: int, spec: ModelSpec, block_s
         max_model_len=spec.max_model_len,
         num_tokens=num_tokens,
         swa_start=getattr(swa_md, "replay_start", None),  # V4.1 SWA bounded replay
-        max_seq_len=max(bounds) if bound_width and bounds and None not in bounds else None,
+        max_seq_len=max(known) if bound_width and known and len(known) == len(bounds) else None,
     )
 
 

@@ -205,8 +205,9 @@ def _wrap_selection(module, choose: Callable[[Any, Callable[[Any], type]], type]
     def _select_dsv4_attn_cls(vllm_config):
         return choose(vllm_config, select)
 
-    _select_dsv4_attn_cls._dsv4_attn_hook = True
-    module._select_dsv4_attn_cls = _select_dsv4_attn_cls
+    hooked: Any = _select_dsv4_attn_cls  # a function with our marker attribute
+    hooked._dsv4_attn_hook = True
+    module._select_dsv4_attn_cls = hooked
 
 
 def _patch_cuda_model(module) -> None:
@@ -232,8 +233,9 @@ def _patch_rocm_model(module) -> None:
         finally:
             module.DeepseekV4ROCMAiterMLAAttention = vllm_cls
 
-    __init__._dsv4_attn_hook = True
-    layer_cls.__init__ = __init__
+    hooked: Any = __init__  # a function with our marker attribute
+    hooked._dsv4_attn_hook = True
+    layer_cls.__init__ = hooked
 
 
 def _patch_v41_cuda_model(module) -> None:
@@ -268,7 +270,8 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds ``name`` with the other finders, and wraps its loader to patch after executing it."""
 
     def __init__(self, name: str, patch: Callable[[Any], None]) -> None:
-        self.name, self.patch, self.loader = name, patch, None
+        self.name, self.patch = name, patch
+        self.loader: Any = None  # the loader the other finders found, set by find_spec
 
     def find_spec(self, fullname, path, target=None):
         if fullname != self.name:
