@@ -56,7 +56,7 @@ from ..common.layout import KVFormat
 from ..common.plan import StepPlan
 from ..common.rows import GlobalRows, StepRows, TopkTable
 from ..common.spec import MAX_HEADS, LayerKind, ModelSpec, model_layer_kinds
-from .base import EngineGate, StepPlannerBase, describe_backends, refuse
+from .base import EngineGate, StepPlannerBase, describe_backends, reason, refuse
 
 BACKEND_NAME = "dsv4_attn"  # the --attention-backend name this plugin adds
 TESTED_SGLANG_VERSIONS = ("0.5.23",)  # SGLang internals the hooks touch move between releases
@@ -263,8 +263,8 @@ def unsupported_reasons(model_runner) -> list[str]:
                        "(pass SGLANG_DSV4_KV_LAYOUT=v4 or v41_new)")
     heads = kernel_heads(model_runner)
     if heads > MAX_HEADS:
-        reasons.append(f"--tp-size: got {heads} query heads per rank; allowed: <= {MAX_HEADS} (pass a larger "
-                       "--tp-size)")
+        reasons.append(reason("--tp-size", f"{heads} query heads per rank", f"<= {MAX_HEADS}",
+                              "pass a larger --tp-size"))
     algorithm = get_spec().speculative_algorithm
     if algorithm is not None and str(algorithm).upper() != "EAGLE":
         reasons.append(f"--speculative-algorithm: got {algorithm} (DSpark's non-causal draft windows are not modelled "

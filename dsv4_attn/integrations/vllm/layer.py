@@ -14,7 +14,7 @@ import torch
 
 from ...common.layout import KVFormat
 from ...common.spec import MAX_HEADS, LayerKind
-from ..base import refuse
+from ..base import reason, refuse
 from .memory import without_c128a_rows
 from .sizing import planner_for, unsupported_reasons
 
@@ -38,10 +38,8 @@ class DSv4AttnLayerMixin(_VllmLayer):
     @classmethod
     def get_padded_num_q_heads(cls, num_heads: int) -> int:
         if num_heads > MAX_HEADS:
-            raise ValueError(
-                f"num_attention_heads / tensor_parallel_size: got {num_heads} query heads per rank; allowed: "
-                f"<= {MAX_HEADS} with dsv4_attn (raise --tensor-parallel-size)"
-            )
+            raise ValueError(reason("num_attention_heads / tensor_parallel_size", f"{num_heads} query heads per rank",
+                                    f"<= {MAX_HEADS} with dsv4_attn", "raise --tensor-parallel-size"))
         return super().get_padded_num_q_heads(num_heads)
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:

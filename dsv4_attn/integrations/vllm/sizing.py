@@ -11,7 +11,7 @@ import functools
 
 from ...common.platform import probe
 from ...common.spec import ModelSpec, model_layer_kinds
-from ..base import decode_launch_bound
+from ..base import decode_launch_bound, reason
 from .metadata import predicted_plan_groups
 from .planner import StepPlanner
 
@@ -44,8 +44,8 @@ def unsupported_reasons(layer, vllm_config) -> list[str]:
             "overwrite each other's plan buffers; allowed: --ubatch-size 0 or 1 without --enable-dbo")
     for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
         if getattr(parallel, name, 1) > 1:
-            reasons.append(f"{name}: got {getattr(parallel, name)}; allowed: 1 (context-parallel KV sharding "
-                           "is not modelled by dsv4_attn)")
+            reasons.append(reason(name, getattr(parallel, name), "1",
+                                  "context-parallel KV sharding is not modelled by dsv4_attn"))
     extra = vllm_config.additional_config
     if isinstance(extra, dict) and extra.get("decode_backend", "auto") != "auto":
         reasons.append(f"additional_config decode_backend={extra['decode_backend']!r}: DeepSeek-V4.1's specialized "
