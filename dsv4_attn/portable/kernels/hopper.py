@@ -143,6 +143,38 @@ def _prefetch_l2(row_ptr, srow_ptr):
 
 
 @gluon.jit
+def _prefetch_lines_l2(ptrs, mask):
+    """Pull the 128-byte lines holding ``ptrs`` into L2 (masked lanes: nothing); a hint, no
+    registers held: the index rows and block-table row a key tile reads next wait for L2 instead of
+    DRAM (a b <= 4 step is a chain of such dependent round trips)."""
+    gl.inline_asm_elementwise("@$2 prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l,b",
+                              [ptrs, mask], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_index_rows(a_rows, a_width, b_rows, b_width, COMP: gl.constexpr):
+    """L2 prefetch of a token's whole index rows (SWA slots, compressed entries), one line per
+    thread, issued before the lengths that pick this program's tiles are known."""
+    L1d: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])  # 256 lanes: one line each
+    j = gl.arange(0, 256, layout=L1d)
+    ja = gl.minimum(j * 32, a_width - 1)  # 32 int32 entries per line; the last line's tail too
+    _prefetch_lines_l2(a_rows + gl.maximum(ja, 0), (j < 128) & (j * 32 < a_width + 31) & (a_width > 0))
+    if COMP != 0:
+        jb = gl.minimum((j - 128) * 32, b_width - 1)
+        _prefetch_lines_l2(b_rows + gl.maximum(jb, 0), (j >= 128) & ((j - 128) * 32 < b_width + 31) & (b_width > 0))
+
+
+@gluon.jit
+def _prefetch_table_row(bt_row, visible, b_bs, bt_cols):
+    """L2 prefetch of the block-table columns a top-k token can name (its visible compressed
+    entries), up to 256 lines."""
+    L1d: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
+    j = gl.arange(0, 256, layout=L1d)
+    cols = gl.minimum(gl.cdiv(visible, b_bs), bt_cols)
+    _prefetch_lines_l2(bt_row + gl.minimum(j * 32, gl.maximum(cols - 1, 0)), (j * 32 < cols + 31) & (cols > 0))
+
+
+@gluon.jit
 def _chunk_ptrs(row_ptr, valid, C0: gl.constexpr, NC: gl.constexpr, L3: gl.constexpr):
     """Pointers [BN, NC, 64] to the e4m3 tiles C0 .. C0+NC-1 (64 bytes each) of the rows, and the
     row-validity mask (``row_ptr``/``valid`` [BN] in the row layout of ``L3``)."""
@@ -331,6 +363,9 @@ def sparse_mla_fwd_hopper(
     hb = (pid // split) % n_hb
     t = pid // (split * n_hb)
     t64 = t.to(gl.int64)
+    a_rows = A_ROWS + t64 * stride_ar
+    b_rows = B_ROWS + t64 * stride_br
+    _prefetch_index_rows(a_rows, a_width, b_rows, b_width, COMP)
 
     # ---- key ranges ---------------------------------------------------------------------------
     len_a = gl.load(A_LENS + t)
@@ -357,9 +392,9 @@ def sparse_mla_fwd_hopper(
     else:
         lo = 0
         hi = tiles
-    a_rows = A_ROWS + t64 * stride_ar
-    b_rows = B_ROWS + t64 * stride_br
     bt_row = BT + req.to(gl.int64) * stride_bt
+    if COMP == 2:
+        _prefetch_table_row(bt_row, visible, b_bs, bt_cols)
 
     acc, m_i, l_i = gl.warp_specialize([
         (_consumer, (q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, stride_qh, t64, hb, num_heads,
