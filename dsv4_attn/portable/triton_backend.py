@@ -126,6 +126,9 @@ class TritonBackend(Backend):
             kwargs["config"] = self._config
         if plan.batch_invariant:  # one key range per program: the split no longer follows the grid size
             kwargs["config"] = dataclasses.replace(self._config or ops.DEFAULT_CONFIG, split=1)
+        # the in-kernel split merge's counters: zeros made once per plan, shared by its layers
+        kwargs["merge_counters"] = lambda n: plan.cached(("merge_counters", n), lambda: torch.zeros(
+            n, dtype=torch.int32, device=layer.q.device))
         ops.sparse_mla_fwd(
             layer.q, out, fmt, layer.swa_cache, plan.swa_rows, plan.swa_lens,
             comp_cache=comp_cache, comp_rows=comp_rows, comp_lens=comp_lens, c4a=c4a, topk_ratio=layer.kind.ratio,
