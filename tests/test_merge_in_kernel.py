@@ -1,7 +1,8 @@
-"""The Gluon Hopper kernel's split merge inside the kernel (``KernelConfig.merge_in_kernel``,
-``ops.merge_in_kernel``): when the automatic choice takes it, that a bad setting is refused, and on
-an sm_90 GPU that it matches the float64 reference eagerly and across CUDA-graph replays (its
-arrival counters must be left zero by every launch)."""
+"""The split merge after the Gluon Hopper kernel: inside the kernel (``KernelConfig.merge_in_kernel``,
+``ops.merge_in_kernel``) or by the combine launch (its tile, ``ops.combine_tile``): when the
+automatic choice takes which, that bad settings are refused, and on an sm_90 GPU that the in-kernel
+merge matches the float64 reference eagerly and across CUDA-graph replays (its arrival counters
+must be left zero by every launch)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,17 @@ def test_when_the_gluon_kernel_merges_its_splits(heads, split, gluon, setting, e
     assert ops.merge_in_kernel(config, gluon, split, heads) is expected
 
 
-def test_merge_setting_is_checked():
+def test_merge_settings_are_checked():
     with pytest.raises(ValueError, match="merge_in_kernel: got 2"):
         ops.KernelConfig(merge_in_kernel=2)
+    with pytest.raises(ValueError, match="combine_heads / combine_dims: got None / 96"):
+        ops.KernelConfig(combine_dims=96)
+
+
+def test_combine_tile_after_each_kernel():
+    assert ops.combine_tile(ops.KernelConfig(), gluon=True) == (8, 64)
+    assert ops.combine_tile(ops.KernelConfig(), gluon=False) == (16, 128)
+    assert ops.combine_tile(ops.KernelConfig(combine_heads=4, combine_dims=128), gluon=True) == (4, 128)
 
 
 @pytest.mark.gpu

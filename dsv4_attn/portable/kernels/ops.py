@@ -96,6 +96,10 @@ class KernelConfig:
     # split merge (Gluon kernel): -1 auto (``merge_in_kernel``), 0 the combine launch, 1 inside
     # the attention kernel (the last split program of a token merges)
     merge_in_kernel: int = -1
+    # the combine launch's tile, heads x dims per program (grid T x H/heads x 512/dims); None:
+    # ``combine_tile``'s
+    combine_heads: int | None = None
+    combine_dims: int | None = None
     # 0 compiles the kernels WITHOUT their index range checks, so out-of-range entries are read
     # out of bounds: only for measuring the checks' cost (dsv4-attn bench --guard-cost)
     range_checks: int = 1
@@ -105,6 +109,9 @@ class KernelConfig:
             raise ValueError(f"block_h: got {self.block_h!r}; allowed: None (the arch's), 16, 32 or 64")
         if self.merge_in_kernel not in (-1, 0, 1):
             raise ValueError(f"merge_in_kernel: got {self.merge_in_kernel!r}; allowed: -1 (auto), 0 or 1")
+        if self.combine_heads not in (None, 4, 8, 16) or self.combine_dims not in (None, 32, 64, 128):
+            raise ValueError(f"combine_heads / combine_dims: got {self.combine_heads!r} / {self.combine_dims!r}; "
+                             "allowed: None, 4, 8 or 16 / None, 32, 64 or 128")
 
     def dt(self):
         name = self.dot_dtype
@@ -260,6 +267,15 @@ def merge_in_kernel(config: KernelConfig, gluon: bool, split: int, num_heads: in
     return config.merge_in_kernel == 1 or num_heads <= MERGE_IN_KERNEL_MAX_HEADS
 
 
+def combine_tile(config: KernelConfig, gluon: bool) -> tuple[int, int]:
+    """(heads, dims) per program of the combine launch. After the Gluon kernel 8 x 64: four times
+    the programs of 16 x 128, which took 6-15 % off b <= 4 at 16-128 heads on the H100 (the merge
+    of 10-18 splits is a latency-bound read of the partials; notes/perf-wave4.md). After the
+    portable kernel 16 x 128 (AMD's compile-checked tile; not measured otherwise)."""
+    heads, dims = (8, 64) if gluon else (16, 128)
+    return config.combine_heads or heads, config.combine_dims or dims
+
+
 def portable_constexprs(fmt_codes: tuple[int, int], comp_mode: int, topk_ratio: int, has_sink: bool,
                         write_lse: bool, split: int, tile: Tile, dt, range_checks: bool) -> dict:
     """The portable kernel's constexpr arguments (what one compiled variant is)."""
@@ -400,8 +416,8 @@ def sparse_mla_fwd(
             **launch_options(tile),
         )
     if split > 1 and counters is None:
-        bh_c = min(16, block_h)
-        bd = 128
+        bh_c, bd = combine_tile(config, gluon)
+        bh_c = min(bh_c, block_h)
         K.combine_kernel[(T, triton.cdiv(H, bh_c), 512 // bd)](
             po, pml, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H,
             SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), HAS_SINK=sink is not None,
