@@ -16,6 +16,12 @@ which the portable kernel cannot express. One program = one token x 64 heads (x 
   then hand the K tile back (``kempty``). The producer's gathers and dequantization of tile
   g+1 run under the consumers' matrix products of tile g.
 
+Before its lengths are known, the prologue pulls the token's index rows (and, once its request is
+known, its block-table columns) into L2, so the first tile's index loads do not wait on DRAM.
+Small batches split a token's keys over ``split`` programs writing fp32 partials; with
+``MERGE_IN_KERNEL`` (``ops.merge_in_kernel``: up to 8 heads) the last of them to finish, found by
+an arrival counter, merges them (``_merge_splits``) instead of a combine launch.
+
 Pitfall (ptxas C7515, every wgmma serialized): an asynchronous P·V left running across the
 next mbarrier wait; it is retired at the end of each tile instead.
 
