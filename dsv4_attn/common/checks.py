@@ -8,6 +8,7 @@ tensors (a sync) only with ``validate=True``. Vendor-free: nothing here imports 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -143,6 +144,75 @@ def check_layer(plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None,
     if validate:
         _check_values(plan, layer, swa_geo, comp_geo)
     return swa_geo, comp_geo
+
+
+class LayerChecks:
+    """:func:`check_layer` (without ``validate``) with a memo of the calls that passed: a call whose
+    every input has the signature of one that passed against a plan of the same facts (the step's
+    tokens, device, block sizes, rows and buffers: everything ``check_layer`` reads from a plan)
+    passes without the deep checks. A signature is O(1) attributes per tensor -- its type, address,
+    shape, strides, dtype and device -- which are everything the host checks read: equal
+    signatures, equal verdicts. A call that changed any of them (another shape, dtype, device, an
+    alias of ``out``) misses and runs every check, so it is refused exactly as without the memo.
+    One per SparseMLA; refusals are never stored."""
+
+    LIMIT = 4096  # memo entries (a few per layer and step shape); cleared when full
+
+    def __init__(self) -> None:
+        self._facts: dict[tuple, int] = {}
+        self._passed: dict[tuple, tuple[CacheGeometry, CacheGeometry | None]] = {}
+
+    def __call__(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None,
+                 validate: bool) -> tuple[CacheGeometry, CacheGeometry | None, tuple | None]:
+        """(SWA geometry, compressed geometry, the call's key or None when not memoized)."""
+        key = None if validate else self.key(plan, layer, out)
+        found = self._passed.get(key) if key is not None else None
+        if found is None:
+            found = check_layer(plan, layer, out, validate)
+            if key is not None:
+                if len(self._passed) >= self.LIMIT:
+                    self._passed.clear()
+                self._passed[key] = found
+        return found[0], found[1], key
+
+    def key(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None) -> tuple | None:
+        """The call's signature, or None when an input is not a tensor (or None) or kv_scale not a
+        plain number (the full checks then say what is wrong)."""
+        kv_scale = layer.kv_scale
+        if type(kv_scale) not in (float, int):
+            return None
+        try:
+            return (plan.cached("check_facts", lambda: self._facts_id(plan)),
+                    layer.kind, type(kv_scale), kv_scale, tensor_signature(layer.q),
+                    tensor_signature(layer.swa_cache), tensor_signature(layer.comp_cache),
+                    tensor_signature(layer.topk), tensor_signature(layer.sink), tensor_signature(out))
+        except AttributeError:  # not a tensor
+            return None
+
+    def _facts_id(self, plan: StepPlan) -> int:
+        """A number for what ``check_layer`` reads from ``plan``, equal for plans of equal facts
+        (once per plan; unique across SparseMLAs, so keys never mix two models' calls)."""
+        batch = plan.batch
+        comp = tuple((kind, batch.comp_block_size(kind), plan.translates_topk(kind))
+                     for kind in plan.spec.kinds if kind.has_comp_scope)
+        facts = (plan.num_tokens, plan.device, batch.swa_block_size, comp,
+                 tuple(plan.cached("out_check_spans", lambda: _plan_spans(plan))))
+        if facts not in self._facts:
+            if len(self._facts) >= self.LIMIT:
+                self._facts.clear()
+            self._facts[facts] = next(_FACT_IDS)
+        return self._facts[facts]
+
+
+_FACT_IDS = itertools.count(1)
+
+
+def tensor_signature(t: torch.Tensor | None) -> tuple | None:
+    """(type, address, shape, strides, dtype, device) of a tensor, None for None: every attribute a
+    host check of a tensor reads (never its values). AttributeError for what is not a tensor."""
+    if t is None:
+        return None
+    return type(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
 def _check_q(q, plan: StepPlan, spec: ModelSpec) -> None:
