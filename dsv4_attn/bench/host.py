@@ -45,31 +45,49 @@ DEFAULT_CASES = ("flash-decode-b2", "flash-decode-b64", "flash-prefill-4k")
 
 
 class _StubKernel:
-    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing."""
+    """Stands in for a Triton kernel (its parameters' names): ``kernel[grid](...)`` launches nothing
+    and returns a :class:`_StubCompiled`, as Triton's JIT path returns the CompiledKernel it launched."""
+
+    def __init__(self, kernel) -> None:
+        self.arg_names = kernel.arg_names
 
     def __getitem__(self, grid):
-        return _nothing
+        return _stub_launch
 
 
-def _nothing(*args, **kwargs) -> None:
-    return None
+class _StubCompiled:
+    """Stands in for a CompiledKernel: its launcher does nothing."""
+
+    function = packed_metadata = None
+
+    @staticmethod
+    def run(*args) -> None:
+        return None
+
+
+def _stub_launch(*args, **kwargs) -> _StubCompiled:
+    return _StubCompiled()
 
 
 @contextlib.contextmanager
 def kernels_stubbed():
     """Every Triton kernel a layer call launches (the attention kernels and the split combine)
-    replaced by a no-op while inside: what remains of a call is its host path."""
-    from ..portable.kernels import attention, ops
+    replaced by a no-op while inside, below every part of our host path: the plain launch is
+    stubbed at ``kernel[grid]``, the bound one (``kernels/launch.py``) at the compiled kernel's
+    launcher, and on the CPU the bound path runs too (as on a GPU; stream 0)."""
+    from ..portable.kernels import attention, launch, ops
 
-    targets = [(attention, "sparse_mla_fwd_kernel"), (attention, "combine_kernel")]
+    targets = [(attention, "sparse_mla_fwd_kernel", _StubKernel(attention.sparse_mla_fwd_kernel)),
+               (attention, "combine_kernel", _StubKernel(attention.combine_kernel)),
+               (launch, "bindable", lambda device: True), (launch, "current_stream", lambda device: 0)]
     if ops._gluon_importable():
         from ..portable.kernels import hopper
 
-        targets.append((hopper, "sparse_mla_fwd_hopper"))
-    saved = [(mod, name, getattr(mod, name)) for mod, name in targets]
+        targets.append((hopper, "sparse_mla_fwd_hopper", _StubKernel(hopper.sparse_mla_fwd_hopper)))
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets]
     try:
-        for mod, name, _ in saved:
-            setattr(mod, name, _StubKernel())
+        for mod, name, stub in targets:
+            setattr(mod, name, stub)
         yield
     finally:
         for mod, name, fn in saved:

@@ -61,7 +61,7 @@ class LayerInputs:
     # tensor's address, shape, strides, dtype, device; the plan's) up to their values, so a backend
     # may reuse what it derived from them. Not an __init__ field: a copy made with
     # dataclasses.replace (other inputs) gets None, never a stale key.
-    checked_key: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    checked_key: int | tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def token_slice(self, start: int, stop: int) -> LayerInputs:
         """The same layer restricted to tokens [start, stop)."""

@@ -146,6 +146,32 @@ def check_layer(plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None,
     return swa_geo, comp_geo
 
 
+class Interner:
+    """A number per distinct value (tuples of signatures), unique across every Interner of the
+    process: keys built from these numbers are cheap to hash and never mix two owners' values."""
+
+    LIMIT = 4096  # values kept; forgotten when full (a forgotten value gets a new number)
+
+    def __init__(self) -> None:
+        self._ids: dict = {}
+
+    def get(self, value) -> int | None:
+        """The number of ``value`` if it has one."""
+        return self._ids.get(value)
+
+    def __call__(self, value) -> int:
+        """The number of ``value`` (a new one the first time)."""
+        found = self._ids.get(value)
+        if found is None:
+            if len(self._ids) >= self.LIMIT:
+                self._ids.clear()
+            found = self._ids[value] = next(_IDS)
+        return found
+
+
+_IDS = itertools.count(1)
+
+
 class LayerChecks:
     """:func:`check_layer` (without ``validate``) with a memo of the calls that passed: a call whose
     every input has the signature of one that passed against a plan of the same facts (the step's
@@ -156,55 +182,50 @@ class LayerChecks:
     alias of ``out``) misses and runs every check, so it is refused exactly as without the memo.
     One per SparseMLA; refusals are never stored."""
 
-    LIMIT = 4096  # memo entries (a few per layer and step shape); cleared when full
-
     def __init__(self) -> None:
-        self._facts: dict[tuple, int] = {}
-        self._passed: dict[tuple, tuple[CacheGeometry, CacheGeometry | None]] = {}
+        self._plan_facts = Interner()
+        self._passed = Interner()  # signature of a call that passed -> its number (the checked key)
+        self._geometry: dict[int, tuple[CacheGeometry, CacheGeometry | None]] = {}
 
     def __call__(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None,
-                 validate: bool) -> tuple[CacheGeometry, CacheGeometry | None, tuple | None]:
-        """(SWA geometry, compressed geometry, the call's key or None when not memoized)."""
-        key = None if validate else self.key(plan, layer, out)
-        found = self._passed.get(key) if key is not None else None
+                 validate: bool) -> tuple[CacheGeometry, CacheGeometry | None, int | None]:
+        """(SWA geometry, compressed geometry, the call's checked key: a number equal for calls of
+        equal signatures, or None when not memoized)."""
+        signature = None if validate else self.signature(plan, layer, out)
+        if signature is None:
+            return (*check_layer(plan, layer, out, validate), None)
+        key = self._passed.get(signature)
+        found = self._geometry.get(key) if key is not None else None
         if found is None:
-            found = check_layer(plan, layer, out, validate)
-            if key is not None:
-                if len(self._passed) >= self.LIMIT:
-                    self._passed.clear()
-                self._passed[key] = found
+            found = check_layer(plan, layer, out, False)  # raises: nothing stored
+            key = self._passed(signature)
+            if len(self._geometry) >= Interner.LIMIT:
+                self._geometry.clear()
+            self._geometry[key] = found
         return found[0], found[1], key
 
-    def key(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None) -> tuple | None:
+    def signature(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None) -> tuple | None:
         """The call's signature, or None when an input is not a tensor (or None) or kv_scale not a
         plain number (the full checks then say what is wrong)."""
         kv_scale = layer.kv_scale
         if type(kv_scale) not in (float, int):
             return None
         try:
-            return (plan.cached("check_facts", lambda: self._facts_id(plan)),
+            return (plan.cached("check_facts", lambda: self._plan_facts(_plan_facts(plan))),
                     layer.kind, type(kv_scale), kv_scale, tensor_signature(layer.q),
                     tensor_signature(layer.swa_cache), tensor_signature(layer.comp_cache),
                     tensor_signature(layer.topk), tensor_signature(layer.sink), tensor_signature(out))
-        except AttributeError:  # not a tensor
+        except (AttributeError, RuntimeError):  # not a tensor, or one without an address (FakeTensor)
             return None
 
-    def _facts_id(self, plan: StepPlan) -> int:
-        """A number for what ``check_layer`` reads from ``plan``, equal for plans of equal facts
-        (once per plan; unique across SparseMLAs, so keys never mix two models' calls)."""
-        batch = plan.batch
-        comp = tuple((kind, batch.comp_block_size(kind), plan.translates_topk(kind))
-                     for kind in plan.spec.kinds if kind.has_comp_scope)
-        facts = (plan.num_tokens, plan.device, batch.swa_block_size, comp,
-                 tuple(plan.cached("out_check_spans", lambda: _plan_spans(plan))))
-        if facts not in self._facts:
-            if len(self._facts) >= self.LIMIT:
-                self._facts.clear()
-            self._facts[facts] = next(_FACT_IDS)
-        return self._facts[facts]
 
-
-_FACT_IDS = itertools.count(1)
+def _plan_facts(plan: StepPlan) -> tuple:
+    """What ``check_layer`` reads from ``plan`` (once per plan)."""
+    batch = plan.batch
+    comp = tuple((kind, batch.comp_block_size(kind), plan.translates_topk(kind))
+                 for kind in plan.spec.kinds if kind.has_comp_scope)
+    return (plan.num_tokens, plan.device, batch.swa_block_size, comp,
+            tuple(plan.cached("out_check_spans", lambda: _plan_spans(plan))))
 
 
 def tensor_signature(t: torch.Tensor | None) -> tuple | None:
