@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
+import inspect
 import json
 import os
 import statistics
@@ -75,11 +77,14 @@ def kernels_stubbed():
     replaced by a no-op while inside, below every part of our host path: the plain launch is
     stubbed at ``kernel[grid]``, the bound one (``kernels/launch.py``) at the compiled kernel's
     launcher, and on the CPU the bound path runs too (as on a GPU; stream 0)."""
-    from ..portable.kernels import attention, launch, ops
+    from ..portable.kernels import attention, ops
 
     targets = [(attention, "sparse_mla_fwd_kernel", _StubKernel(attention.sparse_mla_fwd_kernel)),
-               (attention, "combine_kernel", _StubKernel(attention.combine_kernel)),
-               (launch, "bindable", lambda device: True), (launch, "current_stream", lambda device: 0)]
+               (attention, "combine_kernel", _StubKernel(attention.combine_kernel))]
+    if importlib.util.find_spec(f"{ops.__package__}.launch") is not None:  # (a baseline tree has no bound path)
+        from ..portable.kernels import launch
+
+        targets += [(launch, "bindable", lambda device: True), (launch, "current_stream", lambda device: 0)]
     if ops._gluon_importable():
         from ..portable.kernels import hopper
 
@@ -99,21 +104,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clock_for(device: torch.device):
+    """The wall clock with a GPU (what an engine step waits for); on the CPU, where every kernel is
+    stubbed and nothing waits, the calling thread's CPU time (other processes' load does not count)."""
+    return time.perf_counter if device.type == "cuda" else time.thread_time
+
+
 def median_us(fn, calls: int, rounds: int, device: torch.device) -> float:
     """Median over ``rounds`` of the mean host time of ``calls`` back-to-back calls of ``fn(i)``, in
     us; i numbers the calls of the measurement (a warm-up round included), never the same twice.
     The device is drained between rounds (never inside one), so the GPU's queue never fills and
     blocks a launch."""
+    clock = clock_for(device)
     numbers = iter(range(calls * (rounds + 1)))
     for _ in range(calls):
         fn(next(numbers))
     _sync(device)
     per_call = []
     for _ in range(rounds):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(calls):
             fn(next(numbers))
-        per_call.append((time.perf_counter() - start) / calls * 1e6)
+        per_call.append((clock() - start) / calls * 1e6)
         _sync(device)
     return statistics.median(per_call)
 
@@ -148,44 +160,61 @@ def _inputs(case, count: int) -> list[tuple]:
 
 def measure_case(case, backend: str, calls: int, rounds: int) -> dict:
     """Host us per eager layer call of ``case`` on ``backend``, split (module docstring), for the
-    ``same`` and ``fresh`` ways of calling."""
+    ``same`` and ``fresh`` ways of calling. Every measurement builds its own SparseMLA (and plan):
+    no memo of one (the stubbed launches' bound kernels above all) reaches another."""
     from .runners import _case_mla
 
     device = case.q.device
     mla = _case_mla(case, backend)
-    plan = mla.plan(case.batch)
     result = {"case": case.label, "backend": backend, "tokens": case.q.shape[0], "heads": case.q.shape[1],
-              "picked": mla.backend_for(case.kind, case.phase, case.q.shape[0]) if backend == "auto" else backend}
-    result["plan_us"] = median_us(lambda i: mla.plan(case.batch), max(1, calls // 10), rounds, device)
-    plan = mla.plan(case.batch)
+              "picked": mla.backend_for(case.kind, case.phase, case.q.shape[0]) if backend == "auto" else backend,
+              "plan_us": median_us(lambda i: mla.plan(case.batch), max(1, calls // 10), rounds, device)}
     per_measure = calls * (rounds + 1)
-    result["same"] = _measure_way(mla, plan, case, _inputs(case, 1), 0, calls, rounds)
+    result["same"] = _measure_way(case, backend, _inputs(case, 1), 0, calls, rounds)
     # fresh: each measurement its own third of the triples, so no address repeats at all
-    result["fresh"] = _measure_way(mla, plan, case, _inputs(case, 3 * per_measure), per_measure, calls, rounds)
+    result["fresh"] = _measure_way(case, backend, _inputs(case, 3 * per_measure), per_measure, calls, rounds)
     return result
 
 
-def _measure_way(mla, plan, case, triples: list[tuple], spacing: int, calls: int, rounds: int) -> dict:
+def _measure_way(case, backend: str, triples: list[tuple], spacing: int, calls: int, rounds: int) -> dict:
     """checks / dispatch / launch / total us of one way of calling: call i of measurement k takes
     ``triples[k * spacing + i]`` (cyclically)."""
+    from .runners import _case_mla
+
     device = case.q.device
 
-    def checks(i: int) -> None:
-        q, out, topk = triples[i % len(triples)]
-        mla.layer_inputs(plan, case.kind, q, case.swa_cache, case.comp_cache, topk=topk, sink=case.sink, out=out)
+    def layer(k: int):
+        """Measurement k's own SparseMLA and plan, and its call i."""
+        mla = _case_mla(case, backend)
+        plan = mla.plan(case.batch)
+        checks_only = _checks_of(mla)
 
-    def forward(i: int) -> None:
-        q, out, topk = triples[i % len(triples)]
-        mla.forward(plan, case.kind, q, case.swa_cache, case.comp_cache, topk=topk, sink=case.sink, out=out)
+        def call(i: int) -> None:
+            q, out, topk = triples[(k * spacing + i) % len(triples)]
+            if k == 0:
+                checks_only(plan, case.kind, q, case.swa_cache, case.comp_cache, topk, case.sink, out)
+            else:
+                mla.forward(plan, case.kind, q, case.swa_cache, case.comp_cache, topk=topk, sink=case.sink, out=out)
+        return call
 
-    checks_us = median_us(checks, calls, rounds, device)
+    checks_us = median_us(layer(0), calls, rounds, device)
     with kernels_stubbed():
-        stubbed_us = median_us(lambda i: forward(spacing + i), calls, rounds, device)
+        stubbed_us = median_us(layer(1), calls, rounds, device)
     row = {"checks_us": checks_us, "dispatch_us": stubbed_us - checks_us, "launch_us": None, "total_us": stubbed_us}
     if device.type == "cuda":
-        total_us = median_us(lambda i: forward(2 * spacing + i), calls, rounds, device)
+        total_us = median_us(layer(2), calls, rounds, device)
         row.update(launch_us=total_us - stubbed_us, total_us=total_us)
     return row
+
+
+def _checks_of(mla):
+    """``mla``'s layer checks alone, ``out`` included: ``layer_inputs(..., out=)``; where that
+    takes no ``out`` (before this tool: a baseline tree), the private method it calls."""
+    if "out" in inspect.signature(mla.layer_inputs).parameters:
+        return lambda plan, kind, q, swa, comp, topk, sink, out: mla.layer_inputs(
+            plan, kind, q, swa, comp, topk=topk, sink=sink, out=out)
+    return lambda plan, kind, q, swa, comp, topk, sink, out: mla._layer_inputs(
+        plan, kind, q, swa, comp, topk, sink, 1.0, False, out)
 
 
 def _fmt(v) -> str:
@@ -193,8 +222,9 @@ def _fmt(v) -> str:
 
 
 def print_table(results: list[dict], device: torch.device) -> None:
-    stub = " (kernels stubbed: the CPU runs no kernel)" if device.type != "cuda" else ""
-    print(f"host us per eager layer call, median{stub}")
+    how = ("wall clock" if device.type == "cuda" else
+           "the thread's CPU time; kernels stubbed: the CPU runs no kernel, launch n/a")
+    print(f"host us per eager layer call, median ({how})")
     print(f"{'case':<34} {'backend':<8} {'way':<7} {'checks':>6} {'dispatch':>8} {'launch':>6} {'total':>6} "
           f"{'plan/step':>9}")
     for r in results:

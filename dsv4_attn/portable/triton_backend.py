@@ -15,6 +15,7 @@ formats (Triton's e4m3 conversions need sm_89+).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 
 import torch
@@ -106,8 +107,7 @@ class TritonBackend(Backend):
     REPLAYS_LIMIT = 4096  # bound layer calls kept (a few per layer and step shape); cleared when full
 
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
-        from .kernels import launch
-
+        launch = _kernels()[1]
         if plan.num_tokens == 0:
             return
         key = self._replay_key(plan, layer, out)
@@ -129,8 +129,7 @@ class TritonBackend(Backend):
         layer inputs (``layer.checked_key``), the plan's tensors, ``out`` and the caches' storage
         offsets (read by ``_check_v4_stride``); None when the layer was not checked by a
         SparseMLA (launched plainly). The current GPU too: a bound kernel is loaded on one."""
-        from .kernels import launch
-
+        launch = _kernels()[1]
         if layer.checked_key is None or not launch.bindable(out.device):
             return None
         comp_offset = layer.comp_cache.storage_offset() if layer.comp_cache is not None else None
@@ -139,8 +138,7 @@ class TritonBackend(Backend):
 
     def _launches(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor):
         """The layer call's kernel launches (``ops.layer_launches``), after the backend's own checks."""
-        from .kernels import ops
-
+        ops = _kernels()[0]
         T = plan.num_tokens
         fmt = KVFormat.parse(layer.fmt)
         self._check_v4_stride("swa_cache", layer.swa_cache, fmt.swa_record, layer.swa_geo.block_stride)
@@ -177,6 +175,14 @@ class TritonBackend(Backend):
             raise ValueError(f"{name}: got block stride {stride0} bytes and storage offset "
                              f"{cache.storage_offset()}; allowed: both even for the triton backend "
                              "(vLLM pages are multiples of 576 bytes)")
+
+
+@functools.cache
+def _kernels():
+    """(ops, launch), imported at the first launch: this module imports where Triton does not."""
+    from .kernels import launch, ops
+
+    return ops, launch
 
 
 _SEEN = "seen once"  # a replay key launched once: the next call with it binds

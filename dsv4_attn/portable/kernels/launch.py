@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from triton import knobs
 
 from ...common.platform import triton_interpreting
 
@@ -88,8 +89,6 @@ class Replay:
     def __call__(self) -> bool:
         """Launch again; False (nothing launched) when a launch hook is installed now or a
         temporary came at an alignment other than the bound one: the caller launches plainly."""
-        from triton import knobs
-
         hooks = knobs.runtime
         if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
             return False

@@ -259,11 +259,10 @@ def launch_options(tile: Tile) -> dict:
     return dict(num_warps=tile.num_warps, num_stages=tile.num_stages, **dict(tile.options))
 
 
-def sparse_mla_fwd(q: torch.Tensor, out: torch.Tensor, fmt, swa_cache: torch.Tensor, swa_rows: torch.Tensor,
-                   swa_lens: torch.Tensor, **kwargs) -> torch.Tensor:
+def sparse_mla_fwd(q: torch.Tensor, out: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """Two-scope sparse attention into ``out`` [T, H, 512] (bf16, written in place): the launches of
-    :func:`layer_launches` (its arguments), through Triton's JIT path."""
-    layer_launches(q, out, fmt, swa_cache, swa_rows, swa_lens, **kwargs).plain()
+    :func:`layer_launches` (same arguments), through Triton's JIT path."""
+    layer_launches(q, out, *args, **kwargs).plain()
     return out
 
 
