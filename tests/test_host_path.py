@@ -168,13 +168,20 @@ def _launches(case, split: int):
 
 
 @needs_triton
-def test_bound_parameters_follow_each_kernels_own_signature(case):
+@pytest.mark.parametrize("kernel", ["portable", "gluon"])
+def test_bound_parameters_follow_each_kernels_own_signature(case, monkeypatch, kernel):
     """What the launcher gets is what JITFunction.run hands it: every parameter in the signature's
-    order (inspect's binding of the kernel's Python function), constexprs where they stand."""
-    from dsv4_attn.portable.kernels import launch
+    order (inspect's binding of the kernel's Python function), constexprs where they stand. The
+    Gluon (H100) kernel's launch is described here as on an sm_90 GPU; nothing is launched."""
+    from dsv4_attn.portable.kernels import launch, ops
 
+    if kernel == "gluon":
+        if not ops._gluon_importable():
+            pytest.skip("this Triton's Gluon does not import the Hopper kernel")
+        monkeypatch.setattr(ops, "use_gluon", lambda *args, **kwargs: True)
     layer = _launches(case, split=2)
     assert len(layer.launches) == 2  # the attention kernel and the split combine
+    assert ("hopper" in layer.launches[0].fn.__module__) == (kernel == "gluon")
     for one in layer.launches:
         expected = inspect.signature(one.fn.fn).bind(*one.args, **one.constexprs).arguments
         ordered = launch.ordered_parameters(one)
