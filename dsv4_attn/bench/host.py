@@ -79,8 +79,9 @@ def kernels_stubbed():
     launcher, and on the CPU the bound path runs too (as on a GPU; stream 0)."""
     from ..portable.kernels import attention, ops
 
-    targets = [(attention, "sparse_mla_fwd_kernel", _StubKernel(attention.sparse_mla_fwd_kernel)),
-               (attention, "combine_kernel", _StubKernel(attention.combine_kernel))]
+    targets: list[tuple[object, str, object]] = [
+        (attention, "sparse_mla_fwd_kernel", _StubKernel(attention.sparse_mla_fwd_kernel)),
+        (attention, "combine_kernel", _StubKernel(attention.combine_kernel))]
     if importlib.util.find_spec(f"{ops.__package__}.launch") is not None:  # (a baseline tree has no bound path)
         from ..portable.kernels import launch
 

@@ -100,10 +100,11 @@ class Replay:
         for b in self._bound:
             args = b.args
             if b.temp_positions:
-                args = list(args)
+                filled = list(args)
                 for i in b.temp_positions:
-                    temp = args[i]
-                    args[i] = addresses[temp.index] + temp.offset
+                    temp = filled[i]
+                    filled[i] = addresses[temp.index] + temp.offset
+                args = tuple(filled)
             b.run(*b.grid, stream, b.function, b.packed_metadata, None, None, None, *args)
         return True
 
@@ -147,9 +148,9 @@ def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device) ->
         if args is None:
             return None
         args = tuple(_as_address(a, layer.temporaries, storages) for a in args)
-        grid = (tuple(launch.grid) + (1, 1))[:3]
+        gx, gy, gz = (tuple(launch.grid) + (1, 1))[:3]
         run_fn = kernel.run  # a property: loads the kernel (CompiledKernel._init_handles) if needed
-        bound.append(_Bound(run_fn, kernel.function, kernel.packed_metadata, grid, args,
+        bound.append(_Bound(run_fn, kernel.function, kernel.packed_metadata, (gx, gy, gz), args,
                             tuple(i for i, a in enumerate(args) if isinstance(a, _Temp))))
     return Replay(bound, temps, device)
 
