@@ -269,6 +269,31 @@ def test_under_the_interpreter_nothing_is_bound_and_repeats_give_the_same_bytes(
     assert not mla._backend("triton")._replays  # no key on the interpreter: every launch plain
 
 
+@needs_triton
+def test_a_replay_key_reads_only_the_layers_own_tables(gen, monkeypatch):
+    """A C128A layer of a step that carries no ratio-4 table (a KV-cache group without C4A layers)
+    of a model that has C4A layers: its replay key reads only its own kind's tables (it read every
+    top-k kind's and raised). Keys made here as on a GPU; launches stay plain (interpreter)."""
+    from dsv4_attn.portable.kernels import launch
+
+    case = make_step(gen, [1, 2], [300, 700], kinds=(LayerKind.SWA, LayerKind.C4A, LayerKind.C128A), topk=16,
+                     max_model_len=1024)
+    b = case.batch
+    batch = dsv4.StepBatch.from_lists([1, 2], [300, 700], b.swa_block_table, b.swa_block_size,
+                                      {128: b.comp_block_tables[128]}, b.block_size, b.max_model_len)
+    monkeypatch.setattr(launch, "bindable", lambda device: True)
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
+    plan = mla.plan(batch)
+    out = torch.empty_like(case.q)
+    outs = []
+    for _ in range(2):
+        out.fill_(float("nan"))
+        outs.append(mla.forward(plan, LayerKind.C128A, case.q, case.caches["swa"], case.caches[LayerKind.C128A],
+                                sink=case.sink, out=out).clone())
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+    assert len(mla._backend("triton")._replays) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernels)")
 @pytest.mark.parametrize("batch", [[1, 1], [3, 2, 1, 4, 2, 1, 1, 3]])  # few tokens split (+ combine); more do not

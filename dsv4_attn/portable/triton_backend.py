@@ -133,7 +133,9 @@ class TritonBackend(Backend):
         if layer.checked_key is None or not launch.bindable(out.device):
             return None
         comp_offset = layer.comp_cache.storage_offset() if layer.comp_cache is not None else None
-        return (layer.checked_key, plan.cached("triton_launch_facts", lambda: self._plan_facts(_launch_facts(plan))),
+        kind = layer.kind
+        facts = plan.cached(("triton_launch_facts", kind), lambda: self._plan_facts(_launch_facts(plan, kind)))
+        return (layer.checked_key, facts,
                 tensor_signature(out), layer.swa_cache.storage_offset(), comp_offset, launch.current_gpu(out.device))
 
     def _launches(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor):
@@ -188,12 +190,11 @@ def _kernels():
 _SEEN = "seen once"  # a replay key launched once: the next call with it binds
 
 
-def _launch_facts(plan: StepPlan) -> tuple:
-    """Every plan tensor a launch reads, as signatures (once per plan): with the layer's checked
-    key, what fixes the launches' arguments."""
-    tables = tuple(tensor_signature(plan.batch.comp_block_table(kind))
-                   for kind in plan.spec.kinds if plan.translates_topk(kind))
+def _launch_facts(plan: StepPlan, kind: LayerKind) -> tuple:
+    """Every plan tensor a launch of a ``kind`` layer reads, as signatures (once per plan and kind):
+    with the layer's checked key, what fixes the launches' arguments."""
+    table = tensor_signature(plan.batch.comp_block_table(kind)) if plan.translates_topk(kind) else None
     rows = tuple((ratio, tensor_signature(r), tensor_signature(n)) for ratio, (r, n) in plan.comp_rows.items())
     return (plan.num_tokens, plan.batch_invariant, *map(tensor_signature, (plan.positions, plan.token_to_req,
                                                                             plan.swa_rows, plan.swa_lens)),
-            rows, tables)
+            rows, table)
