@@ -14,11 +14,11 @@ front end then splits the token range.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
 import torch
 
+from . import envs
 from .common import checks, choices, registry
 from .common.backend import Backend, BackendUnavailableError, LayerInputs, Phase
 from .common.batch import StepBatch
@@ -77,6 +77,7 @@ class SparseMLA:
         self._buffers: PlanBuffers | None = None
         self._generation = 0
         self._selected: dict[tuple, str] = {}
+        self._checks = checks.LayerChecks()  # the per-layer checks, with their memo of passed calls
         self._backends: dict[str, Backend] = {}  # this model's own instances (their buffers are its own)
         # Refuse at construction (engine start) when the requested backend cannot run a layer.
         for kind in spec.kinds:
@@ -230,35 +231,51 @@ class SparseMLA:
         layer = self._layer_inputs(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, out)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        route = self._route(plan, layer.kind)
+        if len(route) == 1 and route[0][2] is None:
+            route[0][0].forward(plan, layer, out)
+            return out
+        for backend, sub_plan, tokens in route:
+            backend.forward(sub_plan, layer.token_slice(*tokens), out[tokens[0]:tokens[1]])
+        return out
+
+    def _route(self, plan: StepPlan, kind: LayerKind) -> tuple:
+        """((backend, plan, token range or None for all), ...) that run ``kind``'s layers of
+        ``plan``: one backend for the whole step, or one per phase. Decided once per plan, kind,
+        requested backend and choices table (what ``backend_for`` reads), so every layer of a
+        step after the first pays two lookups."""
+        requested = registry.requested_backend(self._explicit)[0]
+        table = envs.CHOICES.raw if requested == "auto" else None  # the file launch_bucket reads
+        return plan.cached(("route", kind, requested, table), lambda: self._new_route(plan, kind))
+
+    def _new_route(self, plan: StepPlan, kind: LayerKind) -> tuple:
         T, nd = plan.num_tokens, plan.num_decode_tokens
         phases = [(p, a, b) for p, a, b in ((Phase.DECODE, 0, nd), (Phase.PREFILL, nd, T)) if b > a]
         names = {p: self.backend_for(kind, p, None if self.batch_invariant else b - a) for p, a, b in phases}
         backends = {p: self._backend(n) for p, n in names.items()}
         if len(set(names.values())) == 1 and not backends[phases[0][0]].splits_phases:
-            backends[phases[0][0]].forward(plan, layer, out)
-            return out
-        for phase, a, b in phases:
-            backends[phase].forward(plan.phase_plan(phase), layer.token_slice(a, b), out[a:b])
-        return out
+            return ((backends[phases[0][0]], plan, None),)
+        return tuple((backends[p], plan.phase_plan(p), (a, b)) for p, a, b in phases)
 
     def layer_inputs(self, plan: StepPlan, kind: LayerKind | str | int, q: torch.Tensor, swa_cache: torch.Tensor,
                      comp_cache: torch.Tensor | None = None, topk: torch.Tensor | None = None,
-                     sink: torch.Tensor | None = None, kv_scale: float = 1.0, validate: bool = False) -> LayerInputs:
-        """One layer's inputs checked against ``plan`` (the arguments of :meth:`forward`), with the
-        caches' geometry, as ``Backend.forward`` takes them (for callers that drive a backend
-        directly, e.g. one phase at a time)."""
-        return self._layer_inputs(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate)
+                     sink: torch.Tensor | None = None, kv_scale: float = 1.0, validate: bool = False,
+                     out: torch.Tensor | None = None) -> LayerInputs:
+        """One layer's inputs checked against ``plan`` (the arguments of :meth:`forward`, ``out``
+        included when given), with the caches' geometry, as ``Backend.forward`` takes them (for
+        callers that drive a backend directly, e.g. one phase at a time)."""
+        return self._layer_inputs(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, out)
 
     def _layer_inputs(self, plan: StepPlan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale: float,
                       validate: bool, out: torch.Tensor | None = None) -> LayerInputs:
         """Every check of a layer's inputs, once; the backends trust the result (its geometry)."""
         kind = self.spec.check_kind(kind)
         checks.check_plan_current(plan, self, self._generation)
-        unchecked = LayerInputs(kind, q, swa_cache, comp_cache, topk, sink, self.fmt, self.spec.scale, kv_scale,
-                                self.swa_dialect, self.comp_dialect,
-                                swa_geo=None, comp_geo=None)  # type: ignore[arg-type]  # set below, once checked
-        swa_geo, comp_geo = checks.check_layer(plan, unchecked, out, validate)
-        return dataclasses.replace(unchecked, swa_geo=swa_geo, comp_geo=comp_geo)
+        layer = LayerInputs(kind, q, swa_cache, comp_cache, topk, sink, self.fmt, self.spec.scale, kv_scale,
+                            self.swa_dialect, self.comp_dialect,
+                            swa_geo=None, comp_geo=None)  # type: ignore[arg-type]  # set below, once checked
+        layer.swa_geo, layer.comp_geo, layer.checked_key = self._checks(plan, layer, out, validate)
+        return layer
 
     def _backend(self, name: str) -> Backend:
         if name not in self._backends:

@@ -3,7 +3,9 @@
 
 Modules: ``configs`` (the shapes), ``timing`` (ceilings, flush, graph replay), ``cases`` (random
 inputs), ``runners`` (the public API and FlashMLA's three ways), ``layer`` (one-layer cases),
-``step`` (whole steps), ``report`` (table, CSV, plot) and ``cli`` (arguments and the run).
+``step`` (whole steps), ``report`` (table, CSV, plot) and ``cli`` (arguments and the run);
+``host`` (``python -m dsv4_attn.bench.host``): host us per eager layer call, split into checks,
+dispatch and launch.
 """
 
 from __future__ import annotations

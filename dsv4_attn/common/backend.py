@@ -57,11 +57,19 @@ class LayerInputs:
     comp_dialect: Fp8Dialect = Fp8Dialect.OCP
     swa_geo: CacheGeometry = field(kw_only=True)
     comp_geo: CacheGeometry | None = field(kw_only=True)
+    # set by SparseMLA's checks (common.checks.LayerChecks): equal keys = the same inputs (every
+    # tensor's address, shape, strides, dtype, device; the plan's) up to their values, so a backend
+    # may reuse what it derived from them. Not an __init__ field: a copy made with
+    # dataclasses.replace (other inputs) gets None, never a stale key.
+    checked_key: int | tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def token_slice(self, start: int, stop: int) -> LayerInputs:
         """The same layer restricted to tokens [start, stop)."""
         topk = None if self.topk is None else self.topk[start:stop]
-        return replace(self, q=self.q[start:stop], topk=topk)
+        sliced = replace(self, q=self.q[start:stop], topk=topk)
+        if self.checked_key is not None:
+            sliced.checked_key = (self.checked_key, start, stop)
+        return sliced
 
     @property
     def shape(self) -> LayerShape:

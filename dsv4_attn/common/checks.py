@@ -8,6 +8,7 @@ tensors (a sync) only with ``validate=True``. Vendor-free: nothing here imports 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -143,6 +144,96 @@ def check_layer(plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None,
     if validate:
         _check_values(plan, layer, swa_geo, comp_geo)
     return swa_geo, comp_geo
+
+
+class Interner:
+    """A number per distinct value (tuples of signatures), unique across every Interner of the
+    process: keys built from these numbers are cheap to hash and never mix two owners' values."""
+
+    LIMIT = 4096  # values kept; forgotten when full (a forgotten value gets a new number)
+
+    def __init__(self) -> None:
+        self._ids: dict = {}
+
+    def get(self, value) -> int | None:
+        """The number of ``value`` if it has one."""
+        return self._ids.get(value)
+
+    def __call__(self, value) -> int:
+        """The number of ``value`` (a new one the first time)."""
+        found = self._ids.get(value)
+        if found is None:
+            if len(self._ids) >= self.LIMIT:
+                self._ids.clear()
+            found = self._ids[value] = next(_IDS)
+        return found
+
+
+_IDS = itertools.count(1)
+
+
+class LayerChecks:
+    """:func:`check_layer` (without ``validate``) with a memo of the calls that passed: a call whose
+    every input has the signature of one that passed against a plan of the same facts (the step's
+    tokens, device, block sizes, rows and buffers: everything ``check_layer`` reads from a plan)
+    passes without the deep checks. A signature is O(1) attributes per tensor -- its type, address,
+    shape, strides, dtype and device -- which are everything the host checks read: equal
+    signatures, equal verdicts. A call that changed any of them (another shape, dtype, device, an
+    alias of ``out``) misses and runs every check, so it is refused exactly as without the memo.
+    One per SparseMLA; refusals are never stored."""
+
+    def __init__(self) -> None:
+        self._plan_facts = Interner()
+        self._passed = Interner()  # signature of a call that passed -> its number (the checked key)
+        self._geometry: dict[int, tuple[CacheGeometry, CacheGeometry | None]] = {}
+
+    def __call__(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None,
+                 validate: bool) -> tuple[CacheGeometry, CacheGeometry | None, int | None]:
+        """(SWA geometry, compressed geometry, the call's checked key: a number equal for calls of
+        equal signatures, or None when not memoized)."""
+        signature = None if validate else self.signature(plan, layer, out)
+        if signature is None:
+            return (*check_layer(plan, layer, out, validate), None)
+        key = self._passed.get(signature)
+        found = self._geometry.get(key) if key is not None else None
+        if found is None:
+            found = check_layer(plan, layer, out, False)  # raises: nothing stored
+            key = self._passed(signature)
+            if len(self._geometry) >= Interner.LIMIT:
+                self._geometry.clear()
+            self._geometry[key] = found
+        return found[0], found[1], key
+
+    def signature(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None) -> tuple | None:
+        """The call's signature, or None when an input is not a tensor (or None) or kv_scale not a
+        plain number (the full checks then say what is wrong)."""
+        kv_scale = layer.kv_scale
+        if type(kv_scale) not in (float, int):
+            return None
+        try:
+            return (plan.cached("check_facts", lambda: self._plan_facts(_plan_facts(plan))),
+                    layer.kind, type(kv_scale), kv_scale, tensor_signature(layer.q),
+                    tensor_signature(layer.swa_cache), tensor_signature(layer.comp_cache),
+                    tensor_signature(layer.topk), tensor_signature(layer.sink), tensor_signature(out))
+        except (AttributeError, RuntimeError):  # not a tensor, or one without an address (FakeTensor)
+            return None
+
+
+def _plan_facts(plan: StepPlan) -> tuple:
+    """What ``check_layer`` reads from ``plan`` (once per plan)."""
+    batch = plan.batch
+    comp = tuple((kind, batch.comp_block_size(kind), plan.translates_topk(kind))
+                 for kind in plan.spec.kinds if kind.has_comp_scope)
+    return (plan.num_tokens, plan.device, batch.swa_block_size, comp,
+            tuple(plan.cached("out_check_spans", lambda: _plan_spans(plan))))
+
+
+def tensor_signature(t: torch.Tensor | None) -> tuple | None:
+    """(type, address, shape, strides, dtype, device) of a tensor, None for None: every attribute a
+    host check of a tensor reads (never its values). AttributeError for what is not a tensor."""
+    if t is None:
+        return None
+    return type(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
 def _check_q(q, plan: StepPlan, spec: ModelSpec) -> None:

@@ -13,15 +13,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 
 from ...common.layout import Fp8Dialect, KVFormat, Record
 from ...common.platform import triton_interpreting
 from ...common.spec import LayerKind
 from . import attention as K
-from . import build
+from . import build, launch
 
 LOG2E = 1.4426950408889634
+
+
+# plain-int twins of triton.cdiv / next_power_of_2 (Triton 3.8 made those constexpr functions,
+# a few us per call on the host)
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 @functools.lru_cache(maxsize=8)
@@ -125,7 +134,7 @@ class KernelConfig:
         if arch.startswith("gfx"):
             base = AMD_TILE
         else:
-            base = Tile(64 if num_heads >= 64 else max(16, triton.next_power_of_2(num_heads)), 64, 8, 1, True)
+            base = Tile(64 if num_heads >= 64 else max(16, _next_power_of_2(num_heads)), 64, 8, 1, True)
         return replace(base, block_h=self.block_h or base.block_h, block_n=self.block_n or base.block_n,
                        num_warps=self.num_warps or base.num_warps, num_stages=self.num_stages,
                        p_scratch=base.p_scratch if self.p_scratch is None else bool(self.p_scratch))
@@ -289,7 +298,14 @@ def launch_options(tile: Tile) -> dict:
     return dict(num_warps=tile.num_warps, num_stages=tile.num_stages, **dict(tile.options))
 
 
-def sparse_mla_fwd(
+def sparse_mla_fwd(q: torch.Tensor, out: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Two-scope sparse attention into ``out`` [T, H, 512] (bf16, written in place): the launches of
+    :func:`layer_launches` (same arguments), through Triton's JIT path."""
+    layer_launches(q, out, *args, **kwargs).plain()
+    return out
+
+
+def layer_launches(
     q: torch.Tensor,
     out: torch.Tensor,
     fmt,
@@ -310,8 +326,9 @@ def sparse_mla_fwd(
     config: KernelConfig = DEFAULT_CONFIG,
     workspace: torch.Tensor | None = None,
     merge_counters: Callable[[int], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Two-scope sparse attention into ``out`` [T, H, 512] (bf16, written in place).
+) -> launch.LayerLaunches:
+    """The launches of two-scope sparse attention into ``out`` [T, H, 512] (bf16, written in
+    place) and the temporaries they use (``launch.LayerLaunches``; nothing launched yet).
 
     ``fmt`` a KVFormat (or its name): the record of each cache (``nvfp4_ds_mla``: MXFP8 SWA cache,
     NVFP4 compressed cache). swa_rows int32 [T, W] global slots (+ swa_lens [T]). Compressed scope
@@ -332,7 +349,7 @@ def sparse_mla_fwd(
     """
     T, H, _ = q.shape
     if T == 0:
-        return out
+        return launch.LayerLaunches([], [])
     fmt = KVFormat.parse(fmt)
     records = (fmt.swa_record,) if comp_cache is None else (fmt.swa_record, fmt.comp_record)
     codes = (RECORD_CODE[records[0]], RECORD_CODE[records[-1]])
@@ -357,14 +374,16 @@ def sparse_mla_fwd(
     gluon = use_gluon(q.device, records, dialects, config, (swa_cache, comp_cache), comp_mode, H)
     tile = config.tile(device_arch(q.device), H)
     block_h = 64 if gluon else tile.block_h
-    n_hb = triton.cdiv(H, block_h)
+    n_hb = _cdiv(H, block_h)
     bn = config.g_block_n if gluon else tile.block_n
-    max_tiles = triton.cdiv(swa_rows.shape[1], bn) + (triton.cdiv(b_width, bn) if comp_mode else 0)
+    max_tiles = _cdiv(swa_rows.shape[1], bn) + (_cdiv(b_width, bn) if comp_mode else 0)
     split = choose_split(T * n_hb, max_tiles, q.device, config.split)
+    temporaries = []
     if split > 1:
         need = T * split * H * (512 + 2)
         if workspace is None or workspace.numel() < need:
             workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+            temporaries.append(workspace)
         po = workspace[: T * split * H * 512]
         pml = workspace[T * split * H * 512: need]
     else:
@@ -373,6 +392,8 @@ def sparse_mla_fwd(
     write_lse = lse is not None
     counters = None
     if merge_in_kernel(config, gluon, split, H):
+        # zeros that must stay the caller's (``temporaries`` are re-allocated, not zeroed, by a
+        # bound replay: the backend never binds a launch that merges in the kernel)
         counters = merge_counters(T * n_hb) if merge_counters is not None else \
             torch.zeros(T * n_hb, dtype=torch.int32, device=q.device)
     lse_t = lse if write_lse else out
@@ -381,7 +402,7 @@ def sparse_mla_fwd(
     if gluon:
         from . import hopper
 
-        hopper.sparse_mla_fwd_hopper[grid](
+        attention = launch.KernelLaunch(hopper.sparse_mla_fwd_hopper, grid, (
             q, q.stride(0), q.stride(1),
             out, out.stride(0), out.stride(1),
             lse_t, stride_lt, sink_t,
@@ -390,19 +411,19 @@ def sparse_mla_fwd(
             bt, bt.stride(0), ranges[3], ranges[4], tok2req, pos, b_width,
             po, pml, counters if counters is not None else pml,
             H, scale * LOG2E, split,
-            COMP=comp_mode, C4A_RATIO=topk_ratio, HAS_SINK=sink is not None,
-            WRITE_LSE=write_lse and (split == 1 or counters is not None), IS_SPLIT=split > 1, BN=bn,
-            A_SHIFT=_log2_or_minus1(a_bs), B_SHIFT=_log2_or_minus1(b_bs), RANGE_CHECKS=bool(config.range_checks),
-            MERGE_IN_KERNEL=counters is not None, num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG,
-        )
+        ), dict(COMP=comp_mode, C4A_RATIO=topk_ratio, HAS_SINK=sink is not None,
+                WRITE_LSE=write_lse and (split == 1 or counters is not None), IS_SPLIT=split > 1, BN=bn,
+                A_SHIFT=_log2_or_minus1(a_bs), B_SHIFT=_log2_or_minus1(b_bs), RANGE_CHECKS=bool(config.range_checks),
+                MERGE_IN_KERNEL=counters is not None), dict(num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG))
     else:
         dt = config.dt()
         if tile.p_scratch:
             scr_p = torch.empty(grid[0] * 2 * block_h * bn, dtype=_TORCH_DT[dt], device=q.device)
             scr_a = torch.empty(grid[0] * 2 * block_h, dtype=torch.float32, device=q.device)
+            temporaries += [scr_p, scr_a]
         else:
             scr_p = scr_a = out
-        K.sparse_mla_fwd_kernel[grid](
+        attention = launch.KernelLaunch(K.sparse_mla_fwd_kernel, grid, (
             q, q.stride(0), q.stride(1),
             out, out.stride(0), out.stride(1),
             lse_t, stride_lt, sink_t,
@@ -411,16 +432,15 @@ def sparse_mla_fwd(
             bt, bt.stride(0), ranges[3], ranges[4], tok2req, pos, b_width,
             po, pml, scr_p, scr_a,
             H, scale * LOG2E, float(kv_scale), split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
-            **portable_constexprs(codes, comp_mode, topk_ratio, sink is not None, write_lse, split, tile, dt,
-                                  config.range_checks),
-            **launch_options(tile),
-        )
+        ), portable_constexprs(codes, comp_mode, topk_ratio, sink is not None, write_lse, split, tile, dt,
+                               config.range_checks), launch_options(tile))
+    launches = [attention]
     if split > 1 and counters is None:
         bh_c, bd = combine_tile(config, gluon)
         bh_c = min(bh_c, block_h)
-        K.combine_kernel[(T, triton.cdiv(H, bh_c), 512 // bd)](
-            po, pml, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H,
-            SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), HAS_SINK=sink is not None,
-            WRITE_LSE=write_lse, BLOCK_H=bh_c, BLOCK_D=bd, num_warps=4,
-        )
-    return out
+        launches.append(launch.KernelLaunch(
+            K.combine_kernel, (T, _cdiv(H, bh_c), 512 // bd),
+            (po, pml, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H),
+            dict(SPLIT=split, SPLIT_P2=_next_power_of_2(split), HAS_SINK=sink is not None, WRITE_LSE=write_lse,
+                 BLOCK_H=bh_c, BLOCK_D=bd), dict(num_warps=4)))
+    return launch.LayerLaunches(launches, temporaries)

@@ -1,0 +1,315 @@
+"""The per-layer-call host path's memos keep every guarantee (issue 24 item 6).
+
+* The checks' memo (``common.checks.LayerChecks``): a layer call that changed anything after a call
+  that passed -- a tensor's shape, dtype, device, strides, an alias of ``out`` -- is refused with
+  the same ValueError a SparseMLA that never saw a call raises; a repeated call skips the deep
+  checks; a ``dataclasses.replace`` copy of a checked LayerInputs carries no key.
+* The bound launch (``portable/kernels/launch.py``): the launcher gets every parameter in the
+  kernel's own order (checked against the real kernels' signatures), tensors as the addresses
+  Triton's launcher reads from them, the call's temporaries at their new addresses; under the
+  interpreter nothing is bound and repeated calls give the same bytes as the first. The GPU test
+  compares a bound launch's bytes with a plain one's.
+
+No test here reads a time (host times are ``python -m dsv4_attn.bench.host``'s job).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import re
+
+import pytest
+import torch
+
+import dsv4_attn as dsv4
+from dsv4_attn.common import checks
+from dsv4_attn.common.spec import LayerKind
+
+from step_cases import make_step
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+C4A_ONLY = (LayerKind.SWA, LayerKind.C4A)
+
+
+@pytest.fixture
+def case(gen):
+    return make_step(gen, [1, 3], [40, 90], kinds=C4A_ONLY, topk=16, max_model_len=1024)
+
+
+def _call(mla, plan, case, **changes):
+    args = dict(q=case.q, swa_cache=case.caches["swa"], comp_cache=case.caches[LayerKind.C4A],
+                topk=case.topk[LayerKind.C4A], sink=case.sink, out=torch.full_like(case.q, float("nan")))
+    args.update(changes)
+    return mla.forward(plan, LayerKind.C4A, **args)
+
+
+def _refusal(mla, plan, case, **changes) -> str:
+    with pytest.raises(ValueError) as info:
+        _call(mla, plan, case, **changes)
+    return str(info.value)
+
+
+def _changes(case, plan):
+    """name -> inputs that differ from the good call in one attribute the checks read."""
+    q, swa, comp = case.q, case.caches["swa"], case.caches[LayerKind.C4A]
+    topk, T = case.topk[LayerKind.C4A], case.q.shape[0]
+    return {
+        "q shape": dict(q=q[:-1]),
+        "q dtype": dict(q=q.float()),
+        "q device": dict(q=q.to("meta")),
+        "q strides": dict(q=q.transpose(1, 2).contiguous().transpose(1, 2)),
+        "swa_cache dtype": dict(swa_cache=swa.view(torch.bool)),
+        "swa_cache row": dict(swa_cache=swa[:, :, :-8]),
+        "comp_cache block size": dict(comp_cache=comp.reshape(comp.shape[0] * 2, comp.shape[1] // 2, -1)),
+        "comp_cache device": dict(comp_cache=comp.to("meta")),
+        "topk dtype": dict(topk=topk.to(torch.int16)),
+        "topk width": dict(topk=topk[:, :-1]),
+        "sink dtype": dict(sink=case.sink.double()),
+        "out dtype": dict(out=torch.empty(q.shape, dtype=torch.float16)),
+        "out strides": dict(out=torch.empty(q.shape[::-1], dtype=torch.bfloat16).permute(2, 1, 0)),
+        "out is q": dict(out=q),
+        "out views the swa cache": dict(out=torch.empty(0, dtype=torch.bfloat16).set_(
+            swa.untyped_storage(), 0, tuple(q.shape))),
+        "out views the plan's rows": dict(out=torch.empty(0, dtype=torch.bfloat16).set_(
+            plan.swa_rows.untyped_storage(), 0, tuple(q.shape))),
+        "kv_scale": dict(kv_scale=2.0),
+        "kv_scale bool": dict(kv_scale=True),
+        "topk None": dict(topk=None),
+        "T": dict(q=torch.cat([q, q[:1]]), out=torch.empty(T + 1, *q.shape[1:], dtype=torch.bfloat16)),
+    }
+
+
+def test_a_change_after_a_passed_call_is_refused_as_without_the_memo(case):
+    """After a good call (memoized), each change is refused with exactly the message of a fresh
+    SparseMLA's first call, and the good call still passes afterwards."""
+    warm = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")
+    plan = warm.plan(case.batch)
+    _call(warm, plan, case)
+    _call(warm, plan, case)
+    for name, changes in _changes(case, plan).items():
+        cold = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")
+        cold_plan = cold.plan(case.batch)
+        expected = _unaddressed(_refusal(cold, cold_plan, case, **_changes(case, cold_plan)[name]))
+        assert _unaddressed(_refusal(warm, plan, case, **changes)) == expected, name
+        assert _unaddressed(_refusal(warm, plan, case, **changes)) == expected, f"{name}, twice"
+    assert not _call(warm, plan, case).isnan().any()
+
+
+def _unaddressed(message: str) -> str:
+    """A refusal without its byte addresses (each model's plan buffers live elsewhere)."""
+    return re.sub(r"0x[0-9a-f]+", "0x?", message)
+
+
+def test_a_tensor_changed_in_place_after_a_passed_call_is_refused(case):
+    """The same out object, made non-contiguous in place (as_strided_) after a call that passed."""
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")
+    plan = mla.plan(case.batch)
+    out = torch.empty(2 * case.q.numel(), dtype=torch.bfloat16).view(2, *case.q.shape)[0]
+    _call(mla, plan, case, out=out)
+    T, H, D = case.q.shape
+    out.as_strided_(case.q.shape, (2 * H * D, D, 1))
+    with pytest.raises(ValueError, match=r"^out: got .*contiguous=False"):
+        _call(mla, plan, case, out=out)
+
+
+def test_a_repeated_call_skips_the_deep_checks_and_a_new_one_runs_them(case, monkeypatch):
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")
+    plan = mla.plan(case.batch)
+    calls = []
+    real = checks.check_layer
+    monkeypatch.setattr(checks, "check_layer", lambda *a: calls.append(1) or real(*a))
+    out = torch.empty_like(case.q)
+    for _ in range(3):
+        _call(mla, plan, case, out=out)
+    assert len(calls) == 1
+    _call(mla, plan, case, out=torch.empty_like(case.q))  # another out: its checks run
+    assert len(calls) == 2
+    _call(mla, mla.plan(case.batch), case, out=out)  # the next step, same facts: memoized
+    assert len(calls) == 2
+    mla.forward(plan := mla.plan(case.batch), LayerKind.C4A, case.q, case.caches["swa"],
+                case.caches[LayerKind.C4A], topk=case.topk[LayerKind.C4A], sink=case.sink, out=out, validate=True)
+    assert len(calls) == 3  # validate reads values: never memoized
+
+
+def test_a_replaced_copy_of_checked_inputs_carries_no_key(case):
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")
+    plan = mla.plan(case.batch)
+    layer = mla.layer_inputs(plan, LayerKind.C4A, case.q, case.caches["swa"], case.caches[LayerKind.C4A],
+                             case.topk[LayerKind.C4A], case.sink)
+    again = mla.layer_inputs(plan, LayerKind.C4A, case.q, case.caches["swa"], case.caches[LayerKind.C4A],
+                             case.topk[LayerKind.C4A], case.sink)
+    assert layer.checked_key is not None and layer.checked_key == again.checked_key
+    assert dataclasses.replace(layer, q=case.q[:1]).checked_key is None
+    assert layer.token_slice(0, 1).checked_key == (layer.checked_key, 0, 1)
+    other = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")
+    theirs = other.layer_inputs(other.plan(case.batch), LayerKind.C4A, case.q, case.caches["swa"],
+                                case.caches[LayerKind.C4A], case.topk[LayerKind.C4A], case.sink)
+    assert theirs.checked_key != layer.checked_key  # two models' keys never mix
+
+
+# ---- the bound launch -----------------------------------------------------------------------
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton missing")
+
+
+def _launches(case, split: int):
+    from dsv4_attn.portable.kernels import ops
+
+    kind = LayerKind.C4A
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")
+    plan = mla.plan(case.batch)
+    out = torch.empty_like(case.q)
+    return ops.layer_launches(
+        case.q, out, "fp8_ds_mla", case.caches["swa"], plan.swa_rows, plan.swa_lens,
+        comp_cache=case.caches[kind], comp_rows=case.topk[kind],
+        c4a=(case.batch.comp_block_table(kind), plan.token_to_req, plan.positions), topk_ratio=kind.ratio,
+        sink=case.sink, config=ops.KernelConfig(split=split, p_scratch=1))
+
+
+@needs_triton
+@pytest.mark.parametrize("kernel", ["portable", "gluon"])
+def test_bound_parameters_follow_each_kernels_own_signature(case, monkeypatch, kernel):
+    """What the launcher gets is what JITFunction.run hands it: every parameter in the signature's
+    order (inspect's binding of the kernel's Python function), constexprs where they stand. The
+    Gluon (H100) kernel's launch is described here as on an sm_90 GPU; nothing is launched."""
+    from dsv4_attn.portable.kernels import launch, ops
+
+    if kernel == "gluon":
+        if not ops._gluon_importable():
+            pytest.skip("this Triton's Gluon does not import the Hopper kernel")
+        monkeypatch.setattr(ops, "use_gluon", lambda *args, **kwargs: True)
+    layer = _launches(case, split=2)
+    assert len(layer.launches) == 2  # the attention kernel and the split combine
+    assert ("hopper" in layer.launches[0].fn.__module__) == (kernel == "gluon")
+    for one in layer.launches:
+        expected = inspect.signature(one.fn.fn).bind(*one.args, **one.constexprs).arguments
+        ordered = launch.ordered_parameters(one)
+        assert ordered is not None and len(ordered) == len(expected)
+        assert all(a is b for a, b in zip(ordered, expected.values()))
+
+
+class _Recording:
+    """A CompiledKernel stand-in whose launcher records its arguments."""
+
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+@needs_triton
+def test_a_replay_hands_the_launcher_the_plain_launchs_arguments(case, monkeypatch):
+    """Bound from a layer's launches (split partials and P scratch as temporaries), a replay calls
+    each launcher with the grid, the stream, no hooks and every parameter: tensors as their
+    addresses, the temporaries at the new ones (same offsets), everything else as given."""
+    from dsv4_attn.portable.kernels import launch
+
+    layer = _launches(case, split=2)
+    assert len(layer.temporaries) == 3  # split partials, P scratch, alpha scratch
+    kernels = [_Recording() for _ in layer.launches]
+    replay = launch.bind_launches(layer, kernels, torch.device("cpu"))
+    monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
+    assert replay() is True
+    for one, kernel in zip(layer.launches, kernels):
+        (call,) = kernel.calls
+        grid = (tuple(one.grid) + (1, 1))[:3]
+        assert call[:9] == (*grid, 1234, "function", "packed", None, None, None)
+        params = launch.ordered_parameters(one)
+        assert len(call) == 9 + len(params)
+        for sent, given in zip(call[9:], params):
+            if not isinstance(given, torch.Tensor):
+                assert sent == given or (sent is given)
+                continue
+            storage = given.untyped_storage().data_ptr()
+            if not any(t.untyped_storage().data_ptr() == storage for t in layer.temporaries):
+                assert sent == given.data_ptr()
+            else:
+                assert sent != given.data_ptr()  # a new temporary (the old one is still alive here)
+                assert (sent - given.data_ptr()) % 16 == 0
+
+
+@needs_triton
+def test_a_replay_steps_aside_for_a_launch_hook(case, monkeypatch):
+    from triton import knobs
+
+    from dsv4_attn.portable.kernels import launch
+
+    layer = _launches(case, split=2)
+    kernels = [_Recording() for _ in layer.launches]
+    replay = launch.bind_launches(layer, kernels, torch.device("cpu"))
+    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert replay() is False and not any(k.calls for k in kernels)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+
+
+@needs_triton
+def test_under_the_interpreter_nothing_is_bound_and_repeats_give_the_same_bytes(case):
+    from dsv4_attn.common.platform import triton_interpreting
+    from dsv4_attn.portable.kernels import launch
+
+    if not triton_interpreting():
+        pytest.skip("the interpreter runs on CPU-only machines")
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
+    plan = mla.plan(case.batch)
+    out = torch.full_like(case.q, float("nan"))
+    first = _call(mla, plan, case, out=out).clone()
+    assert not first.isnan().any()
+    for _ in range(2):
+        out.fill_(float("nan"))
+        assert torch.equal(_call(mla, plan, case, out=out), first)
+    assert not launch.bindable(case.q.device)
+    assert not mla._backend("triton")._replays  # no key on the interpreter: every launch plain
+
+
+@needs_triton
+def test_a_replay_key_reads_only_the_layers_own_tables(gen, monkeypatch):
+    """A C128A layer of a step that carries no ratio-4 table (a KV-cache group without C4A layers)
+    of a model that has C4A layers: its replay key reads only its own kind's tables (it read every
+    top-k kind's and raised). Keys made here as on a GPU; launches stay plain (interpreter)."""
+    from dsv4_attn.portable.kernels import launch
+
+    case = make_step(gen, [1, 2], [300, 700], kinds=(LayerKind.SWA, LayerKind.C4A, LayerKind.C128A), topk=16,
+                     max_model_len=1024)
+    b = case.batch
+    batch = dsv4.StepBatch.from_lists([1, 2], [300, 700], b.swa_block_table, b.swa_block_size,
+                                      {128: b.comp_block_tables[128]}, b.block_size, b.max_model_len)
+    monkeypatch.setattr(launch, "bindable", lambda device: True)
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
+    plan = mla.plan(batch)
+    out = torch.empty_like(case.q)
+    outs = []
+    for _ in range(2):
+        out.fill_(float("nan"))
+        outs.append(mla.forward(plan, LayerKind.C128A, case.q, case.caches["swa"], case.caches[LayerKind.C128A],
+                                sink=case.sink, out=out).clone())
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+    assert len(mla._backend("triton")._replays) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernels)")
+@pytest.mark.parametrize("batch", [[1, 1], [3, 2, 1, 4, 2, 1, 1, 3]])  # few tokens split (+ combine); more do not
+def test_bound_launches_give_the_plain_launchs_bytes_on_the_gpu(gen, batch):
+    from dsv4_attn.portable.kernels import launch
+
+    seqs = [40 + 37 * i for i in range(len(batch))]
+    case = make_step(gen, batch, seqs, kinds=C4A_ONLY, topk=64, max_model_len=4096, device="cuda")
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton", device="cuda")
+    plan = mla.plan(case.batch)
+    out = torch.full_like(case.q, float("nan"))
+    outs = []
+    for _ in range(3):  # plain, plain + bind, replay
+        out.fill_(float("nan"))
+        outs.append(_call(mla, plan, case, out=out).clone())
+    torch.cuda.synchronize()
+    assert any(isinstance(r, launch.Replay) for r in mla._backend("triton")._replays.values())
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[2], outs[0]) and torch.equal(outs[1], outs[0])
