@@ -1,7 +1,8 @@
 """Compile every variant of the portable Triton kernels the package launches on AMD (gfx942,
 gfx950) offline with PyPI Triton's AMD backend and print, per variant, LDS bytes, VGPRs (arch +
-AGPRs), SGPRs, VGPR / SGPR spills and scratch bytes per lane, and whether it meets the bar:
-compiled, LDS within the arch's limit, no VGPR spill, no scratch.
+AGPRs), SGPRs, VGPR / SGPR spills, scratch bytes per lane, ISA instructions per key of the
+key-tile loop, and whether it meets the bar: compiled, LDS within the arch's limit, no VGPR spill,
+no scratch (so no SGPR spilled to memory either).
 
     python tests/gpu_scripts/triton_amd.py                   # every variant, markdown table
     python tests/gpu_scripts/triton_amd.py --quick --json    # the CI subset (tests/test_amd_compile.py)
@@ -61,9 +62,13 @@ def picked_tiles(arch: str, heads: range = range(1, MAX_HEADS + 1)) -> list[ops.
 
 
 def variants(arch: str, quick: bool, tiles_of: str | None = None,
-             heads: range = range(1, MAX_HEADS + 1)) -> list[Variant]:
+             heads: range = range(1, MAX_HEADS + 1), like_vllm: bool = False) -> list[Variant]:
     """What runs on ``arch``: the combine kernel and the attention kernel in the tiles picked
-    there for ``heads`` (or, ``tiles_of``, on another arch: to see them fail)."""
+    there for ``heads`` (or, ``tiles_of``, on another arch: to see them fail). ``like_vllm``: only
+    the variant that reads what vLLM's gfx950 sparse-MLA kernel reads (V4 records, global slots
+    in both scopes, one launch; tests/gpu_scripts/vllm_amd_isa.py)."""
+    if like_vllm:
+        return [Variant(arch, "attention", tile, KVFormat.MODEL1_FP8, "all") for tile in picked_tiles(arch, heads)]
     out = [Variant(arch, "combine")]
     for tile in picked_tiles(tiles_of or arch, heads):
         if quick:
@@ -92,6 +97,8 @@ def measure(v: Variant) -> dict:
                                      ops.launch_options(v.tile))
     res = pb.amd_resources(kernel)
     res["ok"] = (res["lds"] <= pb.LDS_LIMIT[v.arch] and res["vgpr_spills"] == 0 and res["scratch"] == 0)
+    # ISA instructions of the key-tile loop per key it walks (the combine kernel has no key loop)
+    res["per_key"] = round(res["loop_instructions"] / v.tile.block_n, 1) if v.tile else 0.0
     return res
 
 
@@ -105,9 +112,10 @@ def main() -> None:
                    help="one row per arch x tile x format: the most over its layer kinds and splits")
     p.add_argument("--tiles-of", metavar="ARCH", help="compile the tiles picked on ARCH (e.g. sm90) instead")
     p.add_argument("--heads", type=int, help="only the tile picked for this many heads (default: 1..128)")
+    p.add_argument("--like-vllm", action="store_true", help="only the variant vLLM's kernel compares with")
     args = p.parse_args()
     heads = range(args.heads, args.heads + 1) if args.heads else range(1, MAX_HEADS + 1)
-    todo = [v for arch in args.arch or ARCHS for v in variants(arch, args.quick, args.tiles_of, heads)]
+    todo = [v for arch in args.arch or ARCHS for v in variants(arch, args.quick, args.tiles_of, heads, args.like_vllm)]
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(measure, todo))
     rows = [{"label": v.label(), "arch": v.arch, "kernel": v.kernel, "tile": asdict(v.tile) if v.tile else None,
@@ -115,18 +123,19 @@ def main() -> None:
     if args.json:
         json.dump(rows, sys.stdout)
         return
-    print("| variant | LDS B | VGPRs (of them AGPRs) | SGPRs | VGPR spills | SGPR spills | scratch B | ok |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("| variant | LDS B | VGPRs (of them AGPRs) | SGPRs | VGPR spills | SGPR spills | scratch B | "
+          "instructions / key | ok |\n|---|---|---|---|---|---|---|---|---|")
     groups: dict[str, list[tuple[Variant, dict]]] = {}
     for v, res in zip(todo, results):
         groups.setdefault(v.label(not args.summary), []).append((v, res))
     for key, members in groups.items():
         top = {k: max(r[k] for _, r in members) for k in ("lds", "vgprs", "agprs", "sgprs", "vgpr_spills",
-                                                            "sgpr_spills", "scratch")}
+                                                            "sgpr_spills", "scratch", "per_key")}
         ok = all(r["ok"] for _, r in members)
         kinds = f" ({len(members)} variants)" if len(members) > 1 else ""
         print(f"| {key}{kinds} | {top['lds']} | {top['vgprs']} ({top['agprs']}) | {top['sgprs']} | "
-              f"{top['vgpr_spills']} | {top['sgpr_spills']} | {top['scratch']} | {'yes' if ok else 'NO'} |")
+              f"{top['vgpr_spills']} | {top['sgpr_spills']} | {top['scratch']} | {top['per_key'] or '-'} | "
+              f"{'yes' if ok else 'NO'} |")
 
 
 if __name__ == "__main__":

@@ -67,15 +67,16 @@ class Tile:
     options: tuple[tuple[str, int], ...] = ()
 
 
-# AMD CDNA (gfx942 / gfx950): blocks of 16 heads, 16 keys per tile, 4 waves per workgroup, P in
-# registers. 4 waves: each SIMD runs one, which may then use 512 VGPRs (256 arch + 256 AGPRs; 8
-# waves halve that and the kernel spills). 16 keys (one MFMA K step of P·V) and 16 heads: each wave
-# holds its q rows, fp32 accumulators and a dequantized K tile, and larger tiles do not fit: 32 or
-# 64 keys spill 2-293 VGPRs, 32- and 64-head blocks 2-17 in some record x layer kind (with P in
-# registers or through scratch), the 16-head block none, at most 372 VGPRs. More heads run as
-# more blocks, which re-read a token's rows from L2. Measured offline for every record x layer
-# kind x split (docs/rocm.md "Triton kernels on AMD"; tests/test_amd_compile.py holds it).
-AMD_TILE = Tile(16, 16, 4, 1, False, (("matrix_instr_nonkdim", 16),))
+# AMD CDNA (gfx942 / gfx950): blocks of 16 heads, 64 keys per tile, 4 waves per workgroup, P and
+# alpha through the per-program scratch. 16 heads are ONE MFMA tile high, and Triton's AMD backend
+# gives the first dot of a chained pair (Q·Kᵀ feeding P·V) all its waves along M: with P in
+# registers every wave computed the whole score tile (4x the Q·Kᵀ work). Through the scratch
+# the chain is broken: Q·Kᵀ is split over the waves (16 keys each), P·V over the 512 dims
+# (128 each). 4 waves: each SIMD runs one, which may then use 512 VGPRs (256 arch + 256 AGPRs).
+# 128 keys spill VGPRs; 32 keys need 2 waves (half the SIMDs). Measured offline, with the
+# launcher's specialization of its integer arguments, for every record x layer kind x split
+# (docs/rocm.md "Triton kernels on AMD"; tests/test_amd_compile.py holds it).
+AMD_TILE = Tile(16, 64, 4, 1, True, (("matrix_instr_nonkdim", 16),))
 
 
 @dataclass(frozen=True)
