@@ -153,16 +153,18 @@ def test_kernel_lse_and_all_invalid_rows(device, fmt, swa_dialect, gen):
 
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("heads", [16, 24, 40])
-def test_amd_tiles(device, heads, gen):
-    """AMD's tile (blocks of 16 heads, 16 keys, 4 warps, P in registers), one launch and split,
-    in the two-record walk (MXFP8 SWA + NVFP4 compressed), with 1-3 head blocks."""
+@pytest.mark.parametrize("fmt,swa_dialect", [("nvfp4_ds_mla", "ocp"), ("fp8_ds_mla", "fnuz")])
+def test_amd_tiles(device, heads, fmt, swa_dialect, gen):
+    """AMD's tile (blocks of 16 heads, 64 keys, 4 waves, P through the scratch), one launch and
+    split (some splits empty), in the two-record walk (MXFP8 SWA + NVFP4 compressed) and in the
+    V4 record as gfx942 writes it (FNUZ SWA cache), with 1-3 head blocks."""
     from dsv4_attn.portable.kernels.ops import KernelConfig
 
     for arch in ("gfx942", "gfx950"):
         tile = KernelConfig().tile(arch, heads)
-        assert (tile.block_h, tile.block_n, tile.num_warps, tile.p_scratch) == (16, 16, 4, False), tile
-    configs = [KernelConfig(block_h=16, block_n=16, num_warps=4, p_scratch=0, split=split) for split in (1, 3)]
-    _check_raw_kernel("nvfp4_ds_mla", "ocp", heads, configs, gen)
+        assert (tile.block_h, tile.block_n, tile.num_warps, tile.p_scratch) == (16, 64, 4, True), tile
+    configs = [KernelConfig(block_h=16, block_n=64, num_warps=4, p_scratch=1, split=split) for split in (1, 3)]
+    _check_raw_kernel(fmt, swa_dialect, heads, configs, gen)
 
 
 def _check_raw_kernel(fmt, swa_dialect, H, configs, gen):
