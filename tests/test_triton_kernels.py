@@ -520,7 +520,7 @@ def test_kernel_choice_is_visible_in_explain(monkeypatch):
     assert "not mxfp8)" in b.choice(h100, spec, KVFormat.NVFP4, LayerKind.SWA, phase, ocp)
     assert "not FNUZ" in b.choice(h100, spec, KVFormat.MODEL1_FP8, LayerKind.C4A, phase, fnuz)
     amd = b.choice(mi355, dsv4.ModelSpec(num_heads=32), KVFormat.NVFP4, LayerKind.C1A, phase, ocp)
-    assert amd == "portable kernel, 16 heads x 16 keys per tile, 4 warps (the Gluon kernel is sm_90 only, " \
+    assert amd == "portable kernel, 16 heads x 64 keys per tile, 4 warps (the Gluon kernel is sm_90 only, " \
                   "this is gfx950)", amd
     mla = dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16, layers=("swa", "c1a")), "nvfp4_ds_mla", backend="triton")
     assert "portable kernel, 16 heads x 64 keys per tile, 8 warps (Triton's CPU interpreter)" in mla.explain()

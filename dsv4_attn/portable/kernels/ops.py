@@ -239,11 +239,14 @@ def choose_split(num_programs: int, max_tiles: int, device: torch.device, reques
 
 
 def portable_constexprs(fmt_codes: tuple[int, int], comp_mode: int, topk_ratio: int, has_sink: bool,
-                        write_lse: bool, split: int, tile: Tile, dt, range_checks: bool) -> dict:
-    """The portable kernel's constexpr arguments (what one compiled variant is)."""
+                        write_lse: bool, split: int, tile: Tile, dt, range_checks: bool,
+                        shifts: tuple[int, int] = (6, 6)) -> dict:
+    """The portable kernel's constexpr arguments (what one compiled variant is); ``shifts``: each
+    cache's ``_log2_or_minus1(block_size)`` (default: 64-token pages)."""
     return dict(FMT_A=fmt_codes[0], FMT_B=fmt_codes[1], COMP=comp_mode, C4A_RATIO=topk_ratio, HAS_SINK=has_sink,
                 WRITE_LSE=write_lse and split == 1, IS_SPLIT=split > 1, BLOCK_H=tile.block_h,
-                BLOCK_N=tile.block_n, DT=dt, P_SCRATCH=tile.p_scratch, RANGE_CHECKS=bool(range_checks))
+                BLOCK_N=tile.block_n, DT=dt, P_SCRATCH=tile.p_scratch, RANGE_CHECKS=bool(range_checks),
+                A_SHIFT=shifts[0], B_SHIFT=shifts[1])
 
 
 def launch_options(tile: Tile) -> dict:
@@ -364,7 +367,7 @@ def sparse_mla_fwd(
             po, pml, scr_p, scr_a,
             H, scale * LOG2E, float(kv_scale), split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
             **portable_constexprs(codes, comp_mode, topk_ratio, sink is not None, write_lse, split, tile, dt,
-                                  config.range_checks),
+                                  config.range_checks, (_log2_or_minus1(a_bs), _log2_or_minus1(b_bs))),
             **launch_options(tile),
         )
     if split > 1:
