@@ -4,8 +4,9 @@ in every tile the package picks there, checked offline with PyPI Triton's AMD ba
 tests/gpu_scripts/triton_amd.py compiles them in a child process (this process runs Triton's
 interpreter): per arch the split-merge kernel and, per picked tile, the attention kernel's
 top-k walk with its LSE in the records with the most registers live (V4, bf16), in nvfp4_ds_mla's
-two records, and its split epilogue. The full sweep (every record x layer kind x split)
-is the table in docs/rocm.md. Triton's kernel cache makes reruns fast.
+two records, and its split epilogue (the full sweep over every record x layer kind x split:
+``triton_amd.py --summary``; docs/rocm.md has the ISA table). Triton's kernel cache makes reruns
+fast.
 
 Instructions per key are compared with vLLM 0.33.0's gfx950 Triton sparse-MLA kernel compiled
 under the same Triton, recorded once (vLLM is not compiled here).

@@ -11,8 +11,8 @@ The variants are what ``ops.sparse_mla_fwd`` launches: the tile ``KernelConfig.t
 picks for any head count 1..MAX_HEADS, each KV format x layer kind (SWA, every-entry, top-k) it
 serves, one launch and split launches, and the split's combine kernel. No GPU needed; run it
 without TRITON_INTERPRET. ``--quick`` keeps, per tile, the top-k walk with its LSE in the records with
-the most registers live (V4, bf16; the full run shows they are the worst: docs/rocm.md "Triton
-kernels on AMD"), in nvfp4_ds_mla's two records, and the split epilogue.
+the most registers live (V4, bf16; the worst in the full run of the earlier 16-key tile), in
+nvfp4_ds_mla's two records, and the split epilogue.
 """
 
 from __future__ import annotations

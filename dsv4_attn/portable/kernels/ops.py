@@ -74,8 +74,8 @@ class Tile:
 # the chain is broken: Q·Kᵀ is split over the waves (16 keys each), P·V over the 512 dims
 # (128 each). 4 waves: each SIMD runs one, which may then use 512 VGPRs (256 arch + 256 AGPRs).
 # 128 keys spill VGPRs; 32 keys need 2 waves (half the SIMDs). Measured offline, with the
-# launcher's specialization of its integer arguments, for every record x layer kind x split
-# (docs/rocm.md "Triton kernels on AMD"; tests/test_amd_compile.py holds it).
+# launcher's specialization of its integer arguments, in the heaviest variants (top-k V4, bf16,
+# nvfp4_ds_mla, split; docs/rocm.md "Triton kernels on AMD"; tests/test_amd_compile.py holds it).
 AMD_TILE = Tile(16, 64, 4, 1, True, (("matrix_instr_nonkdim", 16),))
 
 
