@@ -32,9 +32,14 @@ LDS_LIMIT = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
 COMP_NAMES = {K.COMP_NONE: "SWA only", K.COMP_GLOBAL: "all entries (C128A)", K.COMP_C4A_LOCAL: "top-k"}
 
 
+def layer_records(fmt: KVFormat, comp_mode: int) -> tuple:
+    """The records a layer of ``comp_mode`` reads in format ``fmt`` (an SWA layer: the SWA cache's)."""
+    return (fmt.swa_record,) if comp_mode == K.COMP_NONE else (fmt.swa_record, fmt.comp_record)
+
+
 def variant(fmt: KVFormat, comp_mode: int, tile: ops.Tile, split: int = 1, topk_ratio: int = 4) -> dict:
     """The constexprs of one launch (``ops.portable_constexprs``), with a sink and the LSE."""
-    records = (fmt.swa_record,) if comp_mode == K.COMP_NONE else (fmt.swa_record, fmt.comp_record)
+    records = layer_records(fmt, comp_mode)
     codes = (ops.RECORD_CODE[records[0]], ops.RECORD_CODE[records[-1]])
     return ops.portable_constexprs(codes, comp_mode, topk_ratio, True, True, split, tile, K.tl.bfloat16, True)
 

@@ -7,7 +7,7 @@ no scratch (so no SGPR spilled to memory either).
     python tests/gpu_scripts/triton_amd.py                   # every variant, markdown table
     python tests/gpu_scripts/triton_amd.py --quick --json    # the CI subset (tests/test_amd_compile.py)
 
-The variants are what ``ops.sparse_mla_fwd`` launches: the tile ``KernelConfig.tile(arch, heads)``
+The variants are what ``ops.sparse_mla_fwd`` launches: the tile ``KernelConfig.tile(arch, heads, records)``
 picks for any head count 1..MAX_HEADS, each KV format x layer kind (SWA, every-entry, top-k) it
 serves, one launch and split launches, and the split's combine kernel. No GPU needed; run it
 without TRITON_INTERPRET. ``--quick`` keeps, per tile, the top-k walk with its LSE in the records with
@@ -56,9 +56,10 @@ class Variant:
         return head + self.fmt.value + (f" {self.kind}{' split' if self.split > 1 else ''}" if kind else "")
 
 
-def picked_tiles(arch: str, heads: range = range(1, MAX_HEADS + 1)) -> list[ops.Tile]:
-    """Every tile the default config picks on ``arch`` for these head counts."""
-    return sorted({ops.DEFAULT_CONFIG.tile(arch, h) for h in heads}, key=lambda t: t.block_h)
+def picked_tiles(arch: str, heads: range = range(1, MAX_HEADS + 1), records: tuple = ()) -> list[ops.Tile]:
+    """Every tile the default config picks on ``arch`` for these head counts, for a layer reading
+    ``records``."""
+    return sorted({ops.DEFAULT_CONFIG.tile(arch, h, records) for h in heads}, key=lambda t: (t.block_h, t.block_n))
 
 
 def variants(arch: str, quick: bool, tiles_of: str | None = None,
@@ -67,24 +68,25 @@ def variants(arch: str, quick: bool, tiles_of: str | None = None,
     there for ``heads`` (or, ``tiles_of``, on another arch: to see them fail). ``like_vllm``: only
     the variant that reads what vLLM's gfx950 sparse-MLA kernel reads (V4 records, global slots
     in both scopes, one launch; tests/gpu_scripts/vllm_amd_isa.py)."""
+    def tiles(fmt: KVFormat, kind: str) -> list[ops.Tile]:
+        return picked_tiles(tiles_of or arch, heads, pb.layer_records(fmt, KINDS[kind]))
+
     if like_vllm:
-        return [Variant(arch, "attention", tile, KVFormat.MODEL1_FP8, "all") for tile in picked_tiles(arch, heads)]
+        return [Variant(arch, "attention", t, KVFormat.MODEL1_FP8, "all") for t in tiles(KVFormat.MODEL1_FP8, "all")]
+    if quick:
+        cases = [(fmt, "top-k", split) for fmt, split in ((KVFormat.MODEL1_FP8, 1), (KVFormat.BF16, 1),
+                                                           (KVFormat.NVFP4, 1), (KVFormat.MODEL1_FP8, 2))]
+    else:
+        cases = [(fmt, kind, split) for fmt in KVFormat for kind in KINDS for split in (1, 2)]
     out = [Variant(arch, "combine")]
-    for tile in picked_tiles(tiles_of or arch, heads):
-        if quick:
-            out += [Variant(arch, "attention", tile, fmt, "top-k", split)
-                    for fmt, split in ((KVFormat.MODEL1_FP8, 1), (KVFormat.BF16, 1), (KVFormat.NVFP4, 1),
-                                       (KVFormat.MODEL1_FP8, 2))]
-            continue
-        seen = set()
-        for fmt in KVFormat:
-            for kind, comp in KINDS.items():
-                for split in (1, 2):
-                    key = (pb.variant(fmt, comp, tile, split)["FMT_A"], pb.variant(fmt, comp, tile, split)["FMT_B"],
-                           comp, split)
-                    if key not in seen:  # an SWA layer of nvfp4_ds_mla is mxfp8_ds_mla's
-                        seen.add(key)
-                        out.append(Variant(arch, "attention", tile, fmt, kind, split))
+    seen = set()
+    for fmt, kind, split in cases:
+        for tile in tiles(fmt, kind):
+            const = pb.variant(fmt, KINDS[kind], tile, split)
+            key = (tile, const["FMT_A"], const["FMT_B"], KINDS[kind], split)
+            if key not in seen:  # an SWA layer of nvfp4_ds_mla is mxfp8_ds_mla's
+                seen.add(key)
+                out.append(Variant(arch, "attention", tile, fmt, kind, split))
     return out
 
 

@@ -77,6 +77,10 @@ class Tile:
 # launcher's specialization of its integer arguments, in the heaviest variants (top-k V4, bf16,
 # nvfp4_ds_mla, split; docs/rocm.md "Triton kernels on AMD"; tests/test_amd_compile.py holds it).
 AMD_TILE = Tile(16, 64, 4, 1, True, (("matrix_instr_nonkdim", 16),))
+# ... except layers reading an NVFP4 cache (nvfp4_ds_mla's compressed scope): its walk loads each
+# e2m1 byte once per dim, and in the 64-key tile it spills VGPRs to scratch under Triton 3.9
+# (428-756 B); the earlier 16-key tile with P in registers does not (there every wave repeats Q·Kᵀ)
+AMD_NVFP4_TILE = Tile(16, 16, 4, 1, False, (("matrix_instr_nonkdim", 16),))
 
 
 @dataclass(frozen=True)
@@ -107,11 +111,12 @@ class KernelConfig:
             name = "fp32" if triton_interpreting() else "bf16"
         return {"fp16": K.tl.float16, "bf16": K.tl.bfloat16, "fp32": K.tl.float32}[name]
 
-    def tile(self, arch: str, num_heads: int) -> Tile:
+    def tile(self, arch: str, num_heads: int, records: tuple[Record, ...] = ()) -> Tile:
         """The portable kernel's tile for ``num_heads`` query heads on ``arch`` ('cpu': the
-        interpreter), this config's fields overriding the arch's choice."""
+        interpreter) for a layer reading caches in ``records``, this config's fields overriding
+        the arch's choice."""
         if arch.startswith("gfx"):
-            base = AMD_TILE
+            base = AMD_NVFP4_TILE if Record.NVFP4 in records else AMD_TILE
         else:
             base = Tile(64 if num_heads >= 64 else max(16, triton.next_power_of_2(num_heads)), 64, 8, 1, True)
         return replace(base, block_h=self.block_h or base.block_h, block_n=self.block_n or base.block_n,
@@ -198,7 +203,7 @@ def compile_reason(arch: str, impl: str, records: tuple[Record, ...], comp_mode:
     if impl == "gluon":
         variant = build.hopper_constexprs(comp_mode, write_lse=True)
         return build.compile_error(arch, "gluon", tuple(sorted(variant.items())))
-    tile = config.tile(arch, num_heads)
+    tile = config.tile(arch, num_heads, records)
     codes = (RECORD_CODE[records[0]], RECORD_CODE[records[-1]])
     const = portable_constexprs(codes, comp_mode, 4, True, True, 1, tile, config.dt(), config.range_checks)
     return build.compile_error(arch, "portable", tuple(sorted(const.items())),
@@ -315,7 +320,7 @@ def sparse_mla_fwd(
     ranges = (a_nb * a_bs, swa_rows.shape[1], b_nb * b_bs, bt.shape[1], b_nb)  # the range checks' bounds
     dialects = tuple(Fp8Dialect.FNUZ if fnuz else Fp8Dialect.OCP for fnuz in (swa_fnuz, comp_fnuz))[:len(records)]
     gluon = use_gluon(q.device, records, dialects, config, (swa_cache, comp_cache), comp_mode, H)
-    tile = config.tile(device_arch(q.device), H)
+    tile = config.tile(device_arch(q.device), H, records)
     block_h = 64 if gluon else tile.block_h
     n_hb = triton.cdiv(H, block_h)
     bn = config.g_block_n if gluon else tile.block_n
