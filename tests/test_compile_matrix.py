@@ -51,18 +51,18 @@ def test_compat_resolves_the_installed_tritons_names():
 @pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None,
                     reason="this Triton has no NVIDIA backend")
 def test_gluon_hopper_kernel_compiles_for_sm90a_with_the_installed_triton(tmp_path):
-    """Top-k with and without the split (every Gluon builtin the kernel uses is in them); the
-    other nine variants are ci/compile-matrix.sh's."""
+    """Top-k without the split and split with the merge in the kernel (every Gluon builtin the
+    kernel uses is in them); the other twelve variants are ci/compile-matrix.sh's."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     out = tmp_path / "rows.json"
-    args = ["--targets", "sm90", "--kernels", "hopper", "--only", "top-k lse", "top-k split", "--jobs", "2"]
+    args = ["--targets", "sm90", "--kernels", "hopper", "--only", "top-k lse", "top-k split merge lse", "--jobs", "2"]
     res = subprocess.run([sys.executable, str(SCRIPT), *args, "--json", str(out)], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=900)
     rows = json.loads(out.read_text()) if out.exists() else []
     assert res.returncode == 0 and rows, res.stderr[-4000:]
     labels = {r["label"] for r in rows}
-    assert {"top-k lse", "top-k split"} <= labels, labels
+    assert {"top-k lse", "top-k split merge lse"} <= labels, labels
     for r in rows:
         assert r["ok"] and r["kernel"] == "hopper", r
         # read from ptxas' own report; the kernel asks for maxnreg 168 (hopper.MAXNREG)

@@ -1,7 +1,7 @@
 """The failure classes users of vLLM, SGLang, FlashInfer and AITER reported in 2026
 (collected in issue 26), pinned on every backend that runs here: torch, triton
-(CPU interpreter), aiter (through the AITER emulator, labelled emulated). The split-count test
-also has a cuda variant (marked ``gpu``); the others run on the CPU only so far.
+(CPU interpreter), aiter (through the AITER emulator, labelled emulated) on the CPU; triton and
+flashmla on a CUDA GPU (marked ``gpu``; flashmla needs the library: ``DSV4_ATTN_FLASHMLA_LIB``).
 
 * padded CUDA-graph requests and tokens carrying garbage or stale metadata are empty;
 * a step of padding only (zero-length metadata, as at capture time) runs, and the next real step
@@ -10,7 +10,8 @@ also has a cuda variant (marked ``gpu``); the others run on the CPU only so far.
   gives the long step's answer, for every layer kind (each per-step branch);
 * NaN bytes in cache rows no token selects never leak through P.V;
 * a prefix-cache hit whose block table still names stale blocks below the window reads none;
-* the Triton kernel's split count (1 / 8 / 16 / 32): no NaN, deterministic bytes, same answer.
+* the split count (Triton 1 / 8 / 16 / 32; AITER's split mode 2 / 8 / 16 / 32 through the
+  emulator): no NaN, deterministic bytes, the reference's answer.
 
 Every expected answer comes from a clean twin of the step (same bytes where it matters) run the
 same way, or from the float64 reference; never from the garbage itself.
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 import dsv4_attn as dsv4
+from dsv4_attn import envs
 from dsv4_attn.common import layout, reference
 from dsv4_attn.common.registry import unregister_backend
 from dsv4_attn.common.spec import V4_KINDS, LayerKind
@@ -33,9 +35,14 @@ from step_cases import make_step
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 CUDA = torch.cuda.is_available()
-BACKENDS = ["torch",
-            pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="Triton missing")),
-            pytest.param("aiter", marks=pytest.mark.skipif(CUDA, reason="the emulator's run is the CPU one"))]
+_ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a GPU")]
+_NEEDS_TRITON = pytest.mark.skipif(not HAS_TRITON, reason="Triton missing")
+BACKENDS = [pytest.param("torch", "cpu", id="torch"),
+            pytest.param("triton", "cpu", marks=_NEEDS_TRITON, id="triton"),
+            pytest.param("aiter", "cpu", marks=pytest.mark.skipif(CUDA, reason="the emulator's run is the CPU one"),
+                         id="aiter"),
+            pytest.param("triton", "cuda", marks=[*_ON_GPU, _NEEDS_TRITON], id="triton-cuda"),
+            pytest.param("flashmla", "cuda", marks=_ON_GPU, id="flashmla-cuda")]
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a GPU")])]
 SEQ_LENS = [300, 41, 170]  # decode tokens: one with every scope, one short, one in between
 SHAPE = dict(kinds=V4_KINDS, topk=32, max_model_len=1024, swa_bs=32, block_size=256)
@@ -43,10 +50,22 @@ SHAPE = dict(kinds=V4_KINDS, topk=32, max_model_len=1024, swa_bs=32, block_size=
 
 @pytest.fixture
 def backend_on(request):
-    """Switch the AITER emulator on for the aiter cases (and off afterwards)."""
+    """Make ``backend`` runnable here: the AITER emulator on for aiter (off afterwards); for
+    flashmla on a GPU, the real library (a skip naming why it did not load, a failure where
+    ``DSV4_ATTN_FLASHMLA_LIB`` names one that does not load)."""
     from dsv4_attn.rocm import emulate
 
-    yield lambda name: emulate.enable() if name == "aiter" else None
+    def on(name):
+        if name == "aiter":
+            emulate.enable()
+        elif name == "flashmla":
+            from dsv4_attn.cuda import flashmla
+
+            lib = flashmla.load_flashmla()
+            if lib.ops is None:
+                (pytest.fail if envs.FLASHMLA_LIB.raw else pytest.skip)(lib.describe())
+
+    yield on
     emulate.disable()
 
 
@@ -70,26 +89,26 @@ def _forward(mla, plan, case, kind, q=None, topk=None, caches=None):
 
 
 def _mla(case, backend, **kwargs):
-    return dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend=backend, **kwargs)
+    return dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend=backend, device=case.q.device, **kwargs)
 
 
 # ---- padded CUDA-graph requests / tokens ----------------------------------------------------------
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_padded_graph_requests_and_tokens_with_stale_metadata_are_empty(gen, backend, backend_on):
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_padded_graph_requests_and_tokens_with_stale_metadata_are_empty(gen, backend, device, backend_on):
     """vLLM pads a graph batch with requests of no query token (stale seq_lens, stale or garbage
     block-table rows) and tokens past the last request (stale top-k rows): the real tokens' answer
     is the unpadded step's, the padding tokens' output is 0."""
     backend_on(backend)
-    case = make_step(gen, [1] * 3, SEQ_LENS, **SHAPE)
+    case = make_step(gen, [1] * 3, SEQ_LENS, **SHAPE, device=device)
     b = case.batch
-    stale = {k: torch.cat([t, torch.full((2, t.shape[1]), 10**6, dtype=torch.int32)]) for k, t in
+    stale = {k: torch.cat([t, torch.full((2, t.shape[1]), 10**6, dtype=torch.int32, device=device)]) for k, t in
              {"swa": b.swa_block_table, **b.comp_block_tables}.items()}
     for t in stale.values():
         t[3, ::2] = t[0, ::2]  # a stale row: another request's blocks
         t[4, 0] = -7
     padded = _batch_like(b, SEQ_LENS + [999, 5], stale, num_tokens=5, query_lens=[1, 1, 1, 0, 0])
-    topk = torch.cat([case.topk[LayerKind.C4A], torch.randint(-10**6, 10**6, (2, 32), generator=gen).int()])
-    q = torch.cat([case.q, torch.randn(2, *case.q.shape[1:], generator=gen).bfloat16()])
+    topk = torch.cat([case.topk[LayerKind.C4A], torch.randint(-10**6, 10**6, (2, 32), generator=gen).int().to(device)])
+    q = torch.cat([case.q, torch.randn(2, *case.q.shape[1:], generator=gen).bfloat16().to(device)])
     for kind in (LayerKind.C4A, LayerKind.C128A):  # both read the SWA rows too
         mla = _mla(case, backend)
         got = _forward(mla, mla.plan(padded), case, kind, q=q, topk=topk if kind.uses_topk else None)
@@ -100,10 +119,10 @@ def test_padded_graph_requests_and_tokens_with_stale_metadata_are_empty(gen, bac
 
 
 # ---- zero-length metadata at capture -------------------------------------------------------------
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_step_of_padding_only_runs_and_leaves_the_next_step_alone(gen, backend, backend_on):
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_a_step_of_padding_only_runs_and_leaves_the_next_step_alone(gen, backend, device, backend_on):
     backend_on(backend)
-    case = make_step(gen, [1] * 3, SEQ_LENS, **SHAPE)
+    case = make_step(gen, [1] * 3, SEQ_LENS, **SHAPE, device=device)
     b = case.batch
     empty = dsv4.StepBatch.from_lists([], [], b.swa_block_table, b.swa_block_size, b.comp_block_tables,
                                       b.block_size, b.max_model_len, num_decode_tokens=3, num_tokens=3)
@@ -117,13 +136,13 @@ def test_a_step_of_padding_only_runs_and_leaves_the_next_step_alone(gen, backend
 
 
 # ---- capture short, replay long -------------------------------------------------------------------
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_plan_captured_short_and_replayed_long_gives_the_long_answer(gen, backend, backend_on):
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_plan_captured_short_and_replayed_long_gives_the_long_answer(gen, backend, device, backend_on):
     """The engine's graph pattern without the graph: plan + forward at a short context (no
     compressed entry yet, windows not full), then the same tensors rewritten in place for a long
     step and planned again: every layer kind equals a fresh SparseMLA's long step, byte for byte."""
     backend_on(backend)
-    case = make_step(gen, [1] * 3, SEQ_LENS, **SHAPE)
+    case = make_step(gen, [1] * 3, SEQ_LENS, **SHAPE, device=device)
     b = case.batch
     topk_buf = case.topk[LayerKind.C4A].clone()
     long_lens = b.seq_lens.clone()
@@ -147,8 +166,8 @@ def _selected_slots(plan, kind, topk, num_slots):
     for name, r, n in (("swa", plan.swa_rows, plan.swa_lens), (kind, rows, lens)):
         if r is None:
             continue
-        mask = torch.zeros(num_slots[name], dtype=torch.bool)
-        live = (torch.arange(r.shape[1])[None, :] < n[:, None]) & (r >= 0) & (r < num_slots[name])
+        mask = torch.zeros(num_slots[name], dtype=torch.bool, device=r.device)
+        live = (torch.arange(r.shape[1], device=r.device)[None, :] < n[:, None]) & (r >= 0) & (r < num_slots[name])
         mask[r[live].long()] = True
         used[name] = mask
     return used
@@ -166,10 +185,10 @@ def _nan_cache(cache, used: torch.Tensor, record):
     return out
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_nan_bytes_in_unselected_cache_rows_do_not_leak(gen, backend, backend_on):
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_nan_bytes_in_unselected_cache_rows_do_not_leak(gen, backend, device, backend_on):
     backend_on(backend)
-    case = make_step(gen, [1] * 3, SEQ_LENS, **SHAPE)
+    case = make_step(gen, [1] * 3, SEQ_LENS, **SHAPE, device=device)
     fmt = layout.KVFormat.parse("fp8_ds_mla")
     for kind in (LayerKind.C4A, LayerKind.C128A):  # each reads the SWA cache and a compressed one
         plan = _mla(case, "torch").plan(case.batch)
@@ -183,7 +202,7 @@ def test_nan_bytes_in_unselected_cache_rows_do_not_leak(gen, backend, backend_on
         for k, t in clean.items():  # unselected rows: finite random rows instead of NaN
             record = fmt.swa_record if k == "swa" else fmt.comp_record
             others = (~used[k]).nonzero().flatten().int()
-            layout.insert(t, record, others, (torch.randn(len(others), 512, generator=gen) * 2).bfloat16())
+            layout.insert(t, record, others, (torch.randn(len(others), 512, generator=gen) * 2).bfloat16().to(device))
         mla = _mla(case, backend)
         p = mla.plan(case.batch)
         got = _forward(mla, p, case, kind, caches=twins)
@@ -193,13 +212,13 @@ def test_nan_bytes_in_unselected_cache_rows_do_not_leak(gen, backend, backend_on
 
 
 # ---- prefix-cache hit, stale blocks below the window -----------------------------------------------
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_prefix_hit_with_stale_blocks_below_the_window_reads_none(gen, backend, backend_on):
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_prefix_hit_with_stale_blocks_below_the_window_reads_none(gen, backend, device, backend_on):
     """After a prefix-cache hit the SWA block table's columns below every token's window may name
     freed blocks, since reused by another request (vLLM frees SWA blocks outside the window): the
     answer is the one with those columns -1 and with their true blocks alike."""
     backend_on(backend)
-    case = make_step(gen, [1] * 3, SEQ_LENS, **SHAPE)
+    case = make_step(gen, [1] * 3, SEQ_LENS, **SHAPE, device=device)
     b = case.batch
     bs = b.swa_block_size
     stale = b.swa_block_table.clone()
@@ -246,3 +265,37 @@ def test_split_counts_give_no_nan_and_deterministic_bytes(gen, device):
                                   lens, case.sink, case.spec.scale, "fp8_ds_mla")
     for split, out in outs.items():
         assert_close(compare(out, ref), what=f"split {split}")
+
+
+@pytest.mark.skipif(CUDA, reason="the emulator's run is the CPU one")
+def test_aiter_split_counts_give_no_nan_and_deterministic_bytes(gen):
+    """EMULATED: AITER's split mode (mla_decode_fwd + stage-2 merge, AITER 0.1.20 on gfx950 as the
+    emulator models it) at 2, 8, 16 and 32 splits per row, 128 heads (16 keys per split unit):
+    the C128A row has 40 entries, so stage 1 writes 3 partials and most of the 16 or 32 splits
+    are empty (both stage-1 partitions: tests/test_aiter_contract.py N4). Each split count: no
+    NaN, the same bytes on a second call, the reference's answer."""
+    from dsv4_attn.rocm import emulate
+    from dsv4_attn.rocm.aiter import AiterBackend
+
+    em = emulate.enable("gfx950", "0.1.20")
+    case = make_step(gen, [1], [5000], kinds=(LayerKind.SWA, LayerKind.C128A), heads=128, topk=32,
+                     max_model_len=512 * 128, swa_bs=32, block_size=256)
+    kind = LayerKind.C128A
+    for splits in (2, 8, 16, 32):
+        name = f"aiter-split{splits}"
+        dsv4.register_backend(name, AiterBackend(name=name, max_splits=splits, max_decode_tokens=1))
+        try:
+            mla = _mla(case, name)
+            plan = mla.plan(case.batch)
+            em.calls.clear()
+            first, second = (_forward(mla, plan, case, kind) for _ in range(2))
+        finally:
+            unregister_backend(name)
+        assert ("mla_decode_fwd", f"split{splits} ") in {(f, d[: len(f"split{splits} ")]) for f, d in em.calls}, \
+            (splits, em.calls)
+        assert not first.isnan().any(), f"{splits} splits: NaN"
+        assert torch.equal(first, second), f"{splits} splits: not deterministic"
+        rows, lens = plan.comp_scope(kind)
+        ref, _ = reference.sparse_mla(case.q, case.caches["swa"], plan.swa_rows, plan.swa_lens, case.caches[kind],
+                                      rows, lens, case.sink, case.spec.scale, "fp8_ds_mla")
+        assert_close(compare(first, ref), what=f"{splits} splits")

@@ -599,6 +599,26 @@ def test_plan_buffers_are_sized_from_sglangs_config_at_engine_start(monkeypatch,
     assert plan.num_tokens == mla.max_tokens
 
 
+def test_plan_buffers_hold_no_window_rows_sglang_never_reads(monkeypatch):
+    """SGLang hands over its own rows (StepRows: viewed, never copied), so a backend's plan buffers
+    are the per-token facts only: 13 bytes per token (int64 position, int32 request, bool
+    validity), not the 512 more of a StepBatch's SWA row buffers (~512 MiB per backend at 1M
+    context with chunked prefill off)."""
+    publish(chunked_prefill_size=-1, max_prefill_tokens=2048)
+    monkeypatch.setenv(shim.ENV_ENABLE, "1")
+    backend = shim.backend_classes()[0](model_runner(make_pool(V4_LAYERS)))
+    buffers = backend.dsv4_planner.mla._buffers
+
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            return [value]
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, tuple) else ()
+        return [t for item in items for t in tensors(item)]
+
+    allocated = tensors(tuple(vars(buffers).values()))
+    assert sum(t.numel() * t.element_size() for t in allocated) == buffers.max_tokens * (8 + 4 + 1)
+
+
 @pytest.mark.parametrize("context", [MAX_LEN, MAX_LEN + 3 * 128 + 1, 65536 + 300])
 def test_c128a_row_width_holds_sglangs_widest_rows(context):
     """SGLang's C128A rows are ``page_size // 128`` x the page-table width of the step's longest

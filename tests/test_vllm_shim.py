@@ -16,6 +16,7 @@ random inputs here.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -64,8 +65,8 @@ def clean_state(monkeypatch):
     machine has none: vLLM sees an 'unspecified' platform, which the plugin refuses)."""
     for name in (shim.ENV_ENABLE, "DSV4_ATTN_BACKEND"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(shim, "vllm_platform", lambda: "cuda")
-    monkeypatch.setattr(shim, "_planners", {})
+    monkeypatch.setattr(shim.gates, "vllm_platform", lambda: "cuda")
+    monkeypatch.setattr(shim.sizing, "_planners", {})
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +233,7 @@ def test_mismatched_vllm_version_is_refused(monkeypatch):
 
 
 def test_other_platform_is_refused_when_enabled(monkeypatch):
-    monkeypatch.setattr(shim, "vllm_platform", lambda: "cpu")
+    monkeypatch.setattr(shim.gates, "vllm_platform", lambda: "cpu")
     shim.register()
     monkeypatch.setenv(shim.ENV_ENABLE, "1")
     with pytest.raises(RuntimeError, match="got vLLM platform 'cpu'; allowed: cuda or rocm"):
@@ -388,10 +389,25 @@ def run_all(stack, layers, step, num_tokens=None) -> list[tuple[torch.Tensor, to
             ours = torch.full((T, layer.padded_heads, 512), float("nan"), dtype=torch.bfloat16)
             theirs = ours.clone()
             layer.forward_mqa(q, None, step.positions[:T], ours)
-            stack.vllm_cls.forward_mqa(layer, q, None, step.positions[:T], theirs)
+            with vllms_own_metadata(step):
+                stack.vllm_cls.forward_mqa(layer, q, None, step.positions[:T], theirs)
             assert not ours.isnan().any(), "the shim left output elements unwritten"
             results.append((ours, theirs))
     return results
+
+
+@contextlib.contextmanager
+def vllms_own_metadata(step):
+    """The forward's metadata as vLLM's own builders make it (with vLLM's C128A rows, which the
+    plugin's builders leave out) while vLLM's own path runs."""
+    from vllm.forward_context import get_forward_context
+
+    forward = get_forward_context()
+    forward.attn_metadata = step.reference_metadata or step.attn_metadata
+    try:
+        yield
+    finally:
+        forward.attn_metadata = step.attn_metadata
 
 
 def run_both(stack, layer, step, num_tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -466,12 +482,24 @@ def test_step_batch_maps_each_vllm_field(stack):
     assert layer.dsv4_planner.step_batch(swa_md, {}, step.num_tokens).comp_block_tables == {}
 
 
+def test_c128a_width_bound_is_vllms_max_seq_len(stack):
+    """A target plan's C128A rows are bounded by the step's longest request, vLLM's
+    ``max_seq_len`` (what vLLM sizes its own C128A launch by); a FULL-graph step's metadata
+    carries ``max_model_len`` (vLLM builds it so for capture): the model's width."""
+    layer = stack.layers[2]  # C128A
+    for step, bound in ((stack.step([1, 6], [70, 300]), 300),
+                        (stack.step([1, 1], [70, 300], pad_tokens=1, pad_reqs=1, full_graph=True),
+                         vllm_stack.MAX_MODEL_LEN)):
+        swa_md, c128 = step.attn_metadata[layer.swa_cache_layer.prefix], step.attn_metadata[layer.prefix]
+        assert layer.dsv4_planner.step_batch(swa_md, {128: c128}, step.num_tokens).max_seq_len == bound
+
+
 def test_no_plan_outlives_its_forward(stack):
     """vLLM's CUDA-graph memory profile builds a throwaway KV cache and metadata builders,
     captures, then frees them (v1/worker/gpu/cudagraph_utils.py): once a forward is over, the
     planner keeps none of its metadata -- views of those builders' buffers -- alive."""
     step = stack.step([1, 5], [70, 300])
-    layer = stack.layers[2]  # C128A: its metadata views vLLM's C128A builder buffers
+    layer = stack.layers[2]  # C128A: its metadata views its builder's buffers
     metadata = weakref.ref(step.attn_metadata[layer.prefix])
     swa_table = weakref.ref(step.block_tables[stack.group_of[layer.swa_cache_layer.prefix]])  # the plan's batch
     built = layer.dsv4_planner.plans_built
@@ -480,6 +508,28 @@ def test_no_plan_outlives_its_forward(stack):
     del step
     gc.collect()
     assert metadata() is None and swa_table() is None
+
+
+def test_vllms_own_c128a_rows_are_not_allocated(stack):
+    """vLLM's DeepSeek-V4 builder keeps two C128A row buffers for its own FlashMLA calls
+    (``max_num_batched_tokens x round_up(cdiv(max_model_len, 128), 128)`` int32 each: 2 x 256 MiB
+    at vLLM's defaults and 1M context) and fills them every step; the plugin never reads them, so
+    a C128A layer's builder has neither the buffers nor the fields, and keeps every other
+    attribute of vLLM's builder."""
+    layer = stack.layers[2]
+    assert layer.dsv4_kind.name == "C128A"
+    ours = [g.get_metadata_builder(0) for groups in stack.target_groups for g in groups
+            if layer.prefix in g.layer_names]
+    assert len(ours) == 1
+    builder = ours[0]
+    vllms = stack.vllm_cls.backend_cls.get_builder_cls()(builder.kv_cache_spec, builder.layer_names, stack.config,
+                                                         builder.device)
+    rows = {"c128a_global_decode_buffer", "c128a_decode_lens_buffer", "c128a_prefill_buffer"}
+    assert rows <= set(vars(vllms)) and not rows & set(vars(builder))
+    assert set(vars(vllms)) - rows <= set(vars(builder))
+    assert isinstance(builder, type(vllms))
+    metadata = stack.step([1, 5], [70, 300]).attn_metadata[layer.prefix]
+    assert metadata.c128a_global_decode_topk_indices is None and metadata.c128a_prefill_topk_indices is None
 
 
 # ---- profiling: every plan buffer inside vLLM's budget -----------------------------------------
@@ -653,6 +703,27 @@ def test_heads_and_backend_choice(built_stack, model_dir, monkeypatch):
     layer = build_layer(vllm_stack.vllm_config(model_dir, speculative=False), index=2)
     assert {layer.dsv4_planner.slots[0].backend_for(k, p) for k in ("swa", "c4a", "c128a")
             for p in ("decode", "prefill")} == {"torch"}
+
+
+@pytest.mark.parametrize("max_seqs, k, expected", [
+    (4, 2, 4 * 3),  # 4 requests x 3 tokens, below the 256-token budget
+    (100, 3, vllm_stack.MAX_TOKENS),  # 400 decode tokens do not fit one step: the budget bounds them
+])
+def test_decode_scratch_is_sized_for_decode_launches(built_stack, model_dir, monkeypatch, max_seqs, k, expected):
+    """The decode backends' scratch (aiter's) is reserved at engine start for the most decode
+    tokens one launch holds -- --max-num-seqs x (1 + speculative tokens), within the step's token
+    budget -- not for --max-num-batched-tokens (prefill tokens are another phase's launch; at long
+    context that budget made ~4 GiB of AITER scratch)."""
+    from dsv4_attn.api import SparseMLA
+
+    config = vllm_stack.vllm_config(model_dir, max_seqs=max_seqs, num_spec_tokens=k)
+    seen = []
+    monkeypatch.setattr(SparseMLA, "reserve", lambda self, plan, decode_tokens=None: seen.append(decode_tokens))
+    layer = build_layer(config, index=2)
+    vllm_stack.resolve_block_size(config)
+    layer.dsv4_planner.reserve(torch.device("cpu"))
+    assert config.scheduler_config.max_num_batched_tokens == vllm_stack.MAX_TOKENS
+    assert seen and set(seen) == {expected}
 
 
 def test_rocm_hook_on_a_stand_in_module():

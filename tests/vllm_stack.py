@@ -18,6 +18,7 @@ and input preparation would hand over, written out here.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -183,7 +184,7 @@ def as_sm90_cpu(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(cache_utils.CombineTopkSwaIndicesKernel, "NUM_WORKERS", 4)
     mp.setattr(v41_cache_utils, "_GATHER_MIN_WORKERS", 4)
     mp.setattr(v41_cache_utils, "_COMBINE_TOPK_SWA_NUM_WORKERS", 4)
-    mp.setattr(shim, "vllm_platform", lambda: "cuda")
+    mp.setattr(shim.gates, "vllm_platform", lambda: "cuda")
     # A CPU build of torch (what CI installs) raises where vLLM, built against a CUDA torch, expects
     # no-ops on a machine without a GPU: its V4 layers create CUDA events for their auxiliary
     # streams (never used here), its workspace manager empties the accelerator's cache as it grows.
@@ -267,6 +268,7 @@ class Step:
     seq_lens: torch.Tensor  # int32 [R]
     block_tables: list[torch.Tensor]  # per KV-cache group, int32 [R, cols]
     slot_mappings: torch.Tensor  # int64 [groups, T]
+    reference_metadata: dict | None = None  # vLLM's own path's (its builders'); None: attn_metadata
 
     @property
     def num_tokens(self) -> int:
@@ -382,10 +384,30 @@ class VllmStack:
         self.draft_groups = []
         if self.draft_names:
             self.draft_groups, _, _ = init_attn_backend(kv, config, cpu, active_layer_names=ours & self.draft_names)
+        self.reference_groups = {False: self._reference_groups(self.target_groups),
+                                 True: self._reference_groups(self.draft_groups)}
         init_kv_cache(config.compilation_config.static_forward_context, kv, cpu, block_sizes, config,
                       attn_groups=[g for groups in self.target_groups + self.draft_groups for g in groups])
         self.block_sizes = [g.kv_cache_spec.block_size for g in kv.kv_cache_groups]
         self.group_of = {name: i for i, g in enumerate(kv.kv_cache_groups) for name in g.layer_names}
+
+    def _reference_groups(self, attn_groups: list) -> list:
+        """Per KV-cache group, the attention groups whose builder the plugin replaced (C128A layers:
+        without vLLM's C128A rows) with vLLM's own builder, for vLLM's own ``forward_mqa`` (the
+        reference), which reads those rows; [] where nothing was replaced."""
+        out = []
+        for groups in attn_groups:
+            refs = []
+            for group in groups:
+                builder = group.get_metadata_builder(0)
+                vllm_builder = getattr(type(builder), "vllm_builder", None)
+                if vllm_builder is not None:
+                    ref = copy.copy(group)
+                    ref.metadata_builders = [vllm_builder(builder.kv_cache_spec, builder.layer_names, self.config,
+                                                          builder.device)]
+                    refs.append(ref)
+            out.append(refs)
+        return out
 
     # ---- a batch ------------------------------------------------------------------------------
     def step(self, query_lens: list[int], seq_lens: list[int], pad_tokens: int = 0, pad_reqs: int = 0,
@@ -428,8 +450,7 @@ class VllmStack:
 
             starts = torch.tensor(replay_start + [0] * (R - len(replay_start)), dtype=torch.int32)
             extra["model_specific_attn_metadata"] = ReplayAttnMetadata(starts)
-        attn_metadata = build_attn_metadata(
-            attn_groups=self.draft_groups if draft else self.target_groups,
+        args = dict(
             num_reqs=R if full_graph else len(query_lens),
             num_tokens=num_tokens, query_start_loc_gpu=qsl if full_graph else qsl[: len(query_lens) + 1],
             query_start_loc_cpu=qsl.clone() if full_graph else qsl[: len(query_lens) + 1].clone(),
@@ -438,7 +459,10 @@ class VllmStack:
             slot_mappings=slots[:, :num_tokens], kv_cache_config=self.kv_cache_config,
             seq_lens_cpu_upper_bound=seq.clone(), positions=positions[:num_tokens],
             for_cudagraph_capture=full_graph, **extra)
-        step = Step(attn_metadata, positions, qsl, seq, tables, slots)
+        attn_metadata = build_attn_metadata(attn_groups=self.draft_groups if draft else self.target_groups, **args)
+        reference = self.reference_groups[draft]
+        step = Step(attn_metadata, positions, qsl, seq, tables, slots,
+                    {**attn_metadata, **build_attn_metadata(attn_groups=reference, **args)} if any(reference) else None)
         self.write_keys(step, query_lens, seq_lens, draft, replay_start)
         self.write_topk(step, 4)
         return step

@@ -94,6 +94,13 @@ class StepBatch:
                       for: its tokens' SWA rows start at max(pos - W + 1, swa_start[r]). vLLM's
                       SWA bounded replay for DeepSeek-V4.1 rebuilds a prefix hit's window from
                       there (docs/semantics.md#swa-rows). None: 0 for every request.
+    max_seq_len       int | None   a host bound of seq_lens (vLLM's ``max_seq_len``): the rows of
+                      the "all" kinds (C128A) are then built only as wide as the longest request
+                      needs -- a power of two >= 128 columns, at most the model's width -- so a
+                      short-context step launches no empty splits; inside a CUDA-graph capture
+                      they keep the model's width (a replay may meet any length). None: the
+                      model's width. A bound below a request's length drops its oldest entries
+                      (``validate()`` checks it).
     """
 
     query_start_loc: torch.Tensor
@@ -106,6 +113,7 @@ class StepBatch:
     max_model_len: int = 65536
     num_tokens: int | None = None
     swa_start: torch.Tensor | None = None
+    max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         self._num_tokens_given = self.num_tokens is not None
@@ -149,8 +157,9 @@ class StepBatch:
                 raise ValueError(
                     f"swa_start: got shape {tuple(self.swa_start.shape)}; allowed: [>= {num_reqs}] (one per request)"
                 )
-        for name, value in (("swa_block_size", self.swa_block_size), ("block_size", self.block_size),
-                            ("max_model_len", self.max_model_len)):
+        bounds = (("swa_block_size", self.swa_block_size), ("block_size", self.block_size),
+                  ("max_model_len", self.max_model_len))
+        for name, value in bounds + ((("max_seq_len", self.max_seq_len),) if self.max_seq_len is not None else ()):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: got {value!r}; allowed: a positive int")
         if not isinstance(self.comp_block_tables, dict):
@@ -204,6 +213,10 @@ class StepBatch:
             raise ValueError(
                 f"num_decode_tokens: got {self.num_decode_tokens}; allowed: <= {int(qsl[-1])} real tokens"
             )
+        if self.max_seq_len is not None and (seq > self.max_seq_len).any():
+            r = int((seq > self.max_seq_len).nonzero()[0])
+            raise ValueError(f"max_seq_len: got {self.max_seq_len} < seq_lens[{r}] = {int(seq[r])}; allowed: a bound "
+                             "of every request's length (or None)")
         if (seq < qlen).any():
             r = int((seq < qlen).nonzero()[0])
             raise ValueError(

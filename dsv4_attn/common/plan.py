@@ -36,7 +36,7 @@ import torch
 from .batch import StepBatch
 from .indices import IndexPair, Tokens, bounded_rows, check_local_topk, comp_rows_for, swa_rows_for
 from .rows import GlobalRows, StepRows
-from .spec import LayerKind, ModelSpec
+from .spec import ALL_WIDTH_MULTIPLE, LayerKind, ModelSpec
 
 
 class Phase(str, enum.Enum):
@@ -50,18 +50,19 @@ class Phase(str, enum.Enum):
 class PlanBuffers:
     """Index buffers for up to ``max_tokens`` tokens (allocated once per SparseMLA).
 
-    The rows of an "all" kind of ratio r (``max_tokens x spec.all_width(r)`` int32; C128A at 1M
-    context and 8k tokens: 256 MiB) are allocated by the first plan whose batch has a ratio-r
-    block table, so plans for window-only KV-cache groups never pay for them. Do that first plan
-    before a CUDA-graph capture.
+    The rows are allocated by the first plan that builds them: the SWA rows (``max_tokens x W``
+    int32, 512 B per token) by the first StepBatch plan, so a SparseMLA planning only StepRows
+    (whose rows are the engine's, viewed) never pays for them; the rows of an "all" kind of
+    ratio r (``max_tokens x spec.all_width(r)`` int32; C128A at 1M context and 8k tokens:
+    256 MiB) by the first plan whose batch has a ratio-r block table, so plans for window-only
+    KV-cache groups never pay for them. Do that first plan before a CUDA-graph capture.
     """
 
     spec: ModelSpec
     positions: torch.Tensor  # int64 [max_tokens]
     token_to_req: torch.Tensor  # int32 [max_tokens]
     token_valid: torch.Tensor  # bool [max_tokens]
-    swa_rows: torch.Tensor  # int32 [max_tokens, W]
-    swa_lens: torch.Tensor  # int32 [max_tokens]
+    window: IndexPair | None = None  # SWA rows int32 [max_tokens, W], lens int32 [max_tokens] (window_rows())
     all_rows: dict[int, IndexPair] = field(default_factory=dict)  # ratio -> int32 [max_tokens, width], [max_tokens]
 
     @classmethod
@@ -71,9 +72,15 @@ class PlanBuffers:
             positions=torch.zeros(max_tokens, dtype=torch.int64, device=device),
             token_to_req=torch.zeros(max_tokens, dtype=torch.int32, device=device),
             token_valid=torch.zeros(max_tokens, dtype=torch.bool, device=device),
-            swa_rows=torch.full((max_tokens, spec.window), -1, dtype=torch.int32, device=device),
-            swa_lens=torch.zeros(max_tokens, dtype=torch.int32, device=device),
         )
+
+    def window_rows(self) -> IndexPair:
+        """The SWA row buffers (a StepBatch plan's), allocated on first use."""
+        if self.window is None:
+            dev = self.positions.device
+            self.window = (torch.full((self.max_tokens, self.spec.window), -1, dtype=torch.int32, device=dev),
+                           torch.zeros(self.max_tokens, dtype=torch.int32, device=dev))
+        return self.window
 
     @property
     def max_tokens(self) -> int:
@@ -83,14 +90,36 @@ class PlanBuffers:
         """The model's "all" kinds whose block table the batch carries (their rows are built)."""
         return [k for k in self.spec.kinds if k.attends_all and k.ratio in batch.comp_block_tables]
 
-    def rows_of(self, kind: LayerKind) -> IndexPair:
-        """The row buffers of an "all" kind, allocated on first use."""
+    def rows_of(self, kind: LayerKind, batch: StepBatch) -> IndexPair:
+        """The row buffers of an "all" kind (allocated on first use, at the model's width), their
+        columns cut to what ``batch`` needs (:func:`active_width`)."""
         if kind.ratio not in self.all_rows:
             dev = self.positions.device
             self.all_rows[kind.ratio] = (
                 torch.full((self.max_tokens, self.spec.all_width(kind.ratio)), -1, dtype=torch.int32, device=dev),
                 torch.zeros(self.max_tokens, dtype=torch.int32, device=dev))
-        return self.all_rows[kind.ratio]
+        rows, lens = self.all_rows[kind.ratio]
+        return rows[:, : active_width(self.spec, batch, kind)], lens
+
+
+def active_width(spec: ModelSpec, batch: StepBatch, kind: LayerKind) -> int:
+    """Columns of an "all" kind's rows for ``batch``: the model's width, or with the batch's
+    ``max_seq_len`` the next power of two >= its entries (at least ALL_WIDTH_MULTIPLE), as vLLM
+    sizes its own C128A rows (models/deepseek_v4/sparse_mla.py ``_build_c128a_metadata``). Inside
+    a CUDA-graph capture always the model's width: the kernels captured with it are replayed for
+    every later step, whatever its lengths (a few widths overall: one compile of the row kernel
+    each)."""
+    full = spec.all_width(kind.ratio)
+    bound = batch.max_seq_len
+    if bound is None or _capturing(batch.device):
+        return full
+    entries = max(bound // kind.ratio, 1)
+    return min(max(1 << (entries - 1).bit_length(), ALL_WIDTH_MULTIPLE), full)
+
+
+def _capturing(device: torch.device) -> bool:
+    """A CUDA / HIP graph capture is in progress on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class FrontEnd(Protocol):
@@ -121,13 +150,14 @@ class TorchFrontEnd:
         for buf, fact in zip((buffers.positions, buffers.token_to_req, buffers.token_valid), batch.token_facts()):
             buf[:T].copy_(fact)
         tokens = Tokens(buffers.positions[:T], buffers.token_to_req[:T], buffers.token_valid[:T])
+        swa_rows, swa_lens = buffers.window_rows()
         swa_rows_for(tokens, batch.swa_block_table, batch.swa_block_size, buffers.spec.window,
-                     out=(buffers.swa_rows[:T], buffers.swa_lens[:T]),
+                     out=(swa_rows[:T], swa_lens[:T]),
                      starts=batch.window_starts(tokens.token_to_req))
         for kind in buffers.all_kinds(batch):
-            rows, lens = buffers.rows_of(kind)
-            comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
-                          buffers.spec.all_width(kind.ratio), out=(rows[:T], lens[:T]))
+            rows, lens = buffers.rows_of(kind, batch)
+            comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind), rows.shape[1],
+                          out=(rows[:T], lens[:T]))
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
                   local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:
@@ -247,9 +277,9 @@ def build_plan(spec: ModelSpec, batch: StepBatch | StepRows, buffers: PlanBuffer
         comp = {r: (e.rows[:T], e.lens[:T]) for r, e in batch.comp.items() if isinstance(e, GlobalRows)}
     else:
         front_end.step_rows(batch, buffers, T)
-        swa_rows, swa_lens = buffers.swa_rows, buffers.swa_lens
+        swa_rows, swa_lens = buffers.window_rows()
         for kind in buffers.all_kinds(batch):
-            rows, lens = buffers.rows_of(kind)
+            rows, lens = buffers.rows_of(kind, batch)
             comp[kind.ratio] = (rows[:T], lens[:T])
     return StepPlan(spec, batch, owner, generation, 0, T, batch.num_decode_tokens, buffers.positions[:T],
                     buffers.token_to_req[:T], buffers.token_valid[:T], swa_rows[:T], swa_lens[:T], comp, front_end,

@@ -43,23 +43,28 @@ Caches are SGLang's page buffers viewed as ``[pages, page_size, bytes_per_token]
 from __future__ import annotations
 
 import functools
-import importlib.metadata as md
 import logging
 import os
 import weakref
+from typing import Any
 
 import torch
 
 from .. import envs
 from ..api import SparseMLA
-from ..common.backend import Phase
 from ..common.layout import KVFormat
-from ..common.rows import GlobalRows, StepRows
+from ..common.plan import StepPlan
+from ..common.rows import GlobalRows, StepRows, TopkTable
 from ..common.spec import MAX_HEADS, LayerKind, ModelSpec, model_layer_kinds
+from .base import EngineGate, StepPlannerBase, describe_backends, reason, refuse
 
-ENV_ENABLE = envs.SGLANG.name
 BACKEND_NAME = "dsv4_attn"  # the --attention-backend name this plugin adds
 TESTED_SGLANG_VERSIONS = ("0.5.23",)  # SGLang internals the hooks touch move between releases
+GATE = EngineGate(
+    engine="SGLang", dist="sglang", entry_group="sglang.srt.plugins", switch=envs.SGLANG, backend_name=BACKEND_NAME,
+    tested=TESTED_SGLANG_VERSIONS, series=False, allowed=", ".join(TESTED_SGLANG_VERSIONS),
+    why_pinned="it subclasses SGLang's DeepSeek-V4 attention backend, whose internals change between releases")
+ENV_ENABLE = GATE.env_name
 FACTORY_MODULE = "sglang.srt.layers.attention.deepseek_v4_trtllm_backend"
 SWA_WINDOW = 128  # SGLang's DeepSeek-V4 window (deepseek_v4_backend.SWA_WINDOW)
 
@@ -69,7 +74,7 @@ logger = logging.getLogger("sglang.dsv4_attn")  # under SGLang's logger, so its 
 # ---- opt-in and version gates ----------------------------------------------------------------
 def env_enabled() -> bool:
     """``DSV4_ATTN_SGLANG`` parsed (1/on or 0/off; anything else raises ValueError naming it)."""
-    return envs.SGLANG.get()
+    return GATE.env_enabled()
 
 
 def sglang_version() -> str:
@@ -79,47 +84,16 @@ def sglang_version() -> str:
 
 
 def is_tested_version(version: str) -> bool:
-    return version.split("+")[0] in TESTED_SGLANG_VERSIONS
+    return GATE.is_tested(version)
 
 
 def check_sglang_version(version: str) -> None:
-    if not is_tested_version(version):
-        raise RuntimeError(
-            f"dsv4_attn SGLang plugin: got SGLang {version}; allowed: {', '.join(TESTED_SGLANG_VERSIONS)} (the "
-            "versions it is tested with: it subclasses SGLang's DeepSeek-V4 attention backend, whose internals "
-            f"change between releases). Install sglang=={TESTED_SGLANG_VERSIONS[-1]} or turn the plugin off "
-            f"(unset {ENV_ENABLE}, drop --attention-backend {BACKEND_NAME})."
-        )
+    GATE.check_version(version)
 
 
 def status() -> dict[str, str]:
     """The plugin's state for ``dsv4-attn probe`` (reads package metadata; imports no SGLang code)."""
-    try:
-        version = md.version("sglang")
-    except md.PackageNotFoundError:
-        version = None
-    declared = any(ep.name == "dsv4_attn" for ep in md.entry_points(group="sglang.srt.plugins"))
-    raw = envs.SGLANG.raw
-    try:
-        on = env_enabled()
-    except ValueError as exc:
-        on = None
-        bad = str(exc)
-    if version is None:
-        verdict = "off (sglang not installed)"
-    elif not is_tested_version(version):
-        verdict = f"refused (SGLang {version}; tested: {', '.join(TESTED_SGLANG_VERSIONS)})"
-    elif not declared:
-        verdict = ("off (dsv4-attn's sglang.srt.plugins entry point is not installed: pip install -e <a clone of "
-                   "dsv4-attn> in this environment)")
-    elif on is None:
-        verdict = f"refused at engine start ({bad})"
-    elif on:
-        verdict = f"on ({ENV_ENABLE}={raw}): DeepSeek-V4 attention runs on dsv4_attn"
-    else:
-        verdict = f"available: on with {ENV_ENABLE}=1 or --attention-backend {BACKEND_NAME}"
-    return {"sglang": version or "not installed", "entry point": "installed" if declared else "missing",
-            ENV_ENABLE: raw or "unset", "sglang plugin": verdict}
+    return GATE.status("DeepSeek-V4 attention runs on dsv4_attn")
 
 
 # ---- the entry point ---------------------------------------------------------------------------------
@@ -208,8 +182,9 @@ def _refuse_dsv4_backend(check) -> None:
             check()
         return original(runner)
 
-    create_dsv4_backend._dsv4_attn_check = check
-    ATTENTION_BACKENDS["dsv4"] = create_dsv4_backend
+    hooked: Any = create_dsv4_backend  # a function with our marker attribute
+    hooked._dsv4_attn_check = check
+    ATTENTION_BACKENDS["dsv4"] = hooked
 
 
 def _check_platform() -> None:
@@ -288,8 +263,8 @@ def unsupported_reasons(model_runner) -> list[str]:
                        "(pass SGLANG_DSV4_KV_LAYOUT=v4 or v41_new)")
     heads = kernel_heads(model_runner)
     if heads > MAX_HEADS:
-        reasons.append(f"--tp-size: got {heads} query heads per rank; allowed: <= {MAX_HEADS} (pass a larger "
-                       "--tp-size)")
+        reasons.append(reason("--tp-size", f"{heads} query heads per rank", f"<= {MAX_HEADS}",
+                              "pass a larger --tp-size"))
     algorithm = get_spec().speculative_algorithm
     if algorithm is not None and str(algorithm).upper() != "EAGLE":
         reasons.append(f"--speculative-algorithm: got {algorithm} (DSpark's non-causal draft windows are not modelled "
@@ -324,10 +299,7 @@ def backend_classes() -> tuple[type, type]:
         """SGLang's DeepSeek-V4 attention backend with the attention kernel call on dsv4_attn."""
 
         def __init__(self, model_runner, *args, **kwargs) -> None:
-            reasons = unsupported_reasons(model_runner)
-            if reasons:
-                raise ValueError("dsv4_attn cannot serve this SGLang DeepSeek-V4 model:\n"
-                                 + "\n".join(f"  - {r}" for r in reasons))
+            refuse("this SGLang DeepSeek-V4 model", unsupported_reasons(model_runner))
             super().__init__(model_runner, *args, **kwargs)
             self.dsv4_planner = planner_for(model_runner)
 
@@ -405,36 +377,37 @@ def step_token_bound(model_runner) -> int:
 def planner_for(model_runner) -> StepPlanner:
     spec = spec_for(model_runner)
     fmt = kv_format_of(model_runner.token_to_kv_pool)
+    assert fmt is not None  # unsupported_reasons refused the pools without a dsv4_attn format
     planner = StepPlanner(spec, fmt, step_token_bound(model_runner), torch.device(model_runner.device))
     planner.log()
     return planner
 
 
-class StepPlanner:
+class StepPlanner(StepPlannerBase):
     """One StepRows plan per forward pass of one SGLang backend, shared by its layers.
 
     A forward pass runs the layers in ascending layer id; a layer id that does not ascend, or
     metadata tensors that are not the ones planned, start a new plan (SGLang rebuilds or refills
     its metadata every forward, also when a breakable CUDA graph replays; the late layers of a
     V4.1 extend under decoder SWA bounded replay switch to SGLang's tail metadata, whose tensors
-    differ). Plan buffers, allocated at construction: ``max_tokens * 529`` bytes (dsv4_attn's
-    PlanBuffers: positions, requests, validity, and SWA row buffers a StepRows plan leaves unused);
-    the rows are SGLang's.
+    differ). Plan buffers, allocated at construction: ``max_tokens * 13`` bytes (dsv4_attn's
+    PlanBuffers: positions, requests, validity); the rows are SGLang's, viewed (a StepRows plan
+    never allocates the SWA row buffers a StepBatch plan builds its rows in).
     """
 
     def __init__(self, spec: ModelSpec, fmt: KVFormat, max_tokens: int, device: torch.device) -> None:
+        super().__init__()
         self.mla = SparseMLA(spec, fmt, max_tokens=max_tokens)  # backend refusals surface here
         self._allocate(device)
-        self.plans_built = 0
         self._last_layer: int | None = None
         self._planned: tuple = ()
-        self._plan = None
+        self._plan: StepPlan | None = None
 
     def _allocate(self, device: torch.device) -> None:
         """Allocate the plan buffers now (engine start, before SGLang sizes what memory is left)
         by planning an empty step: an out-of-memory shows at start, never at the first forward."""
         none = torch.zeros(0, 1, dtype=torch.int32, device=device)
-        self.mla.plan(StepRows(none, none[:, 0], none[:, 0]))
+        self.reserve_buffers(self.mla, StepRows(none, none[:, 0], none[:, 0]), self.mla.max_tokens)
 
     def step_rows(self, core, num_tokens: int, decode: bool) -> StepRows:
         """SGLang's per-token metadata as StepRows (views; no copy). Under V4.1's decoder SWA
@@ -443,7 +416,7 @@ class StepPlanner:
         ``swa_replay_start``: -1 below the floor, ``swa_topk_lengths`` cut to match; newest slot
         first): those rows are what vLLM's ``replay_start`` becomes as ``StepBatch.swa_start``."""
         n = min(num_tokens, core.swa_page_indices.shape[0])
-        comp = {}
+        comp: dict[int, GlobalRows | TopkTable] = {}
         for ratio in core.present_ratios:
             rows = core.sparse_page_indices(ratio)
             if rows is not None:
@@ -453,14 +426,14 @@ class StepPlanner:
 
     def plan(self, layer_id: int, rows: StepRows):
         tensors = [rows.swa_rows, rows.swa_lens, rows.positions] + [t for e in rows.comp.values()
+                                                                     if isinstance(e, GlobalRows)
                                                                      for t in (e.rows, e.lens)]
         same = (self._plan is not None and self._last_layer is not None and layer_id > self._last_layer
                 and self._plan.num_tokens == rows.num_tokens and len(tensors) == len(self._planned)
                 and all(ref() is t for ref, t in zip(self._planned, tensors)))
         if not same:
-            self._plan = self.mla.plan(rows)
+            self._plan = self.plan_step(self.mla, rows)
             self._planned = tuple(weakref.ref(t) for t in tensors)
-            self.plans_built += 1
         self._last_layer = layer_id
         return self._plan
 
@@ -480,12 +453,7 @@ class StepPlanner:
         return out
 
     def log(self) -> None:
-        mla = self.mla
-        choice = {f"{k.name} {p.value}": mla.backend_for(k, p) for k in mla.spec.kinds for p in Phase}
-        names = sorted(set(choice.values()))
-        logger.info("dsv4_attn: SGLang's DeepSeek-V4 attention runs on dsv4_attn (%s, %s, %d heads per rank, "
-                    "backend %s)", mla.platform.arch, mla.fmt.value, mla.spec.num_heads,
-                    names[0] if len(names) == 1 else choice)
+        logger.info("dsv4_attn: SGLang's DeepSeek-V4 attention runs on dsv4_attn %s", describe_backends(self.mla))
 
 
 def _page_view(buffer: torch.Tensor, page_size: int, bytes_per_token: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Backend `triton`: portable Triton kernels (NVIDIA through Triton's CUDA backend, AMD through ROCm).
 
-One launch per layer (two when a small batch splits the key range): every token attends its SWA
+One launch per layer (two when a small batch splits the key range, except on sm_90 with at most 8
+heads, where the Gluon kernel merges its splits itself): every token attends its SWA
 rows and its compressed rows with one online softmax and the sink, reading the caches in place,
 each in its own record (V4 fp8, V4.1 MXFP8 and NVFP4 dequantized in registers, BF16, FP8
 per-tensor), local top-k entries translated to global slots inside the kernel. On sm_90 the V4
@@ -36,7 +37,8 @@ class TritonBackend(Backend):
         dialects=(Fp8Dialect.OCP, Fp8Dialect.FNUZ),
         heads_note="blocks of 16, 32 or 64 heads (16 on AMD); fewer heads padded inside the kernel",
         validated="H100 (hardware); CPU via TRITON_INTERPRET=1 (logic only); AMD: compile-checked offline",
-        notes="one launch per layer (+1 small combine when few tokens split the key range)",
+        notes="one launch per layer (+1 small combine when few tokens split the key range; on sm_90 with <= 8 "
+              "heads the kernel merges its splits itself)",
     )
     batch_invariant = True  # one program walks a token's keys in order; the mode turns the split off
 
@@ -126,6 +128,9 @@ class TritonBackend(Backend):
             kwargs["config"] = self._config
         if plan.batch_invariant:  # one key range per program: the split no longer follows the grid size
             kwargs["config"] = dataclasses.replace(self._config or ops.DEFAULT_CONFIG, split=1)
+        # the in-kernel split merge's counters: zeros made once per plan, shared by its layers
+        kwargs["merge_counters"] = lambda n: plan.cached(("merge_counters", n), lambda: torch.zeros(
+            n, dtype=torch.int32, device=layer.q.device))
         ops.sparse_mla_fwd(
             layer.q, out, fmt, layer.swa_cache, plan.swa_rows, plan.swa_lens,
             comp_cache=comp_cache, comp_rows=comp_rows, comp_lens=comp_lens, c4a=c4a, topk_ratio=layer.kind.ratio,

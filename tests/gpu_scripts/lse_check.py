@@ -72,10 +72,11 @@ def main() -> int:
         _, want = reference.sparse_mla(q, swa, rows, lens, comp, crows, clens, None, scale, "fp8_ds_mla",
                                        dtype=torch.float32)
         for impl in impls:
-            for split in (1, 4):
+            # split 4 merged by the combine launch and, on the Gluon kernel, inside the kernel
+            for split, merge in ((1, -1), (4, 0)) + (((4, 1),) if impl == "gluon" else ()):
                 lse = torch.full(q.shape[:2], float("nan"), device=dev)
                 sparse_mla_fwd(q, torch.empty_like(q), "fp8_ds_mla", swa, rows, lens, comp, crows, clens, scale=scale,
-                               lse=lse, config=KernelConfig(impl=impl, split=split))
+                               lse=lse, config=KernelConfig(impl=impl, split=split, merge_in_kernel=merge))
                 torch.cuda.synchronize()
                 ok = within_flashmla_lse_tolerance(lse, want)
                 fin = torch.isfinite(want).cpu()
@@ -83,7 +84,8 @@ def main() -> int:
                 st = stats[impl]
                 st[0], st[1], st[2] = st[0] + ok.numel(), st[1] + int((~ok).sum()), max(st[2], worst)
                 name = "portable" if impl == "triton" else impl
-                print(f"{'OK ' if ok.all() else 'BAD'} {name:<8} split {split} {label:<40} fails {int((~ok).sum()):5d} "
+                print(f"{'OK ' if ok.all() else 'BAD'} {name:<8} split {split}{' merged here' if merge == 1 else ''} "
+                      f"{label:<40} fails {int((~ok).sum()):5d} "
                       f"worst |err| {worst:.2e}", flush=True)
     for impl, (n, bad, worst) in stats.items():
         print(f"{'portable' if impl == 'triton' else impl}: {n} LSE elements, {bad} outside FlashMLA's tolerance, "

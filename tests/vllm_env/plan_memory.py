@@ -8,7 +8,7 @@ Runs on a CPU in the vLLM test venv that ``bash ci/vllm-tests.sh`` builds:
 
 Every attention layer is built by vLLM's own ``__init__`` through the plugin, vLLM groups their
 KV caches (``get_global_kv_cache_groups``, as its engine core does), and the shim's profiling
-reservation runs on the meta device: the sizes of every buffer, no memory. The hidden size and
+reservation runs on the CPU (the meta device is not a plan device): every buffer, measured. The hidden size and
 q-LoRA rank are reduced (they enter no KV-cache spec and no plan buffer); the layer pattern is
 transformers' ``DeepseekV4Config`` default (two C128A layers, then C4A / C128A alternating).
 """
@@ -35,8 +35,9 @@ SHAPES = {"V4-Flash": dict(num_hidden_layers=43, num_attention_heads=64, index_t
           "V4-Pro": dict(num_hidden_layers=61, num_attention_heads=128, index_topk=1024, o_groups=16)}
 
 
-def reserved(shape: dict, max_tokens: int, max_model_len: int) -> tuple[int, list[shim.PlanGroup], int]:
-    """(bytes reserved, the plans of a target step, KV-cache groups) of one model shape."""
+def reserved(shape: dict, max_tokens: int, max_model_len: int) -> tuple[int, list[shim.PlanGroup], int, int]:
+    """(bytes reserved, the plans of a target step, KV-cache groups, bytes of vLLM's C128A
+    metadata builder) of one model shape."""
     from transformers import DeepseekV4Config
     from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -72,9 +73,20 @@ def reserved(shape: dict, max_tokens: int, max_model_len: int) -> tuple[int, lis
         resolve_kv_cache_layout(vllm_config, [layouts], list(specs.values()))  # the engine core does this first
         planner = layers[0].dsv4_planner
         assert all(layer.dsv4_planner is planner for layer in layers + [mtp])
-        planner.reserve(torch.device("meta"))
+        planner.reserve(torch.device("cpu"))
         groups = planner.predict([layer for layer in layers])
-        return planner.reserved_bytes, groups, len(get_global_kv_cache_groups(vllm_config, [specs]))
+        return (planner.reserved_bytes, groups, len(get_global_kv_cache_groups(vllm_config, [specs])),
+                c128a_builder_bytes(layers[0], specs, vllm_config))
+
+
+def c128a_builder_bytes(layer, specs: dict, vllm_config) -> int:
+    """Bytes of the tensors vLLM's metadata builder of ``layer`` (a C128A layer, through the
+    plugin) allocates: its DeepSeek-V4 builder's C128A row buffers unless the plugin leaves them
+    out (integrations/vllm/memory.py)."""
+    assert layer.compress_ratio == 128
+    builder_cls = layer.get_attn_backend().get_builder_cls()
+    builder = builder_cls(specs[layer.prefix], [layer.prefix], vllm_config, torch.device("cpu"))
+    return sum(t.numel() * t.element_size() for t in vars(builder).values() if isinstance(t, torch.Tensor))
 
 
 def main() -> None:
@@ -85,13 +97,14 @@ def main() -> None:
     with pytest.MonkeyPatch.context() as mp:
         vllm_stack.as_sm90_cpu(mp)
         for name, shape in SHAPES.items():
-            total, groups, kv_groups = reserved(shape, args.max_tokens, args.max_model_len)
+            total, groups, kv_groups, builder = reserved(shape, args.max_tokens, args.max_model_len)
             print(f"{name} (H{shape['num_attention_heads']} per rank, topk {shape['index_topk']}, "
                   f"{shape['num_hidden_layers']} layers + 1 MTP), max_num_batched_tokens {args.max_tokens}, "
                   f"max_model_len {args.max_model_len}: {total / 2**20:.1f} MiB reserved per GPU; "
                   f"{len(groups)} plans per target step ({sum(g.has_c128a for g in groups)} with C128A layers, "
                   f"{len({g.c128a_table for g in groups if g.has_c128a})} C128A row set) "
-                  f"+ 1 draft slot; vLLM made {kv_groups} KV-cache groups")
+                  f"+ 1 draft slot; vLLM made {kv_groups} KV-cache groups; vLLM's C128A metadata builder holds "
+                  f"{builder / 2**20:.1f} MiB")
             for group in groups:
                 print(f"    plan: SWA {group.swa_prefix}, compressed {dict(group.comp_prefixes)}")
 

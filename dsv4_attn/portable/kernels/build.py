@@ -35,7 +35,7 @@ PORTABLE_DIV16 = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_lt
                   "num_heads"}
 HOPPER_POINTERS = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32", "A_U8": "*u8", "B_U8": "*u8",
                    "A_ROWS": "*i32", "A_LENS": "*i32", "B_ROWS": "*i32", "B_LENS": "*i32", "BT": "*i32",
-                   "TOK2REQ": "*i32", "POS": "*i64", "PO": "*fp32", "PML": "*fp32"}
+                   "TOK2REQ": "*i32", "POS": "*i64", "PO": "*fp32", "PML": "*fp32", "CNT": "*i32"}
 # what the launcher's arguments are specialized as (16-byte aligned pointers and strides)
 HOPPER_DIV16 = set(HOPPER_POINTERS) | {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "a_stride0", "b_stride0",
                                        "stride_ar", "stride_br", "stride_bt", "b_width", "a_width", "a_slots",
@@ -81,10 +81,12 @@ def compile_combine(gpu: GPUTarget, split: int = 304, block_h: int = 16):
 
 
 def hopper_constexprs(comp: int, split: bool = False, write_lse: bool = False, shifts: tuple[int, int] = (6, 6),
-                      range_checks: bool = True) -> dict:
-    """The Gluon Hopper kernel's constexprs of one launch (``ops.sparse_mla_fwd``), with a sink."""
-    return dict(COMP=comp, C4A_RATIO=4, HAS_SINK=True, WRITE_LSE=write_lse and not split, IS_SPLIT=split, BN=64,
-                A_SHIFT=shifts[0], B_SHIFT=shifts[1], RANGE_CHECKS=range_checks)
+                      range_checks: bool = True, merge: bool = False) -> dict:
+    """The Gluon Hopper kernel's constexprs of one launch (``ops.sparse_mla_fwd``), with a sink;
+    ``merge``: a split launch merging its partials itself (``ops.merge_in_kernel``)."""
+    merge = merge and split
+    return dict(COMP=comp, C4A_RATIO=4, HAS_SINK=True, WRITE_LSE=write_lse and (not split or merge), IS_SPLIT=split,
+                BN=64, A_SHIFT=shifts[0], B_SHIFT=shifts[1], RANGE_CHECKS=range_checks, MERGE_IN_KERNEL=merge)
 
 
 def compile_hopper(constexprs: dict):

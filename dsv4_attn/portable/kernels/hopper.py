@@ -16,6 +16,12 @@ which the portable kernel cannot express. One program = one token x 64 heads (x 
   then hand the K tile back (``kempty``). The producer's gathers and dequantization of tile
   g+1 run under the consumers' matrix products of tile g.
 
+Before its lengths are known, the prologue pulls the token's index rows (and, once its request is
+known, its block-table columns) into L2, so the first tile's index loads do not wait on DRAM.
+Small batches split a token's keys over ``split`` programs writing fp32 partials; with
+``MERGE_IN_KERNEL`` (``ops.merge_in_kernel``: up to 8 heads) the last of them to finish, found by
+an arrival counter, merges them (``_merge_splits``) instead of a combine launch.
+
 Pitfall (ptxas C7515, every wgmma serialized): an asynchronous P·V left running across the
 next mbarrier wait; it is retired at the end of each tile instead.
 
@@ -140,6 +146,100 @@ def _prefetch_l2(row_ptr, srow_ptr):
     gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 576;\n\t"
                               "prefetch.global.L2 [$2];\n\tmov.b32 $0, 0;",
                               "=r,l,l", [row_ptr, srow_ptr], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_lines_l2(ptrs, mask):
+    """Pull the 128-byte lines holding ``ptrs`` into L2 (masked lanes: nothing); a hint, no
+    registers held: the index rows and block-table row a key tile reads next wait for L2 instead of
+    DRAM (a b <= 4 step is a chain of such dependent round trips)."""
+    gl.inline_asm_elementwise("@$2 prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l,b",
+                              [ptrs, mask], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_index_rows(a_rows, a_width, b_rows, b_width, COMP: gl.constexpr):
+    """L2 prefetch of a token's whole index rows (SWA slots, compressed entries), one line per
+    thread, issued before the lengths that pick this program's tiles are known."""
+    L1d: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])  # 256 lanes: one line each
+    j = gl.arange(0, 256, layout=L1d)
+    ja = gl.minimum(j * 32, a_width - 1)  # 32 int32 entries per line; the last line's tail too
+    _prefetch_lines_l2(a_rows + gl.maximum(ja, 0), (j < 128) & (j * 32 < a_width + 31) & (a_width > 0))
+    if COMP != 0:
+        jb = gl.minimum((j - 128) * 32, b_width - 1)
+        _prefetch_lines_l2(b_rows + gl.maximum(jb, 0), (j >= 128) & ((j - 128) * 32 < b_width + 31) & (b_width > 0))
+
+
+@gluon.jit
+def _prefetch_table_row(bt_row, visible, b_bs, bt_cols):
+    """L2 prefetch of the block-table columns a top-k token can name (its visible compressed
+    entries), up to 256 lines."""
+    L1d: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
+    j = gl.arange(0, 256, layout=L1d)
+    cols = gl.minimum(gl.cdiv(visible, b_bs), bt_cols)
+    _prefetch_lines_l2(bt_row + gl.minimum(j * 32, gl.maximum(cols - 1, 0)), (j * 32 < cols + 31) & (cols > 0))
+
+
+@gluon.jit
+def _load_partial(PO, PML, t64, s, split, h, hm, d, num_heads):
+    """Split ``s``'s partial (m, l [8], acc [8, 512]) of heads ``h``; splits >= ``split`` are
+    empty (m -1e30, l 0, acc 0). L1 bypassed (.cg): other CTAs wrote them."""
+    live = hm & (s < split)
+    part = (t64 * split + s) * num_heads + h.to(gl.int64)
+    m = gl.load(PML + part * 2, mask=live, other=-1.0e30, cache_modifier=".cg")
+    lsum = gl.load(PML + part * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
+    x = gl.load(PO + gl.expand_dims(part * 512, 1) + gl.expand_dims(d, 0), mask=gl.expand_dims(live, 1), other=0.0,
+                cache_modifier=".cg")
+    return m, lsum, x
+
+
+@gluon.jit
+def _rescale_add(m_run, l_run, acc, m, lsum, x):
+    """Online merge of one partial into the running (m, l, acc)."""
+    m_new = gl.maximum(m_run, m)
+    a_old = gl.exp2(m_run - m_new)
+    w = gl.exp2(m - m_new)
+    return m_new, l_run * a_old + w * lsum, acc * gl.expand_dims(a_old, 1) + x * gl.expand_dims(w, 1)
+
+
+@gluon.jit
+def _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64, hb, num_heads, split,
+                  HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, BH: gl.constexpr):
+    """The split merge of ``attention.combine_kernel`` for one (token, head block), run by the
+    last of its split programs to finish: o = sum_s w_s acc_s / (sum_s w_s l_s + exp2(sink2 - M)),
+    w_s = exp2(m_s - M), one pass with an online rescale. 8 heads at a time (a warp per head,
+    16-byte loads), 4 splits' partials in flight per step (loaded before any is used)."""
+    L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [8, 1], [1, 0])  # [8 heads, 512]
+    Lh: gl.constexpr = gl.SliceLayout(1, L)
+    d = gl.arange(0, 512, layout=gl.SliceLayout(0, L))
+    h_hi = gl.minimum(num_heads - hb * BH, BH)
+    for h0 in range(0, h_hi, 8):
+        h = hb * BH + h0 + gl.arange(0, 8, layout=Lh)
+        hm = h < num_heads
+        m_run = gl.full([8], -1.0e30, gl.float32, layout=Lh)
+        l_run = gl.zeros([8], gl.float32, layout=Lh)
+        acc = gl.zeros([8, 512], gl.float32, layout=L)
+        for s0 in range(0, split, 4):
+            m0, l0, x0 = _load_partial(PO, PML, t64, s0, split, h, hm, d, num_heads)
+            m1, l1, x1 = _load_partial(PO, PML, t64, s0 + 1, split, h, hm, d, num_heads)
+            m2, l2, x2 = _load_partial(PO, PML, t64, s0 + 2, split, h, hm, d, num_heads)
+            m3, l3, x3 = _load_partial(PO, PML, t64, s0 + 3, split, h, hm, d, num_heads)
+            m_run, l_run, acc = _rescale_add(m_run, l_run, acc, m0, l0, x0)
+            m_run, l_run, acc = _rescale_add(m_run, l_run, acc, m1, l1, x1)
+            m_run, l_run, acc = _rescale_add(m_run, l_run, acc, m2, l2, x2)
+            m_run, l_run, acc = _rescale_add(m_run, l_run, acc, m3, l3, x3)
+        denom = l_run
+        if HAS_SINK:
+            sink2 = gl.load(SINK + h, mask=hm, other=float("-inf")) * 1.4426950408889634
+            denom = l_run + gl.exp2(sink2 - m_run)
+        has = l_run != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
+        inv = gl.where(has, 1.0 / gl.where(has, denom, 1.0), 0.0)
+        o = (acc * gl.expand_dims(inv, 1)).to(gl.bfloat16)
+        gl.store(O + t64 * stride_ot + gl.expand_dims(h.to(gl.int64) * stride_oh, 1) + gl.expand_dims(d, 0), o,
+                 mask=gl.expand_dims(hm, 1))
+        if WRITE_LSE:
+            lse = gl.where(has, (m_run + gl.log2(gl.where(has, l_run, 1.0))) * 0.6931471805599453, float("-inf"))
+            gl.store(LSE + t64 * stride_lt + h, lse, mask=hm)
 
 
 @gluon.jit
@@ -295,11 +395,11 @@ def sparse_mla_fwd_hopper(
     A_U8, a_stride0, a_bs, a_slots, A_ROWS, stride_ar, A_LENS, a_width,
     B_U8, b_stride0, b_bs, b_slots, B_ROWS, stride_br, B_LENS,
     BT, stride_bt, bt_cols, b_blocks, TOK2REQ, POS, b_width,
-    PO, PML,
+    PO, PML, CNT,
     num_heads, qk_scale, split,
     COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
     IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64, A_SHIFT: gl.constexpr = -1, B_SHIFT: gl.constexpr = -1,
-    RANGE_CHECKS: gl.constexpr = True,
+    RANGE_CHECKS: gl.constexpr = True, MERGE_IN_KERNEL: gl.constexpr = False,
 ):
     BH: gl.constexpr = BLOCK_H
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -331,6 +431,9 @@ def sparse_mla_fwd_hopper(
     hb = (pid // split) % n_hb
     t = pid // (split * n_hb)
     t64 = t.to(gl.int64)
+    a_rows = A_ROWS + t64 * stride_ar
+    b_rows = B_ROWS + t64 * stride_br
+    _prefetch_index_rows(a_rows, a_width, b_rows, b_width, COMP)
 
     # ---- key ranges ---------------------------------------------------------------------------
     len_a = gl.load(A_LENS + t)
@@ -357,9 +460,9 @@ def sparse_mla_fwd_hopper(
     else:
         lo = 0
         hi = tiles
-    a_rows = A_ROWS + t64 * stride_ar
-    b_rows = B_ROWS + t64 * stride_br
     bt_row = BT + req.to(gl.int64) * stride_bt
+    if COMP == 2:
+        _prefetch_table_row(bt_row, visible, b_bs, bt_cols)
 
     acc, m_i, l_i = gl.warp_specialize([
         (_consumer, (q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, stride_qh, t64, hb, num_heads,
@@ -380,6 +483,20 @@ def sparse_mla_fwd_hopper(
         gl.store(PO + gl.expand_dims(part * 512, 1) + gl.expand_dims(d_o, 0), acc, mask=gl.expand_dims(hmask_o, 1))
         gl.store(PML + part * 2, m_o, mask=hmask_o)
         gl.store(PML + part * 2 + 1, l_o, mask=hmask_o)
+        if MERGE_IN_KERNEL:
+            # the last of the token's split programs to get here merges (no combine launch). The
+            # CTA's partial stores, then one acq_rel counter increment per program (after the
+            # barrier, the release covers every thread's stores; the acquire, broadcast through the
+            # atomic's own barrier, orders the merge's L1-bypassing loads after the other
+            # programs' stores: the split-K semaphore pattern). CNT is zero before the launch and
+            # left zero after it: the last program resets its entry once it has merged.
+            compat.barrier()
+            cnt = CNT + t * n_hb + hb
+            arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == split - 1:
+                _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64, hb, num_heads, split,
+                              HAS_SINK, WRITE_LSE, BH)
+                gl.store(cnt, 0)
     else:
         denom = l_o
         if HAS_SINK:

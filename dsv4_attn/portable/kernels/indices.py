@@ -193,10 +193,10 @@ class TritonFrontEnd:
     def step_rows(self, batch, buffers, num_tokens: int) -> None:
         kinds = buffers.all_kinds(batch)
         fused = kinds[0] if kinds else None
-        rows, lens = buffers.rows_of(fused) if fused else (None, None)
+        rows, lens = buffers.rows_of(fused, batch) if fused else (None, None)
         build_step_rows(batch.query_start_loc, batch.seq_lens, num_tokens, batch.swa_block_table,
                         batch.swa_block_size, buffers.spec.window, buffers.positions, buffers.token_to_req,
-                        buffers.token_valid, buffers.swa_rows, buffers.swa_lens,
+                        buffers.token_valid, *buffers.window_rows(),
                         batch.comp_block_tables[fused.ratio] if fused else None,
                         batch.comp_block_size(fused) if fused else 1, rows, lens,
                         fused.ratio if fused else 1, batch.swa_start)
@@ -204,9 +204,9 @@ class TritonFrontEnd:
         T = num_tokens
         tokens = Tokens(buffers.positions[:T], buffers.token_to_req[:T], buffers.token_valid[:T])
         for kind in kinds[1:]:
-            rows, lens = buffers.rows_of(kind)
-            comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind),
-                          buffers.spec.all_width(kind.ratio), out=(rows[:T], lens[:T]))
+            rows, lens = buffers.rows_of(kind, batch)
+            comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind), rows.shape[1],
+                          out=(rows[:T], lens[:T]))
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
                   local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:

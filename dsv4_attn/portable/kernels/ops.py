@@ -9,6 +9,7 @@ so ``TritonBackend.choice`` (``SparseMLA.explain()``) and the offline compile ch
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -97,6 +98,13 @@ class KernelConfig:
     p_scratch: int | None = None  # 1: P/alpha round-trip through a per-program scratch (see attention.py)
     impl: str = "auto"  # auto | gluon (Hopper kernel, V4 record only) | triton (portable kernel)
     g_block_n: int = 64  # Gluon kernel: keys per tile
+    # split merge (Gluon kernel): -1 auto (``merge_in_kernel``), 0 the combine launch, 1 inside
+    # the attention kernel (the last split program of a token merges)
+    merge_in_kernel: int = -1
+    # the combine launch's tile, heads x dims per program (grid T x H/heads x 512/dims); None:
+    # ``combine_tile``'s
+    combine_heads: int | None = None
+    combine_dims: int | None = None
     # 0 compiles the kernels WITHOUT their index range checks, so out-of-range entries are read
     # out of bounds: only for measuring the checks' cost (dsv4-attn bench --guard-cost)
     range_checks: int = 1
@@ -104,6 +112,11 @@ class KernelConfig:
     def __post_init__(self) -> None:
         if self.block_h not in (None, 16, 32, 64):
             raise ValueError(f"block_h: got {self.block_h!r}; allowed: None (the arch's), 16, 32 or 64")
+        if self.merge_in_kernel not in (-1, 0, 1):
+            raise ValueError(f"merge_in_kernel: got {self.merge_in_kernel!r}; allowed: -1 (auto), 0 or 1")
+        if self.combine_heads not in (None, 4, 8, 16) or self.combine_dims not in (None, 32, 64, 128):
+            raise ValueError(f"combine_heads / combine_dims: got {self.combine_heads!r} / {self.combine_dims!r}; "
+                             "allowed: None, 4, 8 or 16 / None, 32, 64 or 128")
 
     def dt(self):
         name = self.dot_dtype
@@ -243,6 +256,32 @@ def choose_split(num_programs: int, max_tiles: int, device: torch.device, reques
     return max(1, min(max_tiles, sms // num_programs))
 
 
+# The in-kernel merge is one program's serial walk over the partials, 8 heads at a time
+# (hopper._merge_splits). Measured on the H100 (notes/perf-wave4.md): 4-12 % faster than the
+# combine launch for 8 heads (V4-Flash under tensor parallelism 8) at every batch and layer kind,
+# but slower from 16 heads at b <= 4 (and 1.6-1.9x slower at 64-128 heads), where the combine
+# launch spreads the merge over many programs. Auto takes it up to this many heads.
+MERGE_IN_KERNEL_MAX_HEADS = 8
+
+
+def merge_in_kernel(config: KernelConfig, gluon: bool, split: int, num_heads: int) -> bool:
+    """Whether the Gluon kernel merges its ``split`` partials itself (no combine launch) for
+    ``num_heads`` heads: never on the portable kernel or without a split; else as
+    ``config.merge_in_kernel`` says, auto up to MERGE_IN_KERNEL_MAX_HEADS heads."""
+    if not gluon or split <= 1 or config.merge_in_kernel == 0:
+        return False
+    return config.merge_in_kernel == 1 or num_heads <= MERGE_IN_KERNEL_MAX_HEADS
+
+
+def combine_tile(config: KernelConfig, gluon: bool) -> tuple[int, int]:
+    """(heads, dims) per program of the combine launch. After the Gluon kernel 8 x 64: four times
+    the programs of 16 x 128, which took 6-15 % off b <= 4 at 16-128 heads on the H100 (the merge
+    of 10-18 splits is a latency-bound read of the partials; notes/perf-wave4.md). After the
+    portable kernel 16 x 128 (AMD's compile-checked tile; not measured otherwise)."""
+    heads, dims = (8, 64) if gluon else (16, 128)
+    return config.combine_heads or heads, config.combine_dims or dims
+
+
 def portable_constexprs(fmt_codes: tuple[int, int], comp_mode: int, topk_ratio: int, has_sink: bool,
                         write_lse: bool, split: int, tile: Tile, dt, range_checks: bool,
                         shifts: tuple[int, int] = (6, 6)) -> dict:
@@ -279,6 +318,7 @@ def sparse_mla_fwd(
     lse: torch.Tensor | None = None,
     config: KernelConfig = DEFAULT_CONFIG,
     workspace: torch.Tensor | None = None,
+    merge_counters: Callable[[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Two-scope sparse attention into ``out`` [T, H, 512] (bf16, written in place).
 
@@ -289,6 +329,10 @@ def sparse_mla_fwd(
     token_to_req int32 [T], positions int64 [T])`` of the layer's ratio ``topk_ratio`` (translated
     in the kernel; lens = min((pos+1)//topk_ratio, K)).
     ``lse`` optional float32 [T, H] (natural log, sink excluded, -inf for empty rows).
+    ``merge_counters(n)`` optional: int32 zeros of at least n entries for a split launch that
+    merges in the kernel (``merge_in_kernel``), its programs' arrival counters; the launch leaves
+    them zero again, so one buffer serves launches that run one after another (a step's layers,
+    graph replays), never two at once. None: zeros made for the call.
 
     Any entry naming no row of its cache is skipped like -1 without being read: a slot outside
     ``[0, num_blocks * block_size)``, a local top-k entry outside ``[0, (pos+1)//topk_ratio)``,
@@ -336,6 +380,10 @@ def sparse_mla_fwd(
         po = pml = out  # unused
     grid = (T * n_hb * split,)
     write_lse = lse is not None
+    counters = None
+    if merge_in_kernel(config, gluon, split, H):
+        counters = merge_counters(T * n_hb) if merge_counters is not None else \
+            torch.zeros(T * n_hb, dtype=torch.int32, device=q.device)
     lse_t = lse if write_lse else out
     sink_t = sink if sink is not None else out
     stride_lt = lse.stride(0) if write_lse else 0
@@ -349,11 +397,12 @@ def sparse_mla_fwd(
             a_u8, a_s0, a_bs, ranges[0], swa_rows, swa_rows.stride(0), swa_lens, ranges[1],
             b_u8, b_s0, b_bs, ranges[2], comp_rows, comp_rows.stride(0), comp_lens,
             bt, bt.stride(0), ranges[3], ranges[4], tok2req, pos, b_width,
-            po, pml,
+            po, pml, counters if counters is not None else pml,
             H, scale * LOG2E, split,
-            COMP=comp_mode, C4A_RATIO=topk_ratio, HAS_SINK=sink is not None, WRITE_LSE=write_lse and split == 1,
-            IS_SPLIT=split > 1, BN=bn, A_SHIFT=_log2_or_minus1(a_bs), B_SHIFT=_log2_or_minus1(b_bs),
-            RANGE_CHECKS=bool(config.range_checks), num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG,
+            COMP=comp_mode, C4A_RATIO=topk_ratio, HAS_SINK=sink is not None,
+            WRITE_LSE=write_lse and (split == 1 or counters is not None), IS_SPLIT=split > 1, BN=bn,
+            A_SHIFT=_log2_or_minus1(a_bs), B_SHIFT=_log2_or_minus1(b_bs), RANGE_CHECKS=bool(config.range_checks),
+            MERGE_IN_KERNEL=counters is not None, num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG,
         )
     else:
         dt = config.dt()
@@ -375,9 +424,9 @@ def sparse_mla_fwd(
                                   config.range_checks, (_log2_or_minus1(a_bs), _log2_or_minus1(b_bs))),
             **launch_options(tile),
         )
-    if split > 1:
-        bh_c = min(16, block_h)
-        bd = 128
+    if split > 1 and counters is None:
+        bh_c, bd = combine_tile(config, gluon)
+        bh_c = min(bh_c, block_h)
         K.combine_kernel[(T, triton.cdiv(H, bh_c), 512 // bd)](
             po, pml, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H,
             SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), HAS_SINK=sink is not None,
