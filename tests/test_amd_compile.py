@@ -4,23 +4,30 @@ in every tile the package picks there, checked offline with PyPI Triton's AMD ba
 tests/gpu_scripts/triton_amd.py compiles them in a child process (this process runs Triton's
 interpreter): per arch the split-merge kernel and, per picked tile, the attention kernel's
 top-k walk with its LSE in the records with the most registers live (V4, bf16), in nvfp4_ds_mla's
-two records, and its split epilogue. The full sweep (every record x layer kind x split)
-is the table in docs/rocm.md. Triton's kernel cache makes reruns fast.
+two records, and its split epilogue (the full sweep over every record x layer kind x split:
+``triton_amd.py --summary``; docs/rocm.md has the ISA table). Triton's kernel cache makes reruns
+fast.
+
+Instructions per key are compared with vLLM 0.33.0's gfx950 Triton sparse-MLA kernel compiled
+under the same Triton, recorded once (vLLM is not compiled here).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import triton
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton.backends.amd") is None,
                                 reason="this Triton has no AMD backend")
 
+from dsv4_attn.common.layout import Record  # noqa: E402
 from dsv4_attn.common.spec import MAX_HEADS  # noqa: E402
 from dsv4_attn.portable.kernels import ops  # noqa: E402
 
@@ -28,6 +35,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "gpu_scripts", "triton_amd.py")
 ARCHS = ("gfx942", "gfx950")
 LDS_LIMIT = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
+# ISA instructions per key of vLLM 0.33.0's `_sparse_attn_decode_gfx950_partial_kernel`
+# (vllm/v1/attention/ops/rocm_aiter_mla_sparse.py; 16 heads x 32 keys, 4 waves, V4 records, 64-token
+# pages), the fewer of its two key loops (SWA: 32 keys per iteration; compressed: 2 x 32), per
+# Triton (major.minor) and arch. Measured once, offline, on 2026-11-26 with
+# `python tests/gpu_scripts/vllm_amd_isa.py vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl`
+# (PyPI Triton 3.8.0 / 3.9.0; under 3.6.0 vLLM's kernel does not compile: tl.cat(dim=)).
+VLLM_INSTRUCTIONS_PER_KEY = {("3.8", "gfx942"): 44.8, ("3.8", "gfx950"): 26.2,
+                             ("3.9", "gfx942"): 44.8, ("3.9", "gfx950"): 26.2}
+# what a layer reads, as the tile choice sees it: V4, and nvfp4_ds_mla's compressed scope (its own tile)
+RECORDS = ((Record.V4_FP8, Record.V4_FP8), (Record.MXFP8, Record.NVFP4))
+# K of the bf16 MFMA Triton picks (16x16xK): gfx950 has 16x16x32, gfx942 16x16x16
+MFMA_K = {"gfx942": 16, "gfx950": 32}
 
 
 def _compile(*args: str) -> list[dict]:
@@ -56,13 +75,14 @@ def picked() -> list[dict]:
 def test_every_picked_amd_tile_compiles_without_spills(picked):
     for arch in ARCHS:
         rows = [r for r in picked if r["arch"] == arch]
-        tiles = {ops.DEFAULT_CONFIG.tile(arch, h) for h in range(1, MAX_HEADS + 1)}
+        tiles = {ops.DEFAULT_CONFIG.tile(arch, h, records) for h in range(1, MAX_HEADS + 1) for records in RECORDS}
         assert {_tile(r) for r in rows if r["kernel"] == "attention"} == tiles
         assert any(r["kernel"] == "combine" for r in rows)
         for r in rows:
             assert r["vgprs"] > 0 and r["sgprs"] > 0, r  # read from the code object, not defaulted
             assert _meets_bar(r), f"{r['label']}: {r}"
             assert r["ok"] == _meets_bar(r)
+            assert r["scratch"] == 0, r  # an SGPR spilled to memory would need scratch
 
 
 def test_a_spilling_tile_is_never_picked_on_amd(picked):
@@ -74,4 +94,38 @@ def test_a_spilling_tile_is_never_picked_on_amd(picked):
     failing = {(r["arch"], _tile(r)) for r in nvidia + picked if r["kernel"] == "attention" and not _meets_bar(r)}
     for arch in ARCHS:
         for heads in range(1, MAX_HEADS + 1):
-            assert (arch, ops.DEFAULT_CONFIG.tile(arch, heads)) not in failing
+            for records in RECORDS:
+                assert (arch, ops.DEFAULT_CONFIG.tile(arch, heads, records)) not in failing
+
+
+def _nonredundant_mfma(tile: ops.Tile, arch: str) -> int:
+    """MFMAs of one wave per key tile when no wave repeats another's work: Q·Kᵀ (16 heads x
+    block_n keys x 512 dims) and P·V (16 heads x 512 dims x block_n keys) each split over the waves."""
+    per_dot = tile.block_h * tile.block_n * 512 // (16 * 16 * MFMA_K[arch])
+    return 2 * per_dot // tile.num_warps
+
+
+def test_no_wave_repeats_the_score_tile(picked):
+    # a wave that computes the whole Q·Kᵀ tile (Triton's chained-dot layout puts every wave on the
+    # 16 heads of M) shows as more MFMAs per wave than the work split over the waves; the one
+    # exception, known and documented (docs/rocm.md): NVFP4 caches' own tile, P in registers
+    rows = [r for r in picked if r["kernel"] == "attention"]
+    assert any(_tile(r) == ops.AMD_TILE for r in rows)
+    for r in rows:
+        if _tile(r) == ops.AMD_NVFP4_TILE:
+            assert "nvfp4" in r["label"] and r["loop_mfma"] > _nonredundant_mfma(_tile(r), r["arch"]), r
+        else:
+            assert r["loop_mfma"] == _nonredundant_mfma(_tile(r), r["arch"]), r
+
+
+def test_instructions_per_key_within_twice_vllms():
+    version = ".".join(triton.__version__.split(".")[:2])
+    if not any(v == version for v, _ in VLLM_INSTRUCTIONS_PER_KEY):
+        pytest.skip(f"no vLLM figure recorded for Triton {version}")
+    rows = _compile("--like-vllm")
+    assert {r["arch"] for r in rows} == set(ARCHS)
+    for r in rows:
+        vllm = VLLM_INSTRUCTIONS_PER_KEY[(version, r["arch"])]
+        assert 0 < r["per_key"] <= 2 * vllm, f"{r['label']}: {r['per_key']} instructions per key, vLLM {vllm}"
+        assert r["scratch"] == 0 and r["vgpr_spills"] == 0, r  # no scratch: no SGPR spilled to memory
+        assert math.isclose(r["per_key"], r["loop_instructions"] / _tile(r).block_n, abs_tol=0.05)

@@ -153,16 +153,22 @@ def test_kernel_lse_and_all_invalid_rows(device, fmt, swa_dialect, gen):
 
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("heads", [16, 24, 40])
-def test_amd_tiles(device, heads, gen):
-    """AMD's tile (blocks of 16 heads, 16 keys, 4 warps, P in registers), one launch and split,
-    in the two-record walk (MXFP8 SWA + NVFP4 compressed), with 1-3 head blocks."""
+@pytest.mark.parametrize("fmt,swa_dialect", [("nvfp4_ds_mla", "ocp"), ("fp8_ds_mla", "fnuz")])
+def test_amd_tiles(device, heads, fmt, swa_dialect, gen):
+    """AMD's tiles, one launch and split (some splits empty), with 1-3 head blocks: in the V4
+    record as gfx942 writes it (FNUZ SWA cache), 16 heads x 64 keys, 4 waves, P through the
+    scratch; in the two-record walk (MXFP8 SWA + NVFP4 compressed), the NVFP4 tile (16 keys, P in
+    registers)."""
     from dsv4_attn.portable.kernels.ops import KernelConfig
 
+    recs = layout.KVFormat.parse(fmt)
+    want = (16, 16, 4, False) if fmt == "nvfp4_ds_mla" else (16, 64, 4, True)
     for arch in ("gfx942", "gfx950"):
-        tile = KernelConfig().tile(arch, heads)
-        assert (tile.block_h, tile.block_n, tile.num_warps, tile.p_scratch) == (16, 16, 4, False), tile
-    configs = [KernelConfig(block_h=16, block_n=16, num_warps=4, p_scratch=0, split=split) for split in (1, 3)]
-    _check_raw_kernel("nvfp4_ds_mla", "ocp", heads, configs, gen)
+        tile = KernelConfig().tile(arch, heads, (recs.swa_record, recs.comp_record))
+        assert (tile.block_h, tile.block_n, tile.num_warps, tile.p_scratch) == want, tile
+    configs = [KernelConfig(block_h=16, block_n=want[1], num_warps=4, p_scratch=int(want[3]), split=split)
+               for split in (1, 3)]
+    _check_raw_kernel(fmt, swa_dialect, heads, configs, gen)
 
 
 def _check_raw_kernel(fmt, swa_dialect, H, configs, gen):
@@ -498,7 +504,7 @@ def test_nvfp4_every_code_and_extreme_scales(device, gen):
 def test_kernel_choice_is_visible_in_explain(monkeypatch):
     """Which Triton kernel and tile a layer gets, and why, from the arch alone: the Gluon kernel on
     sm_90 for V4 records in OCP e4m3 only; V4.1 records and FNUZ caches on the portable kernel; AMD's
-    own tile (16 heads x 16 keys, 4 warps); the choice shows in explain()."""
+    own tiles (16 heads x 64 keys, 4 warps; 16 keys for NVFP4 caches); the choice shows in explain()."""
     from dsv4_attn.common.layout import Fp8Dialect, KVFormat
     from dsv4_attn.common.platform import Platform
     from dsv4_attn.portable.triton_backend import TritonBackend
@@ -517,8 +523,13 @@ def test_kernel_choice_is_visible_in_explain(monkeypatch):
     # an SWA-only layer of nvfp4_ds_mla reads the MXFP8 cache only
     assert "not mxfp8)" in b.choice(h100, spec, KVFormat.NVFP4, LayerKind.SWA, phase, ocp)
     assert "not FNUZ" in b.choice(h100, spec, KVFormat.MODEL1_FP8, LayerKind.C4A, phase, fnuz)
-    amd = b.choice(mi355, dsv4.ModelSpec(num_heads=32), KVFormat.NVFP4, LayerKind.C1A, phase, ocp)
-    assert amd == "portable kernel, 16 heads x 16 keys per tile, 4 warps (the Gluon kernel is sm_90 only, " \
+    amd = b.choice(mi355, dsv4.ModelSpec(num_heads=32), KVFormat.MODEL1_FP8, LayerKind.C4A, phase, ocp)
+    assert amd == "portable kernel, 16 heads x 64 keys per tile, 4 warps (the Gluon kernel is sm_90 only, " \
                   "this is gfx950)", amd
+    # a layer reading an NVFP4 cache gets AMD's NVFP4 tile; its SWA layers (MXFP8 only) do not
+    amd = b.choice(mi355, dsv4.ModelSpec(num_heads=32), KVFormat.NVFP4, LayerKind.C1A, phase, ocp)
+    assert amd.startswith("portable kernel, 16 heads x 16 keys per tile, 4 warps"), amd
+    amd = b.choice(mi355, dsv4.ModelSpec(num_heads=32), KVFormat.NVFP4, LayerKind.SWA, phase, ocp)
+    assert amd.startswith("portable kernel, 16 heads x 64 keys per tile, 4 warps"), amd
     mla = dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16, layers=("swa", "c1a")), "nvfp4_ds_mla", backend="triton")
     assert "portable kernel, 16 heads x 64 keys per tile, 8 warps (Triton's CPU interpreter)" in mla.explain()

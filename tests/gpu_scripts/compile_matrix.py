@@ -78,7 +78,9 @@ class Job:
 def _attention_jobs(target: str, full: bool) -> list[Job]:
     fmts = [KVFormat.BF16] if target == "sm80" else list(KVFormat)  # fp8 conversions need sm_89+
     arch = target if target.startswith("gfx") else "sm90"  # NVIDIA archs share the tile choice
-    tiles = sorted({ops.DEFAULT_CONFIG.tile(arch, h) for h in range(1, MAX_HEADS + 1)}, key=lambda t: t.block_h)
+    recs = {pb.layer_records(fmt, comp) for fmt in fmts for comp in KINDS.values()}
+    tiles = sorted({ops.DEFAULT_CONFIG.tile(arch, h, r) for h in range(1, MAX_HEADS + 1) for r in recs},
+                   key=lambda t: (t.block_h, t.block_n))
     jobs = []
     for tile in tiles:
         name = f"{tile.block_h}h x {tile.block_n}k {tile.num_warps}w"
@@ -92,6 +94,9 @@ def _attention_jobs(target: str, full: bool) -> list[Job]:
             cases = [(fmt, "top-k", split) for fmt, split in quick]
         seen = set()
         for fmt, kind, split in cases:
+            records = pb.layer_records(fmt, KINDS[kind])
+            if all(ops.DEFAULT_CONFIG.tile(arch, h, records) != tile for h in range(1, MAX_HEADS + 1)):
+                continue  # this layer runs in another tile (AMD: NVFP4 caches)
             const = pb.variant(fmt, KINDS[kind], tile, split)
             key = (const["FMT_A"], const["FMT_B"], KINDS[kind], split)
             if key not in seen:  # an SWA layer of nvfp4_ds_mla is mxfp8_ds_mla's

@@ -1,17 +1,18 @@
 """Compile every variant of the portable Triton kernels the package launches on AMD (gfx942,
 gfx950) offline with PyPI Triton's AMD backend and print, per variant, LDS bytes, VGPRs (arch +
-AGPRs), SGPRs, VGPR / SGPR spills and scratch bytes per lane, and whether it meets the bar:
-compiled, LDS within the arch's limit, no VGPR spill, no scratch.
+AGPRs), SGPRs, VGPR / SGPR spills, scratch bytes per lane, ISA instructions per key of the
+key-tile loop, and whether it meets the bar: compiled, LDS within the arch's limit, no VGPR spill,
+no scratch (so no SGPR spilled to memory either).
 
     python tests/gpu_scripts/triton_amd.py                   # every variant, markdown table
     python tests/gpu_scripts/triton_amd.py --quick --json    # the CI subset (tests/test_amd_compile.py)
 
-The variants are what ``ops.sparse_mla_fwd`` launches: the tile ``KernelConfig.tile(arch, heads)``
+The variants are what ``ops.sparse_mla_fwd`` launches: the tile ``KernelConfig.tile(arch, heads, records)``
 picks for any head count 1..MAX_HEADS, each KV format x layer kind (SWA, every-entry, top-k) it
 serves, one launch and split launches, and the split's combine kernel. No GPU needed; run it
 without TRITON_INTERPRET. ``--quick`` keeps, per tile, the top-k walk with its LSE in the records with
-the most registers live (V4, bf16; the full run shows they are the worst: docs/rocm.md "Triton
-kernels on AMD"), in nvfp4_ds_mla's two records, and the split epilogue.
+the most registers live (V4, bf16; the worst in the full run of the earlier 16-key tile), in
+nvfp4_ds_mla's two records, and the split epilogue.
 """
 
 from __future__ import annotations
@@ -55,31 +56,37 @@ class Variant:
         return head + self.fmt.value + (f" {self.kind}{' split' if self.split > 1 else ''}" if kind else "")
 
 
-def picked_tiles(arch: str, heads: range = range(1, MAX_HEADS + 1)) -> list[ops.Tile]:
-    """Every tile the default config picks on ``arch`` for these head counts."""
-    return sorted({ops.DEFAULT_CONFIG.tile(arch, h) for h in heads}, key=lambda t: t.block_h)
+def picked_tiles(arch: str, heads: range = range(1, MAX_HEADS + 1), records: tuple = ()) -> list[ops.Tile]:
+    """Every tile the default config picks on ``arch`` for these head counts, for a layer reading
+    ``records``."""
+    return sorted({ops.DEFAULT_CONFIG.tile(arch, h, records) for h in heads}, key=lambda t: (t.block_h, t.block_n))
 
 
 def variants(arch: str, quick: bool, tiles_of: str | None = None,
-             heads: range = range(1, MAX_HEADS + 1)) -> list[Variant]:
+             heads: range = range(1, MAX_HEADS + 1), like_vllm: bool = False) -> list[Variant]:
     """What runs on ``arch``: the combine kernel and the attention kernel in the tiles picked
-    there for ``heads`` (or, ``tiles_of``, on another arch: to see them fail)."""
+    there for ``heads`` (or, ``tiles_of``, on another arch: to see them fail). ``like_vllm``: only
+    the variant that reads what vLLM's gfx950 sparse-MLA kernel reads (V4 records, global slots
+    in both scopes, one launch; tests/gpu_scripts/vllm_amd_isa.py)."""
+    def tiles(fmt: KVFormat, kind: str) -> list[ops.Tile]:
+        return picked_tiles(tiles_of or arch, heads, pb.layer_records(fmt, KINDS[kind]))
+
+    if like_vllm:
+        return [Variant(arch, "attention", t, KVFormat.MODEL1_FP8, "all") for t in tiles(KVFormat.MODEL1_FP8, "all")]
+    if quick:
+        cases = [(fmt, "top-k", split) for fmt, split in ((KVFormat.MODEL1_FP8, 1), (KVFormat.BF16, 1),
+                                                           (KVFormat.NVFP4, 1), (KVFormat.MODEL1_FP8, 2))]
+    else:
+        cases = [(fmt, kind, split) for fmt in KVFormat for kind in KINDS for split in (1, 2)]
     out = [Variant(arch, "combine")]
-    for tile in picked_tiles(tiles_of or arch, heads):
-        if quick:
-            out += [Variant(arch, "attention", tile, fmt, "top-k", split)
-                    for fmt, split in ((KVFormat.MODEL1_FP8, 1), (KVFormat.BF16, 1), (KVFormat.NVFP4, 1),
-                                       (KVFormat.MODEL1_FP8, 2))]
-            continue
-        seen = set()
-        for fmt in KVFormat:
-            for kind, comp in KINDS.items():
-                for split in (1, 2):
-                    key = (pb.variant(fmt, comp, tile, split)["FMT_A"], pb.variant(fmt, comp, tile, split)["FMT_B"],
-                           comp, split)
-                    if key not in seen:  # an SWA layer of nvfp4_ds_mla is mxfp8_ds_mla's
-                        seen.add(key)
-                        out.append(Variant(arch, "attention", tile, fmt, kind, split))
+    seen = set()
+    for fmt, kind, split in cases:
+        for tile in tiles(fmt, kind):
+            const = pb.variant(fmt, KINDS[kind], tile, split)
+            key = (tile, const["FMT_A"], const["FMT_B"], KINDS[kind], split)
+            if key not in seen:  # an SWA layer of nvfp4_ds_mla is mxfp8_ds_mla's
+                seen.add(key)
+                out.append(Variant(arch, "attention", tile, fmt, kind, split))
     return out
 
 
@@ -92,6 +99,8 @@ def measure(v: Variant) -> dict:
                                      ops.launch_options(v.tile))
     res = pb.amd_resources(kernel)
     res["ok"] = (res["lds"] <= pb.LDS_LIMIT[v.arch] and res["vgpr_spills"] == 0 and res["scratch"] == 0)
+    # ISA instructions of the key-tile loop per key it walks (the combine kernel has no key loop)
+    res["per_key"] = round(res["loop_instructions"] / v.tile.block_n, 1) if v.tile else 0.0
     return res
 
 
@@ -105,9 +114,10 @@ def main() -> None:
                    help="one row per arch x tile x format: the most over its layer kinds and splits")
     p.add_argument("--tiles-of", metavar="ARCH", help="compile the tiles picked on ARCH (e.g. sm90) instead")
     p.add_argument("--heads", type=int, help="only the tile picked for this many heads (default: 1..128)")
+    p.add_argument("--like-vllm", action="store_true", help="only the variant vLLM's kernel compares with")
     args = p.parse_args()
     heads = range(args.heads, args.heads + 1) if args.heads else range(1, MAX_HEADS + 1)
-    todo = [v for arch in args.arch or ARCHS for v in variants(arch, args.quick, args.tiles_of, heads)]
+    todo = [v for arch in args.arch or ARCHS for v in variants(arch, args.quick, args.tiles_of, heads, args.like_vllm)]
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(measure, todo))
     rows = [{"label": v.label(), "arch": v.arch, "kernel": v.kernel, "tile": asdict(v.tile) if v.tile else None,
@@ -115,18 +125,19 @@ def main() -> None:
     if args.json:
         json.dump(rows, sys.stdout)
         return
-    print("| variant | LDS B | VGPRs (of them AGPRs) | SGPRs | VGPR spills | SGPR spills | scratch B | ok |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("| variant | LDS B | VGPRs (of them AGPRs) | SGPRs | VGPR spills | SGPR spills | scratch B | "
+          "instructions / key | ok |\n|---|---|---|---|---|---|---|---|---|")
     groups: dict[str, list[tuple[Variant, dict]]] = {}
     for v, res in zip(todo, results):
         groups.setdefault(v.label(not args.summary), []).append((v, res))
     for key, members in groups.items():
         top = {k: max(r[k] for _, r in members) for k in ("lds", "vgprs", "agprs", "sgprs", "vgpr_spills",
-                                                            "sgpr_spills", "scratch")}
+                                                            "sgpr_spills", "scratch", "per_key")}
         ok = all(r["ok"] for _, r in members)
         kinds = f" ({len(members)} variants)" if len(members) > 1 else ""
         print(f"| {key}{kinds} | {top['lds']} | {top['vgprs']} ({top['agprs']}) | {top['sgprs']} | "
-              f"{top['vgpr_spills']} | {top['sgpr_spills']} | {top['scratch']} | {'yes' if ok else 'NO'} |")
+              f"{top['vgpr_spills']} | {top['sgpr_spills']} | {top['scratch']} | {top['per_key'] or '-'} | "
+              f"{'yes' if ok else 'NO'} |")
 
 
 if __name__ == "__main__":

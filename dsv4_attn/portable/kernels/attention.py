@@ -57,8 +57,23 @@ COMP_C4A_LOCAL = 2  # compressed rows are local top-k positions (C4A, C1A, C2A):
 
 
 @triton.jit
+def _divmod(x, d, SHIFT: tl.constexpr):
+    """(x // d, x % d) for x >= 0: a shift and a mask when d is 2**SHIFT (SHIFT >= 0, the launcher's
+    ``_log2_or_minus1`` of a cache's block size), else an integer division (a run-time divisor
+    costs ~10 instructions per element, on every key)."""
+    if SHIFT >= 0:
+        q = x >> SHIFT
+        r = x & ((1 << SHIFT) - 1)
+    else:
+        q = x // d
+        r = x - q * d
+    return q, r
+
+
+@triton.jit
 def _tile_slots(g, lo_b, hi, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row, bt_cols, b_bs,
-                b_blocks, COMP: tl.constexpr, RANGE_CHECKS: tl.constexpr, BLOCK_N: tl.constexpr):
+                b_blocks, COMP: tl.constexpr, RANGE_CHECKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                B_SHIFT: tl.constexpr):
     """Slots [BLOCK_N] (0 where invalid), validity, and scope flag of global tile ``g``.
 
     Tiles [0, lo_b) are SWA tiles of scope A, tiles [lo_b, ...) compressed tiles of scope B;
@@ -87,13 +102,13 @@ def _tile_slots(g, lo_b, hi, a_rows, len_a, a_slots, b_rows, len_b, b_slots, vis
             local = tl.load(b_rows + jb, mask=inb, other=-1)
             vb = inb & (local >= 0) & (local < visible)
             local = tl.where(vb, local, 0)
-            col = local // b_bs
+            col, row_in_block = _divmod(local, b_bs, B_SHIFT)
             if RANGE_CHECKS:
                 vb = vb & (col < bt_cols)
             blk = tl.load(bt_row + col, mask=vb, other=0)
             if RANGE_CHECKS:
                 vb = vb & (blk >= 0) & (blk < b_blocks)
-            sb = blk * b_bs + (local - col * b_bs)
+            sb = blk * b_bs + row_in_block
         valid = tl.where(is_a, valid, vb)
         slots = tl.where(is_a, sa, sb)
     return tl.where(valid, slots, 0), valid, is_a
@@ -123,7 +138,8 @@ def _span_ptrs(base, row, start: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _load_kv_raw(cache_u8, cache_16, stride0, bs, slots, valid, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+def _load_kv_raw(cache_u8, cache_16, stride0, bs, slots, valid, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SHIFT: tl.constexpr):
     """Issue every load of a tile of BLOCK_N rows (raw; dequantized later, chunk by chunk).
 
     Returns (a, b, c, r, ea, eb, ec, er): dims [0,256), [256,384), [384,448), [448,512) of each row
@@ -133,8 +149,7 @@ def _load_kv_raw(cache_u8, cache_16, stride0, bs, slots, valid, FMT: tl.constexp
     its byte (``_nibble_ptrs``), a [N,16,16] .. r [N,4,16], e4m3 scales [N,16] .. [N,4]. BF16 / FP8: a [N,4,64],
     b [N,2,64],
     c, r [N,64], no scales. Invalid rows read as 0."""
-    blk = slots // bs
-    off = slots - blk * bs
+    blk, off = _divmod(slots, bs, SHIFT)
     m3 = valid[:, None, None]
     m2 = valid[:, None]
     if FMT == 0:
@@ -304,29 +319,32 @@ def _walk(g0, g1, tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visib
           A_U8, A_16, a_stride0, a_bs, a_exp_off, B_U8, B_16, b_stride0, b_bs, b_exp_off,
           qa, qb, qc, qr, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, scr_p, scr_a,
           FMT: tl.constexpr, COMP: tl.constexpr, SCOPE: tl.constexpr, RANGE_CHECKS: tl.constexpr,
-          BLOCK_N: tl.constexpr, DT: tl.constexpr, P_SCRATCH: tl.constexpr):
+          BLOCK_N: tl.constexpr, DT: tl.constexpr, P_SCRATCH: tl.constexpr, A_SHIFT: tl.constexpr,
+          B_SHIFT: tl.constexpr):
     """The online softmax over global tiles [g0, g1) read in record FMT (tiles < tiles_a are SWA
     tiles, the others compressed ones); returns (m, l, acc_a, acc_b, acc_c, acc_r) updated.
     SCOPE 0: tiles of both caches (one record), base pointers chosen per tile; 1: SWA tiles only
-    (give COMP 0); 2: compressed tiles only."""
+    (give COMP 0); 2: compressed tiles only. A_SHIFT / B_SHIFT: log2 of each cache's block size
+    (-1: not a power of two), so a slot splits into block and row with a shift and a mask (``_divmod``)."""
     BLOCK_H: tl.constexpr = qa.shape[0]
     # slots of the first tile; each iteration prefetches the next tile's slots (index loads and
     # the top-k block-table lookup leave the critical path)
     slots, valid, is_a = _tile_slots(g0, tiles_a, g1, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row,
-                                     bt_cols, b_bs, b_blocks, COMP, RANGE_CHECKS, BLOCK_N)
+                                     bt_cols, b_bs, b_blocks, COMP, RANGE_CHECKS, BLOCK_N, B_SHIFT)
     for g in range(g0, g1):
         slots_n, valid_n, is_a_n = _tile_slots(g + 1, tiles_a, g1, a_rows, len_a, a_slots, b_rows, len_b, b_slots,
-                                               visible, bt_row, bt_cols, b_bs, b_blocks, COMP, RANGE_CHECKS, BLOCK_N)
+                                               visible, bt_row, bt_cols, b_bs, b_blocks, COMP, RANGE_CHECKS, BLOCK_N,
+                                               B_SHIFT)
         if COMP == 0 or SCOPE == 1:
-            raw = _load_kv_raw(A_U8, A_16, a_stride0, a_bs, slots, valid, FMT, BLOCK_N)
+            raw = _load_kv_raw(A_U8, A_16, a_stride0, a_bs, slots, valid, FMT, BLOCK_N, A_SHIFT)
             exp_off = a_exp_off
         elif SCOPE == 2:
-            raw = _load_kv_raw(B_U8, B_16, b_stride0, b_bs, slots, valid, FMT, BLOCK_N)
+            raw = _load_kv_raw(B_U8, B_16, b_stride0, b_bs, slots, valid, FMT, BLOCK_N, B_SHIFT)
             exp_off = b_exp_off
         else:
             raw = _load_kv_raw(tl.where(is_a, A_U8, B_U8), tl.where(is_a, A_16, B_16),
                                tl.where(is_a, a_stride0, b_stride0), tl.where(is_a, a_bs, b_bs), slots, valid,
-                               FMT, BLOCK_N)
+                               FMT, BLOCK_N, A_SHIFT if A_SHIFT == B_SHIFT else -1)
             exp_off = tl.where(is_a, a_exp_off, b_exp_off)
         par = g % 2
         m_i, l_i, acc_a, acc_b, acc_c, acc_r = _attend_tile(
@@ -365,7 +383,7 @@ def sparse_mla_fwd_kernel(
     FMT_A: tl.constexpr, FMT_B: tl.constexpr, COMP: tl.constexpr, C4A_RATIO: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
     IS_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
-    P_SCRATCH: tl.constexpr, RANGE_CHECKS: tl.constexpr,
+    P_SCRATCH: tl.constexpr, RANGE_CHECKS: tl.constexpr, A_SHIFT: tl.constexpr, B_SHIFT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_hb = tl.cdiv(num_heads, BLOCK_H)
@@ -432,18 +450,18 @@ def sparse_mla_fwd_kernel(
             lo, hi, tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row, bt_cols, b_blocks,
             A_U8, A_16, a_stride0, a_bs, a_exp_off, B_U8, B_16, b_stride0, b_bs, b_exp_off,
             qa, qb, qc, qr, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, scr_p, scr_a,
-            FMT_A, COMP, 0, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH)
+            FMT_A, COMP, 0, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH, A_SHIFT, B_SHIFT)
     else:
         m_i, l_i, acc_a, acc_b, acc_c, acc_r = _walk(
             lo, tl.minimum(hi, tiles_a), tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row,
             bt_cols, b_blocks, A_U8, A_16, a_stride0, a_bs, a_exp_off, B_U8, B_16, b_stride0, b_bs, b_exp_off,
             qa, qb, qc, qr, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, scr_p, scr_a,
-            FMT_A, 0, 1, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH)
+            FMT_A, 0, 1, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH, A_SHIFT, B_SHIFT)
         m_i, l_i, acc_a, acc_b, acc_c, acc_r = _walk(
             tl.maximum(lo, tiles_a), hi, tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row,
             bt_cols, b_blocks, A_U8, A_16, a_stride0, a_bs, a_exp_off, B_U8, B_16, b_stride0, b_bs, b_exp_off,
             qa, qb, qc, qr, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, scr_p, scr_a,
-            FMT_B, COMP, 2, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH)
+            FMT_B, COMP, 2, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH, A_SHIFT, B_SHIFT)
 
     if not IS_SPLIT:
         denom = l_i

@@ -25,6 +25,14 @@ POINTERS = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32", "A_U8":
             "B_LENS": "*i32", "BT": "*i32", "TOK2REQ": "*i32", "POS": "*i64", "PO": "*fp32", "PML": "*fp32",
             "SCR_P": "*bf16", "SCR_A": "*fp32"}
 FLOATS = {"qk_scale", "kv_scale"}
+# integer arguments a launch passes as multiples of 16 in the common case (strides of q / out /
+# rows, cache block strides and sizes of 16-multiple pages, slot counts, row widths, head counts
+# of 16+): Triton's launcher specializes such values as 16-divisible at run time, and without it
+# the AMD code is not what runs (every lane then holds all of a tile's slots in SGPRs: ~4x the
+# instructions per key and 1,100+ SGPR spills offline under Triton 3.8 / 3.9)
+PORTABLE_DIV16 = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_lt", "a_stride0", "a_bs", "a_slots",
+                  "stride_ar", "a_width", "b_stride0", "b_bs", "b_slots", "stride_br", "stride_bt", "b_width",
+                  "num_heads"}
 HOPPER_POINTERS = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32", "A_U8": "*u8", "B_U8": "*u8",
                    "A_ROWS": "*i32", "A_LENS": "*i32", "B_ROWS": "*i32", "B_LENS": "*i32", "BT": "*i32",
                    "TOK2REQ": "*i32", "POS": "*i64", "PO": "*fp32", "PML": "*fp32", "CNT": "*i32"}
@@ -49,13 +57,14 @@ def _require_compiler() -> None:
 
 
 def compile_portable(gpu: GPUTarget, constexprs: dict, options: dict):
-    """A CompiledKernel of the portable kernel (pointers specialized as 16-byte aligned, as the
-    launcher's are for cache tensors)."""
+    """A CompiledKernel of the portable kernel, specialized as a launch with 16-byte aligned
+    tensors and 16-multiple strides, page sizes and widths is (``PORTABLE_DIV16``)."""
     _require_compiler()
     fn = K.sparse_mla_fwd_kernel
     sig = {p.name: POINTERS.get(p.name) or ("constexpr" if p.name in constexprs else
                                             "fp32" if p.name in FLOATS else "i32") for p in fn.params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in POINTERS}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
+             if p.name in POINTERS or p.name in PORTABLE_DIV16}
     return triton.compile(ASTSource(fn, sig, constexprs, attrs=attrs), target=gpu, options=options)
 
 

@@ -77,15 +77,20 @@ class Tile:
     options: tuple[tuple[str, int], ...] = ()
 
 
-# AMD CDNA (gfx942 / gfx950): blocks of 16 heads, 16 keys per tile, 4 waves per workgroup, P in
-# registers. 4 waves: each SIMD runs one, which may then use 512 VGPRs (256 arch + 256 AGPRs; 8
-# waves halve that and the kernel spills). 16 keys (one MFMA K step of P·V) and 16 heads: each wave
-# holds its q rows, fp32 accumulators and a dequantized K tile, and larger tiles do not fit: 32 or
-# 64 keys spill 2-293 VGPRs, 32- and 64-head blocks 2-17 in some record x layer kind (with P in
-# registers or through scratch), the 16-head block none, at most 372 VGPRs. More heads run as
-# more blocks, which re-read a token's rows from L2. Measured offline for every record x layer
-# kind x split (docs/rocm.md "Triton kernels on AMD"; tests/test_amd_compile.py holds it).
-AMD_TILE = Tile(16, 16, 4, 1, False, (("matrix_instr_nonkdim", 16),))
+# AMD CDNA (gfx942 / gfx950): blocks of 16 heads, 64 keys per tile, 4 waves per workgroup, P and
+# alpha through the per-program scratch. 16 heads are ONE MFMA tile high, and Triton's AMD backend
+# gives the first dot of a chained pair (Q·Kᵀ feeding P·V) all its waves along M: with P in
+# registers every wave computed the whole score tile (4x the Q·Kᵀ work). Through the scratch
+# the chain is broken: Q·Kᵀ is split over the waves (16 keys each), P·V over the 512 dims
+# (128 each). 4 waves: each SIMD runs one, which may then use 512 VGPRs (256 arch + 256 AGPRs).
+# 128 keys spill VGPRs; 32 keys need 2 waves (half the SIMDs). Measured offline, with the
+# launcher's specialization of its integer arguments, in the heaviest variants (top-k V4, bf16,
+# nvfp4_ds_mla, split; docs/rocm.md "Triton kernels on AMD"; tests/test_amd_compile.py holds it).
+AMD_TILE = Tile(16, 64, 4, 1, True, (("matrix_instr_nonkdim", 16),))
+# ... except layers reading an NVFP4 cache (nvfp4_ds_mla's compressed scope): its walk loads each
+# e2m1 byte once per dim, and in the 64-key tile it spills VGPRs to scratch under Triton 3.9
+# (428-756 B); the earlier 16-key tile with P in registers does not (there every wave repeats Q·Kᵀ)
+AMD_NVFP4_TILE = Tile(16, 16, 4, 1, False, (("matrix_instr_nonkdim", 16),))
 
 
 @dataclass(frozen=True)
@@ -128,11 +133,12 @@ class KernelConfig:
             name = "fp32" if triton_interpreting() else "bf16"
         return {"fp16": K.tl.float16, "bf16": K.tl.bfloat16, "fp32": K.tl.float32}[name]
 
-    def tile(self, arch: str, num_heads: int) -> Tile:
+    def tile(self, arch: str, num_heads: int, records: tuple[Record, ...] = ()) -> Tile:
         """The portable kernel's tile for ``num_heads`` query heads on ``arch`` ('cpu': the
-        interpreter), this config's fields overriding the arch's choice."""
+        interpreter) for a layer reading caches in ``records``, this config's fields overriding
+        the arch's choice."""
         if arch.startswith("gfx"):
-            base = AMD_TILE
+            base = AMD_NVFP4_TILE if Record.NVFP4 in records else AMD_TILE
         else:
             base = Tile(64 if num_heads >= 64 else max(16, _next_power_of_2(num_heads)), 64, 8, 1, True)
         return replace(base, block_h=self.block_h or base.block_h, block_n=self.block_n or base.block_n,
@@ -219,7 +225,7 @@ def compile_reason(arch: str, impl: str, records: tuple[Record, ...], comp_mode:
     if impl == "gluon":
         variant = build.hopper_constexprs(comp_mode, write_lse=True)
         return build.compile_error(arch, "gluon", tuple(sorted(variant.items())))
-    tile = config.tile(arch, num_heads)
+    tile = config.tile(arch, num_heads, records)
     codes = (RECORD_CODE[records[0]], RECORD_CODE[records[-1]])
     const = portable_constexprs(codes, comp_mode, 4, True, True, 1, tile, config.dt(), config.range_checks)
     return build.compile_error(arch, "portable", tuple(sorted(const.items())),
@@ -286,11 +292,14 @@ def combine_tile(config: KernelConfig, gluon: bool) -> tuple[int, int]:
 
 
 def portable_constexprs(fmt_codes: tuple[int, int], comp_mode: int, topk_ratio: int, has_sink: bool,
-                        write_lse: bool, split: int, tile: Tile, dt, range_checks: bool) -> dict:
-    """The portable kernel's constexpr arguments (what one compiled variant is)."""
+                        write_lse: bool, split: int, tile: Tile, dt, range_checks: bool,
+                        shifts: tuple[int, int] = (6, 6)) -> dict:
+    """The portable kernel's constexpr arguments (what one compiled variant is); ``shifts``: each
+    cache's ``_log2_or_minus1(block_size)`` (default: 64-token pages)."""
     return dict(FMT_A=fmt_codes[0], FMT_B=fmt_codes[1], COMP=comp_mode, C4A_RATIO=topk_ratio, HAS_SINK=has_sink,
                 WRITE_LSE=write_lse and split == 1, IS_SPLIT=split > 1, BLOCK_H=tile.block_h,
-                BLOCK_N=tile.block_n, DT=dt, P_SCRATCH=tile.p_scratch, RANGE_CHECKS=bool(range_checks))
+                BLOCK_N=tile.block_n, DT=dt, P_SCRATCH=tile.p_scratch, RANGE_CHECKS=bool(range_checks),
+                A_SHIFT=shifts[0], B_SHIFT=shifts[1])
 
 
 def launch_options(tile: Tile) -> dict:
@@ -372,7 +381,7 @@ def layer_launches(
     ranges = (a_nb * a_bs, swa_rows.shape[1], b_nb * b_bs, bt.shape[1], b_nb)  # the range checks' bounds
     dialects = tuple(Fp8Dialect.FNUZ if fnuz else Fp8Dialect.OCP for fnuz in (swa_fnuz, comp_fnuz))[:len(records)]
     gluon = use_gluon(q.device, records, dialects, config, (swa_cache, comp_cache), comp_mode, H)
-    tile = config.tile(device_arch(q.device), H)
+    tile = config.tile(device_arch(q.device), H, records)
     block_h = 64 if gluon else tile.block_h
     n_hb = _cdiv(H, block_h)
     bn = config.g_block_n if gluon else tile.block_n
@@ -433,7 +442,8 @@ def layer_launches(
             po, pml, scr_p, scr_a,
             H, scale * LOG2E, float(kv_scale), split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
         ), portable_constexprs(codes, comp_mode, topk_ratio, sink is not None, write_lse, split, tile, dt,
-                               config.range_checks), launch_options(tile))
+                               config.range_checks, (_log2_or_minus1(a_bs), _log2_or_minus1(b_bs))),
+            launch_options(tile))
     launches = [attention]
     if split > 1 and counters is None:
         bh_c, bd = combine_tile(config, gluon)
