@@ -243,13 +243,36 @@ def test_engine_decode_tokens_sized_at_start_and_larger_launches_go_to_a_backend
     register_backend("aiter-test", AiterBackend(name="aiter-test", max_decode_tokens=16))
     mla = dsv4.SparseMLA(case["spec"], "fp8_ds_mla", backend="aiter-test")
     line = next(ln for ln in mla.explain().splitlines() if ln.startswith("aiter-test") and "decode" in ln)
-    fallback = backend.fallback_name(mla.platform, case["spec"], mla.fmt, LayerKind.C128A, mla.dialects)
+    assert mla.backend_for(LayerKind.C128A, "decode", 16) == "aiter-test"
+    fallback = mla.backend_for(LayerKind.C128A, "decode", 24)
     assert fallback in ("triton", "torch")
     assert f"decode launches above 16 tokens (the scratch's capacity) run on {fallback}" in line, line
     plan = mla.plan(case["batch"])
     em.calls.clear()
     _check(run_layer(mla, plan, case, LayerKind.C128A), plan, case, LayerKind.C128A, EXACT)
     assert not em.calls, "a launch above the capacity reached AITER"
+    layer = mla.layer_inputs(plan, LayerKind.C128A, case["q"], case["caches"]["swa"],
+                             case["caches"][LayerKind.C128A], sink=case["sink"])
+    with pytest.raises(ValueError, match=r"plan: got 24 decode tokens; allowed: <= max_decode_tokens \(16\)"):
+        mla._backend("aiter-test").forward(plan, layer, torch.empty_like(case["q"]))  # driven past its limit
+
+
+def test_a_launch_limit_is_decided_per_launch_size_and_again_after_reserve(gen):
+    """The aiter backend declares its capacity as a launch limit (Backend.launch_limit): selection
+    picks it at or below the limit and the next backend above, per launch size, and forgets the
+    cached decisions when reserve() moves the limit (issue 25: no backend builds a fallback)."""
+    emulate.enable("gfx950", "0.1.20")
+    case = _mtp_step(gen, 8, 2)
+    register_backend("aiter-test", AiterBackend(name="aiter-test"))
+    mla = dsv4.SparseMLA(case["spec"], "fp8_ds_mla", backend="aiter-test")
+    limit = mla._backend("aiter-test").launch_limit(dsv4.Phase.DECODE)
+    assert limit is not None and limit.max_tokens == 1024
+    assert mla._backend("aiter-test").launch_limit(dsv4.Phase.PREFILL) is None
+    picks = [mla.backend_for(LayerKind.C4A, "decode", t) for t in (1, 1024, 1025, 4096, 8)]
+    assert picks[:2] == ["aiter-test"] * 2 and picks[4] == "aiter-test"
+    assert picks[2] == picks[3] != "aiter-test"
+    mla.reserve(mla.plan(case["batch"]), decode_tokens=64)  # an engine of at most 64 decode tokens a step
+    assert [mla.backend_for(LayerKind.C4A, "decode", t) for t in (64, 65, 1024)] == ["aiter-test", picks[2], picks[2]]
 
 
 # ---- pip install ".[rocm]" and the probe ---------------------------------------------------------------

@@ -3,8 +3,10 @@
 A backend is a thin adapter: it declares what it serves as data (``Capabilities``) and what
 data cannot say (``extra_reasons``; an empty list means supported), optionally prepares
 per-step metadata (cached in the plan per layer shape), and runs ``forward(plan, layer, out)``.
-The hooks tools read (``label``, ``emulated``, ``emulation_tag``, ``uncapturable``,
-``describe_binary``, ``raw_ops``) are declared here with their defaults, so tools never probe a
+A backend whose buffers bound one launch declares that bound (``launch_limit``): selection then
+sends a larger launch to the next backend, so no backend builds another inside itself. The hooks
+tools read (``label``, ``emulated``, ``emulation_tag``, ``uncapturable``, ``describe_binary``,
+``raw_ops``) are declared here with their defaults, so tools never probe a
 backend with ``getattr`` nor import a vendor module. The registry, selection and forcing live in
 ``common/registry.py``.
 """
@@ -189,6 +191,24 @@ class Capabilities:
         return reasons
 
 
+@dataclass(frozen=True)
+class LaunchLimit:
+    """The most tokens one launch of a phase may carry on a backend instance (``Backend.launch_limit``).
+
+    max_tokens  launches of up to this many tokens run; larger ones go to the next backend
+    why         what bounds it, for ``explain()`` and refusals, e.g. "the scratch's capacity"
+    """
+
+    max_tokens: int
+    why: str
+
+    def reasons(self, num_tokens: int) -> list[str]:
+        """[] when a launch of ``num_tokens`` tokens fits, else why not."""
+        if num_tokens <= self.max_tokens:
+            return []
+        return [f"a launch of {num_tokens} tokens is above its limit of {self.max_tokens} ({self.why})"]
+
+
 class Backend:
     """Base class of all backends.
 
@@ -248,6 +268,13 @@ class Backend:
         """How the backend would run a combination it serves, when it has options (a vendor
         entry point, a mode) and why; shown by ``SparseMLA.explain()``. "" = nothing to say."""
         return ""
+
+    def launch_limit(self, phase: Phase) -> LaunchLimit | None:
+        """The most tokens one ``phase`` launch may carry on this instance (None: no limit). Read
+        by selection at each launch size (``SparseMLA.backend_for``): a larger launch runs on the
+        next backend that serves the layer, and ``explain()`` says which. It may change only in
+        ``reserve`` (engine start), after which ``SparseMLA`` forgets its cached decisions."""
+        return None
 
     def reserve(self, plan: StepPlan, fmt: KVFormat, num_heads: int, dialects: Dialects, decode_tokens: int) -> None:
         """Engine start: allocate the buffers later steps of up to ``decode_tokens`` decode tokens

@@ -68,6 +68,7 @@ from .. import envs
 from ..common.backend import (
     Backend,
     Capabilities,
+    LaunchLimit,
     LayerInputs,
     LayerShape,
     Phase,
@@ -76,8 +77,7 @@ from ..common.backend import (
 from ..common.layout import Fp8Dialect, KVFormat, Record, gather_rows, new_cache, packed_records, quantize_model1
 from ..common.merge import apply_sink, merge_lse
 from ..common.plan import StepPlan
-from ..common.platform import LibraryInfo, Platform, platform_for_device, probe
-from ..common.registry import new_backend, reasons_for
+from ..common.platform import LibraryInfo, Platform, probe
 from ..common.spec import HEAD_DIM, NOPE_DIM, NUM_QUANT_TILES, V4_KINDS, LayerKind, ModelSpec
 from . import emulate
 from .scratch import AiterScratch, ScopeBuffers, ScratchKey, compact, quantize_pow2_, write_indices
@@ -89,8 +89,6 @@ INSTALL_HINT = ("Install AITER v0.1.20.post1 from a clone of dsv4-attn: AITER_US
                 "is too old: docs/rocm.md \"Install AITER\")")
 NATIVE_DIALECT = {"gfx942": Fp8Dialect.FNUZ, "gfx950": Fp8Dialect.OCP}
 PATHS = ("sparse_mla_fwd", "mla_decode_fwd_v4_nm", "mla_decode_fwd")
-# backends without a token cap that take the decode launches above the scratch's capacity
-FALLBACKS = ("triton", "torch")
 # what each path costs or gains, shown by explain() for the path auto picks
 PATH_NOTES = {
     "sparse_mla_fwd": "caches read in place; both scopes and the sink in one launch",
@@ -462,8 +460,9 @@ class AiterBackend(Backend):
     max_decode_tokens     scratch capacity in decode tokens (bounds the gathered-rows scratch);
                           env DSV4_ATTN_AITER_MAX_DECODE_TOKENS; unset: the engine's decode
                           tokens when it reserves memory at start (:meth:`reserve`, capped by
-                          what split mode can address), else 1024. Larger decode launches run on
-                          the first of :data:`FALLBACKS` that serves the layer (``explain()``)
+                          what split mode can address), else 1024. It is the backend's launch
+                          limit (:meth:`launch_limit`): selection sends larger decode launches
+                          to the next backend that serves the layer (``explain()`` says which)
     max_splits            split budget per batch row (split mode, persistent work plans)
     """
 
@@ -498,7 +497,6 @@ class AiterBackend(Backend):
                                   else envs.AITER_MAX_DECODE_TOKENS.get())
         # given (argument or environment): kept; else reserve() sizes it from the engine
         self._capacity_fixed = max_decode_tokens is not None or envs.AITER_MAX_DECODE_TOKENS.raw is not None
-        self._fallbacks: dict[str, Backend] = {}
         for arg, value in (("persistent_max_batch", self.persistent_max_batch),
                            ("max_decode_tokens", self.max_decode_tokens), ("max_splits", max_splits)):
             low = 0 if arg == "persistent_max_batch" else (2 if arg == "max_splits" else 1)
@@ -604,11 +602,7 @@ class AiterBackend(Backend):
         fp8 = self._computes_fp8(api, path, fmt, spec.num_heads)
         precision = (f"fp8 compute opted in ({envs.AITER_FP8_COMPUTE.name}): {FP8_NOTE}" if fp8
                      else "bf16 compute (the accuracy of every other backend)")
-        fallback = self.fallback_name(platform, spec, fmt, kind, dialects)
-        capacity = (f"decode launches above {self.max_decode_tokens} tokens (the scratch's capacity"
-                    f"{'' if self._capacity_fixed else ', or the engine decode tokens reserve() sets'}) run on "
-                    f"{fallback or 'nothing: they raise'}")
-        return "; ".join([f"path {path} ({PATH_NOTES[path]})", precision, capacity] + skipped + [status])
+        return "; ".join([f"path {path} ({PATH_NOTES[path]})", precision] + skipped + [status])
 
     def _computes_fp8(self, api: AiterAPI, path: str, fmt: KVFormat, heads: int) -> bool:
         """Whether ``path`` runs AITER's a8w8 kernels for this layer (for some batch size)."""
@@ -621,32 +615,23 @@ class AiterBackend(Backend):
         T = plan.num_tokens
         if T == 0:
             return
-        if T > self.max_decode_tokens:  # past the scratch: a backend without a cap
-            self._fallback(plan, layer).forward(plan, layer, out)
-            return
+        if T > self.max_decode_tokens:  # SparseMLA never sends one (launch_limit); a direct caller may
+            raise ValueError(f"plan: got {T} decode tokens; allowed: <= max_decode_tokens ({self.max_decode_tokens}) "
+                             "of the aiter backend (SparseMLA runs larger launches on the next backend; raise it: "
+                             f"AiterBackend(max_decode_tokens=...) or {envs.AITER_MAX_DECODE_TOKENS.name})")
         api = load_aiter()
         meta = self.meta(plan, layer.shape)
         {"sparse_mla_fwd": self._forward_sparse, "mla_decode_fwd_v4_nm": self._forward_nm,
          "mla_decode_fwd": self._forward_decode}[meta.path](api, plan, meta, layer, out)
 
     # ---- capacity ---------------------------------------------------------------------------
-    def fallback_name(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind,
-                      dialects) -> str | None:
-        """The backend that runs this layer's decode launches above ``max_decode_tokens``."""
-        return next((n for n in FALLBACKS if not reasons_for(n, platform, spec, fmt, kind, Phase.DECODE,
-                                                             tuple(dialects))), None)
-
-    def _fallback(self, plan: StepPlan, layer: LayerInputs) -> Backend:
-        name = self.fallback_name(platform_for_device(plan.device), plan.spec, layer.fmt, layer.kind,
-                                  (layer.swa_dialect, layer.comp_dialect))
-        if name is None:
-            raise ValueError(f"plan: got {plan.num_tokens} decode tokens; allowed: <= max_decode_tokens "
-                             f"({self.max_decode_tokens}) of the aiter backend, as none of {FALLBACKS} serves "
-                             f"this layer (raise it: AiterBackend(max_decode_tokens=...) or "
-                             f"{envs.AITER_MAX_DECODE_TOKENS.name})")
-        if name not in self._fallbacks:
-            self._fallbacks[name] = new_backend(name)
-        return self._fallbacks[name]
+    def launch_limit(self, phase: Phase) -> LaunchLimit | None:
+        """Decode launches fit the scratch's ``max_decode_tokens`` tokens (selection sends larger
+        ones to the next backend); prefill never runs here."""
+        if Phase(phase) is not Phase.DECODE:
+            return None
+        set_by = "" if self._capacity_fixed else ", or the engine decode tokens reserve() sets"
+        return LaunchLimit(self.max_decode_tokens, f"the scratch's capacity{set_by}")
 
     def addressable_tokens(self, spec: ModelSpec) -> int:
         """The most decode tokens split mode's gathered rows can address (24-bit row numbers,
