@@ -168,8 +168,8 @@ class SparseMLA:
                     impl = registry.get_backend(name)  # importable: reasons_for said nothing against it
                     why = reasons or ([impl.choice(plat, self.spec, self.fmt, kind, phase, self.dialects)]
                                       if impl else [])
-                    if chosen:
-                        why.append(self._limit_note(name, kind, phase))
+                    if chosen:  # where its launches above its launch limit run, first
+                        why.insert(0, self._limit_note(name, kind, phase))
                     verdicts.setdefault((phase.value, status, "; ".join(r for r in why if r)), []).append(kind.name)
             every_kind = len(self.spec.kinds)
             rows = [("all" if len(kinds) == every_kind else ",".join(kinds), phase, status, why)

@@ -44,10 +44,10 @@ SHAPE = dict(kinds=V4_KINDS, topk=32, max_model_len=1024, swa_bs=32, block_size=
 @pytest.fixture
 def backend_on(request):
     """Switch the AITER emulator on for the aiter cases (and off afterwards)."""
-    from dsv4_attn.rocm import emulate
+    from dsv4_attn import emulation
 
-    yield lambda name: emulate.enable() if name == "aiter" else None
-    emulate.disable()
+    yield lambda name: emulation.enable() if name == "aiter" else None
+    emulation.disable()
 
 
 def _batch_like(b, seq_lens, tables=None, num_tokens=None, query_lens=None):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -60,6 +60,17 @@ class LayerInputs:
     swa_geo: CacheGeometry = field(kw_only=True)
     comp_geo: CacheGeometry | None = field(kw_only=True)
 
+    def compressed(self, plan: StepPlan, num_slots: int | None = None, multiple: int = 1) -> CompScope:
+        """The layer's compressed scope over ``plan``'s tokens (``plan.comp_scope``: rows of global
+        slots, bounded to ``num_slots`` and padded to ``multiple`` where asked), with its cache; a
+        ValueError for a window-only layer or one without its compressed cache."""
+        cache, geo = self.comp_cache, self.comp_geo
+        rows, lens = plan.comp_scope(self.kind, self.topk, num_slots, multiple) if cache is not None else (None, None)
+        if cache is None or geo is None or rows is None or lens is None:
+            raise ValueError(f"comp_cache: got {'None' if cache is None else 'a cache'} for a {self.kind.name} layer; "
+                             "allowed: a compressed cache (and its geometry), for kinds with a compressed scope")
+        return CompScope(rows, lens, cache, geo)
+
     def token_slice(self, start: int, stop: int) -> LayerInputs:
         """The same layer restricted to tokens [start, stop)."""
         topk = None if self.topk is None else self.topk[start:stop]
@@ -69,6 +80,20 @@ class LayerInputs:
     def shape(self) -> LayerShape:
         return LayerShape(self.kind, self.fmt, (self.swa_dialect, self.comp_dialect), self.q.shape[1],
                           self.swa_geo, self.comp_geo)
+
+
+class CompScope(NamedTuple):
+    """A layer's compressed scope as a backend reads it (``LayerInputs.compressed``).
+
+    rows   int32 [T, K] global slots of the compressed cache, -1 unused
+    lens   int32 [T] valid entries per token
+    cache  the compressed cache; geo its geometry
+    """
+
+    rows: torch.Tensor
+    lens: torch.Tensor
+    cache: torch.Tensor
+    geo: CacheGeometry
 
 
 @dataclass(frozen=True)
@@ -233,7 +258,6 @@ class Backend:
     capabilities: Capabilities
     splits_phases: bool = False
     uncapturable: Mapping[Phase, str] = MappingProxyType({})
-    emulated: bool = False
     batch_invariant: bool = False
 
     @property
@@ -296,6 +320,12 @@ class Backend:
         raise NotImplementedError
 
     # ---- what tools read (the probe, the parity matrix, the bench) -----------------------------
+    @property
+    def emulated(self) -> bool:
+        """True when its results come from an emulator, not the vendor's kernels (a property: an
+        adapter may serve the real library or an emulator, decided at run time)."""
+        return False
+
     def label(self) -> str:
         """The backend as result files name it, e.g. "aiter [EMULATED gfx950, AITER 0.1.20]"."""
         return self.name
