@@ -60,15 +60,22 @@ class LayerInputs:
     swa_geo: CacheGeometry = field(kw_only=True)
     comp_geo: CacheGeometry | None = field(kw_only=True)
 
-    def compressed(self, plan: StepPlan, num_slots: int | None = None, multiple: int = 1) -> CompScope:
+    def comp_storage(self) -> tuple[torch.Tensor, CacheGeometry]:
+        """(compressed cache, its geometry) of a layer with a compressed scope; a ValueError for a
+        window-only layer (backends ask only for kinds with one)."""
+        if self.comp_cache is None or self.comp_geo is None or not self.kind.has_comp_scope:
+            raise ValueError(f"comp_cache: got {'None' if self.comp_cache is None else 'a cache'} for a "
+                             f"{self.kind.name} layer; allowed: a compressed cache for kinds with a compressed scope")
+        return self.comp_cache, self.comp_geo
+
+    def compressed(self, plan: StepPlan, bound: bool = False, multiple: int = 1) -> CompScope:
         """The layer's compressed scope over ``plan``'s tokens (``plan.comp_scope``: rows of global
-        slots, bounded to ``num_slots`` and padded to ``multiple`` where asked), with its cache; a
-        ValueError for a window-only layer or one without its compressed cache."""
-        cache, geo = self.comp_cache, self.comp_geo
-        rows, lens = plan.comp_scope(self.kind, self.topk, num_slots, multiple) if cache is not None else (None, None)
-        if cache is None or geo is None or rows is None or lens is None:
-            raise ValueError(f"comp_cache: got {'None' if cache is None else 'a cache'} for a {self.kind.name} layer; "
-                             "allowed: a compressed cache (and its geometry), for kinds with a compressed scope")
+        slots, with ``bound`` every slot outside the cache -1, padded to ``multiple`` columns),
+        with its cache; a ValueError for a window-only layer."""
+        cache, geo = self.comp_storage()
+        rows, lens = plan.comp_scope(self.kind, self.topk, geo.num_slots if bound else None, multiple)
+        if rows is None or lens is None:  # comp_storage passed: the kind has a compressed scope
+            raise ValueError(f"kind: got {self.kind.name} without compressed rows; allowed: a kind with a scope")
         return CompScope(rows, lens, cache, geo)
 
     def token_slice(self, start: int, stop: int) -> LayerInputs:

@@ -3,6 +3,8 @@ AITER would reject or misread (what it got, what is allowed)."""
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 
 
@@ -14,7 +16,7 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def fail(arg: str, got, allowed: str) -> None:
+def fail(arg: str, got: object, allowed: str) -> NoReturn:
     raise AiterContractError(f"{arg}: got {got}; allowed: {allowed}")
 
 

@@ -93,7 +93,7 @@ class SparseKernel(EmulatorBase):
         has_extra = all(x is not None for x in extra)
         if any(x is not None for x in extra) and not has_extra:
             fail("extra_kv/extra_indptr/extra_indices", "some given", "all three together")
-        x_fmt = None
+        x_fmt = ""  # no extra scope
         if has_extra:
             x_scale = kv_scale
             x_fmt = self._classify(q, extra_kv, x_scale if fmt == "fp8_scalar" else None, "extra_kv")

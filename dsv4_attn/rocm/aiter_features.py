@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import Any
 
 from .. import envs
 from ..common.layout import Fp8Dialect, KVFormat
@@ -154,9 +155,9 @@ def persistent_lse_heads(api: AiterAPI, heads: int) -> tuple[int | None, str | N
     for name in ("get_mla_metadata_info_v1", "get_mla_metadata_v1"):
         if getattr(api, name) is None:
             return None, f"aiter.{name} not found"
-    if "topk" not in parameters(api.get_mla_metadata_v1):
+    if "topk" not in parameters(api.function("get_mla_metadata_v1")):
         return None, "get_mla_metadata_v1 has no topk (sparse work plans)"
-    table = {h: n for h, n in PERSISTENT_LSE.get(api.arch, {}).items() if n in api.asm_objects}
+    table = {h: n for h, n in PERSISTENT_LSE.get(api.arch or "", {}).items() if n in api.asm_objects}
     if aiter_experimental():
         table = {h: n for h, n in table.items() if h not in (64, 128)}
     padded = next((h for h in sorted(table) if h >= heads), None)
@@ -217,14 +218,16 @@ def describe_aiter(platform: Platform | None = None) -> dict:
     """What ``dsv4-attn probe`` prints for AITER: version, arch, FP8 dialect, which paths are
     enabled (or why not), and whether this is the emulator."""
     api = load_aiter(platform)
-    out = {"found": api.error is None, "emulated": api.emulated, "version": api.version, "arch": api.arch,
-           "dialect": NATIVE_DIALECT[api.arch].value if api.arch in NATIVE_DIALECT else None, "error": api.error}
+    native = NATIVE_DIALECT.get(api.arch or "")
+    out: dict[str, Any] = {"found": api.error is None, "emulated": api.emulated, "version": api.version,
+                           "arch": api.arch, "dialect": native.value if native else None, "error": api.error}
     base = base_reasons(api)
     decode = base or decode_reasons(api)
     persistent = decode or [r for r in [persistent_lse_heads(api, 1)[1]] if r]
     fp8_on = envs.AITER_FP8_COMPUTE.get()
     switch = "opted in" if fp8_on else f"off: opt in with {envs.AITER_FP8_COMPUTE.name}=1"
     fp8 = f"fp8 compute, {switch}: {FP8_NOTE}"
+    lse_heads = sorted(h for h, n in PERSISTENT_LSE.get(api.arch or "", {}).items() if n in api.asm_objects)
     out["fp8_compute"] = fp8_on
     out["paths"] = {
         "sparse_mla_fwd": "; ".join(base or sparse_reasons(api)) or "enabled (bf16 compute)",
@@ -233,7 +236,7 @@ def describe_aiter(platform: Platform | None = None) -> dict:
         "mla_decode_fwd (split)": "; ".join(decode) or "enabled (bf16 compute)",
         "mla_decode_fwd (persistent)": "; ".join(persistent) or (
             f"{'enabled' if fp8_on else 'available'} (heads "
-            f"{sorted(h for h, n in PERSISTENT_LSE[api.arch].items() if n in api.asm_objects)}; {fp8})"),
+            f"{lse_heads}; {fp8})"),
     }
     return out
 
