@@ -14,8 +14,8 @@ front end then splits the token range.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
+import functools
 import importlib.util
 
 import torch
@@ -27,6 +27,7 @@ from .common.layout import Fp8Dialect, KVFormat
 from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan
 from .common.platform import Platform, platform_for_device, triton_interpreting
 from .common.rows import StepRows
+from .common.selection import Selection
 from .common.spec import LayerKind, ModelSpec
 
 
@@ -77,9 +78,8 @@ class SparseMLA:
                                             if self._device is not None else None)
         self._buffers: PlanBuffers | None = None
         self._generation = 0
-        self._selected: dict[tuple, str] = {}
-        self._limit_bounds: dict[Phase, list[int]] = {}  # the launch limits selection met (Backend.launch_limit)
         self._backends: dict[str, Backend] = {}  # this model's own instances (their buffers are its own)
+        self._selection = Selection(self._backend)  # decisions cached per kind, phase, launch-size range
         # Refuse at construction (engine start) when the requested backend cannot run a layer.
         for kind in spec.kinds:
             for phase in Phase:
@@ -102,48 +102,8 @@ class SparseMLA:
         choices table where it covers the launch (common/choices.py)."""
         kind, phase = self.spec.check_kind(kind), Phase(phase)
         requested, source = registry.requested_backend(self._explicit)
-        bucket = None  # auto: one decision per launch-size range of the measured table
-        if requested == "auto" and num_tokens:
-            bucket = registry.launch_bucket(self.platform, self.spec, self.fmt, kind, phase, num_tokens)
-        key = (requested, kind, phase, bucket, self._limit_bucket(phase, num_tokens))
-        if key not in self._selected:
-            name = registry.select(self.platform, self.spec, self.fmt, kind, phase, requested, source,
-                                   self.dialects, num_tokens, self._limited_backend)
-            # keyed again: the selection may have met a launch limit, which splits the launch sizes
-            self._selected[key[:4] + (self._limit_bucket(phase, num_tokens),)] = name
-            return name
-        return self._selected[key]
-
-    def _limit_bucket(self, phase: Phase, num_tokens: int | None) -> int:
-        """How many of the launch limits met so far a launch of ``num_tokens`` is above (-1 without
-        a launch size: that decision never asked a limit)."""
-        if not num_tokens:
-            return -1
-        bounds = self._limit_bounds.get(phase)
-        return bisect.bisect_left(bounds, num_tokens) if bounds else 0
-
-    def _limited_backend(self, name: str) -> Backend:
-        """This model's instance of ``name`` (the one whose launch limit applies), its limits noted
-        so that launch sizes on either side of one get their own cached decision."""
-        backend = self._backend(name)
-        for phase in backend.phases:
-            limit = backend.launch_limit(phase)
-            bounds = self._limit_bounds.setdefault(phase, [])
-            if limit is not None and limit.max_tokens not in bounds:
-                bisect.insort(bounds, limit.max_tokens)
-                self._selected.clear()  # keyed by the old bounds
-        return backend
-
-    def _limit_note(self, name: str, kind: LayerKind, phase: Phase) -> str:
-        """Where ``name``'s launches above its launch limit run, for explain() ("" without one)."""
-        limit = self._backend(name).launch_limit(phase)
-        if limit is None:
-            return ""
-        try:
-            beyond = self.backend_for(kind, phase, limit.max_tokens + 1)
-        except BackendUnavailableError:
-            beyond = "nothing: they raise"
-        return f"{phase.value} launches above {limit.max_tokens} tokens ({limit.why}) run on {beyond}"
+        return self._selection.pick(self.platform, self.spec, self.fmt, self.dialects, kind, phase, requested,
+                                    source, num_tokens)
 
     def explain(self) -> str:
         """Table: per backend, kind and phase: chosen / ok / refused, with the reasons."""
@@ -169,7 +129,8 @@ class SparseMLA:
                     why = reasons or ([impl.choice(plat, self.spec, self.fmt, kind, phase, self.dialects)]
                                       if impl else [])
                     if chosen:  # where its launches above its launch limit run, first
-                        why.insert(0, self._limit_note(name, kind, phase))
+                        beyond = functools.partial(self.backend_for, kind, phase)
+                        why.insert(0, self._selection.limit_note(name, phase, beyond))
                     verdicts.setdefault((phase.value, status, "; ".join(r for r in why if r)), []).append(kind.name)
             every_kind = len(self.spec.kinds)
             rows = [("all" if len(kinds) == every_kind else ",".join(kinds), phase, status, why)
@@ -224,8 +185,7 @@ class SparseMLA:
         for name in dict.fromkeys(self.backend_for(kind, Phase.DECODE) for kind in self.spec.kinds):
             self._backend(name).reserve(plan, self.fmt, self.spec.num_heads, self.dialects,
                                         decode_tokens or self.max_tokens)
-        self._limit_bounds.clear()  # reserve may have moved a launch limit: decide again
-        self._selected.clear()
+        self._selection.forget()  # reserve may have moved a launch limit: decide again
 
     def _ensure_buffers(self, device: torch.device) -> PlanBuffers:
         """The plan buffers, allocated on the first plan's device."""
