@@ -14,6 +14,7 @@ front end then splits the token range.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -26,6 +27,7 @@ from .common.layout import Fp8Dialect, KVFormat
 from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan
 from .common.platform import Platform, platform_for_device, triton_interpreting
 from .common.rows import StepRows
+from .common.selection import Selection
 from .common.spec import LayerKind, ModelSpec
 
 
@@ -76,9 +78,9 @@ class SparseMLA:
                                             if self._device is not None else None)
         self._buffers: PlanBuffers | None = None
         self._generation = 0
-        self._selected: dict[tuple, str] = {}
         self._checks = checks.LayerChecks()  # the per-layer checks, with their memo of passed calls
         self._backends: dict[str, Backend] = {}  # this model's own instances (their buffers are its own)
+        self._selection = Selection(self._backend)  # decisions cached per kind, phase, launch-size range
         # Refuse at construction (engine start) when the requested backend cannot run a layer.
         for kind in spec.kinds:
             for phase in Phase:
@@ -101,14 +103,8 @@ class SparseMLA:
         choices table where it covers the launch (common/choices.py)."""
         kind, phase = self.spec.check_kind(kind), Phase(phase)
         requested, source = registry.requested_backend(self._explicit)
-        bucket = None  # auto: one decision per launch-size range of the measured table
-        if requested == "auto" and num_tokens:
-            bucket = registry.launch_bucket(self.platform, self.spec, self.fmt, kind, phase, num_tokens)
-        key = (requested, kind, phase, bucket)
-        if key not in self._selected:
-            self._selected[key] = registry.select(self.platform, self.spec, self.fmt, kind, phase,
-                                                     requested, source, self.dialects, num_tokens)
-        return self._selected[key]
+        return self._selection.pick(self.platform, self.spec, self.fmt, self.dialects, kind, phase, requested,
+                                    source, num_tokens)
 
     def explain(self) -> str:
         """Table: per backend, kind and phase: chosen / ok / refused, with the reasons."""
@@ -133,6 +129,9 @@ class SparseMLA:
                     impl = registry.get_backend(name)  # importable: reasons_for said nothing against it
                     why = reasons or ([impl.choice(plat, self.spec, self.fmt, kind, phase, self.dialects)]
                                       if impl else [])
+                    if chosen:  # where its launches above its launch limit run, first
+                        beyond = functools.partial(self.backend_for, kind, phase)
+                        why.insert(0, self._selection.limit_note(name, phase, beyond))
                     verdicts.setdefault((phase.value, status, "; ".join(r for r in why if r)), []).append(kind.name)
             every_kind = len(self.spec.kinds)
             rows = [("all" if len(kinds) == every_kind else ",".join(kinds), phase, status, why)
@@ -187,6 +186,7 @@ class SparseMLA:
         for name in dict.fromkeys(self.backend_for(kind, Phase.DECODE) for kind in self.spec.kinds):
             self._backend(name).reserve(plan, self.fmt, self.spec.num_heads, self.dialects,
                                         decode_tokens or self.max_tokens)
+        self._selection.forget()  # reserve may have moved a launch limit: decide again
 
     def _ensure_buffers(self, device: torch.device) -> PlanBuffers:
         """The plan buffers, allocated on the first plan's device."""

@@ -81,8 +81,8 @@ def _lower(text: str) -> str:
 
 
 def _emulator(text: str) -> str:
-    """off/on words, an AITER arch, or arch:flavor (the forms ``rocm.emulate.parse_env`` reads)."""
-    from .rocm.emulate import ARCHS, FLAVORS  # lazy: the emulator module imports torch
+    """off/on words, an AITER arch, or arch:flavor (the forms ``emulation.parse_env`` reads)."""
+    from .emulation.releases import ARCHS, FLAVORS  # lazy: the emulation package imports torch
 
     value = text.lower()
     arch, colon, flavor = value.partition(":")

@@ -1,4 +1,4 @@
-"""The `aiter` backend on CPU through the AITER EMULATOR (dsv4_attn/rocm/emulate.py).
+"""The `aiter` backend on CPU through the AITER EMULATOR (dsv4_attn/emulation/).
 
 No AMD GPU here: every AITER call goes to the emulator, a torch model of what AITER 0.1.20's
 kernels do (576-wide rows, no -1 sentinel, 24-bit addressing, fp8-rounded probabilities, which
@@ -17,12 +17,14 @@ import pytest
 import torch
 
 import dsv4_attn as dsv4
+from dsv4_attn import emulation
 from dsv4_attn.common import layout, reference
 from dsv4_attn.common.backend import BackendUnavailableError
 from dsv4_attn.common.registry import register_backend, unregister_backend
 from dsv4_attn.common.spec import V4_KINDS, LayerKind
-from dsv4_attn.rocm import emulate
-from dsv4_attn.rocm.aiter import AiterBackend, describe_aiter, load_aiter
+from dsv4_attn.rocm.aiter import AiterBackend
+from dsv4_attn.rocm.aiter_api import load_aiter
+from dsv4_attn.rocm.aiter_features import describe_aiter
 
 from compare import BF16, FP8_Q, assert_close, compare
 
@@ -35,7 +37,7 @@ EXACT, FP8 = BF16, FP8_Q
 @pytest.fixture(autouse=True)
 def _no_emulator_leak():
     yield
-    emulate.disable()
+    emulation.disable()
 
 
 def make_case(gen, fmt, heads, query_lens=(1, 1, 1, 2, 1), seq_lens=(3, 130, 700, 1501, 4000), num_pad=1,
@@ -155,7 +157,7 @@ CASES = [
 @pytest.mark.parametrize("arch,flavor,kwargs,fmt,heads,dialects,expect,tol", CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[3]}-h{c[4]}-{c[6][1] or c[6][0]}" for c in CASES])
 def test_parity_through_emulator(gen, arch, flavor, kwargs, fmt, heads, dialects, expect, tol):
-    em = emulate.enable(arch, flavor)
+    em = emulation.enable(arch, flavor)
     _backend(**kwargs)
     case = make_case(gen, fmt, heads, swa_dialect=dialects[0], comp_dialect=dialects[1],
                      kv_scale=0.5 if fmt == "fp8_e4m3" else 1.0)
@@ -200,7 +202,7 @@ def make_v41_case(gen, fmt, heads, kinds=V41):
 def test_v41_kinds_through_sparse_mla_fwd(gen, fmt, heads):
     """vLLM 0.33 runs DeepSeek-V4.1 on ROCm through AITER's sparse_mla_fwd (gfx950) on the V4
     record: every V4.1 kind there, against the float64 reference, NaN-poisoned outputs."""
-    em = emulate.enable("gfx950", "sparse")
+    em = emulation.enable("gfx950", "sparse")
     case = make_v41_case(gen, fmt, heads)
     mla = dsv4.SparseMLA(case["spec"], fmt, backend="aiter")
     plan = mla.plan(case["batch"])
@@ -225,7 +227,7 @@ def test_v41_topk_kinds_refused_off_sparse_mla_fwd(gen, arch, flavor):
     """Without sparse_mla_fwd (AITER releases; gfx942) V4.1's C1A / C2A are refused with the
     reason -- vLLM 0.33 has no other AITER path for them -- while its window-only layers run
     on the V4 paths; a model's refused kinds go to the next backend (triton / torch)."""
-    emulate.enable(arch, flavor)
+    emulation.enable(arch, flavor)
     backend = AiterBackend()
     platform = dsv4.probe()
     spec = dsv4.ModelSpec(num_heads=64, layers=V41)
@@ -247,7 +249,7 @@ def test_v41_topk_kinds_refused_off_sparse_mla_fwd(gen, arch, flavor):
 def test_mla_decode_fwd_gets_576_wide_rows(gen):
     """Defect 1: the code objects read 576-element q heads and KV rows; 512-wide ones are misread
     (heads misaligned, the next row's first 64 values read as RoPE)."""
-    em = emulate.enable("gfx950")
+    em = emulation.enable("gfx950")
     for kwargs, tol in (({}, EXACT), (FP8_ON, FP8)):
         _backend(path="mla_decode_fwd", **kwargs)
         case = make_case(gen, "fp8_ds_mla", 16)
@@ -264,7 +266,7 @@ def test_mla_decode_fwd_gets_576_wide_rows(gen):
 def test_index_lists_are_compacted(gen):
     """Defect 2: AITER reads every index inside a token's range (no -1 sentinel): C4A rows with
     -1 holes and out-of-range slots inside the valid prefix must never reach it."""
-    em = emulate.enable("gfx950", "sparse")
+    em = emulation.enable("gfx950", "sparse")
     case = make_case(gen, "fp8_ds_mla", 16)
     T = case["q"].shape[0]
     n4 = (case["batch"].positions.cpu() + 1) // 4
@@ -288,7 +290,7 @@ def test_index_lists_are_compacted(gen):
 def test_split_rows_past_24_bit_are_refused():
     """Defect 3 (selection): the split code objects take 24-bit row numbers and 32-bit byte
     offsets; a scratch that could exceed them refuses the path with the reason."""
-    emulate.enable("gfx942")
+    emulation.enable("gfx942")
     register_backend("aiter-test", AiterBackend(name="aiter-test", path="mla_decode_fwd", max_decode_tokens=8192))
     try:  # 8192 tokens x 512 top-k rows (+ the dump and sentinel rows) of 1152 B > 4 GiB; 128 rows a token fit
         with pytest.raises(BackendUnavailableError, match="(?s)x 512 = 4194306 rows.*24-bit numbers and 32-bit byte"):
@@ -302,7 +304,7 @@ def test_split_rows_past_24_bit_are_refused():
 def test_cache_rows_past_2_24_are_gathered_not_wrapped(gen):
     """Defect 3 (data): a cache of more than 2^24 rows whose attended rows lie past row 2^24;
     the split kernels would wrap row numbers at 2^24. Needs ~8.6 GB of (untouched) virtual memory."""
-    emulate.enable("gfx942")
+    emulation.enable("gfx942")
     bs, nb = 64, (1 << 24) // 64 + 16
     try:
         flat = torch.empty(nb * bs * 512, dtype=torch.float8_e4m3fnuz)
@@ -333,7 +335,7 @@ def test_cache_rows_past_2_24_are_gathered_not_wrapped(gen):
 def test_persistent_heads_padded_to_an_lse_writing_code_object(gen):
     """Defect 4: gfx950's 32-head persistent "lse" code object is its non-LSE twin (it never
     stores the LSE), so 17-32 heads are padded to 64, whose object writes one."""
-    em = emulate.enable("gfx950")
+    em = emulation.enable("gfx950")
     _backend(path="mla_decode_fwd", fp8_compute=True)
     case = make_case(gen, "fp8_ds_mla", 24)
     try:
@@ -352,7 +354,7 @@ def test_persistent_buffers_sized_for_the_persistent_batch_and_split_mode_bf16(g
     """Defect 5: persistent work buffers (and the fp32 partials AITER allocates per call from
     them) are sized for the persistent batch, not max_decode_tokens; FP8 split kernels run one
     split per 128 keys (16 heads) while stage 2 reads one per 64, so split mode runs bf16."""
-    em = emulate.enable("gfx950")
+    em = emulation.enable("gfx950")
     heads = 128
     register_backend("aiter-test", AiterBackend(name="aiter-test", path="mla_decode_fwd", max_decode_tokens=1024,
                                                    fp8_compute=True))
@@ -382,7 +384,7 @@ def test_persistent_buffers_sized_for_the_persistent_batch_and_split_mode_bf16(g
 
 def test_sparse_mla_fwd_only_on_gfx950():
     """Defect 5: sparse_mla_fwd is gfx950-only (it asserts so); gfx942 never selects it."""
-    emulate.enable("gfx942", "sparse")
+    emulation.enable("gfx942", "sparse")
     assert "gfx950-only" in describe_aiter()["paths"]["sparse_mla_fwd"]
     _backend(path="sparse_mla_fwd")
     try:
@@ -400,7 +402,7 @@ def test_every_kernel_variant_warmed_before_a_capture(gen):
     """AITER loads modules on first use and a graph capture cannot: the first eager step also
     runs the other mode (split vs persistent at 32 tokens), so a capture of another batch size
     finds every kernel loaded (the emulator's simulated capture refuses a first load)."""
-    em = emulate.enable("gfx950")
+    em = emulation.enable("gfx950")
     _backend(path="mla_decode_fwd", max_decode_tokens=64, fp8_compute=True)
     small = make_case(gen, "fp8_ds_mla", 16, query_lens=(1, 1, 1), seq_lens=(40, 300, 90), num_pad=0)
     large = make_case(gen, "fp8_ds_mla", 16, query_lens=(1,) * 40, seq_lens=tuple(range(50, 2050, 50)), num_pad=0)
@@ -419,7 +421,7 @@ def test_every_kernel_variant_warmed_before_a_capture(gen):
 
 # ---- paths, selection, scratch ------------------------------------------------------------------
 def test_mixed_decode_prefill_uses_aiter_for_decode_only(gen):
-    em = emulate.enable("gfx950", "sparse")
+    em = emulation.enable("gfx950", "sparse")
     case = make_case(gen, "fp8_ds_mla", 16, query_lens=(1, 1, 5), seq_lens=(200, 9, 300), num_pad=0)
     batch = case["batch"]
     batch = dsv4.StepBatch(batch.query_start_loc, batch.seq_lens, 2, batch.swa_block_table, batch.swa_block_size,
@@ -442,7 +444,7 @@ def test_path_preference_and_explain():
     for flavor, fmt, path, v4_nm in (("sparse", "fp8_ds_mla", "sparse_mla_fwd", ""),
                                      ("0.1.20", "fp8_ds_mla", "mla_decode_fwd", "computes in fp8"),
                                      ("0.1.20", "bfloat16", "mla_decode_fwd", "reads MODEL1")):
-        emulate.enable("gfx950", flavor)
+        emulation.enable("gfx950", flavor)
         text = dsv4.SparseMLA(spec, fmt, backend="aiter").explain()
         line = next(ln for ln in text.splitlines() if ln.startswith("aiter ") and "decode" in ln)
         assert f"path {path}" in line and line.endswith("EMULATED: a model of AITER's kernels, not AITER"), text
@@ -451,13 +453,13 @@ def test_path_preference_and_explain():
             assert "sparse_mla_fwd skipped: aiter.ops.triton.attention.sparse_mla.sparse_mla_fwd not found" in line
         if path == "mla_decode_fwd":
             assert f"mla_decode_fwd_v4_nm skipped: {v4_nm}" in line
-    emulate.enable("gfx942")
+    emulation.enable("gfx942")
     assert "gfx950 (the only shipped" not in describe_aiter()["paths"]["mla_decode_fwd_v4_nm"]
     assert "no v4 nm code object" in describe_aiter()["paths"]["mla_decode_fwd_v4_nm"]
 
 
 def test_persistent_threshold_is_a_parameter(gen):
-    em = emulate.enable("gfx950")
+    em = emulation.enable("gfx950")
     case = make_case(gen, "fp8_ds_mla", 16)  # 7 decode tokens
     for threshold, expect in ((8, "persistent"), (7, "split"), (0, "split")):
         _backend(path="mla_decode_fwd", persistent_max_batch=threshold, fp8_compute=True)
@@ -474,7 +476,7 @@ def test_persistent_threshold_is_a_parameter(gen):
 
 
 def test_work_plans_built_once_per_step_and_scratch_is_stable(gen):
-    em = emulate.enable("gfx950")
+    em = emulation.enable("gfx950")
     backend = _backend(path="mla_decode_fwd", fp8_compute=True)
     case = make_case(gen, "fp8_ds_mla", 16)
     try:
@@ -502,7 +504,7 @@ def test_two_models_in_one_process_own_their_scratch(gen, monkeypatch):
     """Two SparseMLA objects for two models (16 and 64 heads, top-k 64 and 128) on the registered
     aiter backend, their steps and layers interleaved: each SparseMLA gets its own backend
     instance, no scratch buffer is shared, and each result stays the reference's."""
-    emulate.enable("gfx950")
+    emulation.enable("gfx950")
     monkeypatch.setenv("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", "64")
     monkeypatch.setenv("DSV4_ATTN_AITER_PATH", "mla_decode_fwd")
     monkeypatch.setenv("DSV4_ATTN_AITER_FP8_COMPUTE", "1")
@@ -521,7 +523,7 @@ def test_two_models_in_one_process_own_their_scratch(gen, monkeypatch):
 def test_padded_block_pitch_gathered(gen):
     """Caches with other layers' pages interleaved (block stride > block size): the selected
     rows are gathered through the block pitch."""
-    emulate.enable("gfx950")
+    emulation.enable("gfx950")
     _backend(path="mla_decode_fwd")
     case = make_case(gen, "bfloat16", 16, swa_bs=64, swa_stride=3 * 64 * 512)
     try:
@@ -541,7 +543,7 @@ def test_refused_without_rocm_or_emulator():
 
 
 def test_old_aiter_refused_by_signature_not_version():
-    emulate.enable("gfx950", "0.1.7")
+    emulation.enable("gfx950", "0.1.7")
     with pytest.raises(BackendUnavailableError) as info:
         dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16), "fp8_ds_mla", backend="aiter")
     text = str(info.value)
@@ -551,7 +553,7 @@ def test_old_aiter_refused_by_signature_not_version():
 
 
 def test_wrong_fp8_dialect_is_refused_where_bytes_are_read_as_they_are(gen):
-    emulate.enable("gfx950", "sparse")  # reads OCP in place
+    emulation.enable("gfx950", "sparse")  # reads OCP in place
     _backend(path="sparse_mla_fwd")
     try:
         with pytest.raises(dsv4.BackendUnavailableError, match="swa_dialect: got fnuz; allowed: ocp"):
@@ -579,13 +581,13 @@ def test_bad_backend_arguments():
 
 
 def test_emulator_switch_by_environment(monkeypatch):
-    monkeypatch.setenv(emulate.ENV_EMULATOR, "gfx942:0.1.7")
+    monkeypatch.setenv(emulation.ENV_EMULATOR, "gfx942:0.1.7")
     api = load_aiter()
     assert api.emulated and api.arch == "gfx942" and api.sparse_mla_fwd is None
     assert AiterBackend().label().startswith("aiter [EMULATED gfx942")
-    monkeypatch.setenv(emulate.ENV_EMULATOR, "gfx950:sparse")
+    monkeypatch.setenv(emulation.ENV_EMULATOR, "gfx950:sparse")
     assert load_aiter().sparse_mla_fwd is not None
-    monkeypatch.setenv(emulate.ENV_EMULATOR, "0")
+    monkeypatch.setenv(emulation.ENV_EMULATOR, "0")
     assert not load_aiter().emulated
 
 
@@ -598,7 +600,7 @@ def test_packaged_parity_matrix_through_emulator(arch, flavor):
     without sparse_mla_fwd, V4.1's top-k kinds."""
     from dsv4_attn import parity
 
-    emulate.enable(arch, flavor)
+    emulation.enable(arch, flavor)
     matrix = parity.load_matrix()
     cases = [c for c in matrix.cases if c.sweep not in ("core", "v41") or c.heads == 64]
     threads = torch.get_num_threads()

@@ -1,6 +1,6 @@
 """Issue 28: the AITER calls an MI300X / MI355X would still get wrong, and one accuracy contract.
 
-Everything here runs against the AITER EMULATOR (dsv4_attn/rocm/emulate.py), which now ports
+Everything here runs against the AITER EMULATOR (dsv4_attn/emulation/), which now ports
 AITER's sparse work planner, carries the signatures and behaviours of AITER 0.1.17 - 0.1.20 and
 models the stage-1 partition and tile over-reads the code objects leave open. EMULATED results:
 they prove the adapter's contract with the kernels as modelled, not the hardware. Each test
@@ -15,12 +15,14 @@ import pytest
 import torch
 
 import dsv4_attn as dsv4
+from dsv4_attn import emulation
 from dsv4_attn.common import reference
 from dsv4_attn.common.backend import BackendUnavailableError
 from dsv4_attn.common.registry import register_backend, unregister_backend
 from dsv4_attn.common.spec import V4_KINDS, LayerKind
-from dsv4_attn.rocm import aiter, emulate
-from dsv4_attn.rocm.aiter import AiterBackend, describe_aiter
+from dsv4_attn.rocm import aiter_api, aiter_features
+from dsv4_attn.rocm.aiter import AiterBackend
+from dsv4_attn.rocm.aiter_features import describe_aiter
 
 from compare import assert_close, compare
 from test_aiter import EXACT, _check, make_case, reference_for, run_layer
@@ -31,7 +33,7 @@ BF16_CONTRACT = 5e-3  # rel L2 the NVIDIA paths meet in the parity matrix (issue
 @pytest.fixture(autouse=True)
 def _no_emulator_leak():
     yield
-    emulate.disable()
+    emulation.disable()
     unregister_backend("aiter-test")
 
 
@@ -47,8 +49,8 @@ def test_planner_port_splits_a_512_key_row_into_48_key_works_at_granularity_16()
     (304 CUs, 16 splits per row): granularity 16 gives 48-key works (3 blocks each; payload
     ceil(48 / 16) + 16 overhead), which the gfx942 64-head object (SUB_KV = 32) cannot take;
     granularity 32 gives 64-key works."""
-    at16 = emulate.plan_works([512], 512, 1, 16, 304, 16)
-    at32 = emulate.plan_works([512], 512, 1, 32, 304, 16)
+    at16 = emulation.plan_works([512], 512, 1, 16, 304, 16)
+    at32 = emulation.plan_works([512], 512, 1, 32, 304, 16)
     assert [e - s for _, _, s, e in at16] == [48] * 10 + [32]
     assert [e - s for _, _, s, e in at32] == [64] * 8
     assert [w[2] for w in at16[1:]] == [w[3] for w in at16[:-1]]  # contiguous, covering [0, 512)
@@ -59,14 +61,14 @@ def test_gfx942_64_head_persistent_plan_uses_granularity_32(gen, monkeypatch):
     use kv_granularity 32 (AITER #3188; op_tests/test_mla_persistent.py); with 16 the emulated
     object refuses the 48-key works."""
     monkeypatch.setenv("DSV4_ATTN_AITER_FP8_COMPUTE", "1")
-    em = emulate.enable("gfx942", "0.1.20")
+    em = emulation.enable("gfx942", "0.1.20")
     case = make_case(gen, "fp8_e4m3", 64, query_lens=(1,), seq_lens=(4000,), num_pad=0, topk=512,
                      swa_dialect="fnuz", comp_dialect="fnuz", kv_scale=0.5)
     mla = _mla(case, "fp8_e4m3", path="mla_decode_fwd")
     plan = mla.plan(case["batch"])
     out = run_layer(mla, plan, case, LayerKind.C4A)
     assert torch.isfinite(out).all()
-    assert compare(out, reference_for(plan, case, LayerKind.C4A))["rel_l2"] <= aiter.FP8_REL_L2  # as labelled
+    assert compare(out, reference_for(plan, case, LayerKind.C4A))["rel_l2"] <= aiter_features.FP8_REL_L2  # as labelled
     modes = [m for f, m in em.calls if f == "mla_decode_fwd" and "works=" in m]
     assert modes and all("qh64_qseqlen1_gqaratio64_lse_v3_ps" in m for m in modes), em.calls
     assert any(int(m.split("works=")[1].split()[0]) > 1 for m in modes), "512 keys on one token must split"
@@ -79,26 +81,26 @@ def test_v4_nm_by_keyword_on_0_1_18_and_version_gates(gen, monkeypatch):
     by keyword. 0.1.17's v4 nm lacks #4117 / #4245 and split mode before 0.1.19 finds no LSE
     object: refused at construction, with the version, never a TypeError mid-serving."""
     monkeypatch.setenv("DSV4_ATTN_AITER_FP8_COMPUTE", "1")
-    em = emulate.enable("gfx950", "0.1.18")
+    em = emulation.enable("gfx950", "0.1.18")
     case = make_case(gen, "fp8_ds_mla", 16)
     mla = _mla(case, "fp8_ds_mla")
     plan = mla.plan(case["batch"])
     for kind in V4_KINDS:
         out = run_layer(mla, plan, case, kind)
         assert torch.isfinite(out).all()
-        assert compare(out, reference_for(plan, case, kind))["rel_l2"] <= aiter.FP8_REL_L2  # as labelled
+        assert compare(out, reference_for(plan, case, kind))["rel_l2"] <= aiter_features.FP8_REL_L2  # as labelled
     assert {f for f, _ in em.calls} == {"mla_decode_fwd_v4_nm"}
     unregister_backend("aiter-test")
     spec = dsv4.ModelSpec(num_heads=64)
     for flavor, path, why in (("0.1.17", "mla_decode_fwd_v4_nm", "lacks AITER #4117"),
                               ("0.1.17", "mla_decode_fwd", "finds no code object"),
                               ("0.1.18", "mla_decode_fwd", "finds no code object")):
-        emulate.enable("gfx950", flavor)
+        emulation.enable("gfx950", flavor)
         with pytest.raises(BackendUnavailableError, match=why):
             register_backend("aiter-test", AiterBackend(name="aiter-test", path=path))
             dsv4.SparseMLA(spec, "fp8_ds_mla", backend="aiter-test")
         unregister_backend("aiter-test")
-    emulate.enable("gfx950", "0.1.19")
+    emulation.enable("gfx950", "0.1.19")
     assert describe_aiter()["paths"]["mla_decode_fwd (split)"] == "enabled (bf16 compute)"
 
 
@@ -108,7 +110,7 @@ def test_split_mode_right_under_either_stage1_partition(gen, heads):
     """N4: stage 2 merges min(S, cdiv(L, mgc)) partials; if stage 1 splits a row evenly
     (cdiv(L, S) keys each) short rows' later partials are never merged. Ragged SWA lengths
     1..128 plus C4A / C128A scopes, both partitions: within the bf16 tolerance every time."""
-    em = emulate.enable("gfx950", "0.1.20")
+    em = emulation.enable("gfx950", "0.1.20")
     lens = (1, 2, 3, 5, 17, 31, 33, 47, 63, 64, 65, 96, 100, 127, 130, 700, 2100)
     case = make_case(gen, "bfloat16", heads, query_lens=(1,) * len(lens), seq_lens=lens, num_pad=1)
     mla = _mla(case, "bfloat16")
@@ -125,7 +127,7 @@ def test_tile_overreads_never_reach_another_requests_row(gen):
     masked but their V is still multiplied (0 * NaN = NaN), and an out-of-range entry folds to
     row 0 (AITER #4245 fixed that in v4 nm). A NaN key of the first request (row 0 of the
     gathered scratch) must not reach any other request's output."""
-    emulate.enable("gfx950", "0.1.20")
+    emulation.enable("gfx950", "0.1.20")
     case = make_case(gen, "bfloat16", 16, query_lens=(1, 1, 1), seq_lens=(40, 300, 100), num_pad=0)
     mla = _mla(case, "bfloat16")
     plan = mla.plan(case["batch"])
@@ -145,7 +147,7 @@ def test_sparse_mla_fwd_gets_vllms_keywords_and_is_warmed_before_capture(gen, fm
     """N6: vLLM 0.33 never passes ``extra_kv_scale`` (the emulator carries its keyword set; one
     kv_scale serves both caches). N8: the first eager decode (a window-only layer) also compiles
     the two-scope variant, so a capture whose first compressed layer runs then loads nothing."""
-    em = emulate.enable("gfx950", "sparse")
+    em = emulation.enable("gfx950", "sparse")
     case = make_case(gen, fmt, 16, kv_scale=0.5 if fmt == "fp8_e4m3" else 1.0)
     mla = _mla(case, fmt)
     plan = mla.plan(case["batch"])
@@ -169,7 +171,7 @@ def test_default_amd_path_meets_the_bf16_contract_and_fp8_is_opt_in(gen, arch, f
     worst = {}
     for opt_in in (False, True):
         monkeypatch.setenv("DSV4_ATTN_AITER_FP8_COMPUTE", "1" if opt_in else "0")
-        em = emulate.enable(arch, flavor)
+        em = emulation.enable(arch, flavor)
         for heads in (16, 64, 128):
             case = make_case(gen, fmt, heads, swa_dialect=dialects[0], comp_dialect=dialects[1])
             mla = _mla(case, fmt)
@@ -183,15 +185,15 @@ def test_default_amd_path_meets_the_bf16_contract_and_fp8_is_opt_in(gen, arch, f
             if not opt_in:
                 assert not any("persistent" in m or f == "mla_decode_fwd_v4_nm" for f, m in em.calls), em.calls
             line = next(ln for ln in mla.explain().splitlines() if ln.startswith("aiter-test") and "decode" in ln)
-            assert ("fp8 compute opted in" in line and aiter.FP8_NOTE in line) == (
+            assert ("fp8 compute opted in" in line and aiter_features.FP8_NOTE in line) == (
                 opt_in and flavor != "sparse" and (arch == "gfx950" or heads <= 64)), line
             unregister_backend("aiter-test")
         paths = describe_aiter()["paths"]
         if flavor != "sparse":
-            assert aiter.FP8_NOTE in paths["mla_decode_fwd (persistent)"]
+            assert aiter_features.FP8_NOTE in paths["mla_decode_fwd (persistent)"]
             assert ("enabled" if opt_in else "available") in paths["mla_decode_fwd (persistent)"]
     assert worst[False] <= BF16_CONTRACT, worst
-    assert worst[True] <= aiter.FP8_REL_L2, worst
+    assert worst[True] <= aiter_features.FP8_REL_L2, worst
     print(f"EMULATED {arch} {flavor}: worst rel L2 default {worst[False]:.2e}, fp8 opt-in {worst[True]:.2e}")
 
 
@@ -214,7 +216,7 @@ def test_engine_decode_tokens_sized_at_start_and_larger_launches_go_to_a_backend
     first decode); a backend whose capacity is set lower sends the 3072-token launch to the next
     backend without a cap instead of raising mid-serving, and explain() says so."""
     monkeypatch.delenv("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", raising=False)
-    em = emulate.enable("gfx950", "0.1.20")
+    em = emulation.enable("gfx950", "0.1.20")
     case = _mtp_step(gen, 1024, 2)
     T = case["q"].shape[0]
     assert T == 3072
@@ -243,13 +245,36 @@ def test_engine_decode_tokens_sized_at_start_and_larger_launches_go_to_a_backend
     register_backend("aiter-test", AiterBackend(name="aiter-test", max_decode_tokens=16))
     mla = dsv4.SparseMLA(case["spec"], "fp8_ds_mla", backend="aiter-test")
     line = next(ln for ln in mla.explain().splitlines() if ln.startswith("aiter-test") and "decode" in ln)
-    fallback = backend.fallback_name(mla.platform, case["spec"], mla.fmt, LayerKind.C128A, mla.dialects)
+    assert mla.backend_for(LayerKind.C128A, "decode", 16) == "aiter-test"
+    fallback = mla.backend_for(LayerKind.C128A, "decode", 24)
     assert fallback in ("triton", "torch")
     assert f"decode launches above 16 tokens (the scratch's capacity) run on {fallback}" in line, line
     plan = mla.plan(case["batch"])
     em.calls.clear()
     _check(run_layer(mla, plan, case, LayerKind.C128A), plan, case, LayerKind.C128A, EXACT)
     assert not em.calls, "a launch above the capacity reached AITER"
+    layer = mla.layer_inputs(plan, LayerKind.C128A, case["q"], case["caches"]["swa"],
+                             case["caches"][LayerKind.C128A], sink=case["sink"])
+    with pytest.raises(ValueError, match=r"plan: got 24 decode tokens; allowed: <= max_decode_tokens \(16\)"):
+        mla._backend("aiter-test").forward(plan, layer, torch.empty_like(case["q"]))  # driven past its limit
+
+
+def test_a_launch_limit_is_decided_per_launch_size_and_again_after_reserve(gen):
+    """The aiter backend declares its capacity as a launch limit (Backend.launch_limit): selection
+    picks it at or below the limit and the next backend above, per launch size, and forgets the
+    cached decisions when reserve() moves the limit (issue 25: no backend builds a fallback)."""
+    emulation.enable("gfx950", "0.1.20")
+    case = _mtp_step(gen, 8, 2)
+    register_backend("aiter-test", AiterBackend(name="aiter-test"))
+    mla = dsv4.SparseMLA(case["spec"], "fp8_ds_mla", backend="aiter-test")
+    limit = mla._backend("aiter-test").launch_limit(dsv4.Phase.DECODE)
+    assert limit is not None and limit.max_tokens == 1024
+    assert mla._backend("aiter-test").launch_limit(dsv4.Phase.PREFILL) is None
+    picks = [mla.backend_for(LayerKind.C4A, "decode", t) for t in (1, 1024, 1025, 4096, 8)]
+    assert picks[:2] == ["aiter-test"] * 2 and picks[4] == "aiter-test"
+    assert picks[2] == picks[3] != "aiter-test"
+    mla.reserve(mla.plan(case["batch"]), decode_tokens=64)  # an engine of at most 64 decode tokens a step
+    assert [mla.backend_for(LayerKind.C4A, "decode", t) for t in (64, 65, 1024)] == ["aiter-test", picks[2], picks[2]]
 
 
 # ---- pip install ".[rocm]" and the probe ---------------------------------------------------------------
@@ -263,11 +288,11 @@ def test_rocm_extra_installs_an_aiter_the_backend_serves():
 
     config = read_configuration(Path(__file__).parents[1] / "pyproject.toml")
     (req,) = [Requirement(r) for r in config["project"]["optional-dependencies"]["rocm"]]
-    assert req.name == "amd-aiter" and req.url == aiter.AITER_SOURCE
+    assert req.name == "amd-aiter" and req.url == aiter_api.AITER_SOURCE
     tag = req.url.rsplit("@v", 1)[1]
-    assert all(aiter._version(tag) >= minimum for minimum, _ in aiter.MIN_VERSION.values())
-    assert emulate.AiterEmulator("gfx950", "0.1.20").version == tag
-    emulate.enable("gfx950", "0.1.20")
+    assert all(aiter_features.parse_version(tag) >= minimum for minimum, _ in aiter_features.MIN_VERSION.values())
+    assert emulation.AiterEmulator("gfx950", "0.1.20").version == tag
+    emulation.enable("gfx950", "0.1.20")
     paths = describe_aiter()["paths"]
     assert paths["mla_decode_fwd (split)"] == "enabled (bf16 compute)"
     assert paths["mla_decode_fwd_v4_nm"].startswith("available (fp8_ds_mla; fp8 compute, off")
@@ -280,12 +305,12 @@ def test_probe_on_rocm_names_what_is_missing(monkeypatch):
     from dsv4_attn.probe_cli import describe_vendor
 
     monkeypatch.setitem(__import__("sys").modules, "aiter", None)  # an import of aiter fails, as without it
-    aiter._load_real.cache_clear()
+    aiter_api.load_real.cache_clear()
     rocm = Platform("rocm", "gfx950", "AMD Instinct MI355X", torch.__version__, hip_version="7.0")
     info = describe_vendor("aiter", rocm)["info"]
     assert not info["found"] and info["error"].startswith("cannot import aiter")
     assert "pip install --no-build-isolation -e '.[rocm]'" in info["error"], info["error"]
-    aiter._load_real.cache_clear()
-    emulate.enable("gfx950", "0.1.18")
+    aiter_api.load_real.cache_clear()
+    emulation.enable("gfx950", "0.1.18")
     paths = describe_vendor("aiter", rocm)["info"]["paths"]
     assert "allowed: AITER >= 0.1.19" in paths["mla_decode_fwd (split)"], paths

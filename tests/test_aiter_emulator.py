@@ -1,4 +1,4 @@
-"""The AITER emulator itself (dsv4_attn/rocm/emulate.py): the kernel behaviours it models, read
+"""The AITER emulator itself (dsv4_attn/emulation/): the kernel behaviours it models, read
 from AITER 0.1.20's code objects (docs/rocm.md "Evidence"), and the contract it enforces.
 
 These pin the model that the adapter tests (tests/test_aiter.py) rely on: if a behaviour here
@@ -12,10 +12,12 @@ import math
 import pytest
 import torch
 
+from dsv4_attn import emulation
 from dsv4_attn.common import layout
-from dsv4_attn.rocm import emulate
-from dsv4_attn.rocm.aiter import _call, _nm_pack
-from dsv4_attn.rocm.emulate import ROW, AiterContractError, AiterEmulator
+from dsv4_attn.emulation import AiterContractError, AiterEmulator, attend, releases
+from dsv4_attn.emulation.releases import ROW
+from dsv4_attn.rocm.aiter_api import call_by_keyword
+from dsv4_attn.rocm.aiter_paths import nm_pack
 from dsv4_attn.rocm.scratch import ScopeBuffers, compact, write_indices
 
 I32 = dict(dtype=torch.int32)
@@ -105,7 +107,7 @@ def test_fp8_split_cap_one_split_lse_and_p_rounding(gen):
     o, lse = _split_call(em, q, kv, indptr, keys, 2, q_scale=one, kv_scale=one)
     assert torch.isnan(o).all() and torch.isnan(lse).all()  # split 1 never written, stage 2 reads it
     o, lse = _split_call(em, q, kv, indptr, keys, 1, q_scale=one, kv_scale=one)
-    assert (lse == emulate.STALE).all()
+    assert (lse == releases.STALE).all()
     ref, _ = _softmax(q[0].float(), kv[:100, 0, 0].float(), 0.05, em.fp8)
     unrounded, _ = _softmax(q[0].float(), kv[:100, 0, 0].float(), 0.05)
     assert torch.allclose(o[0].double(), ref, atol=2e-2, rtol=1e-2)
@@ -117,9 +119,9 @@ def test_fp8_split_cap_one_split_lse_and_p_rounding(gen):
 
 def test_row_addressing_wraps_on_24_bit_code_objects():
     idx = torch.tensor([5, (1 << 24) + 5, -1], **I32)
-    assert emulate._row_starts(idx, 1152, 2, wide=True).tolist() == [5 * 576, ((1 << 24) + 5) * 576,
+    assert attend.row_starts(idx, 1152, 2, wide=True).tolist() == [5 * 576, ((1 << 24) + 5) * 576,
                                                                        (2**32 - 1) * 576]
-    narrow = emulate._row_starts(idx, 1152, 2, wide=False).tolist()
+    narrow = attend.row_starts(idx, 1152, 2, wide=False).tolist()
     assert narrow[:2] == [5 * 576, 5 * 576]  # row numbers wrap at 2^24
     assert narrow[2] == ((0xFFFFFF * 1152) % 2**32) // 2  # byte offsets wrap at 2^32
     objects = AiterEmulator("gfx942").stage1_object
@@ -154,7 +156,7 @@ def test_persistent_lse_objects_sentinels_and_stale_plans(gen):
         if writes:
             assert torch.allclose(lse[0].double(), ref_lse, atol=1e-3) and (lse[2] == math.inf).all()
         else:  # the 32-head "lse" object is the non-LSE one: the final LSE stays as allocated
-            assert (lse == emulate.STALE).all()
+            assert (lse == releases.STALE).all()
     with pytest.raises(AiterContractError, match="no -1 sentinel"):  # a hole inside a range is read
         _persistent(em, q, kv, indptr, torch.tensor([0, -1, 7, -1, 3] + [-1] * 7, **I32), 4, 128)
     stale = indptr.clone()
@@ -185,11 +187,11 @@ def test_017_leaves_final_lse_unwritten_and_call_maps_old_metadata_names(gen):
     qo, last = torch.arange(4, **I32), torch.ones(3, **I32)
     indptr = torch.tensor([0, 2, 3, 3], **I32)
     _, lse = em.mla_decode_fwd(q, kv, o, qo, indptr, torch.tensor([0, 1, 3], **I32), last, 1)
-    assert (lse == emulate.STALE).all()
+    assert (lse == releases.STALE).all()
     meta = [torch.empty(s, dtype=d) for s, d in em.get_mla_metadata_info_v1(8, 1, 16, torch.bfloat16,
                                                                             torch.bfloat16, True)]
     # 0.1.7 order is (..., work_indptr, work_info, ...) and has no kv_last_page_lens: by keyword it works
-    _call(em.get_mla_metadata_v1, seqlens_qo_indptr=qo, seqlens_kv_indptr=indptr, kv_last_page_lens=last,
+    call_by_keyword(em.get_mla_metadata_v1, seqlens_qo_indptr=qo, seqlens_kv_indptr=indptr, kv_last_page_lens=last,
           num_heads_per_head_k=16, num_heads_k=1, is_causal=True, work_metadata_ptrs=meta[0], work_info_set=meta[2],
           work_indptr=meta[1], reduce_indptr=meta[3], reduce_final_map=meta[4], reduce_partial_map=meta[5],
           page_size=1, topk=4, dtype_q=torch.bfloat16)
@@ -231,8 +233,8 @@ def _nm_inputs(gen, T, H, P):
     """Packed v4 nm operands from bf16 rows via the MODEL1 quantizer (the adapter's packing)."""
     q_bf = (torch.randn(T * H, 512, generator=gen)).bfloat16()
     kv_bf = (torch.randn(P, 512, generator=gen) * 2).bfloat16()
-    q_pack, q_rope = _nm_pack(layout.quantize_model1(q_bf))
-    kv_pack, kv_rope = _nm_pack(layout.quantize_model1(kv_bf))
+    q_pack, q_rope = nm_pack(layout.quantize_model1(q_bf))
+    kv_pack, kv_rope = nm_pack(layout.quantize_model1(kv_bf))
     fp8 = torch.float8_e4m3fn
     return (q_pack.view(fp8).view(T, H, 512), q_rope.view(T, H, 64), kv_pack.view(fp8).view(P, 1, 1, 512),
             kv_rope.view(P, 1, 1, 64), layout.dequantize_model1(layout.quantize_model1(q_bf)).view(T, H, 512),
@@ -251,7 +253,7 @@ def test_v4_nm_packing_sink_and_splits(gen, splits):
     out = torch.full((T, H, 512), math.nan, dtype=torch.bfloat16)
     em.mla_decode_fwd_v4_nm(q, qr, kv, kvr, out, torch.arange(T + 1, **I32), indptr, indices, 1, sink=sink,
                             num_kv_splits=splits, sm_scale=123.0)  # sm_scale is ignored: fixed 1/sqrt(512)
-    resolved = splits or emulate.meta_splits(T, 190, H, True, em.cu_num, ignore_total_kv=True)
+    resolved = splits or emulation.meta_splits(T, 190, H, True, em.cu_num, ignore_total_kv=True)
     assert resolved > 1 or splits == 1
     for t, (a, b) in enumerate(((0, 150), (150, 150), (150, 190))):
         if a == b:  # no key: one pass divides by the sink alone, stage 2 by nothing
@@ -289,7 +291,7 @@ def test_v4_nm_reads_each_tiles_scale_twice_and_is_gfx950_only(gen):
     with pytest.raises(AiterContractError, match="gfx950"):
         AiterEmulator("gfx942").mla_decode_fwd_v4_nm(*args[:2], kv, *args[3:], sink=torch.zeros(16))
     assert AiterEmulator("gfx942").mla_decode_fwd_v4_nm is not None  # the Python entry point exists...
-    assert emulate.V4_NM_OBJECT not in AiterEmulator("gfx942").asm_objects  # ...its code object does not
+    assert releases.V4_NM_OBJECT not in AiterEmulator("gfx942").asm_objects  # ...its code object does not
 
 
 def test_capture_path_equals_eager_path(gen):
@@ -303,7 +305,7 @@ def test_capture_path_equals_eager_path(gen):
     sink = torch.randn(6, 8, generator=gen)
     sink[5] = -math.inf
     results = []
-    for part in (emulate._attend_padded, emulate._attend_flat):
+    for part in (attend.attend_padded, attend.attend_flat):
         m = sink.clone()
         results.append(part(q[seg_row], lambda i: k[i], idx, seg, ok, 0.05, torch.float8_e4m3fn, m) + (m,))
     for a, b in zip(*results):

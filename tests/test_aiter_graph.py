@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import dsv4_attn as dsv4
+from dsv4_attn import emulation
 from dsv4_attn.common.registry import get_backend, register_backend, unregister_backend
 from dsv4_attn.common.spec import V4_KINDS, LayerKind
-from dsv4_attn.rocm import emulate
 from dsv4_attn.rocm.aiter import AiterBackend
 
 from compare import assert_close, compare
@@ -42,12 +42,12 @@ LONG = (5000, 7000, 3100, 8000, 6000, 4500)
 @pytest.fixture(autouse=True)
 def _no_emulator_leak():
     yield
-    emulate.disable()
+    emulation.disable()
 
 
 @pytest.mark.parametrize("flavor,kwargs,fmt,heads,tol", PATHS, ids=["persistent", "split", "v4_nm", "sparse_mla_fwd"])
 def test_decode_step_captured_and_replayed_with_new_contents(flavor, kwargs, fmt, heads, tol):
-    emulate.enable("gfx950", flavor)
+    emulation.enable("gfx950", flavor)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7)
     name = "aiter-graph"

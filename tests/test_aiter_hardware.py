@@ -16,19 +16,21 @@ import pathlib
 import pytest
 import torch
 
+from dsv4_attn import emulation
 from dsv4_attn.common.platform import probe
-from dsv4_attn.rocm import aiter as adapter
-from dsv4_attn.rocm import emulate
-from dsv4_attn.rocm.emulate import ROW, AiterEmulator
+from dsv4_attn.emulation import AiterEmulator, releases
+from dsv4_attn.emulation.releases import ROW
+from dsv4_attn.rocm import aiter_api, aiter_features
+from dsv4_attn.rocm.aiter_api import call_by_keyword
 
 
 def _real():
     plat = probe()
     if plat.vendor != "rocm":
         return None, f"needs a ROCm GPU (gfx942/gfx950), this is {plat.vendor}/{plat.arch}"
-    if emulate.active() is not None:
+    if emulation.active() is not None:
         return None, "the AITER emulator is switched on"
-    api = adapter._load_real(plat.arch)
+    api = aiter_api.load_real(plat.arch)
     return (api, "") if api.error is None else (None, api.error)
 
 
@@ -58,22 +60,22 @@ def _decode(api, q, kv, indptr, indices, splits=None, persistent=None, scales=No
     o = torch.full((B, H, 512), math.nan, dtype=torch.bfloat16, device=DEV)
     kwargs = dict(scales or {})
     if persistent is not None:
-        shapes = adapter._call(api.get_mla_metadata_info_v1, batch_size=B, max_seqlen_qo=1, num_head_qo=H,
-                               q_dtype=q.dtype, kv_dtype=kv.dtype, is_sparse=True, fast_mode=True, num_kv_splits=16,
-                               max_split_per_batch=16)
+        shapes = call_by_keyword(api.get_mla_metadata_info_v1, batch_size=B, max_seqlen_qo=1, num_head_qo=H,
+                                 q_dtype=q.dtype, kv_dtype=kv.dtype, is_sparse=True, fast_mode=True, num_kv_splits=16,
+                                 max_split_per_batch=16)
         meta = [torch.empty(s, dtype=d, device=DEV) for s, d in shapes]
-        adapter._call(api.get_mla_metadata_v1, seqlens_qo_indptr=qo, seqlens_kv_indptr=indptr, kv_last_page_lens=last,
-                      num_heads_per_head_k=H, num_heads_k=1, is_causal=True, work_metadata_ptrs=meta[0],
-                      work_info_set=meta[2], work_indptr=meta[1], reduce_indptr=meta[3], reduce_final_map=meta[4],
-                      reduce_partial_map=meta[5], page_size=1, kv_granularity=16, max_seqlen_qo=1, uni_seqlen_qo=1,
-                      fast_mode=True, topk=persistent, max_split_per_batch=16, dtype_q=q.dtype, dtype_kv=kv.dtype)
+        call_by_keyword(api.get_mla_metadata_v1, seqlens_qo_indptr=qo, seqlens_kv_indptr=indptr, kv_last_page_lens=last,
+                        num_heads_per_head_k=H, num_heads_k=1, is_causal=True, work_metadata_ptrs=meta[0],
+                        work_info_set=meta[2], work_indptr=meta[1], reduce_indptr=meta[3], reduce_final_map=meta[4],
+                        reduce_partial_map=meta[5], page_size=1, kv_granularity=16, max_seqlen_qo=1, uni_seqlen_qo=1,
+                        fast_mode=True, topk=persistent, max_split_per_batch=16, dtype_q=q.dtype, dtype_kv=kv.dtype)
         kwargs.update(zip(("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
                            "reduce_partial_map"), meta), num_kv_splits=16)
     else:
         kwargs.update(num_kv_splits=splits, num_kv_splits_indptr=qo * splits)
-    _, lse = adapter._call(api.mla_decode_fwd, q=q, kv_buffer=kv, o=o, qo_indptr=qo, kv_indptr=indptr,
-                           kv_indices=indices, kv_last_page_lens=last, max_seqlen_q=1, page_size=1, nhead_kv=1,
-                           sm_scale=ROW**-0.5, return_lse=True, **kwargs)
+    _, lse = call_by_keyword(api.mla_decode_fwd, q=q, kv_buffer=kv, o=o, qo_indptr=qo, kv_indptr=indptr,
+                             kv_indices=indices, kv_last_page_lens=last, max_seqlen_q=1, page_size=1, nhead_kv=1,
+                             sm_scale=ROW**-0.5, return_lse=True, **kwargs)
     torch.cuda.synchronize()
     return o, lse
 
@@ -110,7 +112,7 @@ def test_512_wide_rows_are_misread_like_the_model(gen):
     _close(real[0], model[0], "512-wide misread output")
 
 
-@pytest.mark.parametrize("heads", sorted(adapter.PERSISTENT_LSE.get(API.arch if API else "", {})) or [0])
+@pytest.mark.parametrize("heads", sorted(aiter_features.PERSISTENT_LSE.get(API.arch if API else "", {})) or [0])
 def test_persistent_fp8_with_lse_matches_the_model(gen, heads):
     em = _em()
     q, kv, indptr, indices = _inputs(gen, [0, 5, 130, 700], heads, em.fp8)
@@ -141,7 +143,7 @@ def test_32_head_lse_object_writes_no_lse(gen):
                        scales=ones)[1][:, :32]
     assert not torch.allclose(lse.cpu(), truth_64.cpu(), atol=1e-2), \
         "the 32-head persistent object wrote a correct LSE: AITER fixed it; heads 17-32 need not pad to 64"
-    assert (truth == emulate.STALE).all()
+    assert (truth == releases.STALE).all()
 
 
 def test_fp8_split_cap(gen):
@@ -175,7 +177,7 @@ def test_rows_past_2_24_wrap_on_24_bit_objects(gen):
     _close(real[0], model[0], "24-bit wrap (model: row numbers taken mod 2^24)")
 
 
-@pytest.mark.skipif(API is None or API.mla_decode_fwd_v4_nm is None or adapter.NM_OBJECT not in API.asm_objects,
+@pytest.mark.skipif(API is None or API.mla_decode_fwd_v4_nm is None or aiter_features.NM_OBJECT not in API.asm_objects,
                     reason="needs AITER's mla_decode_fwd_v4_nm and its gfx950 code object")
 @pytest.mark.parametrize("heads", [16, 64, 128])
 def test_v4_nm_matches_the_model(gen, heads):

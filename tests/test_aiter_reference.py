@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from dsv4_attn.common import layout
-from dsv4_attn.rocm.aiter import _nm_pack
-from dsv4_attn.rocm.emulate import ROW, AiterEmulator
+from dsv4_attn.emulation import AiterEmulator
+from dsv4_attn.emulation.releases import ROW
+from dsv4_attn.rocm.aiter_paths import nm_pack
 
 _spec = importlib.util.spec_from_file_location("aiter_reference",
                                                pathlib.Path(__file__).parent / "data" / "aiter_reference.py")
@@ -120,7 +121,7 @@ def test_v4_nm_matches_aiter_golden_and_packing(gen, heads, splits):
     kp, kr = ref.native_to_2buff_for_asm(kv_bf)
     # the adapter's packing (MODEL1 quantizer, tile scales written twice) is AITER's, byte for byte
     for packed, rope, rows in ((qp, qr, q_bf), (kp, kr, kv_bf)):
-        mine, mine_rope = _nm_pack(layout.quantize_model1(rows.reshape(-1, 512)))
+        mine, mine_rope = nm_pack(layout.quantize_model1(rows.reshape(-1, 512)))
         assert torch.equal(mine, packed.view(torch.uint8).reshape(-1, 512))
         assert torch.equal(mine_rope, rope.reshape(-1, 64))
     qo, last = torch.arange(B + 1, **I32), torch.ones(B, **I32)

@@ -53,11 +53,11 @@ def backend_on(request):
     """Make ``backend`` runnable here: the AITER emulator on for aiter (off afterwards); for
     flashmla on a GPU, the real library (a skip naming why it did not load, a failure where
     ``DSV4_ATTN_FLASHMLA_LIB`` names one that does not load)."""
-    from dsv4_attn.rocm import emulate
+    from dsv4_attn import emulation
 
     def on(name):
         if name == "aiter":
-            emulate.enable()
+            emulation.enable()
         elif name == "flashmla":
             from dsv4_attn.cuda import flashmla
 
@@ -66,7 +66,7 @@ def backend_on(request):
                 (pytest.fail if envs.FLASHMLA_LIB.raw else pytest.skip)(lib.describe())
 
     yield on
-    emulate.disable()
+    emulation.disable()
 
 
 def _batch_like(b, seq_lens, tables=None, num_tokens=None, query_lens=None):
@@ -274,10 +274,10 @@ def test_aiter_split_counts_give_no_nan_and_deterministic_bytes(gen):
     the C128A row has 40 entries, so stage 1 writes 3 partials and most of the 16 or 32 splits
     are empty (both stage-1 partitions: tests/test_aiter_contract.py N4). Each split count: no
     NaN, the same bytes on a second call, the reference's answer."""
-    from dsv4_attn.rocm import emulate
+    from dsv4_attn import emulation
     from dsv4_attn.rocm.aiter import AiterBackend
 
-    em = emulate.enable("gfx950", "0.1.20")
+    em = emulation.enable("gfx950", "0.1.20")
     case = make_step(gen, [1], [5000], kinds=(LayerKind.SWA, LayerKind.C128A), heads=128, topk=32,
                      max_model_len=512 * 128, swa_bs=32, block_size=256)
     kind = LayerKind.C128A

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import dsv4_attn as dsv4
-from dsv4_attn.common import layout, reference
+from dsv4_attn.common import codec, layout, reference
 from dsv4_attn.common import registry as backend_mod
 from dsv4_attn.common.backend import BackendUnavailableError, Phase
 from dsv4_attn.common.layout import Fp8Dialect, KVFormat, Record
@@ -228,7 +228,7 @@ def test_one_exponent_rule_for_every_bf16_input():
         divided = torch.ceil(torch.log2(amax / qmax)).double()
         multiplied = torch.ceil(torch.log2(amax * torch.tensor(1 / qmax, dtype=torch.float32))).double()
         assert torch.equal(divided, exact) and torch.equal(multiplied, exact)
-        assert torch.equal(layout._ceil_log2(amax * torch.tensor(1 / qmax, dtype=torch.float32)).double(), exact)
+        assert torch.equal(codec._ceil_log2(amax * torch.tensor(1 / qmax, dtype=torch.float32)).double(), exact)
 
 
 # ---- placement, strides, allocation -----------------------------------------------------------
@@ -420,7 +420,7 @@ def test_gpu_triton_casts_and_exponent_rule_match_the_package(gen):
     _casts_kernel[(triton.cdiv(n, 1024),)](x.to(dev), fp8, bf16, exp, n, BLOCK=1024)
     assert torch.equal(fp8.cpu(), x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
     assert torch.equal(bf16.cpu(), x.bfloat16())
-    exact = layout._ceil_log2(x.abs().clamp_min(1e-4) * torch.tensor(1 / 448, dtype=torch.float32))
+    exact = codec._ceil_log2(x.abs().clamp_min(1e-4) * torch.tensor(1 / 448, dtype=torch.float32))
     nb = 2 * bf16_all.numel()
     assert torch.equal(exp.cpu()[:nb], exact[:nb])
     differ = exp.cpu() != exact

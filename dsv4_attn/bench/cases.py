@@ -214,7 +214,10 @@ class StepCase:
 
     @property
     def num_tokens(self) -> int:
-        return self.batch.num_tokens
+        tokens = self.batch.num_tokens
+        if tokens is None:  # make_step_case gives every batch its token count
+            raise ValueError("batch.num_tokens: got None; allowed: the step's token count")
+        return tokens
 
 
 def make_step_case(model: StepModel, b: int, s_q: int, device, fmt: KVFormat = KVFormat.MODEL1_FP8,

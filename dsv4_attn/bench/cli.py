@@ -218,7 +218,7 @@ def _device_facts(device: torch.device) -> dict:
 def list_cases(args, formats: list[KVFormat]) -> list[tuple[str, str, int, int, KVFormat]]:
     """(phase, config name, requests, query tokens per request, format) of every case of the run,
     in the order they run: per format, decode, then prefill, then whole steps."""
-    cases = []
+    cases: list[tuple[str, str, int, int, KVFormat]] = []
     for fmt in formats:
         if args.mode in ("decode", "all"):
             for name in select_configs(DECODE_CONFIGS, args.configs):

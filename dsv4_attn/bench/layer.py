@@ -101,7 +101,8 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
                                        uncapturable=uncapturable("flashmla", case, plan0) if key == "api" else None)
                 run()
                 torch.cuda.synchronize()
-                result[label] = {**timing.as_us(), "via": how, "vs_ours": compare(ref_out, out)}
+                vs_ours = compare(ref_out, out) if ref_out is not None else None
+                result[label] = {**timing.as_us(), "via": how, "vs_ours": vs_ours}
             except Exception as exc:
                 result[label] = {"unavailable": f"{type(exc).__name__}: {str(exc)[:200]}"}
     for r in rows.values():
@@ -132,7 +133,7 @@ def guard_cost(case: Case, variants: dict[str, tuple[str, str]], args, flush) ->
     res = {}
     for impl, (checked, unchecked) in variants.items():
         runs = {name: api_runner(case, name) for name in (checked, unchecked)}
-        times = {checked: [], unchecked: []}
+        times: dict[str, list[float]] = {checked: [], unchecked: []}
         for name in (checked, unchecked, unchecked, checked):
             times[name].append(time_callable(runs[name][0], args.reps, flush, not args.no_graph).median)
         for run, _, _ in runs.values():

@@ -5,12 +5,20 @@ decode step driven the way vLLM 0.33 drives it); the raw op's library is loaded 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
 from ..common.layout import KVFormat
 from ..common.spec import HEAD_DIM, LayerKind
 from .cases import Case, StepCase
+
+
+def _needed(t: torch.Tensor | None, what: str) -> torch.Tensor:
+    """``t``, which the case's layer kind has (a compressed cache, its rows, a top-k)."""
+    if t is None:
+        raise ValueError(f"{what}: got None; allowed: a tensor (the layer kind has a compressed scope)")
+    return t
 
 
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -140,29 +148,31 @@ def flashmla_raw_runner(case: Case, plan):
     comp_rows, comp_lens = plan.comp_scope(case.kind, case.topk)
     if case.phase == "decode":
         swa_kv = case.swa_cache.unsqueeze(2)
-        comp = None if comp_rows is None else (case.comp_cache.unsqueeze(2), comp_rows.view(T, 1, -1), comp_lens)
+        comp = None if comp_rows is None else (_needed(case.comp_cache, "comp_cache").unsqueeze(2),
+                                               comp_rows.view(T, 1, -1), comp_lens)
         q_pad, sink = vllm_padded(case.q, case.sink)
         Hp = q_pad.shape[1]
         idx = plan.swa_rows.view(T, 1, -1)
         out = torch.empty_like(q_pad)
         sched: list = [None, None]
 
-        def run():
+        def run_decode():
             raw_decode(ops, q_pad.view(T, 1, Hp, D), swa_kv, idx, plan.swa_lens, sink, sched, comp, scale,
                        out.view(T, 1, Hp, D))
 
-        run()  # plans FlashMLA's tile scheduler once; the timed calls reuse it (as vLLM's later layers of a kind)
+        run_decode()  # plans FlashMLA's tile scheduler once; the timed calls reuse it (as vLLM's later layers)
         how = "raw op (scheduler planned once, reused)" + (f"; {H} heads padded to {Hp} as vLLM" if Hp != H else "")
-        return run, out[:, :H], how
+        return run_decode, out[:, :H], how
     # prefill: kernel only, on a ready bf16 workspace holding the token's keys (dequantized rows)
     from ..common.layout import gather
 
+    comp_rows, lens_c = _needed(comp_rows, "comp rows"), _needed(comp_lens, "comp lens")
     rows = torch.cat([comp_rows, plan.swa_rows], dim=1)
-    lens_c = comp_lens
     valid_c = torch.arange(comp_rows.shape[1], device=rows.device)[None, :] < lens_c[:, None]
     uniq_swa = torch.unique(plan.swa_rows[plan.swa_rows >= 0])
     uniq_comp = torch.unique(comp_rows[(comp_rows >= 0) & valid_c])
-    kv = torch.cat([gather(case.comp_cache, case.fmt, uniq_comp), gather(case.swa_cache, case.fmt, uniq_swa)])
+    kv = torch.cat([gather(_needed(case.comp_cache, "comp_cache"), case.fmt, uniq_comp),
+                    gather(case.swa_cache, case.fmt, uniq_swa)])
     kv = kv.to(torch.bfloat16).view(-1, 1, D)
     comp_map = torch.full((int(comp_rows.max()) + 1,), -1, dtype=torch.int64, device=rows.device)
     comp_map[uniq_comp] = torch.arange(uniq_comp.numel(), device=rows.device)
@@ -180,10 +190,10 @@ def flashmla_raw_runner(case: Case, plan):
     topk_len = (packed >= 0).sum(1).to(torch.int32)
     out = torch.empty_like(case.q)
 
-    def run():
+    def run_prefill():
         ops.sparse_prefill_fwd(case.q, kv, idx.view(T, 1, width), scale, 512, case.sink, topk_len, out)
 
-    return run, out, "raw op (kernel only, bf16 workspace ready)"
+    return run_prefill, out, "raw op (kernel only, bf16 workspace ready)"
 
 
 def register_variant(spec_str: str) -> str:
@@ -193,7 +203,7 @@ def register_variant(spec_str: str) -> str:
     from ..portable.triton_backend import TritonBackend
 
     label, _, body = spec_str.partition("=")
-    kw = {}
+    kw: dict[str, Any] = {}
     for item in filter(None, body.split(",")):
         key, _, value = item.partition("=")
         kw[key] = value if key in ("dot_dtype", "impl") else int(value)
@@ -254,7 +264,8 @@ def flashmla_vllm_step_runner(case: StepCase):
     from ..common.indices import Tokens
     from ..portable.kernels.indices import build_step_rows, topk_rows
 
-    batch, dev, i32 = case.batch, case.batch.device, dict(dtype=torch.int32, device=case.batch.device)
+    batch, dev = case.batch, case.batch.device
+    i32: dict[str, Any] = dict(dtype=torch.int32, device=dev)
     facts = Tokens(torch.zeros(T, dtype=torch.int64, device=dev), torch.zeros(T, **i32),
                    torch.zeros(T, dtype=torch.bool, device=dev))
     swa_rows, swa_lens = torch.empty(T, case.spec.window, **i32), torch.empty(T, **i32)
@@ -276,10 +287,10 @@ def flashmla_vllm_step_runner(case: StepCase):
             comp = None
             if layer.kind.uses_topk:
                 rows, lens = topk_rows(facts, layer.kind.ratio, batch.comp_block_table(layer.kind),
-                                       batch.comp_block_size(layer.kind), layer.topk)
-                comp = (layer.comp_cache.unsqueeze(2), rows.view(T, 1, -1), lens)
+                                       batch.comp_block_size(layer.kind), _needed(layer.topk, "topk"))
+                comp = (_needed(layer.comp_cache, "comp_cache").unsqueeze(2), rows.view(T, 1, -1), lens)
             elif layer.kind.has_comp_scope:
-                comp = (layer.comp_cache.unsqueeze(2), c128_rows.view(T, 1, -1), c128_lens)
+                comp = (_needed(layer.comp_cache, "comp_cache").unsqueeze(2), c128_rows.view(T, 1, -1), c128_lens)
             raw_decode(ops, q.view(T, 1, Hp, HEAD_DIM), layer.swa_cache.unsqueeze(2), swa_rows.view(T, 1, -1),
                        swa_lens, sink, sched.setdefault(layer.kind, [None, None]), comp, case.spec.scale,
                        out.view(T, 1, Hp, HEAD_DIM))

@@ -57,7 +57,7 @@ def run_step_case(case: StepCase, backends: list[str], args, flush) -> dict:
                 timing = time_callable(run, args.reps, flush, not args.no_graph, device)
                 result["flashmla_vllm"] = {**timing.as_us(), "us_per_layer": timing.median * 1e6 / n, "via": how,
                                            "layers_written": _layers_written(run, outs, device),
-                                           "vs_auto": _compare_layers(outs, auto_outs)}
+                                           "vs_auto": _compare_layers(outs, auto_outs) if auto_outs else None}
             except Exception as exc:
                 result["flashmla_vllm"] = {"unavailable": f"{type(exc).__name__}: {str(exc)[:200]}"}
     fm = result.get("flashmla_vllm", {}).get("us")

@@ -3,8 +3,10 @@
 A backend is a thin adapter: it declares what it serves as data (``Capabilities``) and what
 data cannot say (``extra_reasons``; an empty list means supported), optionally prepares
 per-step metadata (cached in the plan per layer shape), and runs ``forward(plan, layer, out)``.
-The hooks tools read (``label``, ``emulated``, ``emulation_tag``, ``uncapturable``,
-``describe_binary``, ``raw_ops``) are declared here with their defaults, so tools never probe a
+A backend whose buffers bound one launch declares that bound (``launch_limit``): selection then
+sends a larger launch to the next backend, so no backend builds another inside itself. The hooks
+tools read (``label``, ``emulated``, ``emulation_tag``, ``uncapturable``, ``describe_binary``,
+``raw_ops``) are declared here with their defaults, so tools never probe a
 backend with ``getattr`` nor import a vendor module. The registry, selection and forcing live in
 ``common/registry.py``.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -63,6 +65,24 @@ class LayerInputs:
     # dataclasses.replace (other inputs) gets None, never a stale key.
     checked_key: int | tuple | None = field(default=None, init=False, repr=False, compare=False)
 
+    def comp_storage(self) -> tuple[torch.Tensor, CacheGeometry]:
+        """(compressed cache, its geometry) of a layer with a compressed scope; a ValueError for a
+        window-only layer (backends ask only for kinds with one)."""
+        if self.comp_cache is None or self.comp_geo is None or not self.kind.has_comp_scope:
+            raise ValueError(f"comp_cache: got {'None' if self.comp_cache is None else 'a cache'} for a "
+                             f"{self.kind.name} layer; allowed: a compressed cache for kinds with a compressed scope")
+        return self.comp_cache, self.comp_geo
+
+    def compressed(self, plan: StepPlan, bound: bool = False, multiple: int = 1) -> CompScope:
+        """The layer's compressed scope over ``plan``'s tokens (``plan.comp_scope``: rows of global
+        slots, with ``bound`` every slot outside the cache -1, padded to ``multiple`` columns),
+        with its cache; a ValueError for a window-only layer."""
+        cache, geo = self.comp_storage()
+        rows, lens = plan.comp_scope(self.kind, self.topk, geo.num_slots if bound else None, multiple)
+        if rows is None or lens is None:  # comp_storage passed: the kind has a compressed scope
+            raise ValueError(f"kind: got {self.kind.name} without compressed rows; allowed: a kind with a scope")
+        return CompScope(rows, lens, cache, geo)
+
     def token_slice(self, start: int, stop: int) -> LayerInputs:
         """The same layer restricted to tokens [start, stop)."""
         topk = None if self.topk is None else self.topk[start:stop]
@@ -75,6 +95,20 @@ class LayerInputs:
     def shape(self) -> LayerShape:
         return LayerShape(self.kind, self.fmt, (self.swa_dialect, self.comp_dialect), self.q.shape[1],
                           self.swa_geo, self.comp_geo)
+
+
+class CompScope(NamedTuple):
+    """A layer's compressed scope as a backend reads it (``LayerInputs.compressed``).
+
+    rows   int32 [T, K] global slots of the compressed cache, -1 unused
+    lens   int32 [T] valid entries per token
+    cache  the compressed cache; geo its geometry
+    """
+
+    rows: torch.Tensor
+    lens: torch.Tensor
+    cache: torch.Tensor
+    geo: CacheGeometry
 
 
 @dataclass(frozen=True)
@@ -197,6 +231,24 @@ class Capabilities:
         return reasons
 
 
+@dataclass(frozen=True)
+class LaunchLimit:
+    """The most tokens one launch of a phase may carry on a backend instance (``Backend.launch_limit``).
+
+    max_tokens  launches of up to this many tokens run; larger ones go to the next backend
+    why         what bounds it, for ``explain()`` and refusals, e.g. "the scratch's capacity"
+    """
+
+    max_tokens: int
+    why: str
+
+    def reasons(self, num_tokens: int) -> list[str]:
+        """[] when a launch of ``num_tokens`` tokens fits, else why not."""
+        if num_tokens <= self.max_tokens:
+            return []
+        return [f"a launch of {num_tokens} tokens is above its limit of {self.max_tokens} ({self.why})"]
+
+
 class Backend:
     """Base class of all backends.
 
@@ -221,7 +273,6 @@ class Backend:
     capabilities: Capabilities
     splits_phases: bool = False
     uncapturable: Mapping[Phase, str] = MappingProxyType({})
-    emulated: bool = False
     batch_invariant: bool = False
 
     @property
@@ -257,6 +308,13 @@ class Backend:
         entry point, a mode) and why; shown by ``SparseMLA.explain()``. "" = nothing to say."""
         return ""
 
+    def launch_limit(self, phase: Phase) -> LaunchLimit | None:
+        """The most tokens one ``phase`` launch may carry on this instance (None: no limit). Read
+        by selection at each launch size (``SparseMLA.backend_for``): a larger launch runs on the
+        next backend that serves the layer, and ``explain()`` says which. It may change only in
+        ``reserve`` (engine start), after which ``SparseMLA`` forgets its cached decisions."""
+        return None
+
     def reserve(self, plan: StepPlan, fmt: KVFormat, num_heads: int, dialects: Dialects, decode_tokens: int) -> None:
         """Engine start: allocate the buffers later steps of up to ``decode_tokens`` decode tokens
         will use (an engine's memory profile then counts them), nothing by default."""
@@ -277,6 +335,12 @@ class Backend:
         raise NotImplementedError
 
     # ---- what tools read (the probe, the parity matrix, the bench) -----------------------------
+    @property
+    def emulated(self) -> bool:
+        """True when its results come from an emulator, not the vendor's kernels (a property: an
+        adapter may serve the real library or an emulator, decided at run time)."""
+        return False
+
     def label(self) -> str:
         """The backend as result files name it, e.g. "aiter [EMULATED gfx950, AITER 0.1.20]"."""
         return self.name

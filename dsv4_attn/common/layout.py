@@ -19,6 +19,10 @@ NVFP4       288        512 e2m1 packed two per byte (even dim in the low nibble)
                        scales (16 dims each), no per-tensor scale; interleaved; pages of 512 B
 =========== ========== ====================================================================
 
+The records and formats themselves are data in :mod:`.records`, the encoding of packed records
+is :mod:`.codec`; this module holds what works on caches (allocation, checks, insertion,
+gathering) and is the import home of all three (``__all__``).
+
 A *KV format* (:class:`KVFormat`, named as vLLM's ``--kv-cache-dtype`` names it) gives the record
 of the SWA cache and of the compressed cache: ``nvfp4_ds_mla`` is MXFP8 SWA + NVFP4 compressed,
 every other format uses one record for both. FP8 values follow a dialect per cache
@@ -31,229 +35,18 @@ page, larger when other layers' pages are interleaved per block.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
 
-from .spec import (
-    HEAD_DIM,
-    MODEL1_DATA_BYTES,
-    MODEL1_PAGE_ALIGN,
-    MODEL1_SCALE_BYTES,
-    MODEL1_TOKEN_BYTES,
-    NOPE_DIM,
-    QUANT_TILE,
-    ROPE_DIM,
-    round_up,
-)
+from .codec import check_rows, decode, dequantize_model1, encode, quantize_model1
+from .records import Fp8Dialect, KVFormat, Record, RecordLayout, check_dialect, parse_record
+from .spec import HEAD_DIM, round_up
 
-
-class Fp8Dialect(str, enum.Enum):
-    OCP = "ocp"
-    FNUZ = "fnuz"
-
-    @classmethod
-    def parse(cls, value: Fp8Dialect | str) -> Fp8Dialect:
-        if isinstance(value, Fp8Dialect):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            raise ValueError(f"dialect: got {value!r}; allowed: 'ocp' or 'fnuz'") from None
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn if self is Fp8Dialect.OCP else torch.float8_e4m3fnuz
-
-    @property
-    def quant_max(self) -> float:
-        """Clamp bound used when quantizing (OCP 448; FNUZ 224 as vLLM's gfx942 quantizer)."""
-        return 448.0 if self is Fp8Dialect.OCP else 224.0
-
-
-@dataclass(frozen=True)
-class RecordLayout:
-    """How one token's row is stored (docs/semantics.md "Cache records").
-
-    elem           the cache tensor's element: "byte" (packed records, uint8), "bf16" or "fp8"
-    data_bytes     bytes of a token's values: block-scaled dims first, then raw bf16 dims
-    scale_bytes    bytes of a token's block scales, pad bytes included (0: none)
-    values         encoding of the block-scaled dims: "e4m3", "e2m1" (two per byte) or None
-    scaled_dims    dims stored as ``values`` with a block scale (448, 512) -- 0 for plain rows
-    bf16_dims      dims stored as little-endian bf16 after them (V4's RoPE dims)
-    group          dims per block scale
-    scale          scale encoding: "ue8m0" (byte b means 2**(b - 127)), "e4m3" (an OCP e4m3 value)
-    split_pages    True: a page holds all data rows, then all scale rows (V4); False: each
-                   token's scales directly follow its data (V4.1)
-    page_align     a page (block_size tokens) is padded to a multiple of this many bytes
-    dialects       FP8 dialects the record is written in
-    """
-
-    elem: str
-    data_bytes: int
-    scale_bytes: int
-    values: str | None
-    scaled_dims: int
-    bf16_dims: int
-    group: int
-    scale: str | None
-    split_pages: bool
-    page_align: int
-    dialects: tuple[Fp8Dialect, ...]
-
-    @property
-    def token_bytes(self) -> int:
-        return self.data_bytes + self.scale_bytes
-
-    @property
-    def packed(self) -> bool:
-        return self.elem == "byte"
-
-    @property
-    def row_elems(self) -> int:
-        """Elements per token in the cache tensor's last dim."""
-        return self.token_bytes if self.packed else HEAD_DIM
-
-    @property
-    def num_scales(self) -> int:
-        return self.scaled_dims // self.group if self.group else 0
-
-
-_BOTH = (Fp8Dialect.OCP, Fp8Dialect.FNUZ)
-
-
-class Record(str, enum.Enum):
-    """The record one cache stores (its value names the record in messages and strings)."""
-
-    V4_FP8 = "v4_fp8"
-    BF16 = "bf16"
-    FP8_TENSOR = "fp8_tensor"
-    MXFP8 = "mxfp8"
-    NVFP4 = "nvfp4"
-
-    @property
-    def layout(self) -> RecordLayout:
-        return _LAYOUTS[self]
-
-    def cache_dtype(self, dialect: Fp8Dialect = Fp8Dialect.OCP) -> torch.dtype:
-        elem = self.layout.elem
-        return torch.uint8 if elem == "byte" else torch.bfloat16 if elem == "bf16" else dialect.torch_dtype
-
-
-_LAYOUTS = {
-    # vLLM fp8_ds_mla on every arch but SM100 (V4.1 too); FlashMLA "MODEL1"
-    Record.V4_FP8: RecordLayout("byte", MODEL1_DATA_BYTES, MODEL1_SCALE_BYTES, "e4m3", NOPE_DIM, ROPE_DIM,
-                                QUANT_TILE, "ue8m0", True, MODEL1_PAGE_ALIGN, _BOTH),
-    Record.BF16: RecordLayout("bf16", 2 * HEAD_DIM, 0, None, 0, HEAD_DIM, 0, None, False, 1, _BOTH),  # no fp8
-    Record.FP8_TENSOR: RecordLayout("fp8", HEAD_DIM, 0, None, 0, 0, 0, None, False, 1, _BOTH),
-    # vLLM fp8_ds_mla of V4.1 on SM100; FlashMLA ModelType::V41
-    Record.MXFP8: RecordLayout("byte", HEAD_DIM, 16, "e4m3", HEAD_DIM, 0, 32, "ue8m0", False, 512, _BOTH),
-    # the compressed cache of vLLM nvfp4_ds_mla (SM100); FlashMLA ModelType::V41_FP4. Its scales are
-    # OCP e4m3 (vLLM has no FNUZ writer or reader for it).
-    Record.NVFP4: RecordLayout("byte", HEAD_DIM // 2, 32, "e2m1", HEAD_DIM, 0, 16, "e4m3", False, 512,
-                               (Fp8Dialect.OCP,)),
-}
-
-
-class KVFormat(str, enum.Enum):
-    """A KV format as vLLM's ``--kv-cache-dtype`` names it: the records of the two caches.
-
-    ``fp8_ds_mla`` is the V4 record (what vLLM stores under that name everywhere but on SM100);
-    vLLM calls the V4.1 MXFP8 record ``fp8_ds_mla`` too when it runs V4.1 on SM100 -- here it is
-    ``mxfp8_ds_mla``. ``nvfp4_ds_mla`` is vLLM's name: MXFP8 SWA cache, NVFP4 compressed cache.
-    """
-
-    MODEL1_FP8 = "fp8_ds_mla"
-    BF16 = "bfloat16"
-    FP8_TENSOR = "fp8_e4m3"
-    MXFP8 = "mxfp8_ds_mla"
-    NVFP4 = "nvfp4_ds_mla"
-
-    @classmethod
-    def parse(cls, value: KVFormat | str) -> KVFormat:
-        if isinstance(value, KVFormat):
-            return value
-        key = str(value).lower()
-        if key in _FORMAT_ALIASES:
-            return _FORMAT_ALIASES[key]
-        raise ValueError(
-            f"fmt: got {value!r}; allowed: {sorted(_FORMAT_ALIASES)} or a KVFormat member"
-        )
-
-    @property
-    def swa_record(self) -> Record:
-        return _FORMAT_RECORDS[self][0]
-
-    @property
-    def comp_record(self) -> Record:
-        return _FORMAT_RECORDS[self][1]
-
-    @property
-    def record(self) -> Record:
-        """The record of both caches; ValueError for a format whose two caches differ."""
-        return _single_record(self, "fmt")
-
-    @property
-    def row_elems(self) -> int:
-        """Elements per token row in the cache tensor's last dim (formats with one record)."""
-        return self.record.layout.row_elems
-
-    def cache_dtype(self, dialect: Fp8Dialect) -> torch.dtype:
-        return self.record.cache_dtype(dialect)
-
-    @property
-    def uses_fp8(self) -> bool:
-        return self is not KVFormat.BF16
-
-
-_FORMAT_RECORDS = {
-    KVFormat.MODEL1_FP8: (Record.V4_FP8, Record.V4_FP8),
-    KVFormat.BF16: (Record.BF16, Record.BF16),
-    KVFormat.FP8_TENSOR: (Record.FP8_TENSOR, Record.FP8_TENSOR),
-    KVFormat.MXFP8: (Record.MXFP8, Record.MXFP8),
-    KVFormat.NVFP4: (Record.MXFP8, Record.NVFP4),
-}
-
-_FORMAT_ALIASES = {
-    "fp8_ds_mla": KVFormat.MODEL1_FP8,
-    "model1_fp8": KVFormat.MODEL1_FP8,
-    "model1": KVFormat.MODEL1_FP8,
-    "bfloat16": KVFormat.BF16,
-    "bf16": KVFormat.BF16,
-    "fp8_e4m3": KVFormat.FP8_TENSOR,
-    "fp8": KVFormat.FP8_TENSOR,
-    "fp8_tensor": KVFormat.FP8_TENSOR,
-    "mxfp8_ds_mla": KVFormat.MXFP8,
-    "mxfp8": KVFormat.MXFP8,
-    "nvfp4_ds_mla": KVFormat.NVFP4,
-}
-
-
-def _single_record(fmt: KVFormat, name: str) -> Record:
-    swa, comp = _FORMAT_RECORDS[fmt]
-    if swa is not comp:
-        raise ValueError(
-            f"{name}: got {fmt.value!r}, whose SWA cache is {swa.value} and compressed cache {comp.value}; "
-            f"allowed here: one record -- pass KVFormat.{fmt.name}.swa_record or .comp_record"
-        )
-    return swa
-
-
-def parse_record(value: Record | KVFormat | str, name: str = "fmt") -> Record:
-    """The record named by a Record, a one-record KVFormat, or a string of either."""
-    if isinstance(value, Record):
-        return value
-    if isinstance(value, KVFormat):
-        return _single_record(value, name)
-    key = str(value).lower()
-    if key in _FORMAT_ALIASES:
-        return _single_record(_FORMAT_ALIASES[key], name)
-    try:
-        return Record(key)
-    except ValueError:
-        allowed = sorted(set(_FORMAT_ALIASES) | {r.value for r in Record})
-        raise ValueError(f"{name}: got {value!r}; allowed: {allowed}, a Record or a KVFormat") from None
+# the records and the codec are imported from here too (``from .layout import KVFormat``)
+__all__ = ["CacheGeometry", "Fp8Dialect", "KVFormat", "Record", "RecordLayout", "check_cache", "decode",
+           "default_block_stride", "dequantize_model1", "encode", "gather", "gather_rows", "insert",
+           "model1_page_bytes", "new_cache", "packed_records", "parse_record", "quantize_model1"]
 
 
 @dataclass(frozen=True)
@@ -279,11 +72,6 @@ def model1_page_bytes(block_size: int) -> int:
     return default_block_stride(Record.V4_FP8, block_size)
 
 
-def _check_dialect(record: Record, dialect: Fp8Dialect, name: str) -> None:
-    if dialect not in record.layout.dialects:
-        allowed = " or ".join(d.value for d in record.layout.dialects)
-        raise ValueError(f"{name}: got dialect {dialect.value!r}; allowed: {allowed} for record {record.value}")
-
 
 def new_cache(
     fmt: Record | KVFormat | str,
@@ -305,7 +93,7 @@ def new_cache(
     """
     record = parse_record(fmt)
     dialect = Fp8Dialect.parse(dialect)
-    _check_dialect(record, dialect, "dialect")
+    check_dialect(record, dialect, "dialect")
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name}: got {value!r}; allowed: a positive int")
@@ -336,7 +124,7 @@ def check_cache(cache, fmt: Record | KVFormat | str, name: str,
         want_dtype = cache.dtype
     if cache.dtype != want_dtype:
         raise ValueError(f"{name}: got dtype {cache.dtype}; allowed: {want_dtype} for record {record.value}")
-    _check_dialect(record, dialect, name)
+    check_dialect(record, dialect, name)
     row = lay.row_elems
     if cache.dim() != 3 or cache.shape[-1] != row:
         raise ValueError(
@@ -404,142 +192,6 @@ def _check_scale(record: Record, scale) -> float:
     return float(scale)
 
 
-def _check_rows(name: str, t, dtypes: tuple[torch.dtype, ...], width: int) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or t.dim() != 2 or t.shape[1] != width:
-        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-        allowed = " or ".join(str(d) for d in dtypes)
-        raise ValueError(f"{name}: got {got}; allowed: {allowed} [N, {width}]")
-
-
-# ---- block-scaled values (docs/semantics.md "Quantization rules") ---------------------------
-
-_UE8M0_AMAX_FLOOR = 1e-4  # vLLM's writers floor a tile's amax so an all-zero tile gets a finite scale
-_NVFP4_SCALE_MIN = 2.0**-9  # the smallest e4m3 magnitude (a subnormal): a zero tile keeps a nonzero scale
-_E2M1_MAX = 6.0
-_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def _recip32(x: float) -> torch.Tensor:
-    """``1 / x`` rounded to fp32: vLLM's writers multiply by this instead of dividing by x."""
-    return torch.tensor(1.0 / x, dtype=torch.float32)
-
-
-def _ceil_log2(v: torch.Tensor) -> torch.Tensor:
-    """Exact ``ceil(log2(v))`` of positive fp32 ``v`` from its bits (frexp: v = m * 2**p, m in [0.5, 1))."""
-    m, p = torch.frexp(v)
-    return (p - (m == 0.5).to(p.dtype)).to(torch.float32)
-
-
-def _encode_ue8m0(x: torch.Tensor, group: int, dialect: Fp8Dialect) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [N, D] -> (e4m3 bytes [N, D], UE8M0 bytes [N, D // group]).
-
-    Per group: amax = max(max|x|, 1e-4); e = ceil(log2(amax * fp32(1 / qmax))); values
-    fp8(clamp(x * 2**-e, +-qmax)) rounded to nearest even; scale byte clamp(e + 127, 0, 255).
-    """
-    n, d = x.shape
-    tiles = x.reshape(n, d // group, group)
-    amax = tiles.abs().amax(dim=-1).clamp_min(_UE8M0_AMAX_FLOOR)
-    exponent = _ceil_log2(amax * _recip32(dialect.quant_max))
-    scaled = (tiles * torch.exp2(-exponent)[..., None]).clamp(-dialect.quant_max, dialect.quant_max)
-    values = scaled.to(dialect.torch_dtype).view(torch.uint8).reshape(n, d)
-    return values, (exponent + 127).clamp(0, 255).to(torch.uint8)
-
-
-def _decode_ue8m0(values: torch.Tensor, scales: torch.Tensor, group: int, dialect: Fp8Dialect) -> torch.Tensor:
-    n, d = values.shape
-    v = values.contiguous().view(dialect.torch_dtype).float().reshape(n, d // group, group)
-    return (v * torch.exp2(scales.float() - 127.0)[..., None]).reshape(n, d)
-
-
-def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """fp32 -> e2m1 codes (uint8, 0..15) as PTX ``cvt.rn.satfinite.e2m1x2.f32``: nearest magnitude
-    of 0, .5, 1, 1.5, 2, 3, 4, 6, ties to the even code, saturating at 6, sign bit 8 kept for values
-    that round to zero. Thresholds are the midpoints; ``>=`` where the tie goes up to an even code."""
-    a = y.abs()
-    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
-            + (a > 5.0))
-    return code | (torch.signbit(y).to(torch.uint8) << 3)
-
-
-def _encode_nvfp4(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [N, D] -> (packed e2m1 bytes [N, D // 2], e4m3 scale bytes [N, D // group]).
-
-    Per group: s = e4m3(clamp(amax * fp32(1 / 6), 2**-9, 448)) rounded to nearest even; codes
-    e2m1(x / s) (IEEE division); byte j = code(2j) | code(2j + 1) << 4.
-    """
-    n, d = x.shape
-    tiles = x.reshape(n, d // group, group)
-    amax = tiles.abs().amax(dim=-1)
-    scale = (amax * _recip32(_E2M1_MAX)).clamp(_NVFP4_SCALE_MIN, 448.0).to(torch.float8_e4m3fn)
-    codes = _e2m1_codes(tiles / scale.float()[..., None]).reshape(n, d)
-    return codes[:, 0::2] | (codes[:, 1::2] << 4), scale.view(torch.uint8)
-
-
-def _decode_nvfp4(packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    n = packed.shape[0]
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, -1).long()
-    mags = torch.tensor(_E2M1_MAGNITUDES, device=packed.device)[codes & 7]
-    vals = torch.where(codes >= 8, -mags, mags).reshape(n, -1, group)
-    return (vals * scales.contiguous().view(torch.float8_e4m3fn).float()[..., None]).reshape(n, -1)
-
-
-def encode(record: Record | KVFormat | str, rows: torch.Tensor,
-           dialect: Fp8Dialect | str = Fp8Dialect.OCP) -> torch.Tensor:
-    """Quantize rows into a packed record's bytes: bf16 or fp32 ``[N, 512]`` -> uint8
-    ``[N, token_bytes]`` in the record's order within a token (data bytes, then scale bytes).
-
-    fp32 input is what vLLM's compressor writers quantize (RoPE applied in fp32, never rounded to
-    bf16); bf16 input is widened exactly. Raw bf16 dims (V4's RoPE) are rounded to nearest even.
-    """
-    record = parse_record(record, "record")
-    dialect = Fp8Dialect.parse(dialect)
-    lay = record.layout
-    if not lay.packed:
-        raise ValueError(f"record: got {record.value}; allowed: a packed record (v4_fp8, mxfp8, nvfp4)")
-    _check_dialect(record, dialect, "dialect")
-    _check_rows("rows", rows, (torch.bfloat16, torch.float32), HEAD_DIM)
-    x = rows.float()
-    scaled = x[:, :lay.scaled_dims]
-    if lay.values == "e2m1":
-        values, scales = _encode_nvfp4(scaled, lay.group)
-    else:
-        values, scales = _encode_ue8m0(scaled, lay.group, dialect)
-    tail = x[:, lay.scaled_dims:].to(torch.bfloat16).contiguous().view(torch.uint8)
-    pad = torch.zeros(x.shape[0], lay.scale_bytes - lay.num_scales, dtype=torch.uint8, device=x.device)
-    return torch.cat([values, tail, scales, pad], dim=1)
-
-
-def decode(record: Record | KVFormat | str, tokens: torch.Tensor,
-           dialect: Fp8Dialect | str = Fp8Dialect.OCP) -> torch.Tensor:
-    """Dequantize a packed record's bytes: uint8 ``[N, token_bytes]`` -> float32 ``[N, 512]`` (exact)."""
-    record = parse_record(record, "record")
-    dialect = Fp8Dialect.parse(dialect)
-    lay = record.layout
-    if not lay.packed:
-        raise ValueError(f"record: got {record.value}; allowed: a packed record (v4_fp8, mxfp8, nvfp4)")
-    _check_dialect(record, dialect, "dialect")
-    _check_rows("tokens", tokens, (torch.uint8,), lay.token_bytes)
-    value_bytes = lay.scaled_dims // 2 if lay.values == "e2m1" else lay.scaled_dims
-    values = tokens[:, :value_bytes]
-    scales = tokens[:, lay.data_bytes:lay.data_bytes + lay.num_scales]
-    if lay.values == "e2m1":
-        scaled = _decode_nvfp4(values, scales, lay.group)
-    else:
-        scaled = _decode_ue8m0(values, scales, lay.group, dialect)
-    tail = tokens[:, value_bytes:lay.data_bytes].contiguous().view(torch.bfloat16).float()
-    return torch.cat([scaled, tail], dim=1)
-
-
-def quantize_model1(kv: torch.Tensor, dialect: Fp8Dialect = Fp8Dialect.OCP) -> torch.Tensor:
-    """bf16 ``[N, 512]`` -> uint8 ``[N, 584]``: a V4 record's 576 data bytes then its 8 scale bytes."""
-    _check_rows("kv", kv, (torch.bfloat16,), HEAD_DIM)
-    return encode(Record.V4_FP8, kv, dialect)
-
-
-def dequantize_model1(rows: torch.Tensor, dialect: Fp8Dialect = Fp8Dialect.OCP) -> torch.Tensor:
-    """uint8 ``[N, 584]`` (576 data bytes + 8 scale bytes) -> float32 ``[N, 512]``."""
-    _check_rows("rows", rows, (torch.uint8,), MODEL1_TOKEN_BYTES)
-    return decode(Record.V4_FP8, rows, dialect)
 
 
 def insert(
@@ -560,7 +212,7 @@ def insert(
     dialect = Fp8Dialect.parse(dialect)
     geo = check_cache(cache, record, "cache", dialect)
     kv_scale = _check_scale(record, scale)
-    _check_rows("kv", kv, (torch.bfloat16,), HEAD_DIM)
+    check_rows("kv", kv, (torch.bfloat16,), HEAD_DIM)
     if kv.device != cache.device:
         raise ValueError(f"kv: got device {kv.device}; allowed: the cache's device {cache.device}")
     _check_slots(slots, "slots", cache.device, geo.num_slots)

@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+from collections.abc import Callable
 
 from .. import envs
 from . import choices
@@ -237,18 +238,32 @@ def layers_per_step(spec: ModelSpec, kind: LayerKind) -> int:
     return max(1, sum(layer.kind == kind for layer in spec.layers))
 
 
+def launch_reasons(name: str, phase: Phase, num_tokens: int | None,
+                   instances: Callable[[str], Backend] | None) -> list[str]:
+    """Why the instance of ``name`` that would run it (``instances(name)``) cannot take a launch of
+    ``num_tokens`` tokens (its ``launch_limit``); [] without a launch size or instances."""
+    if not num_tokens or instances is None:
+        return []
+    limit = instances(name).launch_limit(Phase(phase))
+    return [] if limit is None else limit.reasons(num_tokens)
+
+
 def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
            requested: str = "auto", source: str = "auto", dialects: Dialects = OCP_CACHES,
-           num_tokens: int | None = None) -> str:
+           num_tokens: int | None = None, instances: Callable[[str], Backend] | None = None) -> str:
     """Name of the backend to run ``kind`` / ``phase``; raises BackendUnavailableError with every
     backend's reasons when the requested one (or, for auto, every candidate) refuses. With
-    ``num_tokens`` (the phase's tokens in this launch) auto tries a measured order first."""
+    ``num_tokens`` (the phase's tokens in this launch) auto tries a measured order first, and with
+    ``instances`` (name -> the instance that would run it) each one's ``launch_limit`` applies: a
+    forced backend serves the launches within its limit and the phases it implements, auto the rest."""
     if requested != "auto":
         if requested not in _REGISTRY:
             raise ValueError(f"backend: got {requested!r} (from {source}); allowed: {sorted(_REGISTRY)} or 'auto'")
         forced = get_backend(requested)
-        if forced is not None and phase not in forced.phases:
-            return select(platform, spec, fmt, kind, phase, dialects=dialects, num_tokens=num_tokens)
+        if forced is not None and (phase not in forced.phases
+                                   or launch_reasons(requested, phase, num_tokens, instances)):
+            return select(platform, spec, fmt, kind, phase, dialects=dialects, num_tokens=num_tokens,
+                          instances=instances)
         reasons = reasons_for(requested, platform, spec, fmt, kind, phase, dialects)
         if reasons:
             raise BackendUnavailableError(
@@ -260,7 +275,8 @@ def select(platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, 
     candidates, _ = auto_order(platform, spec, fmt, kind, phase, num_tokens)
     report = []
     for name in candidates:
-        reasons = reasons_for(name, platform, spec, fmt, kind, phase, dialects)
+        reasons = (reasons_for(name, platform, spec, fmt, kind, phase, dialects)
+                   or launch_reasons(name, phase, num_tokens, instances))
         if not reasons:
             return name
         report.append((name, reasons))

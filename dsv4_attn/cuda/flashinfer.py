@@ -217,7 +217,7 @@ class FlashInferTRTLLMBackend(Backend):
                                     _counters(plan.num_tokens, hp, plan.device))
         if shape.kind.uses_topk:  # the indexer's top-k differs per layer
             return window
-        comp_geo = shape.comp_geo if shape.kind.has_comp_scope else shape.swa_geo
+        comp_geo = shape.comp_geo or shape.swa_geo  # window-only shapes have none (their rows never index it)
         return replace(window, rows=self._rows(plan, shape.kind, None, shape.swa_geo, comp_geo))
 
     # ---- forward ------------------------------------------------------------------------------
@@ -236,8 +236,8 @@ class FlashInferTRTLLMBackend(Backend):
         swa_geo = layer.swa_geo
         swa_pool = _pool(layer.swa_cache, swa_geo, "swa_cache")
         if layer.kind.has_comp_scope:
-            comp_geo = layer.comp_geo
-            comp_pool = _pool(layer.comp_cache, comp_geo, "comp_cache")
+            comp_cache, comp_geo = layer.comp_storage()
+            comp_pool = _pool(comp_cache, comp_geo, "comp_cache")
         else:  # the kernel requires a compressed pool; SWA-only rows never index it
             comp_pool, comp_geo = swa_pool, swa_geo
         meta = self.meta(plan, layer.shape)

@@ -308,11 +308,12 @@ def _comp_kernel_rows(plan: StepPlan, layer: LayerInputs,
     A top-k layer's local top-k is translated, bounded to the cache and padded by the plan's index
     front end in one pass (one launch on GPUs: ``FrontEnd.topk_rows``); an "all" kind (C128A) has
     ``all_idx``, its rows made once per step (``FlashMLABackend.prepare``)."""
-    kind, num_slots = layer.kind, layer.comp_geo.num_slots
-    if plan.translates_topk(kind):
-        return plan.comp_scope(kind, layer.topk, num_slots=num_slots, multiple=TOPK_BLOCK)
-    rows, lens = plan.comp_scope(kind, layer.topk)
-    return (all_idx if all_idx is not None else bounded_rows(rows, num_slots, multiple=TOPK_BLOCK)), lens
+    if plan.translates_topk(layer.kind):
+        comp = layer.compressed(plan, bound=True, multiple=TOPK_BLOCK)
+        return comp.rows, comp.lens
+    comp = layer.compressed(plan)
+    return (all_idx if all_idx is not None else bounded_rows(comp.rows, comp.geo.num_slots, multiple=TOPK_BLOCK)), \
+        comp.lens
 
 
 @dataclass(frozen=True)
@@ -402,7 +403,10 @@ class FlashMLABackend(Backend):
             return window
         all_idx = None
         if shape.kind.attends_all:
-            all_idx = bounded_rows(plan.comp_scope(shape.kind)[0], shape.comp_geo.num_slots, multiple=TOPK_BLOCK)
+            rows, _ = plan.comp_scope(shape.kind)
+            if rows is None or shape.comp_geo is None:  # SparseMLA checked the layer: an "all" kind has both
+                raise ValueError(f"comp_cache: got none for a {shape.kind.name} layer; allowed: its compressed cache")
+            all_idx = bounded_rows(rows, shape.comp_geo.num_slots, multiple=TOPK_BLOCK)
         scheds = tuple(_Sched() for _ in range(0, plan.num_tokens, DECODE_MAX_ROWS))
         return replace(window, all_idx=all_idx, scheds=scheds)
 
@@ -432,26 +436,30 @@ class FlashMLABackend(Backend):
         swa_kv = _kernel_cache(layer.swa_cache, layer.fmt.swa_record, layer.swa_geo, "swa_cache")
         has_comp = layer.kind.has_comp_scope
         if has_comp:
-            comp_kv = _kernel_cache(layer.comp_cache, layer.fmt.comp_record, layer.comp_geo, "comp_cache")
+            comp_cache, comp_geo = layer.comp_storage()
+            comp_kv = _kernel_cache(comp_cache, layer.fmt.comp_record, comp_geo, "comp_cache")
             comp_idx, comp_lens = _comp_kernel_rows(plan, layer, meta.all_idx)
+        swa_idx = meta.swa_idx
+        if swa_idx is None:  # prepare() builds it for every plan with decode tokens
+            raise RuntimeError("flashmla: a decode plan's window rows were not prepared")
         for sched, t0 in zip(meta.scheds, range(0, plan.num_tokens, DECODE_MAX_ROWS)):
             t1 = min(plan.num_tokens, t0 + DECODE_MAX_ROWS)
             extra = (comp_kv, comp_idx[t0:t1, None], comp_lens[t0:t1]) if has_comp else None
-            ops.decode(q[t0:t1, None], swa_kv, meta.swa_idx[t0:t1, None], plan.swa_lens[t0:t1], sink, sched, extra,
+            ops.decode(q[t0:t1, None], swa_kv, swa_idx[t0:t1, None], plan.swa_lens[t0:t1], sink, sched, extra,
                        layer.softmax_scale, out[t0:t1, None])
 
     def _prefill(self, ops: FlashMLAOps, plan: StepPlan, layer: LayerInputs, q, sink, out) -> None:
-        comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
         scopes = [(layer.swa_cache, layer.fmt.swa_record, layer.swa_geo, plan.swa_rows, plan.swa_lens, "swa_cache")]
-        if comp_rows is not None:
-            scopes.append((layer.comp_cache, layer.fmt.comp_record, layer.comp_geo, comp_rows, comp_lens, "comp_cache"))
+        if layer.kind.has_comp_scope:
+            comp = layer.compressed(plan)
+            scopes.append((comp.cache, layer.fmt.comp_record, comp.geo, comp.rows, comp.lens, "comp_cache"))
         for cache, record, geo, *_, name in scopes:
             _check_sm100_rows(cache, record, geo, name)
-        scopes = [scope[:-1] for scope in scopes]
-        width = sum(rows.shape[1] for *_, rows, _ in scopes)
+        kernel_scopes = [scope[:-1] for scope in scopes]
+        width = sum(rows.shape[1] for *_, rows, _ in kernel_scopes)
         step = max(1, self.index_keys // width)
         for t0 in range(0, plan.num_tokens, step):
-            self._prefill_chunk(ops, layer, scopes, t0, min(plan.num_tokens, t0 + step), q, sink, out)
+            self._prefill_chunk(ops, layer, kernel_scopes, t0, min(plan.num_tokens, t0 + step), q, sink, out)
 
     def _prefill_chunk(self, ops: FlashMLAOps, layer: LayerInputs, scopes, t0: int, t1: int, q, sink, out) -> None:
         """Tokens [t0, t1): distinct selected rows -> bf16 workspace; indices -> workspace rows."""

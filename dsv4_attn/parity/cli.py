@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge parity JSON files into the cross-vendor table "
                    "(merged tables among them, e.g. an earlier merged.json, are skipped)")
     p.add_argument("--emulate-aiter", nargs="?", const="1", metavar="ARCH[:FLAVOR]",
-                   help="run the aiter backend through the AITER emulator (dsv4_attn.rocm.emulate; e.g. "
+                   help="run the aiter backend through the AITER emulator (dsv4_attn.emulation; e.g. "
                         "gfx950, gfx942, gfx950:0.1.7); its cells are labelled emulated")
     p.add_argument("--list", action="store_true", help="list the selected cases and exit")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on a CPU device, else torch's choice)")
@@ -136,12 +136,12 @@ def long_run_note(emulated: set[str], backends: list[str], device: torch.device,
 def _enable_aiter_emulator(value: str) -> None:
     """Switch the AITER emulator on for this process (``value``: 1, ARCH or ARCH:FLAVOR)."""
     try:
-        from ..rocm import emulate
+        from .. import emulation
 
-        emulator = emulate.parse_env(value)
+        emulator = emulation.parse_env(value)
         if emulator is None:
             raise ValueError("it switches the emulator off")
-        emulate.enable(emulator.arch, emulator.flavor)
+        emulation.enable(emulator.arch, emulator.flavor)
     except ImportError as exc:
         raise ValueError(f"--emulate-aiter: the AITER emulator is not available ({exc})") from None
     except ValueError as exc:

@@ -97,7 +97,8 @@ def make_inputs(case: Case) -> CaseInputs:
             raise ValueError(f"case {case.name}: block_size: got {case.block_size!r}; "
                              f"allowed: a multiple of {case.kind.ratio}")
         bs_c = case.block_size // case.kind.ratio
-        c_req, c_pos = _comp_refs(case, spec, req, pos, topk if other is None else torch.cat([topk, other], 1))
+        readers = [t for t in (topk, other) if t is not None]  # every layer's top-k over this cache
+        c_req, c_pos = _comp_refs(case, spec, req, pos, torch.cat(readers, 1) if readers else None)
         table, comp_cache = _scope_cache(case, gen, c_req, c_pos, _cols(case.seq_lens, case.kind.ratio, bs_c), bs_c,
                                          case.fmt.comp_record, case.comp_dialect)
         comp_tables[case.kind.ratio] = table
@@ -113,7 +114,8 @@ def make_inputs(case: Case) -> CaseInputs:
 
 def _token_positions(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """(request, position) int64 [real tokens] of every real token."""
-    req, pos = [], []
+    req: list[int] = []
+    pos: list[int] = []
     for r, (ql, sl) in enumerate(zip(case.query_lens, case.seq_lens)):
         req += [r] * ql
         pos += range(sl - ql, sl)
@@ -163,6 +165,8 @@ def _comp_refs(case: Case, spec: ModelSpec, req: torch.Tensor, pos: torch.Tensor
     top-k rows of every layer reading this cache, side by side, for top-k kinds)."""
     visible = (pos + 1) // case.kind.ratio
     if case.kind.uses_topk:
+        if topk is None:
+            raise ValueError(f"topk: got None for case {case.name}; allowed: its local top-k ({case.kind.name})")
         local, width = topk[: pos.shape[0]].long(), case.topk
     else:
         width = spec.all_width(case.kind.ratio)
@@ -240,7 +244,7 @@ def _input_digest(inputs: CaseInputs) -> str:
             h.update(tensor_bytes(t))
     for cache in (inputs.swa_cache, inputs.comp_cache):
         if cache is not None:
-            h.update(flat_bytes(cache).numpy())
+            h.update(flat_bytes(cache).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -47,6 +47,8 @@ def _reference_out(inputs: CaseInputs) -> torch.Tensor:
     swa_rows, swa_lens = indices.swa_rows(batch, spec.window)
     comp_rows = comp_lens = None
     if case.kind.uses_topk:
+        if inputs.topk is None:  # build_inputs draws one for every top-k case
+            raise ValueError(f"topk: got None for case {case.name}; allowed: its local top-k")
         comp_rows, comp_lens = indices.topk_rows(batch, case.kind, inputs.topk)
     elif case.kind.attends_all:
         comp_rows, comp_lens = indices.all_rows(batch, case.kind, spec.all_width(case.kind.ratio))

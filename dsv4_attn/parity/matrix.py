@@ -16,6 +16,7 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
@@ -180,7 +181,7 @@ _EXTRA_TAGS = {"swa_block_size": "swabs{}", "block_size": "bs{}", "swa_dialect":
 _MODEL_KEYS = ("topk", "max_model_len", "window")
 
 
-def _fail(where: str, got, allowed: str):
+def _fail(where: str, got: object, allowed: str) -> NoReturn:
     raise ValueError(f"{where}: got {got!r}; allowed: {allowed}")
 
 
@@ -276,8 +277,8 @@ def _expand_sweep(sweep: dict, index: int, seed: int, model: dict, defaults: dic
     for key in ("kind", "heads", "format", "mix", "length"):
         _need(sweep, key, f"{where} ({name})")
     sweep_model = _model(model, sweep.get("model"), f"{where} ({name}).model")
-    axes = {k: sweep.get(k, defaults.get(k)) for k in _AXES}
-    axes = {k: (v if isinstance(v, list) else [v]) for k, v in axes.items()}
+    given = {k: sweep.get(k, defaults.get(k)) for k in _AXES}
+    axes: dict[str, list] = {k: (v if isinstance(v, list) else [v]) for k, v in given.items()}
     out = []
     for values in itertools.product(*(axes[k] for k in _AXES)):
         point = dict(zip(_AXES, values))

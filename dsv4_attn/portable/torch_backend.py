@@ -41,12 +41,11 @@ class TorchBackend(Backend):
         T, H = plan.num_tokens, layer.q.shape[1]
         if T == 0:
             return
-        comp_rows, comp_lens = plan.comp_scope(layer.kind, layer.topk)
         fmt = layer.fmt
         scopes = [(layer.swa_cache, plan.swa_rows, plan.swa_lens, layer.swa_dialect, fmt.swa_record, layer.swa_geo)]
-        if comp_rows is not None:
-            scopes.append((layer.comp_cache, comp_rows, comp_lens, layer.comp_dialect, fmt.comp_record,
-                           layer.comp_geo))
+        if layer.kind.has_comp_scope:
+            comp = layer.compressed(plan)
+            scopes.append((comp.cache, comp.rows, comp.lens, layer.comp_dialect, fmt.comp_record, comp.geo))
         keys_per_token = sum(rows.shape[1] for _, rows, *_ in scopes)
         chunk = max(1, self.chunk_bytes // max(1, keys_per_token * (512 + 3 * H) * 4))
         sink = None if layer.sink is None else layer.sink.float()

@@ -39,12 +39,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 SCOPES = ("swa", "c4a", "c128a")
 LAYOUTS = ("slots", "ragged", "fixed", "padded")
 SENTINEL = 1e30  # -SENTINEL: the sentinel row's last element (bf16 holds it)
+
+
+def _unused() -> torch.Tensor:
+    """A staging buffer the scratch's path never uses (0 elements)."""
+    return torch.empty(0)
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ class ScopeBuffers:
     pos          int64 [max_tokens * width]: the rows' gather positions (:func:`compact`)
     counts       int64 [max_tokens]: keys per token of the last build
     kv_scale     float32 [1] (fp8 operands)
-    meta         the six persistent work buffers (persistent mode) or None
+    meta         the six persistent work buffers (persistent mode; empty otherwise)
     """
 
     width: int
@@ -99,13 +105,13 @@ class ScopeBuffers:
     pos: torch.Tensor
     counts: torch.Tensor
     kv_scale: torch.Tensor
-    meta: list[torch.Tensor] | None = None
+    meta: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
 class AiterScratch:
-    """All buffers of one :class:`ScratchKey` (see module docstring); staging buffers are None
-    on the paths that do not use them.
+    """All buffers of one :class:`ScratchKey` (see module docstring); staging buffers are empty
+    (0 elements) on the paths that do not use them.
 
     qo_indptr  int32 [max_tokens + 1] = arange (one query token per AITER batch row)
     last_page  int32 [max_tokens] = 1 (page size 1)
@@ -129,21 +135,24 @@ class AiterScratch:
     last_page: torch.Tensor
     splits_indptr: torch.Tensor
     q_scale: torch.Tensor
+    sink: torch.Tensor
     scopes: dict[str, ScopeBuffers] = field(default_factory=dict)
-    q: torch.Tensor | None = None
-    q_rope: torch.Tensor | None = None
-    sink: torch.Tensor | None = None
+    q: torch.Tensor = field(default_factory=_unused)
+    q_rope: torch.Tensor = field(default_factory=_unused)
     out: list[torch.Tensor] = field(default_factory=list)
     lse: list[torch.Tensor] = field(default_factory=list)
-    rows: torch.Tensor | None = None
-    rows_rope: torch.Tensor | None = None
+    rows: torch.Tensor = field(default_factory=_unused)
+    rows_rope: torch.Tensor = field(default_factory=_unused)
 
     @classmethod
     def allocate(cls, key: ScratchKey, info_v1: Callable[[], tuple] | None) -> AiterScratch:
         """Allocate every buffer once. ``info_v1()`` returns AITER's six (shape, dtype) pairs of
         the persistent work buffers (persistent keys only)."""
         dev, n, h = key.device, key.max_tokens, key.heads
-        i32 = dict(dtype=torch.int32, device=dev)
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=dev)
+        if key.persistent and info_v1 is None:
+            raise ValueError("info_v1: got None for a persistent scratch; allowed: AITER's work-buffer shapes")
+        work = info_v1() if key.persistent and info_v1 is not None else ()
         scopes = {}
         for name, width in key.widths:
             scopes[name] = ScopeBuffers(
@@ -154,12 +163,11 @@ class AiterScratch:
                 pos=torch.zeros(n * width, dtype=torch.int64, device=dev),
                 counts=torch.zeros(n, dtype=torch.int64, device=dev),
                 kv_scale=torch.ones(1, dtype=torch.float32, device=dev),
-                meta=[torch.empty(s, dtype=d, device=dev) for s, d in info_v1()] if key.persistent else None,
+                meta=[torch.empty(s, dtype=d, device=dev) for s, d in work],
             )
         scr = cls(key=key, qo_indptr=torch.arange(n + 1, **i32), last_page=torch.ones(n, **i32),
                   splits_indptr=torch.zeros(n + 1, **i32), q_scale=torch.ones(1, dtype=torch.float32, device=dev),
-                  scopes=scopes)
-        scr.sink = torch.full((h,), float("-inf"), dtype=torch.float32, device=dev)
+                  sink=torch.full((h,), float("-inf"), dtype=torch.float32, device=dev), scopes=scopes)
         if key.path == "sparse_mla_fwd":
             return scr  # reads q and writes out in place, reads the caches in place
         nm = key.path == "mla_decode_fwd_v4_nm"
@@ -179,9 +187,9 @@ class AiterScratch:
     def pointers(self) -> list[int]:
         """Data pointers of every buffer (graph tests check they never move)."""
         ts = [self.qo_indptr, self.last_page, self.splits_indptr, self.q_scale, *self.out, *self.lse]
-        ts += [t for t in (self.q, self.q_rope, self.sink, self.rows, self.rows_rope) if t is not None]
+        ts += [t for t in (self.q, self.q_rope, self.sink, self.rows, self.rows_rope) if t.numel()]
         for s in self.scopes.values():
-            ts += [s.kv_indptr, s.kv_indices, s.slots, s.pos, s.counts, s.kv_scale] + (s.meta or [])
+            ts += [s.kv_indptr, s.kv_indices, s.slots, s.pos, s.counts, s.kv_scale, *s.meta]
         return [t.data_ptr() for t in ts]
 
 

@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/: the
 import dsv4_attn as dsv4  # noqa: E402
 from dsv4_attn.common.registry import register_backend, unregister_backend  # noqa: E402
 from dsv4_attn.common.spec import LayerKind  # noqa: E402
-from dsv4_attn.rocm.aiter import AiterBackend, load_aiter  # noqa: E402
+from dsv4_attn.rocm.aiter import AiterBackend  # noqa: E402
+from dsv4_attn.rocm.aiter_api import load_aiter  # noqa: E402
 
 from compare import compare  # noqa: E402
 from test_aiter import make_case, reference_for, run_layer  # noqa: E402
