@@ -153,15 +153,17 @@ class TritonBackend(Backend):
         self._check_v4_stride("swa_cache", layer.swa_cache, fmt.swa_record, layer.swa_geo.block_stride)
         comp_rows = comp_lens = c4a = None
         comp_cache = None
-        if plan.translates_topk(layer.kind):  # local top-k translated inside the kernel
-            comp_cache = layer.comp_cache
-            comp_rows = layer.topk[:T]
-            c4a = (plan.batch.comp_block_table(layer.kind), plan.token_to_req, plan.positions)
-        elif layer.kind.has_comp_scope:  # global rows: "all" kinds, or a StepRows' GlobalRows
-            comp_cache = layer.comp_cache
-            comp_rows, comp_lens = plan.comp_scope(layer.kind)
-        if comp_cache is not None:
-            self._check_v4_stride("comp_cache", comp_cache, fmt.comp_record, layer.comp_geo.block_stride)
+        if layer.kind.has_comp_scope:
+            comp_cache, comp_geo = layer.comp_storage()
+            if plan.translates_topk(layer.kind):  # local top-k translated inside the kernel
+                if layer.topk is None:
+                    raise ValueError(f"topk: got None for a {layer.kind.name} layer; allowed: int32 [T, topk]")
+                comp_rows = layer.topk[:T]
+                c4a = (plan.batch.comp_block_table(layer.kind), plan.token_to_req, plan.positions)
+            else:  # global rows: "all" kinds, or a StepRows' GlobalRows
+                scope = layer.compressed(plan)
+                comp_rows, comp_lens = scope.rows, scope.lens
+            self._check_v4_stride("comp_cache", comp_cache, fmt.comp_record, comp_geo.block_stride)
             if comp_rows.stride(-1) != 1:
                 raise ValueError(f"topk: got strides {tuple(comp_rows.stride())}; allowed: last dim contiguous")
         kwargs = {}

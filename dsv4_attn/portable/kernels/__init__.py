@@ -25,7 +25,7 @@ def _patch_interpreter_index() -> None:
         orig(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    patched._dsv4_patched = True
+    patched._dsv4_patched = True  # type: ignore[attr-defined]  # a marker attribute on a function object
     interp._patch_lang_tensor = patched
 
 

@@ -439,7 +439,7 @@ def sparse_mla_fwd_kernel(
         hi = tiles
     a_rows = A_ROWS + t64 * stride_ar
     b_rows = B_ROWS + t64 * stride_br
-    bt_row = BT + req.to(tl.int64) * stride_bt
+    bt_row = BT + req.to(tl.int64) * stride_bt  # type: ignore[attr-defined]  # req starts as the Python 0 the JIT turns into a scalar tensor
     scr_p = SCR_P + pid.to(tl.int64) * (2 * BLOCK_H * BLOCK_N)
     scr_a = SCR_A + pid.to(tl.int64) * (2 * BLOCK_H)
 

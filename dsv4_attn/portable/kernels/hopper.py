@@ -460,7 +460,7 @@ def sparse_mla_fwd_hopper(
     else:
         lo = 0
         hi = tiles
-    bt_row = BT + req.to(gl.int64) * stride_bt
+    bt_row = BT + req.to(gl.int64) * stride_bt  # type: ignore[attr-defined]  # req starts as the Python 0 the JIT turns into a scalar tensor
     if COMP == 2:
         _prefetch_table_row(bt_row, visible, b_bs, bt_cols)
 

@@ -118,10 +118,11 @@ def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
         return
     R = query_start_loc.shape[0] - 1
     has_c = c128_table is not None
-    ct = c128_table if has_c else swa_table
-    cr = c128_rows if has_c else swa_rows
-    cl = c128_lens if has_c else swa_lens
-    width = cr.shape[1] if has_c else 0
+    ct, cr, cl, width = swa_table, swa_rows, swa_lens, 0
+    if c128_table is not None:
+        if c128_rows is None or c128_lens is None:
+            raise ValueError("c128_rows / c128_lens: got None with a c128_table; allowed: int32 rows and lens")
+        ct, cr, cl, width = c128_table, c128_rows, c128_lens, c128_rows.shape[1]
     _step_rows_kernel[(T,)](
         query_start_loc, seq_lens, R, swa_start if swa_start is not None else seq_lens,
         positions, token_to_req, token_valid,
@@ -194,9 +195,10 @@ class TritonFrontEnd:
         kinds = buffers.all_kinds(batch)
         fused = kinds[0] if kinds else None
         rows, lens = buffers.rows_of(fused, batch) if fused else (None, None)
+        swa_rows, swa_lens = buffers.window_rows()
         build_step_rows(batch.query_start_loc, batch.seq_lens, num_tokens, batch.swa_block_table,
                         batch.swa_block_size, buffers.spec.window, buffers.positions, buffers.token_to_req,
-                        buffers.token_valid, *buffers.window_rows(),
+                        buffers.token_valid, swa_rows, swa_lens,
                         batch.comp_block_tables[fused.ratio] if fused else None,
                         batch.comp_block_size(fused) if fused else 1, rows, lens,
                         fused.ratio if fused else 1, batch.swa_start)

@@ -227,7 +227,7 @@ def compile_reason(arch: str, impl: str, records: tuple[Record, ...], comp_mode:
         return build.compile_error(arch, "gluon", tuple(sorted(variant.items())))
     tile = config.tile(arch, num_heads, records)
     codes = (RECORD_CODE[records[0]], RECORD_CODE[records[-1]])
-    const = portable_constexprs(codes, comp_mode, 4, True, True, 1, tile, config.dt(), config.range_checks)
+    const = portable_constexprs(codes, comp_mode, 4, True, True, 1, tile, config.dt(), bool(config.range_checks))
     return build.compile_error(arch, "portable", tuple(sorted(const.items())),
                                tuple(sorted(launch_options(tile).items())))
 
@@ -364,6 +364,8 @@ def layer_launches(
     codes = (RECORD_CODE[records[0]], RECORD_CODE[records[-1]])
     a_u8, a_16, a_s0, a_bs, a_nb = _cache_views(swa_cache, codes[0])
     if comp_cache is not None:
+        if comp_rows is None:
+            raise ValueError("comp_rows: got None with a comp_cache; allowed: int32 [T, width] rows")
         b_u8, b_16, b_s0, b_bs, b_nb = _cache_views(comp_cache, codes[1])
         comp_mode = K.COMP_C4A_LOCAL if c4a is not None else K.COMP_GLOBAL
         b_width = comp_rows.shape[1]
@@ -405,9 +407,9 @@ def layer_launches(
         # bound replay: the backend never binds a launch that merges in the kernel)
         counters = merge_counters(T * n_hb) if merge_counters is not None else \
             torch.zeros(T * n_hb, dtype=torch.int32, device=q.device)
-    lse_t = lse if write_lse else out
+    lse_t = lse if lse is not None else out
     sink_t = sink if sink is not None else out
-    stride_lt = lse.stride(0) if write_lse else 0
+    stride_lt = lse.stride(0) if lse is not None else 0
     if gluon:
         from . import hopper
 
@@ -442,7 +444,7 @@ def layer_launches(
             po, pml, scr_p, scr_a,
             H, scale * LOG2E, float(kv_scale), split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
         ), portable_constexprs(codes, comp_mode, topk_ratio, sink is not None, write_lse, split, tile, dt,
-                               config.range_checks, (_log2_or_minus1(a_bs), _log2_or_minus1(b_bs))),
+                               bool(config.range_checks), (_log2_or_minus1(a_bs), _log2_or_minus1(b_bs))),
             launch_options(tile))
     launches = [attention]
     if split > 1 and counters is None:
