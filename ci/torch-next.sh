@@ -6,7 +6,7 @@
 # which CI machines cannot reach): it runs on a CPU, but needs its CUDA libraries to import (libtorch
 # links cuBLAS, cuDNN, NCCL, ...; `--no-deps` leaves `import torch` failing on libcudnn.so.9), so
 # it installs whole: ~2.6 GB of wheels, measured in docs/testing.md "torch 2.15". The download is
-# network time, not CPU time, so CI starts it first (`--prefetch`: the install runs in the background
+# network time, not CPU time, so CI can start it first (`--prefetch`: the install runs in the background
 # and the command returns at once) and runs the main suite meanwhile; the plain call waits for that
 # install (a lock on the venv), or installs now when nothing was prefetched. PIP_CONSTRAINT=/dev/null:
 # a pip configuration that caps torch (some CI images cap it at the releases they carry) does not
