@@ -173,7 +173,7 @@ def test_step_flashmla_as_vllm_runner_on_the_flashmla_stand_in(monkeypatch, mode
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed")
     from compare import compare
-    from test_flashmla import FakeFlashMLA
+    from kit.flashmla_standin import FakeFlashMLA
 
     fake = FakeFlashMLA("sm90")
     monkeypatch.setattr(bench.runners, "raw_flashmla_ops", lambda: fake)

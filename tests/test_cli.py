@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_parity import TINY
+from kit.parity_tiny import TINY
 
 REPO = Path(__file__).resolve().parent.parent
 

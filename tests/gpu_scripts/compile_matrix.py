@@ -2,7 +2,7 @@
 Triton this process imports (put a side Triton first on PYTHONPATH to try another version), and
 print registers, spills and scratch per variant. No GPU needed; run it without TRITON_INTERPRET.
 
-    PYTHONPATH=TRITON_DIR:. python tests/gpu_scripts/compile_matrix.py [--full] [--jobs 2] [--json F]
+    PYTHONPATH=TRITON_DIR:. python tests/gpu_scripts/compile_matrix.py [--full | --quick] [--jobs 2] [--json F]
 
 Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
 
@@ -216,11 +216,16 @@ def main() -> None:
     p.add_argument("--kernels", nargs="+", choices=["hopper", "attention", "combine", "indices"],
                    default=["hopper", "attention", "combine", "indices"])
     p.add_argument("--full", action="store_true", help="every record x layer kind x split of the portable kernel")
+    p.add_argument("--quick", action="store_true",
+                   help="the portable kernel in its smallest tile only (CI time; the other tiles differ in BLOCK_H)")
     p.add_argument("--only", nargs="+", metavar="LABEL", help="only the variants of these labels")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", metavar="FILE", help="also write every row (with errors) as JSON")
     args = p.parse_args()
     todo = [j for j in jobs_for(args.targets, args.kernels, args.full) if not args.only or j.label in args.only]
+    if args.quick:
+        todo = [j for j in todo if j.kernel != "attention" or j.args[0].block_h == min(
+            k.args[0].block_h for k in todo if k.kernel == "attention" and k.target == j.target)]
     start = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(measure, job) for job in todo]

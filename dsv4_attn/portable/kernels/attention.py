@@ -84,7 +84,9 @@ def _tile_slots(g, lo_b, hi, a_rows, len_a, a_slots, b_rows, len_b, b_slots, vis
     is_a = g < lo_b
     j = tl.arange(0, BLOCK_N)
     ja = g * BLOCK_N + j
-    ina = (ja < len_a) & is_a & live
+    # scalar conditions reach the lanes through a scalar bound or a lane comparison, never joined to
+    # a lane mask with `&`: Triton 3.9's interpreter refuses such a load mask ("mask has unsupported dtype")
+    ina = ja < tl.where(is_a & live, len_a, 0)
     sa = tl.load(a_rows + ja, mask=ina, other=-1)
     valid = ina & (sa >= 0)
     if RANGE_CHECKS:
@@ -92,7 +94,7 @@ def _tile_slots(g, lo_b, hi, a_rows, len_a, a_slots, b_rows, len_b, b_slots, vis
     slots = sa
     if COMP != 0:
         jb = (g - lo_b) * BLOCK_N + j
-        inb = (jb < len_b) & (not is_a) & live
+        inb = (jb >= 0) & (jb < tl.where(live, len_b, 0))  # jb >= 0: a tile of scope B (not is_a)
         if COMP == 1:
             sb = tl.load(b_rows + jb, mask=inb, other=-1)
             vb = inb & (sb >= 0)

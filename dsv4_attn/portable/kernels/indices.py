@@ -70,7 +70,7 @@ def _step_rows_kernel(
     if HAS_START:  # SWA bounded replay: no window keys below the request's start
         start = tl.maximum(start, tl.load(SWA_START + req, mask=has_req, other=0).to(tl.int64))
     logical = start + j
-    ok = (j < WINDOW) & (logical <= pos) & valid
+    ok = (j < tl.where(valid, WINDOW, 0)) & (logical <= pos)  # a lane bound, not `& valid`: see attention._tile_slots
     col = logical // swa_bs
     ok = ok & (col < swa_cols)
     blk = tl.load(SWA_TABLE + req64 * stride_swa_t + col, mask=ok, other=0).to(tl.int64)
