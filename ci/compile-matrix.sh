@@ -3,7 +3,7 @@
 # highest Triton the package supports (3.6: torch 2.11's; 3.9: torch 2.15's), for every target it
 # serves: the Gluon Hopper kernel (sm_90a), the portable kernel (sm_80, sm_90, sm_100, gfx942,
 # gfx950), the split combine and the index front end (tests/gpu_scripts/compile_matrix.py says
-# which variants). Fails on a compile error, or on VGPR spills / scratch on AMD; prints per Triton x
+# which variants). Fails on a compile error, or on scratch (spills to memory) / LDS past the limit on AMD; prints per Triton x
 # target x kernel the registers, spills and scratch (docs/testing.md "Compile matrix: Triton 3.6 to 3.9" holds them).
 #
 # A Triton other than the one installed goes into its own folder with `pip install --target` and is

