@@ -24,7 +24,7 @@ def main() -> None:
                    help="log2 of the SWA / compressed cache block sizes (-1: not a power of two)")
     p.add_argument("--no-range-checks", action="store_true",
                    help="compile without the index range checks (to see what they cost)")
-    p.add_argument("--heads-n", type=int, default=0, choices=(0, 8, 16, 32),
+    p.add_argument("--heads-n", type=int, default=0, choices=(0, 8, 16),
                    help="the heads-on-N kernel (hopper_heads) with this many heads per program; 0: the 64-head one")
     args = p.parse_args()
     kernel = compile_hopper(hopper_constexprs(args.comp, args.split, shifts=tuple(args.shifts),

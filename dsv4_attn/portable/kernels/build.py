@@ -84,7 +84,7 @@ def hopper_constexprs(comp: int, split: bool = False, write_lse: bool = False, s
                       range_checks: bool = True, merge: bool = False, heads_n: int = 0) -> dict:
     """The Gluon Hopper kernel's constexprs of one launch (``ops.sparse_mla_fwd``), with a sink;
     ``merge``: a split launch merging its partials itself (``ops.merge_in_kernel``); ``heads_n``
-    8 / 16 / 32: the heads-on-N kernel (``hopper_heads``) with that many heads per program, 0 the
+    8 / 16: the heads-on-N kernel (``hopper_heads``) with that many heads per program, 0 the
     64-head one."""
     merge = merge and split
     const = dict(COMP=comp, C4A_RATIO=4, HAS_SINK=True, WRITE_LSE=write_lse and (not split or merge), IS_SPLIT=split,
@@ -104,6 +104,16 @@ def hopper_kernel(constexprs: dict):
         from . import hopper as mod  # type: ignore[no-redef]
         fn = mod.sparse_mla_fwd_hopper
     return fn, dict(num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG)
+
+
+def ctas_per_sm(heads_n: int) -> int:
+    """Programs of the Gluon kernel that one SM holds at once: 2 for the heads-on-N kernel (``heads_n``
+    > 0, hopper_heads.CTAS_PER_SM), 1 for the 64-head one."""
+    if not heads_n:
+        return 1
+    from . import hopper_heads
+
+    return hopper_heads.CTAS_PER_SM
 
 
 def compile_hopper(constexprs: dict):

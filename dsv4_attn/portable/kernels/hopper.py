@@ -296,27 +296,25 @@ def _dequant(x, e, B0: gl.constexpr, BN: gl.constexpr):
 def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_rows, len_a, B_U8, b_stride0,
               b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a,
               A_SHIFT: gl.constexpr, B_SHIFT: gl.constexpr, COMP: gl.constexpr, BN: gl.constexpr,
-              RANGE_CHECKS: gl.constexpr, P0: gl.constexpr = 0, NP: gl.constexpr = 1):
-    """Producer warpgroup ``P0`` of ``NP``: for each of its key tiles (lo + P0, lo + P0 + NP, ...;
-    tile lo + i goes to K stage i % 2, so with two producers each owns one stage), load its rows
-    (e4m3 bytes and scale words into registers, RoPE values with cp.async into the stage's RoPE
-    buffer), wait until the consumers have released K[stage], dequantize into it and signal
-    ``kready``. The index pipeline and an L2 prefetch of the rows run one of its tiles ahead (its
-    next tile goes through the block table and into L2 while this tile's rows load; two tiles
-    ahead measured slower); its row pointers are resolved once, for the prefetch and the next
+              RANGE_CHECKS: gl.constexpr, NS: gl.constexpr):
+    """Producer warpgroup: for each key tile (tile lo + i into K stage i % NS, of NS = 1 or 2),
+    load its rows (e4m3 bytes and scale words into registers, RoPE values with cp.async into the
+    stage's RoPE buffer), wait until the consumers have released K[stage], dequantize into it and
+    signal ``kready``. The index pipeline and an L2 prefetch of the rows run one tile ahead (tile
+    g+1 goes through the block table and into L2 while tile g's rows load; two tiles ahead
+    measured slower); its row pointers are resolved once, for the prefetch and the next
     iteration's loads."""
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0])  # [BN, n, 64] e4m3 bytes
     Lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [BN, 64] bf16
     Lrow: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
-    g0 = lo + P0
-    v, r = _idx_load(g0, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
-    slots_c, valid_c = _idx_resolve(g0, tiles_a, v, r, a_slots, b_slots, visible, bt_row, bt_cols, b_bs, b_blocks,
+    v, r = _idx_load(lo, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
+    slots_c, valid_c = _idx_resolve(lo, tiles_a, v, r, a_slots, b_slots, visible, bt_row, bt_cols, b_bs, b_blocks,
                                     B_SHIFT, COMP, RANGE_CHECKS)
-    row_c, srow_c = _row_ptrs(g0, slots_c, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs, A_SHIFT, B_SHIFT)
-    v_c, r_c = _idx_load(g0 + NP, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
-    for g in range(g0, hi, NP):
+    row_c, srow_c = _row_ptrs(lo, slots_c, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs, A_SHIFT, B_SHIFT)
+    v_c, r_c = _idx_load(lo + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
+    for g in range(lo, hi):
         i = g - lo
-        stage = i % 2
+        stage = i % NS
         row = row_c
         valid = valid_c
         ptrs, m = _chunk_ptrs(row, valid, 0, 2, L3)
@@ -338,13 +336,13 @@ def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slot
         compat.async_load(rope.index(stage), rptr, mask=valid_r)
         async_copy.commit_group()
         # next tile's rows through the block table (and into L2) while this tile's bytes are in flight
-        slots_c, valid_c = _idx_resolve(g + NP, tiles_a, v_c, r_c, a_slots, b_slots, visible, bt_row, bt_cols, b_bs,
+        slots_c, valid_c = _idx_resolve(g + 1, tiles_a, v_c, r_c, a_slots, b_slots, visible, bt_row, bt_cols, b_bs,
                                         b_blocks, B_SHIFT, COMP, RANGE_CHECKS)
-        v_c, r_c = _idx_load(g + 2 * NP, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
-        row_c, srow_c = _row_ptrs(g + NP, slots_c, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs,
+        v_c, r_c = _idx_load(g + 2, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
+        row_c, srow_c = _row_ptrs(g + 1, slots_c, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs,
                                   A_SHIFT, B_SHIFT)
         _prefetch_l2(row_c, srow_c)
-        mbarrier.wait(kempty.index(stage), ((i // 2) & 1) ^ 1)
+        mbarrier.wait(kempty.index(stage), ((i // NS) & 1) ^ 1)
         k_buf = k_smem.index(stage)
         k_buf.slice(0, 128, dim=1).store(_dequant(x01, e0, 0, BN))
         k_buf.slice(128, 128, dim=1).store(_dequant(x23, e0, 2, BN))
@@ -510,7 +508,7 @@ def sparse_mla_fwd_hopper(
                      qk_scale, lo, hi, BH, BN)),
         (_producer, (k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_rows, len_a, B_U8,
                      b_stride0, b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a,
-                     A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS, 0, 1)),
+                     A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS, 2)),
     ], [4], [PRODUCER_REGS])
 
     # ---- epilogue ------------------------------------------------------------------------------

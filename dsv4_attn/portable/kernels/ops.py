@@ -115,7 +115,7 @@ class KernelConfig:
     combine_heads: int | None = None
     combine_dims: int | None = None
     # Gluon kernel with few heads: -1 auto (``heads_on_n``), 0 the 64-head kernel (heads on wgmma's M),
-    # 1 the heads-on-N kernel (hopper_heads) wherever the head count allows it (<= 32)
+    # 1 the heads-on-N kernel (hopper_heads) wherever the head count allows it (<= 16)
     heads_on_n: int = -1
     # 0 compiles the kernels WITHOUT their index range checks, so out-of-range entries are read
     # out of bounds: only for measuring the checks' cost (dsv4-attn bench --guard-cost)
@@ -261,19 +261,22 @@ def use_gluon(device: torch.device, records: tuple[Record, ...], dialects: tuple
     return ok
 
 
-def choose_split(num_programs: int, max_tiles: int, device: torch.device, requested: int = 0) -> int:
+def choose_split(num_programs: int, max_tiles: int, device: torch.device, requested: int = 0,
+                 ctas_per_sm: int = 1) -> int:
+    """Key splits per program: enough programs to fill the SMs once (``ctas_per_sm`` programs
+    each, for a kernel that fits several), at most one tile per split."""
     if requested > 0:
         return max(1, min(requested, max_tiles))
-    sms = num_sms(device)
-    if num_programs >= sms or max_tiles <= 1:
+    slots = num_sms(device) * ctas_per_sm
+    if num_programs >= slots or max_tiles <= 1:
         return 1
-    return max(1, min(max_tiles, sms // num_programs))
+    return max(1, min(max_tiles, slots // num_programs))
 
 
-# The heads-on-N Gluon kernel (hopper_heads: wgmma N = 8 / 16 / 32 heads, one consumer and two
-# producer warpgroups) against the 64-head one, where the head count allows it (notes/perf-wave5.md).
-# Auto takes it up to this many heads.
-HEADS_ON_N_MAX_HEADS = 32
+# The heads-on-N Gluon kernel (hopper_heads: wgmma N = 8 / 16 heads, one K stage, two CTAs per SM)
+# against the 64-head one, where the head count allows it (notes/perf-wave5.md). Auto takes it up
+# to this many heads.
+HEADS_ON_N_MAX_HEADS = 16
 
 
 def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, comp_mode: int = K.COMP_NONE,
@@ -420,7 +423,7 @@ def layer_launches(
     n_hb = _cdiv(H, block_h)
     bn = config.g_block_n if gluon else tile.block_n
     max_tiles = _cdiv(swa_rows.shape[1], bn) + (_cdiv(b_width, bn) if comp_mode else 0)
-    split = choose_split(T * n_hb, max_tiles, q.device, config.split)
+    split = choose_split(T * n_hb, max_tiles, q.device, config.split, build.ctas_per_sm(heads_n))
     temporaries = []
     if split > 1:
         need = T * split * H * (512 + 2)
