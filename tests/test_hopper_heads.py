@@ -22,16 +22,18 @@ def test_heads_per_program(heads, expected):
     assert hopper_heads.heads_per_program(heads) == expected
 
 
-@pytest.mark.parametrize("setting,gluon,heads", [
-    (-1, False, 8),   # the portable kernel
-    (1, False, 8),
-    (0, True, 8),     # forced off
-    (-1, True, 64),   # above the kernel's head count: the 64-head kernel
-    (-1, True, 32),
-    (1, True, 17),
+@pytest.mark.parametrize("setting,gluon,heads,tiles", [
+    (-1, False, 8, 18),   # the portable kernel
+    (1, False, 8, 18),
+    (0, True, 8, 18),     # forced off
+    (-1, True, 64, 18),   # above the kernel's head count: the 64-head kernel
+    (-1, True, 32, 18),
+    (1, True, 17, 18),
+    (-1, True, 8, 10),    # C4A 512 (10 key tiles per token): measured a tie or slower
+    (-1, True, 16, 2),    # window only
 ])
-def test_when_the_64_head_kernel_runs(setting, gluon, heads):
-    assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), gluon, heads) == 0
+def test_when_the_64_head_kernel_runs(setting, gluon, heads, tiles):
+    assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), gluon, heads, tiles) == 0
 
 
 def test_heads_on_n_setting_is_checked():
@@ -101,3 +103,26 @@ def test_gpu_heads_on_n_matches_the_reference_across_graph_replays(cfg, heads, b
         out.fill_(float("nan"))
         graph.replay()
         check(f"replay {replay}")
+
+
+@pytest.mark.parametrize("setting,heads,tiles,expected", [
+    (-1, 8, 18, 8),    # V4-Flash TP8 rank, C4A 1024 / C128A 1024
+    (-1, 16, 16, 16),  # V4-Pro TP8 rank
+    (-1, 12, 18, 16),
+    (1, 8, 2, 8),      # forced: any tile count
+])
+def test_when_the_heads_on_n_kernel_runs(monkeypatch, setting, heads, tiles, expected):
+    from dsv4_attn.portable.kernels import build
+
+    monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")  # as where it compiles
+    assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), True, heads, tiles) == expected
+
+
+def test_heads_on_n_where_it_does_not_compile(monkeypatch):
+    from dsv4_attn.portable.kernels import build
+
+    monkeypatch.setattr(build, "compile_error", lambda *a, **k: "the Gluon Hopper kernel does not compile: X")
+    assert ops.heads_on_n(ops.KernelConfig(), True, 8, 18) == 0  # auto: the 64-head kernel
+    with pytest.raises(ValueError, match="config.heads_on_n: got 1; allowed only where the heads-on-N kernel "
+                                         "compiles; here: the Gluon Hopper kernel does not compile: X"):
+        ops.heads_on_n(ops.KernelConfig(heads_on_n=1), True, 8, 18)

@@ -274,22 +274,27 @@ def choose_split(num_programs: int, max_tiles: int, device: torch.device, reques
 
 
 # The heads-on-N Gluon kernel (hopper_heads: wgmma N = 8 / 16 heads, one K stage, two CTAs per SM)
-# against the 64-head one, where the head count allows it (notes/perf-wave5.md). Auto takes it up
-# to this many heads.
+# against the 64-head one, same run on the H100 (notes/perf-wave5.md): 5-23 % faster at b = 64-128 on
+# layers whose tokens read 16+ key tiles (C4A 1024, C128A 1024: 18), a tie or up to 6 % slower at
+# 10 tiles (C4A 512) and 14-36 % slower on window-only layers at b = 128 (2 tiles: its extra split
+# costs a merge), within 0.5 us at b <= 4. Auto takes it for up to HEADS_ON_N_MAX_HEADS heads where
+# a token's rows span at least HEADS_ON_N_MIN_TILES key tiles.
 HEADS_ON_N_MAX_HEADS = 16
+HEADS_ON_N_MIN_TILES = 16
 
 
-def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, comp_mode: int = K.COMP_NONE,
+def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int, comp_mode: int = K.COMP_NONE,
                arch: str = "sm90") -> int:
-    """NH, the heads per program of the heads-on-N Gluon kernel for a layer of ``num_heads`` heads,
-    or 0 for the 64-head kernel: never on the portable kernel or above ``hopper_heads.MAX_HEADS``
-    heads; else as ``config.heads_on_n`` says, auto up to HEADS_ON_N_MAX_HEADS heads where it
-    compiles with this Triton (``build.compile_error``; forced where it does not: ValueError)."""
+    """NH, the heads per program of the heads-on-N Gluon kernel for a layer of ``num_heads`` heads
+    whose rows span ``max_tiles`` key tiles, or 0 for the 64-head kernel: never on the portable
+    kernel or above ``hopper_heads.MAX_HEADS`` heads; else as ``config.heads_on_n`` says, auto up to
+    HEADS_ON_N_MAX_HEADS heads and from HEADS_ON_N_MIN_TILES tiles, where it compiles with this
+    Triton (``build.compile_error``; forced where it does not: ValueError)."""
     from . import hopper_heads
 
     if not gluon or config.heads_on_n == 0 or num_heads > hopper_heads.MAX_HEADS:
         return 0
-    if config.heads_on_n != 1 and num_heads > HEADS_ON_N_MAX_HEADS:
+    if config.heads_on_n != 1 and (num_heads > HEADS_ON_N_MAX_HEADS or max_tiles < HEADS_ON_N_MIN_TILES):
         return 0
     nh = hopper_heads.heads_per_program(num_heads)
     variant = build.hopper_constexprs(comp_mode, write_lse=True, heads_n=nh)
@@ -418,11 +423,11 @@ def layer_launches(
     dialects = tuple(Fp8Dialect.FNUZ if fnuz else Fp8Dialect.OCP for fnuz in (swa_fnuz, comp_fnuz))[:len(records)]
     gluon = use_gluon(q.device, records, dialects, config, (swa_cache, comp_cache), comp_mode, H)
     tile = config.tile(device_arch(q.device), H, records)
-    heads_n = heads_on_n(config, gluon, H, comp_mode, device_arch(q.device))
-    block_h = (heads_n or 64) if gluon else tile.block_h
-    n_hb = _cdiv(H, block_h)
     bn = config.g_block_n if gluon else tile.block_n
     max_tiles = _cdiv(swa_rows.shape[1], bn) + (_cdiv(b_width, bn) if comp_mode else 0)
+    heads_n = heads_on_n(config, gluon, H, max_tiles, comp_mode, device_arch(q.device))
+    block_h = (heads_n or 64) if gluon else tile.block_h
+    n_hb = _cdiv(H, block_h)
     split = choose_split(T * n_hb, max_tiles, q.device, config.split, build.ctas_per_sm(heads_n))
     temporaries = []
     if split > 1:
