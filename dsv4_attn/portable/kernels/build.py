@@ -98,12 +98,13 @@ def hopper_kernel(constexprs: dict):
     """(the Gluon kernel, its launch options) of ``constexprs``: the heads-on-N kernel where they
     name NH (``hopper_heads``), else the 64-head one (``hopper``)."""
     if "NH" in constexprs:
-        from . import hopper_heads as mod
-        fn = mod.sparse_mla_fwd_hopper_heads_n
-    else:
-        from . import hopper as mod  # type: ignore[no-redef]
-        fn = mod.sparse_mla_fwd_hopper
-    return fn, dict(num_warps=mod.NUM_WARPS, maxnreg=mod.MAXNREG)
+        from . import hopper_heads
+
+        return hopper_heads.sparse_mla_fwd_hopper_heads_n, dict(num_warps=hopper_heads.NUM_WARPS,
+                                                                maxnreg=hopper_heads.MAXNREG)
+    from . import hopper
+
+    return hopper.sparse_mla_fwd_hopper, dict(num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG)
 
 
 def ctas_per_sm(heads_n: int) -> int:

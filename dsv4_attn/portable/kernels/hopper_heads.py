@@ -161,7 +161,10 @@ def sparse_mla_fwd_hopper_heads_n(
                            split, HAS_SINK, WRITE_LSE, NH)
     else:
         inv, lse = _normalizer(m_i, l_i, SINK, h_o, hmask_o, HAS_SINK)
-        ob = gl.convert_layout((acc * gl.expand_dims(inv, 0)).to(gl.bfloat16), Lo)
+        # scaled after the layout change, as the split path stores (scaling in the MMA layout first
+        # spilled 528-688 B under Triton 3.6)
+        inv_s = gl.convert_layout(inv, gl.SliceLayout(0, Lo))
+        ob = (gl.convert_layout(acc, Lo) * gl.expand_dims(inv_s, 0)).to(gl.bfloat16)
         o_ptr = O + t64 * stride_ot + gl.expand_dims(h_s.to(gl.int64) * stride_oh, 0) + gl.expand_dims(d_s, 1)
         gl.store(o_ptr, ob, mask=hmask_s)
         if WRITE_LSE:
