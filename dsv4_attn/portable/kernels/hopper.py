@@ -198,10 +198,10 @@ def _normalizer(m, lsum, SINK, h, hm, HAS_SINK: gl.constexpr):
 def _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, t, t64, hb, n_hb, num_heads, split,
                    HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, BH: gl.constexpr):
     """After this program's partial stores: the last of the token's split programs to get here
-    merges them (no combine launch). One acq_rel counter increment per program after a CTA
-    barrier (the release covers every thread's stores; the acquire, broadcast through the
-    atomic's own barrier, orders the merge's L1-bypassing loads after the other programs' stores:
-    the split-K semaphore pattern). CNT is zero before the launch and left zero after it: the last
+    merges them (no combine launch). One acq_rel counter increment per program after a CTA-wide
+    barrier: the release covers every thread's stores; the acquire, broadcast through the
+    atomic's own barrier, orders the merge's L1-bypassing loads after the other programs' stores
+    (the split-K semaphore pattern). CNT is zero before the launch and left zero after it: the last
     program resets its entry once it has merged."""
     compat.barrier()
     cnt = CNT + t * n_hb + hb
