@@ -22,18 +22,21 @@ def test_heads_per_program(heads, expected):
     assert hopper_heads.heads_per_program(heads) == expected
 
 
-@pytest.mark.parametrize("setting,gluon,heads,tiles", [
-    (-1, False, 8, 18),   # the portable kernel
-    (1, False, 8, 18),
-    (0, True, 8, 18),     # forced off
-    (-1, True, 64, 18),   # above the kernel's head count: the 64-head kernel
-    (-1, True, 32, 18),
-    (1, True, 17, 18),
-    (-1, True, 8, 10),    # C4A 512 (10 key tiles per token): measured a tie or slower
-    (-1, True, 16, 2),    # window only
+CPU = torch.device("cpu")  # ops.num_sms: 4 there, so a launch of 8+ programs of the kernel is not split
+
+
+@pytest.mark.parametrize("setting,gluon,heads,tiles,tokens", [
+    (-1, False, 8, 18, 2),   # the portable kernel
+    (1, False, 8, 18, 2),
+    (0, True, 8, 18, 2),     # forced off
+    (-1, True, 64, 18, 2),   # above the kernel's head count: the 64-head kernel
+    (-1, True, 32, 18, 2),
+    (1, True, 17, 18, 2),
+    (-1, True, 8, 10, 2),    # C4A 512 (10 key tiles per token), split: measured a tie or slower
+    (-1, True, 16, 2, 2),    # window only, split
 ])
-def test_when_the_64_head_kernel_runs(setting, gluon, heads, tiles):
-    assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), gluon, heads, tiles) == 0
+def test_when_the_64_head_kernel_runs(setting, gluon, heads, tiles, tokens):
+    assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), gluon, heads, tiles, tokens, CPU) == 0
 
 
 def test_heads_on_n_setting_is_checked():
@@ -105,24 +108,26 @@ def test_gpu_heads_on_n_matches_the_reference_across_graph_replays(cfg, heads, b
         check(f"replay {replay}")
 
 
-@pytest.mark.parametrize("setting,heads,tiles,expected", [
-    (-1, 8, 18, 8),    # V4-Flash TP8 rank, C4A 1024 / C128A 1024
-    (-1, 16, 16, 16),  # V4-Pro TP8 rank
-    (-1, 12, 18, 16),
-    (1, 8, 2, 8),      # forced: any tile count
+@pytest.mark.parametrize("setting,heads,tiles,tokens,expected", [
+    (-1, 8, 18, 2, 8),     # V4-Flash TP8 rank, C4A 1024 / C128A 1024, split
+    (-1, 16, 16, 2, 16),   # V4-Pro TP8 rank
+    (-1, 12, 18, 2, 16),
+    (-1, 8, 10, 100, 8),   # C4A 512, not split (b = 256 on an H100)
+    (-1, 16, 2, 8, 16),    # window only, not split
+    (1, 8, 2, 2, 8),       # forced: any launch
 ])
-def test_when_the_heads_on_n_kernel_runs(monkeypatch, setting, heads, tiles, expected):
+def test_when_the_heads_on_n_kernel_runs(monkeypatch, setting, heads, tiles, tokens, expected):
     from dsv4_attn.portable.kernels import build
 
     monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")  # as where it compiles
-    assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), True, heads, tiles) == expected
+    assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), True, heads, tiles, tokens, CPU) == expected
 
 
 def test_heads_on_n_where_it_does_not_compile(monkeypatch):
     from dsv4_attn.portable.kernels import build
 
     monkeypatch.setattr(build, "compile_error", lambda *a, **k: "the Gluon Hopper kernel does not compile: X")
-    assert ops.heads_on_n(ops.KernelConfig(), True, 8, 18) == 0  # auto: the 64-head kernel
+    assert ops.heads_on_n(ops.KernelConfig(), True, 8, 18, 2, CPU) == 0  # auto: the 64-head kernel
     with pytest.raises(ValueError, match="config.heads_on_n: got 1; allowed only where the heads-on-N kernel "
                                          "compiles; here: the Gluon Hopper kernel does not compile: X"):
-        ops.heads_on_n(ops.KernelConfig(heads_on_n=1), True, 8, 18)
+        ops.heads_on_n(ops.KernelConfig(heads_on_n=1), True, 8, 18, 2, CPU)

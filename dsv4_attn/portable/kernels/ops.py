@@ -274,31 +274,39 @@ def choose_split(num_programs: int, max_tiles: int, device: torch.device, reques
 
 
 # The heads-on-N Gluon kernel (hopper_heads: wgmma N = 8 / 16 heads, one K stage, two CTAs per SM)
-# against the 64-head one, same run on the H100 (notes/perf-wave5.md): 5-23 % faster at b = 64-128 on
-# layers whose tokens read 16+ key tiles (C4A 1024, C128A 1024: 18), a tie or up to 6 % slower at
-# 10 tiles (C4A 512) and 14-36 % slower on window-only layers at b = 128 (2 tiles: its extra split
-# costs a merge), within 0.5 us at b <= 4. Auto takes it for up to HEADS_ON_N_MAX_HEADS heads where
-# a token's rows span at least HEADS_ON_N_MIN_TILES key tiles.
+# against the 64-head one, same runs on the H100 (notes/perf-wave5.md): 5-23 % faster at b = 64-128 on
+# layers whose tokens read 16+ key tiles (C4A 1024, C128A 1024: 18), and 23-46 % faster on every
+# layer kind where its launch needs no key split (b = 256: C4A 512 / 1024, C128A, window only); a
+# tie or up to 6 % slower on split launches of 10 tiles (C4A 512 at b = 64-128) and 14-36 % slower
+# on split window-only launches at b = 128 (2 tiles: the extra split's merge costs more than the
+# overlap gives); within 0.5 us at b <= 4. Auto takes it for up to HEADS_ON_N_MAX_HEADS heads where
+# a token's rows span at least HEADS_ON_N_MIN_TILES key tiles or its launch is not split.
 HEADS_ON_N_MAX_HEADS = 16
 HEADS_ON_N_MIN_TILES = 16
 
 
-def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int, comp_mode: int = K.COMP_NONE,
-               arch: str = "sm90") -> int:
-    """NH, the heads per program of the heads-on-N Gluon kernel for a layer of ``num_heads`` heads
-    whose rows span ``max_tiles`` key tiles, or 0 for the 64-head kernel: never on the portable
-    kernel or above ``hopper_heads.MAX_HEADS`` heads; else as ``config.heads_on_n`` says, auto up to
-    HEADS_ON_N_MAX_HEADS heads and from HEADS_ON_N_MIN_TILES tiles, where it compiles with this
-    Triton (``build.compile_error``; forced where it does not: ValueError)."""
+def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int, num_tokens: int,
+               device: torch.device, comp_mode: int = K.COMP_NONE) -> int:
+    """NH, the heads per program of the heads-on-N Gluon kernel for a launch of ``num_tokens`` tokens
+    x ``num_heads`` heads whose rows span ``max_tiles`` key tiles, or 0 for the 64-head kernel:
+    never on the portable kernel or above ``hopper_heads.MAX_HEADS`` heads; else as
+    ``config.heads_on_n`` says, auto up to HEADS_ON_N_MAX_HEADS heads, from HEADS_ON_N_MIN_TILES
+    tiles or where the launch is not split, where it compiles with this Triton
+    (``build.compile_error``; forced where it does not: ValueError)."""
     from . import hopper_heads
 
     if not gluon or config.heads_on_n == 0 or num_heads > hopper_heads.MAX_HEADS:
         return 0
-    if config.heads_on_n != 1 and (num_heads > HEADS_ON_N_MAX_HEADS or max_tiles < HEADS_ON_N_MIN_TILES):
-        return 0
     nh = hopper_heads.heads_per_program(num_heads)
+    if config.heads_on_n != 1:
+        if num_heads > HEADS_ON_N_MAX_HEADS:
+            return 0
+        programs = num_tokens * _cdiv(num_heads, nh)
+        unsplit = choose_split(programs, max_tiles, device, config.split, hopper_heads.CTAS_PER_SM) == 1
+        if max_tiles < HEADS_ON_N_MIN_TILES and not unsplit:
+            return 0
     variant = build.hopper_constexprs(comp_mode, write_lse=True, heads_n=nh)
-    error = build.compile_error(arch, "gluon", tuple(sorted(variant.items())))
+    error = build.compile_error(device_arch(device), "gluon", tuple(sorted(variant.items())))
     if error and config.heads_on_n == 1:
         raise ValueError(f"config.heads_on_n: got 1; allowed only where the heads-on-N kernel compiles; here: {error}")
     return 0 if error else nh
@@ -425,7 +433,7 @@ def layer_launches(
     tile = config.tile(device_arch(q.device), H, records)
     bn = config.g_block_n if gluon else tile.block_n
     max_tiles = _cdiv(swa_rows.shape[1], bn) + (_cdiv(b_width, bn) if comp_mode else 0)
-    heads_n = heads_on_n(config, gluon, H, max_tiles, comp_mode, device_arch(q.device))
+    heads_n = heads_on_n(config, gluon, H, max_tiles, T, q.device, comp_mode)
     block_h = (heads_n or 64) if gluon else tile.block_h
     n_hb = _cdiv(H, block_h)
     split = choose_split(T * n_hb, max_tiles, q.device, config.split, build.ctas_per_sm(heads_n))
