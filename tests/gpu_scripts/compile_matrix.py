@@ -6,10 +6,11 @@ print registers, spills and scratch per variant. No GPU needed; run it without T
 
 Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
 
-* ``hopper``: the Gluon Hopper kernel, sm_90a: the top-k walk with its LSE, split, split with the
-  in-kernel merge, and SWA alone (``--full``: its 14 variants: SWA / every-entry / top-k, each
-  alone, with the LSE, split, and split merging in the kernel;
-  top-k with non-power-of-two cache blocks and without range checks);
+* ``hopper``: the Gluon Hopper kernels, sm_90a: the top-k walk with its LSE, split, split with the
+  in-kernel merge, SWA alone, and the heads-on-N kernel's split merge (``--full``: 16 variants:
+  SWA / every-entry / top-k, each alone, with the LSE, split, and split merging in the kernel;
+  top-k with non-power-of-two cache blocks and without range checks; the heads-on-N kernel's
+  top-k split merge (8 heads) and every-entry walk with its LSE (16 heads));
 * ``attention``: the portable kernel in every tile ``KernelConfig.tile`` picks for 1 - 128 heads,
   on sm_80 (bf16 caches only: the fp8 formats need sm_89), sm_90, sm_100, gfx942, gfx950: the
   top-k walk with its LSE and its split epilogue in the V4 record (bf16 on sm_80), on AMD also in
@@ -57,16 +58,18 @@ TARGETS = {"sm80": GPUTarget("cuda", 80, 32), "sm90": GPUTarget("cuda", 90, 32),
            "sm100": GPUTarget("cuda", 100, 32), "gfx942": GPUTarget("hip", "gfx942", 64),
            "gfx950": GPUTarget("hip", "gfx950", 64)}
 KINDS = {"SWA": K.COMP_NONE, "all": K.COMP_GLOBAL, "top-k": K.COMP_C4A_LOCAL}
-# (COMP, split, write_lse, shifts, range_checks, merge in the kernel): what the launcher compiles of
-# the Gluon kernel
-HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True, False) for comp in (0, 1, 2) for lse in (True, False)]
-                   + [(comp, True, False, (6, 6), True, False) for comp in (0, 1, 2)]
-                   + [(comp, True, True, (6, 6), True, True) for comp in (0, 1, 2)]
-                   + [(2, False, True, (-1, -1), True, False), (2, False, True, (6, 6), False, False)])
+# (COMP, split, write_lse, shifts, range_checks, merge in the kernel, heads on N): what the launcher
+# compiles of the Gluon kernels (heads on N 8 / 16: hopper_heads, 0: the 64-head kernel)
+HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True, False, 0) for comp in (0, 1, 2) for lse in (True, False)]
+                   + [(comp, True, False, (6, 6), True, False, 0) for comp in (0, 1, 2)]
+                   + [(comp, True, True, (6, 6), True, True, 0) for comp in (0, 1, 2)]
+                   + [(2, False, True, (-1, -1), True, False, 0), (2, False, True, (6, 6), False, False, 0)]
+                   + [(2, True, True, (6, 6), True, True, 8), (1, False, True, (6, 6), True, False, 16)])
 # without --full: the top-k walk with its LSE, split and in-kernel merge (every Gluon builtin the
-# kernel calls) and SWA alone
-HOPPER_QUICK = [(2, False, True, (6, 6), True, False), (2, True, False, (6, 6), True, False),
-                (2, True, True, (6, 6), True, True), (0, False, True, (6, 6), True, False)]
+# kernel calls), SWA alone, and the heads-on-N kernel's split merge
+HOPPER_QUICK = [(2, False, True, (6, 6), True, False, 0), (2, True, False, (6, 6), True, False, 0),
+                (2, True, True, (6, 6), True, True, 0), (0, False, True, (6, 6), True, False, 0),
+                (2, True, True, (6, 6), True, True, 8)]
 
 
 @dataclass(frozen=True)
@@ -113,9 +116,9 @@ def jobs_for(targets: list[str], kernels: list[str], full: bool) -> list[Job]:
     for target in targets:
         if "hopper" in kernels and target == "sm90":
             for v in HOPPER_VARIANTS if full else [v for v in HOPPER_VARIANTS if v in HOPPER_QUICK]:
-                comp, split, lse, shifts, checks, merge = v
+                comp, split, lse, shifts, checks, merge, heads_n = v
                 label = (f"{list(KINDS)[comp]}{' split' if split else ''}{' merge' if merge else ''}"
-                         f"{' lse' if lse else ''}"
+                         f"{' lse' if lse else ''}{f' heads-on-N {heads_n}' if heads_n else ''}"
                          f"{' bs!=2^n' if shifts[0] < 0 else ''}{' no range checks' if not checks else ''}")
                 out.append(Job(target, "hopper", label, v))
         if "attention" in kernels:
@@ -146,8 +149,8 @@ def _compile_indices(job: Job, target: GPUTarget):
 def _compile(job: Job):
     target = TARGETS[job.target]
     if job.kernel == "hopper":
-        comp, split, lse, shifts, checks, merge = job.args
-        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge))
+        comp, split, lse, shifts, checks, merge, heads_n = job.args
+        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge, heads_n))
     if job.kernel == "attention":
         tile, fmt, kind, split = job.args
         return pb.compile_portable(target, pb.variant(fmt, KINDS[kind], tile, split), ops.launch_options(tile))
