@@ -1,6 +1,7 @@
-"""The step-row builder at engine scale (issue 24): C128A rows written only as far as the step's
-requests need whatever width a plan views (a CUDA graph captures the model's width), and the Triton
-row kernel compiled once at engine start, never at a later step.
+"""C128A rows at engine scale (issue 24): a plan at the model's width (what a CUDA graph captures)
+costs what the step's requests need, not the width -- rows written only as far as needed, split
+programs past a token's keys writing and merging nothing -- with the outputs of a narrow eager
+plan; and the Triton row kernel compiled once at engine start, never at a later step.
 
 The Triton front end runs under the CPU interpreter here. Which steps would compile a new variant
 on a GPU is read from Triton's own JIT binder (the specialization and options its cache key is made
@@ -14,9 +15,11 @@ import pytest
 import torch
 
 import dsv4_attn as dsv4
-from dsv4_attn.common import indices
+from dsv4_attn.common import indices, reference
 from dsv4_attn.common.spec import LayerKind
 
+from compare import compare
+from step_cases import make_step
 
 C128A = LayerKind.C128A
 MAX_LEN = 1 << 20  # C128A rows of 8192 columns
@@ -84,6 +87,52 @@ def test_a_graph_width_plan_writes_only_the_entries_needed(gen):
     assert (rows[:, 64:] == -2).all()
     ref_rows, _ = expected_rows(batch, rows.shape[1])
     assert torch.equal(rows[:3, :64], ref_rows[:, :64])
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs on CPU-only machines")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")])])
+@pytest.mark.parametrize("heads", [8, 16])
+def test_graph_width_split_writes_and_merges_only_partials_with_keys(gen, device, heads):
+    """A decode step of short requests (and a padding token) split over 32 programs per token at
+    the model's width, as captured: the outputs are those of the eager plan viewed at 128 columns
+    (4 programs) byte for byte, and only the programs with keys wrote partials -- 3, 4, 3 and 1
+    (the padding token's empty one) per token, counted in a NaN-poisoned workspace, whose unwritten
+    partials would turn the merge's output NaN had it read them. Before this change all 32 wrote."""
+    from dsv4_attn.portable.kernels import ops
+
+    case = make_step(gen, [1, 1, 1], [300, 8400, 129], kinds=("swa", "c128a"), heads=heads, max_model_len=MAX_LEN,
+                     num_tokens=4, device=device)
+    # key tiles of 64 per token: 128 window keys = 2; 2 / 65 / 1 compressed entries = 1 / 2 / 1; padding 0
+    used = [3, 4, 3, 1]
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch", max_tokens=8, front_end="triton")
+    swa, comp = case.caches["swa"], case.caches[C128A]
+    T, H, _ = case.q.shape
+    outs = {}
+    for name, batch, split in (("eager", dataclasses.replace(case.batch, max_seq_len=8400), 4),
+                               ("graph", case.batch, 32)):
+        plan = mla.plan(batch)
+        rows, lens = plan.comp_rows[C128A.ratio]
+        assert rows.shape[1] == (128 if name == "eager" else 8192)
+        workspace = torch.full((T * 32 * H * 514 + T,), float("nan"), device=device)
+        out = torch.full_like(case.q, float("nan"))
+        ops.sparse_mla_fwd(case.q, out, "fp8_ds_mla", swa, plan.swa_rows, plan.swa_lens, comp, rows, lens,
+                           sink=case.sink, scale=case.spec.scale, config=ops.KernelConfig(split=32),
+                           workspace=workspace)
+        partials = workspace[: T * split * H * 512].view(T, split, H, 512)
+        written = ~partials.isnan().all(dim=-1).all(dim=-1)  # [T, split]: a program's partial stored
+        assert written.sum(dim=1).tolist() == used, name
+        assert all(written[t, :u].all() for t, u in enumerate(used))
+        counts = workspace[T * split * H * 514:][:T].view(torch.int32)  # after the partials (ops.layer_launches)
+        merged_in_kernel = HAS_CUDA and heads <= ops.MERGE_IN_KERNEL_MAX_HEADS  # the Gluon kernel's merge
+        assert merged_in_kernel or counts.tolist() == used
+        assert not out.isnan().any()
+        outs[name] = out
+    assert torch.equal(outs["eager"], outs["graph"])
+    ref, _ = reference.sparse_mla(case.q, swa, plan.swa_rows, plan.swa_lens, comp, rows, lens, case.sink,
+                                  case.spec.scale, "fp8_ds_mla")
+    err = compare(outs["graph"], ref)
+    assert err["rel_l2"] < 1e-2 and err["cosine"] > 0.9999, err
 
 
 # ---- compiles ----------------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ from ...common.indices import INT32_SLOTS, IndexPair, Tokens
 from ...common.plan import torch_all_rows
 from ...common.spec import LayerKind
 
-
 # The arguments that change from step to step (the batch's requests and tables, the rows' active
 # width) are not specialized on their values or alignment: one compiled variant per model and
 # row-buffer shape serves every step, compiled at engine start (``TritonFrontEnd.warm``) instead
@@ -160,7 +159,7 @@ def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
         ct, ct.stride(0), c128_block_size if has_c else 1, ct.shape[1],
         cr, cr.stride(0), cl, width, capacity,
         WINDOW=window, W_P2=triton.next_power_of_2(window), HAS_START=swa_start is not None,
-        HAS_C128=has_c, C_RATIO=all_ratio,
+        HAS_C128=has_c, C_RATIO=all_ratio if has_c else 1,
         BLOCK_R=REQS_BLOCK, BLOCK_C=_block(capacity), num_warps=4,
     )
 
@@ -253,11 +252,13 @@ class TritonFrontEnd:
         swa = (torch.full((1, spec.window), -1, **i32), torch.zeros(1, **i32))
         all_kinds = [k for k in spec.kinds if k.attends_all][:1]
         for kind in [None, *all_kinds]:
-            width = spec.all_width(kind.ratio) if kind else 0
-            rows = (torch.full((1, width), -1, **i32), torch.zeros(1, **i32)) if kind else (None, None)
+            rows = {}
+            if kind is not None:
+                width = spec.all_width(kind.ratio)
+                rows = dict(c128_table=table, c128_rows=torch.full((1, width), -1, **i32),
+                            c128_lens=torch.zeros(1, **i32), all_ratio=kind.ratio, c128_capacity=width)
             for start in (None, torch.zeros(1, **i32)):
-                build_step_rows(qsl, one, 1, table, 64, spec.window, *facts, *swa,
-                                table if kind else None, 2, *rows, kind.ratio if kind else 1, start)
+                build_step_rows(qsl, one, 1, table, 64, spec.window, *facts, *swa, swa_start=start, **rows)
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
                   local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:
