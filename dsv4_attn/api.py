@@ -19,7 +19,6 @@ import importlib.util
 
 import torch
 
-from . import envs
 from .common import checks, choices, registry
 from .common.backend import Backend, BackendUnavailableError, LayerInputs, Phase
 from .common.batch import StepBatch
@@ -65,6 +64,7 @@ class SparseMLA:
         checks.check_construction(spec, max_tokens, max_reqs, backend, registry.backend_names(), front_end,
                                   _FRONT_ENDS)
         self.spec = spec
+        self._scale = spec.scale  # (a frozen spec's) read per layer call
         self.fmt = KVFormat.parse(fmt)
         self.swa_dialect = Fp8Dialect.parse(swa_dialect)
         self.comp_dialect = Fp8Dialect.parse(comp_dialect)
@@ -182,7 +182,10 @@ class SparseMLA:
 
     def reserve(self, plan: StepPlan, decode_tokens: int | None = None) -> None:
         """Engine start (a memory profile): let each decode backend allocate the buffers steps of
-        up to ``decode_tokens`` decode tokens (default ``max_tokens``) will use (``Backend.reserve``)."""
+        up to ``decode_tokens`` decode tokens (default ``max_tokens``) will use (``Backend.reserve``),
+        and, for a plan of a StepBatch, compile the index front end's kernels (``FrontEnd.warm``)."""
+        if isinstance(plan.batch, StepBatch):
+            plan.front_end.warm(self._ensure_buffers(plan.device))
         for name in dict.fromkeys(self.backend_for(kind, Phase.DECODE) for kind in self.spec.kinds):
             self._backend(name).reserve(plan, self.fmt, self.spec.num_heads, self.dialects,
                                         decode_tokens or self.max_tokens)
@@ -241,12 +244,12 @@ class SparseMLA:
 
     def _route(self, plan: StepPlan, kind: LayerKind) -> tuple:
         """((backend, plan, token range or None for all), ...) that run ``kind``'s layers of
-        ``plan``: one backend for the whole step, or one per phase. Decided once per plan, kind,
-        requested backend and choices table (what ``backend_for`` reads), so every layer of a
-        step after the first pays two lookups."""
-        requested = registry.requested_backend(self._explicit)[0]
-        table = envs.CHOICES.raw if requested == "auto" else None  # the file launch_bucket reads
-        return plan.cached(("route", kind, requested, table), lambda: self._new_route(plan, kind))
+        ``plan``: one backend for the whole step, or one per phase. Decided once per plan, kind
+        and ``dsv4_attn.backend()`` context, so every layer of a step after the first pays two
+        lookups: the environment (``DSV4_ATTN_BACKEND``, ``DSV4_ATTN_CHOICES``) is read at the
+        first layer of each kind of a plan, so a change takes effect at the next step (reading it
+        at every layer call cost ~1 us per variable)."""
+        return plan.cached(("route", kind, registry.context_backend()), lambda: self._new_route(plan, kind))
 
     def _new_route(self, plan: StepPlan, kind: LayerKind) -> tuple:
         T, nd = plan.num_tokens, plan.num_decode_tokens
@@ -271,10 +274,12 @@ class SparseMLA:
         """Every check of a layer's inputs, once; the backends trust the result (its geometry)."""
         kind = self.spec.check_kind(kind)
         checks.check_plan_current(plan, self, self._generation)
-        layer = LayerInputs(kind, q, swa_cache, comp_cache, topk, sink, self.fmt, self.spec.scale, kv_scale,
+        layer = LayerInputs(kind, q, swa_cache, comp_cache, topk, sink, self.fmt, self._scale, kv_scale,
                             self.swa_dialect, self.comp_dialect,
                             swa_geo=None, comp_geo=None)  # type: ignore[arg-type]  # set below, once checked
         layer.swa_geo, layer.comp_geo, layer.checked_key = self._checks(plan, layer, out, validate)
+        if layer.checked_key is not None:
+            layer.checked_out = out
         return layer
 
     def _backend(self, name: str) -> Backend:

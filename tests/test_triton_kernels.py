@@ -224,7 +224,9 @@ def test_gpu_index_builder_matches_common(device, gen):
     bufs = dict(positions=torch.full((T,), -7, dtype=torch.int64, device=DEVICE),
                 token_to_req=torch.full((T,), -7, **i32), token_valid=torch.zeros(T, dtype=torch.bool, device=DEVICE),
                 swa_rows=torch.full((T, W), -7, **i32), swa_lens=torch.full((T,), -7, **i32),
-                c128_rows=torch.full((T, width), -7, **i32), c128_lens=torch.full((T,), -7, **i32))
+                # previous lengths = the whole row: every column is stale, so every one is rewritten
+                # (the builder writes up to max(new, previous length): PlanBuffers' invariant)
+                c128_rows=torch.full((T, width), -7, **i32), c128_lens=torch.full((T,), width, **i32))
     build_step_rows(batch.query_start_loc, batch.seq_lens, T, batch.swa_block_table, batch.swa_block_size, W,
                     bufs["positions"], bufs["token_to_req"], bufs["token_valid"], bufs["swa_rows"], bufs["swa_lens"],
                     batch.comp_block_tables[128], batch.comp_block_size(128), bufs["c128_rows"], bufs["c128_lens"])

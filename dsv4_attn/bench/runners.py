@@ -272,7 +272,9 @@ def flashmla_vllm_step_runner(case: StepCase):
     c128 = LayerKind.C128A
     has_c128 = c128.ratio in batch.comp_block_tables
     width = vllm_c128a_width(int(batch.seq_lens.max()), case.spec.all_width(c128.ratio))
-    c128_rows, c128_lens = torch.empty(T, width, **i32), torch.empty(T, **i32)
+    # -1 past each length (lengths 0 at first): the step kernel then writes each row only as far as
+    # needed (build_step_rows), never leaving a stale column
+    c128_rows, c128_lens = torch.full((T, width), -1, **i32), torch.zeros(T, **i32)
     padded = [vllm_padded(layer.q, layer.sink) for layer in case.layers]  # fewer than 64 heads: padded as vLLM
     Hp = padded[0][0].shape[1]
     outs = [torch.empty_like(q) for q, _ in padded]

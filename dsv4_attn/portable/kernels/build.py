@@ -23,7 +23,7 @@ from . import attention as K
 POINTERS = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32", "A_U8": "*u8", "A_16": "*bf16",
             "B_U8": "*u8", "B_16": "*bf16", "A_ROWS": "*i32", "A_LENS": "*i32", "B_ROWS": "*i32",
             "B_LENS": "*i32", "BT": "*i32", "TOK2REQ": "*i32", "POS": "*i64", "PO": "*fp32", "PML": "*fp32",
-            "SCR_P": "*bf16", "SCR_A": "*fp32"}
+            "PU": "*i32", "SCR_P": "*bf16", "SCR_A": "*fp32"}
 FLOATS = {"qk_scale", "kv_scale"}
 # integer arguments a launch passes as multiples of 16 in the common case (strides of q / out /
 # rows, cache block strides and sizes of 16-multiple pages, slot counts, row widths, head counts
@@ -35,7 +35,8 @@ PORTABLE_DIV16 = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_lt
                   "num_heads"}
 HOPPER_POINTERS = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32", "A_U8": "*u8", "B_U8": "*u8",
                    "A_ROWS": "*i32", "A_LENS": "*i32", "B_ROWS": "*i32", "B_LENS": "*i32", "BT": "*i32",
-                   "TOK2REQ": "*i32", "POS": "*i64", "PO": "*fp32", "PML": "*fp32", "CNT": "*i32"}
+                   "TOK2REQ": "*i32", "POS": "*i64", "PO": "*fp32", "PML": "*fp32", "CNT": "*i32",
+                   "PU": "*i32"}
 # what the launcher's arguments are specialized as (16-byte aligned pointers and strides)
 HOPPER_DIV16 = set(HOPPER_POINTERS) | {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "a_stride0", "b_stride0",
                                        "stride_ar", "stride_br", "stride_bt", "b_width", "a_width", "a_slots",
@@ -75,8 +76,8 @@ def compile_combine(gpu: GPUTarget, split: int = 304, block_h: int = 16):
     fn = K.combine_kernel
     constexprs = dict(SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), HAS_SINK=True, WRITE_LSE=True,
                       BLOCK_H=block_h, BLOCK_D=128)
-    sig = {p.name: {"PO": "*fp32", "PML": "*fp32", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32"}.get(p.name)
-           or ("constexpr" if p.name in constexprs else "i32") for p in fn.params}
+    pointers = {"PO": "*fp32", "PML": "*fp32", "PU": "*i32", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32"}
+    sig = {p.name: pointers.get(p.name) or ("constexpr" if p.name in constexprs else "i32") for p in fn.params}
     return triton.compile(ASTSource(fn, sig, constexprs), target=gpu, options=dict(num_warps=4))
 
 

@@ -196,27 +196,43 @@ def _normalizer(m, lsum, SINK, h, hm, HAS_SINK: gl.constexpr):
 
 @gluon.jit
 def _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, t, t64, hb, n_hb, num_heads, split,
-                   HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, BH: gl.constexpr):
-    """After this program's partial stores: the last of the token's split programs to get here
-    merges them (no combine launch). One acq_rel counter increment per program after a CTA-wide
-    barrier: the release covers every thread's stores; the acquire, broadcast through the
-    atomic's own barrier, orders the merge's L1-bypassing loads after the other programs' stores
-    (the split-K semaphore pattern). CNT is zero before the launch and left zero after it: the last
-    program resets its entry once it has merged."""
+                   used, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, BH: gl.constexpr):
+    """After this program's partial stores: the last of the token's ``used`` split programs with
+    keys to get here merges them (no combine launch; programs past the keys never arrive). One
+    acq_rel counter increment per program after a CTA-wide barrier: the release covers every
+    thread's stores; the acquire, broadcast through the atomic's own barrier, orders the merge's
+    L1-bypassing loads after the other programs' stores (the split-K semaphore pattern). CNT is
+    zero before the launch and left zero after it: the last program resets its entry once it has
+    merged."""
     compat.barrier()
     cnt = CNT + t * n_hb + hb
     arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-    if arrived == split - 1:
-        _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64, hb, num_heads, split,
+    if arrived == used - 1:
+        _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64, hb, num_heads, split, used,
                       HAS_SINK, WRITE_LSE, BH)
         gl.store(cnt, 0)
 
 
 @gluon.jit
-def _load_partial(PO, PML, t64, s, split, h, hm, d, num_heads):
-    """Split ``s``'s partial (m, l [8], acc [8, 512]) of heads ``h``; splits >= ``split`` are
-    empty (m -1e30, l 0, acc 0). L1 bypassed (.cg): other CTAs wrote them."""
-    live = hm & (s < split)
+def _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb, num_heads,
+                  split, used, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, MERGE_IN_KERNEL: gl.constexpr,
+                  BH: gl.constexpr):
+    """After a program with keys stored its partial: the merge in the kernel (by the last of the
+    token's ``used`` programs), or the token's ``used`` for the combine launch, which reads the
+    partials [0, used) (written once, by the token's first program)."""
+    if MERGE_IN_KERNEL:
+        _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, t, t64, hb, n_hb, num_heads, split,
+                       used, HAS_SINK, WRITE_LSE, BH)
+    elif sp + hb == 0:
+        gl.store(PU + t, used)
+
+
+@gluon.jit
+def _load_partial(PO, PML, t64, s, split, used, h, hm, d, num_heads):
+    """Split ``s``'s partial (m, l [8], acc [8, 512]) of heads ``h``; splits >= ``used`` (programs
+    without keys: nothing written) are empty (m -1e30, l 0, acc 0). L1 bypassed (.cg): other CTAs
+    wrote them."""
+    live = hm & (s < used)
     part = (t64 * split + s) * num_heads + h.to(gl.int64)
     m = gl.load(PML + part * 2, mask=live, other=-1.0e30, cache_modifier=".cg")
     lsum = gl.load(PML + part * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
@@ -235,10 +251,11 @@ def _rescale_add(m_run, l_run, acc, m, lsum, x):
 
 
 @gluon.jit
-def _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64, hb, num_heads, split,
+def _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64, hb, num_heads, split, used,
                   HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, BH: gl.constexpr):
-    """The split merge of ``attention.combine_kernel`` for one (token, head block), run by the
-    last of its split programs to finish: o = sum_s w_s acc_s / (sum_s w_s l_s + exp2(sink2 - M)),
+    """The split merge of ``attention.combine_kernel`` for one (token, head block) over the
+    partials of its ``used`` programs with keys, run by the last of them to finish:
+    o = sum_s w_s acc_s / (sum_s w_s l_s + exp2(sink2 - M)),
     w_s = exp2(m_s - M), one pass with an online rescale. 8 heads at a time (a warp per head,
     16-byte loads), 4 splits' partials in flight per step (loaded before any is used)."""
     L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])  # [8 heads, 512]
@@ -251,11 +268,11 @@ def _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64, h
         m_run = gl.full([8], -1.0e30, gl.float32, layout=Lh)
         l_run = gl.zeros([8], gl.float32, layout=Lh)
         acc = gl.zeros([8, 512], gl.float32, layout=L)
-        for s0 in range(0, split, 4):
-            m0, l0, x0 = _load_partial(PO, PML, t64, s0, split, h, hm, d, num_heads)
-            m1, l1, x1 = _load_partial(PO, PML, t64, s0 + 1, split, h, hm, d, num_heads)
-            m2, l2, x2 = _load_partial(PO, PML, t64, s0 + 2, split, h, hm, d, num_heads)
-            m3, l3, x3 = _load_partial(PO, PML, t64, s0 + 3, split, h, hm, d, num_heads)
+        for s0 in range(0, used, 4):
+            m0, l0, x0 = _load_partial(PO, PML, t64, s0, split, used, h, hm, d, num_heads)
+            m1, l1, x1 = _load_partial(PO, PML, t64, s0 + 1, split, used, h, hm, d, num_heads)
+            m2, l2, x2 = _load_partial(PO, PML, t64, s0 + 2, split, used, h, hm, d, num_heads)
+            m3, l3, x3 = _load_partial(PO, PML, t64, s0 + 3, split, used, h, hm, d, num_heads)
             m_run, l_run, acc = _rescale_add(m_run, l_run, acc, m0, l0, x0)
             m_run, l_run, acc = _rescale_add(m_run, l_run, acc, m1, l1, x1)
             m_run, l_run, acc = _rescale_add(m_run, l_run, acc, m2, l2, x2)
@@ -419,7 +436,8 @@ def _token_tiles(split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride
                  RANGE_CHECKS: gl.constexpr, BN: gl.constexpr):
     """This program's (token t, key split sp, head block hb) and its key tiles [lo, hi) (SWA tiles
     first, then compressed ones from ``tiles_a``), with the token's index rows, lengths, visible
-    compressed entries and block-table row; the index rows (and block-table columns) are pulled
+    compressed entries and block-table row, and ``used``: how many of the token's split programs
+    have keys (the rest write no partial); the index rows (and block-table columns) are pulled
     into L2 before the lengths are known."""
     pid = gl.program_id(0)
     sp = pid % split
@@ -446,8 +464,10 @@ def _token_tiles(split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride
         len_b = gl.minimum(gl.maximum(len_b, 0), b_width)
     tiles_a = gl.cdiv(len_a, BN)
     tiles = tiles_a + gl.cdiv(len_b, BN)
+    used = 1  # programs of this token with keys: only they write partials (attention.split_ranges)
     if IS_SPLIT:
-        per = gl.cdiv(tiles, split)
+        per = gl.maximum(gl.cdiv(tiles, split), 1)
+        used = gl.maximum(gl.cdiv(tiles, per), 1)
         lo = sp * per
         hi = gl.minimum(lo + per, tiles)
     else:
@@ -456,7 +476,7 @@ def _token_tiles(split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride
     bt_row = BT + req.to(gl.int64) * stride_bt  # type: ignore[attr-defined]  # req starts as the Python 0 the JIT turns into a scalar tensor
     if COMP == 2:
         _prefetch_table_row(bt_row, visible, b_bs, bt_cols)
-    return t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi
+    return t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi, used
 
 
 @gluon.jit
@@ -468,7 +488,7 @@ def sparse_mla_fwd_hopper(
     A_U8, a_stride0, a_bs, a_slots, A_ROWS, stride_ar, A_LENS, a_width,
     B_U8, b_stride0, b_bs, b_slots, B_ROWS, stride_br, B_LENS,
     BT, stride_bt, bt_cols, b_blocks, TOK2REQ, POS, b_width,
-    PO, PML, CNT,
+    PO, PML, CNT, PU,
     num_heads, qk_scale, split,
     COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
     IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64, A_SHIFT: gl.constexpr = -1, B_SHIFT: gl.constexpr = -1,
@@ -499,7 +519,7 @@ def sparse_mla_fwd_hopper(
         mbarrier.init(kempty.index(i), count=1)
 
     n_hb = gl.cdiv(num_heads, BH)
-    t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi = _token_tiles(
+    t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi, used = _token_tiles(
         split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride_br, B_LENS, BT, stride_bt, bt_cols, b_bs,
         TOK2REQ, POS, b_width, COMP, C4A_RATIO, IS_SPLIT, RANGE_CHECKS, BN)
 
@@ -518,13 +538,14 @@ def sparse_mla_fwd_hopper(
     m_o = gl.convert_layout(m_i, Lor)
     l_o = gl.convert_layout(l_i, Lor)
     if IS_SPLIT:
-        part = (t64 * split + sp) * num_heads + h_o.to(gl.int64)
-        gl.store(PO + gl.expand_dims(part * 512, 1) + gl.expand_dims(d_o, 0), acc, mask=gl.expand_dims(hmask_o, 1))
-        gl.store(PML + part * 2, m_o, mask=hmask_o)
-        gl.store(PML + part * 2 + 1, l_o, mask=hmask_o)
-        if MERGE_IN_KERNEL:
-            _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, t, t64, hb, n_hb, num_heads,
-                           split, HAS_SINK, WRITE_LSE, BH)
+        if sp < used:  # a program past the token's keys writes nothing and does not arrive
+            part = (t64 * split + sp) * num_heads + h_o.to(gl.int64)
+            gl.store(PO + gl.expand_dims(part * 512, 1) + gl.expand_dims(d_o, 0), acc,
+                     mask=gl.expand_dims(hmask_o, 1))
+            gl.store(PML + part * 2, m_o, mask=hmask_o)
+            gl.store(PML + part * 2 + 1, l_o, mask=hmask_o)
+            _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb,
+                          num_heads, split, used, HAS_SINK, WRITE_LSE, MERGE_IN_KERNEL, BH)
     else:
         inv, lse = _normalizer(m_o, l_o, SINK, h_o, hmask_o, HAS_SINK)
         o = acc * gl.expand_dims(inv, 1)

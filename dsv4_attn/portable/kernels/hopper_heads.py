@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import compat
-from .hopper import _merge_if_last, _normalizer, _producer, _token_tiles
+from .hopper import _finish_split, _normalizer, _producer, _token_tiles
 
 MAX_HEADS = 16  # 32 heads' accumulator (128 registers) does not fit the consumer's 136
 NUM_WARPS = 4  # the consumer (default) partition; the producer adds one warpgroup
@@ -104,7 +104,7 @@ def sparse_mla_fwd_hopper_heads_n(
     A_U8, a_stride0, a_bs, a_slots, A_ROWS, stride_ar, A_LENS, a_width,
     B_U8, b_stride0, b_bs, b_slots, B_ROWS, stride_br, B_LENS,
     BT, stride_bt, bt_cols, b_blocks, TOK2REQ, POS, b_width,
-    PO, PML, CNT,
+    PO, PML, CNT, PU,
     num_heads, qk_scale, split,
     COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
     IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64, A_SHIFT: gl.constexpr = -1, B_SHIFT: gl.constexpr = -1,
@@ -131,7 +131,7 @@ def sparse_mla_fwd_hopper_heads_n(
     mbarrier.init(kempty.index(0), count=1)
 
     n_hb = gl.cdiv(num_heads, NH)
-    t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi = _token_tiles(
+    t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi, used = _token_tiles(
         split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride_br, B_LENS, BT, stride_bt, bt_cols, b_bs,
         TOK2REQ, POS, b_width, COMP, C4A_RATIO, IS_SPLIT, RANGE_CHECKS, BN)
 
@@ -150,15 +150,15 @@ def sparse_mla_fwd_hopper_heads_n(
     d_s = gl.arange(0, 512, layout=gl.SliceLayout(1, Lo))
     hmask_s = gl.expand_dims(h_s < num_heads, 0)
     if IS_SPLIT:
-        part = (t64 * split + sp) * num_heads + h_o.to(gl.int64)
-        part_s = (t64 * split + sp) * num_heads + h_s.to(gl.int64)
-        gl.store(PO + gl.expand_dims(part_s * 512, 0) + gl.expand_dims(d_s, 1), gl.convert_layout(acc, Lo),
-                 mask=hmask_s)
-        gl.store(PML + part * 2, m_i, mask=hmask_o)
-        gl.store(PML + part * 2 + 1, l_i, mask=hmask_o)
-        if MERGE_IN_KERNEL:
-            _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, t, t64, hb, n_hb, num_heads,
-                           split, HAS_SINK, WRITE_LSE, NH)
+        if sp < used:  # a program past the token's keys writes nothing and does not arrive
+            part = (t64 * split + sp) * num_heads + h_o.to(gl.int64)
+            part_s = (t64 * split + sp) * num_heads + h_s.to(gl.int64)
+            gl.store(PO + gl.expand_dims(part_s * 512, 0) + gl.expand_dims(d_s, 1), gl.convert_layout(acc, Lo),
+                     mask=hmask_s)
+            gl.store(PML + part * 2, m_i, mask=hmask_o)
+            gl.store(PML + part * 2 + 1, l_i, mask=hmask_o)
+            _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb,
+                          num_heads, split, used, HAS_SINK, WRITE_LSE, MERGE_IN_KERNEL, NH)
     else:
         inv, lse = _normalizer(m_i, l_i, SINK, h_o, hmask_o, HAS_SINK)
         # scaled after the layout change, as the split path stores (scaling in the MMA layout first

@@ -439,14 +439,18 @@ def layer_launches(
     split = choose_split(T * n_hb, max_tiles, q.device, config.split, build.ctas_per_sm(heads_n))
     temporaries = []
     if split > 1:
-        need = T * split * H * (512 + 2)
+        # partials (acc fp32 [T, split, H, 512], m / l fp32 [T, split, H, 2]) and the count of
+        # partials each token wrote (int32 [T]: a token with fewer key tiles than programs writes
+        # fewer; attention.split_ranges)
+        need = T * split * H * (512 + 2) + T
         if workspace is None or workspace.numel() < need:
             workspace = torch.empty(need, dtype=torch.float32, device=q.device)
             temporaries.append(workspace)
         po = workspace[: T * split * H * 512]
-        pml = workspace[T * split * H * 512: need]
+        pml = workspace[T * split * H * 512: need - T]
+        pu = workspace[need - T: need].view(torch.int32)
     else:
-        po = pml = out  # unused
+        po = pml = pu = out  # unused
     grid = (T * n_hb * split,)
     write_lse = lse is not None
     counters = None
@@ -473,7 +477,7 @@ def layer_launches(
             a_u8, a_s0, a_bs, ranges[0], swa_rows, swa_rows.stride(0), swa_lens, ranges[1],
             b_u8, b_s0, b_bs, ranges[2], comp_rows, comp_rows.stride(0), comp_lens,
             bt, bt.stride(0), ranges[3], ranges[4], tok2req, pos, b_width,
-            po, pml, counters if counters is not None else pml,
+            po, pml, counters if counters is not None else pml, pu,
             H, scale * LOG2E, split,
         ), constexprs, options)
     else:
@@ -491,7 +495,7 @@ def layer_launches(
             a_u8, a_16, a_s0, a_bs, ranges[0], swa_rows, swa_rows.stride(0), swa_lens, ranges[1],
             b_u8, b_16, b_s0, b_bs, ranges[2], comp_rows, comp_rows.stride(0), comp_lens,
             bt, bt.stride(0), ranges[3], ranges[4], tok2req, pos, b_width,
-            po, pml, scr_p, scr_a,
+            po, pml, pu, scr_p, scr_a,
             H, scale * LOG2E, float(kv_scale), split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
         ), portable_constexprs(codes, comp_mode, topk_ratio, sink is not None, write_lse, split, tile, dt,
                                bool(config.range_checks), (_log2_or_minus1(a_bs), _log2_or_minus1(b_bs))),
@@ -502,7 +506,7 @@ def layer_launches(
         bh_c = min(bh_c, block_h)
         launches.append(launch.KernelLaunch(
             K.combine_kernel, (T, _cdiv(H, bh_c), 512 // bd),
-            (po, pml, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H),
+            (po, pml, pu, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H),
             dict(SPLIT=split, SPLIT_P2=_next_power_of_2(split), HAS_SINK=sink is not None, WRITE_LSE=write_lse,
                  BLOCK_H=bh_c, BLOCK_D=bd), dict(num_warps=4)))
     return launch.LayerLaunches(launches, temporaries)
