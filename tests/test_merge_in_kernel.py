@@ -57,7 +57,7 @@ def test_gpu_in_kernel_merge_matches_the_reference_across_graph_replays(cfg, bat
     from dsv4_attn.common.registry import register_backend
     from dsv4_attn.portable.triton_backend import TritonBackend
 
-    from compare import assert_close, metrics
+    from kit.compare import assert_close, metrics
 
     name = "triton-merge-in-kernel-test"
     register_backend(name, TritonBackend(ops.KernelConfig(impl="gluon", merge_in_kernel=1)))
