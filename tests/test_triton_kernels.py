@@ -360,14 +360,9 @@ def test_gpu_cuda_graph_short_capture_long_replay(impl, gen):
         state["plan"] = mla.plan(new_batch())
         mla.forward(state["plan"], LayerKind.C4A, q, swa_cache, c4_cache, topk=topk, sink=sink, out=out)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up (compiles) outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    from dsv4_attn.bench.timing import capture_graph
+
+    graph = capture_graph(step)  # its warm-up call compiles outside the capture
     fill([8000, 4097, 300, 7777, 129, 6000])  # long: full windows, full top-k rows
     out.fill_(float("nan"))
     graph.replay()
