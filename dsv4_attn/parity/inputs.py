@@ -19,7 +19,7 @@ from ..common import layout
 from ..common.batch import StepBatch
 from ..common.layout import Fp8Dialect, KVFormat, Record
 from ..common.spec import HEAD_DIM, ModelSpec, cdiv
-from ..testing.steps import fill_topk_prefix
+from ..testing.steps import cache_to, fill_topk_prefix, flat_bytes
 from .matrix import Case
 
 _FILLER_BLOCKS = 2  # physical blocks shared by every logical block no row references
@@ -61,18 +61,6 @@ class CaseInputs:
         return replace(self, batch=batch, q=self.q.to(device), swa_cache=cache_to(self.swa_cache, device),
                        comp_cache=None if self.comp_cache is None else cache_to(self.comp_cache, device),
                        topk=move(self.topk), sink=move(self.sink), other_topk=move(self.other_topk))
-
-
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """uint8 view of a tensor's whole storage (caches are as_strided views with page gaps)."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-
-
-def cache_to(cache: torch.Tensor, device) -> torch.Tensor:
-    """Copy a cache to ``device`` keeping its strides (``.to`` would compact the page gaps)."""
-    flat = torch.empty(cache.untyped_storage().nbytes(), dtype=torch.uint8, device=device)
-    flat.copy_(flat_bytes(cache))
-    return flat.view(cache.dtype).as_strided(cache.shape, cache.stride(), cache.storage_offset())
 
 
 def make_inputs(case: Case) -> CaseInputs:

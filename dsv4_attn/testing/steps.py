@@ -71,11 +71,10 @@ class StepCase:
         return self.spec, self.batch, self.caches, self.topks[LayerKind.C4A], self.q, self.sink
 
     def to(self, device) -> StepCase:
-        """This step on ``device`` (caches moved with ``Tensor.to``: a cache with gaps between its
-    pages arrives compact, as ``filled_cache`` moves them)."""
+        """This step on ``device`` (caches keep their strides: ``cache_to``)."""
         if torch.device(device) == self.q.device:
             return self
-        moved = {id(c): c.to(device) for c in self.caches.values()}  # shared caches stay shared
+        moved = {id(c): cache_to(c, device) for c in self.caches.values()}  # shared caches stay shared
         return replace(self, batch=self.batch.to(device), caches={k: moved[id(c)] for k, c in self.caches.items()},
                        topks={k: t.to(device) for k, t in self.topks.items()}, q=self.q.to(device),
                        sink=self.sink.to(device))
@@ -144,13 +143,28 @@ def make_step(gen: torch.Generator, query_lens: Sequence[int], seq_lens: Sequenc
 def filled_cache(fmt, num_blocks: int, block_size: int, gen: torch.Generator, *, dialect="ocp",
                  block_stride: int | None = None, scale: float | None = None, device="cpu") -> torch.Tensor:
     """A cache of ``num_blocks`` blocks whose every row holds random bf16 data (N(0, 4)) stored in
-    ``fmt`` (a record or format); built on the CPU, then moved to ``device`` with ``Tensor.to``
-    (which compacts gaps between pages; ``dsv4_attn.parity.inputs.cache_to`` keeps them)."""
+    ``fmt`` (a record or format); built on the CPU, then copied to ``device`` byte for byte with its
+    strides (``cache_to``: the same layout on every device, page padding included)."""
     cache = layout.new_cache(fmt, num_blocks, block_size, dialect=dialect, block_stride=block_stride)
     n = num_blocks * block_size
     kv = (torch.randn(n, HEAD_DIM, generator=gen) * 2).bfloat16()
     layout.insert(cache, fmt, torch.arange(n, dtype=torch.int32), kv, dialect=dialect, scale=scale)
-    return cache if torch.device(device).type == "cpu" else cache.to(device)
+    return cache_to(cache, device)
+
+
+def cache_to(cache: torch.Tensor, device) -> torch.Tensor:
+    """Copy a cache to ``device`` keeping its strides (``Tensor.to`` would compact the gaps between
+    pages: a V4 page's alignment padding, other layers' pages)."""
+    if torch.device(device) == cache.device:
+        return cache
+    flat = torch.empty(cache.untyped_storage().nbytes(), dtype=torch.uint8, device=device)
+    flat.copy_(flat_bytes(cache))
+    return flat.view(cache.dtype).as_strided(cache.shape, cache.stride(), cache.storage_offset())
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """uint8 view of a tensor's whole storage (caches are as_strided views with page gaps)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
 def fill_topk_prefix(gen: torch.Generator, topk: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
