@@ -25,6 +25,7 @@ from dsv4_attn.common.spec import V4_KINDS, LayerKind
 from dsv4_attn.rocm.aiter import AiterBackend
 from dsv4_attn.rocm.aiter_api import load_aiter
 from dsv4_attn.rocm.aiter_features import describe_aiter
+from dsv4_attn.testing.steps import StepCase
 
 from kit.compare import BF16, FP8_Q, assert_close, compare
 from kit.layers import assert_layer_close, forward_poisoned
@@ -93,7 +94,7 @@ def test_parity_through_emulator(gen, arch, flavor, kwargs, fmt, heads, dialects
     em = emulation.enable(arch, flavor)
     _backend(**kwargs)
     case = aiter_step(gen, fmt, heads, swa_dialect=dialects[0], comp_dialect=dialects[1],
-                     kv_scale=0.5 if fmt == "fp8_e4m3" else 1.0)
+                      kv_scale=0.5 if fmt == "fp8_e4m3" else 1.0)
     mla = dsv4.SparseMLA(case.spec, fmt, backend="aiter-test", swa_dialect=dialects[0], comp_dialect=dialects[1])
     plan = mla.plan(case.batch)  # no validate(): the padding token sits in the decode range (graph padding)
     fn, mode, obj = expect
@@ -250,8 +251,8 @@ def test_cache_rows_past_2_24_are_gathered_not_wrapped(gen):
         assert int(plan.swa_rows[plan.swa_rows >= 0].min()) >= 1 << 24
         q = torch.randn(2, 16, 512, generator=gen).bfloat16()
         sink = torch.randn(16, generator=gen)
-        case = dict(q=q, sink=sink, topk=None, caches={"swa": cache}, fmt="fp8_e4m3", kv_scale=1.0,
-                    swa_dialect="fnuz", comp_dialect="ocp")
+        case = StepCase(spec, batch, {"swa": cache}, {}, q, sink, fmt="fp8_e4m3", kv_scale=1.0, swa_dialect="fnuz",
+                        comp_dialect="ocp")
         assert_layer_close(forward_poisoned(mla, plan, case, LayerKind.SWA), plan, case, LayerKind.SWA, EXACT)
     finally:
         unregister_backend("aiter-test")

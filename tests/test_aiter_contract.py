@@ -64,7 +64,7 @@ def test_gfx942_64_head_persistent_plan_uses_granularity_32(gen, monkeypatch):
     monkeypatch.setenv("DSV4_ATTN_AITER_FP8_COMPUTE", "1")
     em = emulation.enable("gfx942", "0.1.20")
     case = aiter_step(gen, "fp8_e4m3", 64, query_lens=(1,), seq_lens=(4000,), num_pad=0, topk=512,
-                     swa_dialect="fnuz", comp_dialect="fnuz", kv_scale=0.5)
+                      swa_dialect="fnuz", comp_dialect="fnuz", kv_scale=0.5)
     mla = _mla(case, "fp8_e4m3", path="mla_decode_fwd")
     plan = mla.plan(case.batch)
     out = forward_poisoned(mla, plan, case, LayerKind.C4A)
@@ -208,7 +208,7 @@ def _mtp_step(gen, num_seqs: int, k: int, heads: int = 16):
     """``num_seqs`` decode requests of 1 + k tokens each (MTP k), short contexts (CI-cheap)."""
     lens = [int(n) for n in torch.randint(4, 160, (num_seqs,), generator=gen)]
     return aiter_step(gen, "fp8_ds_mla", heads, query_lens=(1 + k,) * num_seqs, seq_lens=lens, num_pad=0,
-                     max_model_len=1024, topk=16)
+                      max_model_len=1024, topk=16)
 
 
 def test_engine_decode_tokens_sized_at_start_and_larger_launches_go_to_a_backend_without_a_cap(gen, monkeypatch):

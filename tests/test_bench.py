@@ -118,7 +118,7 @@ def test_vllm_c128a_width():
 
 def _step_case(seed=3, model="v4-flash"):
     return bench.make_model_step(bench.STEP_MODELS[model], 2, 1, torch.device("cpu"),
-                                max_model_len=bench.STEP_CPU_MAX_MODEL_LEN, seed=seed)
+                                 max_model_len=bench.STEP_CPU_MAX_MODEL_LEN, seed=seed)
 
 
 def _reference(case, layer):

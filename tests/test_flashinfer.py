@@ -165,9 +165,9 @@ def test_every_kind_matches_reference(fake_flashinfer, gen, kinds, fmt, kv_scale
     # strided pools (storage offsets != slots) and a top-k row that is all -1 (-1 inside its lens)
     # compressed pages of 64 entries: V4's C4A at block_size 256, V4.1's C1A at 64 (vLLM on SM90)
     case = nvidia_step(gen, [1, 1, 2, 7, 3], [1, 300, 131, 140, 9], kinds=kinds, heads=heads, topk=62, fmt=fmt,
-                     block_size=256 if kinds == V4_KINDS else 64, num_decode_tokens=4, pad_tokens=2,
-                     swa_block_stride=64 * 512 * 2, comp_block_stride=64 * 512 + 512, empty_topk_tokens=(1,),
-                     kv_scale=kv_scale)
+                       block_size=256 if kinds == V4_KINDS else 64, num_decode_tokens=4, pad_tokens=2,
+                       swa_block_stride=64 * 512 * 2, comp_block_stride=64 * 512 + 512, empty_topk_tokens=(1,),
+                       kv_scale=kv_scale)
     case.sink[0], case.sink[1] = math.inf, -math.inf
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
@@ -259,7 +259,7 @@ def test_minus_one_never_inside_the_attended_lengths(fake_flashinfer, gen):
     window is out of the cache. The adapter's answer is the reference's under both readings of
     -1; what the kernel attends holds keys only."""
     case = nvidia_step(gen, [1, 1, 1, 2], [200, 700, 90, 1000], kinds=V41, heads=64, topk=64, fmt="bfloat16",
-                     block_size=64)
+                       block_size=64)
     table = case.batch.swa_block_table
     table[0, 1] = case.caches["swa"].shape[0] + 5  # positions 64..127 of request 0: past the cache
     table[2, 1] = case.caches["swa"].shape[0]  # request 2's window (positions 64..89): all past the cache

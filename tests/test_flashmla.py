@@ -91,7 +91,7 @@ def test_every_kind_decode_prefill_mtp_padding_matches_reference(fake_flashmla, 
     # decodes (pos < W, pos + 1 < 4, long), an MTP pair, a prefill chunk crossing the window, a
     # prefill request whose first tokens see no compressed entry yet, then 2 padding tokens
     case = nvidia_step(gen, [1, 1, 1, 2, 9, 5], [1, 3, 300, 131, 140, 7], heads=heads, topk=96,
-                     num_decode_tokens=5, pad_tokens=2, empty_topk_tokens=(2,))
+                       num_decode_tokens=5, pad_tokens=2, empty_topk_tokens=(2,))
     _every_kind_matches_reference(case, pad_tokens=2)
     # decode went through sparse_decode_fwd with heads padded to 64/128, prefill through prefill
     assert {c["h"] for c in fake_flashmla.decode_calls} == {flashmla.padded_heads(heads)}
@@ -102,7 +102,7 @@ def test_odd_page_sizes_block_strides_and_widths(fake_flashmla, gen):
     # SWA block size 1 with a foreign-page stride, C4A block size 53 (block_size 212), top-k 100
     # (not a multiple of the kernels' blocks), window 96 (decode pads the SWA row to 128 columns)
     case = nvidia_step(gen, [1, 1, 4], [90, 400, 260], heads=64, topk=100, window=96, swa_bs=1,
-                     block_size=212, swa_block_stride=2 * 584 + 576)
+                       block_size=212, swa_block_stride=2 * 584 + 576)
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
     for kind in (LayerKind.SWA, LayerKind.C4A):
@@ -112,7 +112,7 @@ def test_odd_page_sizes_block_strides_and_widths(fake_flashmla, gen):
 @pytest.mark.parametrize("swa_bs, block_size", [(2, 256), (256, 512)])
 def test_block_sizes(fake_flashmla, gen, swa_bs, block_size):
     case = nvidia_step(gen, [1, 3, 1], [700, 520, 1030], heads=32, swa_bs=swa_bs, block_size=block_size,
-                     num_decode_tokens=1)
+                       num_decode_tokens=1)
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
     for kind in V4_KINDS:
@@ -258,7 +258,7 @@ V41_QUERY_LENS, V41_SEQ_LENS = [1, 1, 1, 2, 9, 3], [1, 3, 300, 131, 140, 3]
 @pytest.mark.parametrize("heads, block_size", [(16, 64), (64, 256), (128, 64)])  # vLLM on SM90: 64-token blocks
 def test_v41_kinds_on_the_v4_record(fake_flashmla, gen, heads, block_size):
     case = nvidia_step(gen, V41_QUERY_LENS, V41_SEQ_LENS, kinds=V41, heads=heads, topk=96, block_size=block_size,
-                     num_decode_tokens=5, pad_tokens=2, empty_topk_tokens=(2,))
+                       num_decode_tokens=5, pad_tokens=2, empty_topk_tokens=(2,))
     _every_kind_matches_reference(case, pad_tokens=2)
     calls = fake_flashmla.decode_calls
     assert {c["records"] for c in calls} == {(Record.V4_FP8, None), (Record.V4_FP8, Record.V4_FP8)}
@@ -294,8 +294,8 @@ def test_v41_records_on_sm100(fake_flashmla_sm100, gen, fmt, kinds, heads):
     compressed), prefill dequantizes the selected rows; every kind against the reference."""
     # pages of whole 512 B multiples (vLLM's V4.1 pages): block_size 4096 gives C128A 32-entry pages
     case = nvidia_step(gen, V41_QUERY_LENS, V41_SEQ_LENS, kinds=kinds, heads=heads, fmt=fmt, topk=64,
-                     block_size=256 if kinds == V41 else 4096, num_decode_tokens=5, pad_tokens=1,
-                     empty_topk_tokens=(2,))
+                       block_size=256 if kinds == V41 else 4096, num_decode_tokens=5, pad_tokens=1,
+                       empty_topk_tokens=(2,))
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
     for kind in kinds:
@@ -313,13 +313,13 @@ def test_sm100_block_strides(fake_flashmla_sm100, gen):
     a multiple of lcm(528, 288), serves both caches."""
     shared = 3168 * 6  # lcm(528, 288) * 6 >= 64 * 288 and >= 32 * 528
     case = nvidia_step(gen, [1, 1, 3], [90, 700, 260], kinds=V41, heads=64, fmt="nvfp4_ds_mla", topk=64, swa_bs=32,
-                     block_size=64, swa_block_stride=shared, comp_block_stride=shared)
+                       block_size=64, swa_block_stride=shared, comp_block_stride=shared)
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
     for kind in V41:
         assert_close(run_layer(mla, plan, case, kind))
     bad = nvidia_step(gen, [1], [90], kinds=V41, heads=64, fmt="nvfp4_ds_mla", topk=64, block_size=64,
-                    comp_block_stride=64 * 528)  # a multiple of 528, not of 288
+                      comp_block_stride=64 * 528)  # a multiple of 528, not of 288
     mla = _mla(bad)
     plan = mla.plan(bad.batch)
     with pytest.raises(ValueError, match=r"^comp_cache: got block stride 33792 B; allowed on SM100: a multiple of "
@@ -554,7 +554,7 @@ def test_gpu_v41_layers_sharing_a_compressed_cache(table):
     gen = torch.Generator().manual_seed(41)
     seqs = [int(x) for x in torch.randint(1, 6000, (32,), generator=gen)]
     case = nvidia_step(gen, [1] * 32, seqs, kinds=V41, heads=64, topk=512, block_size=64, max_model_len=8192,
-                     device=GPU)
+                       device=GPU)
     spec = ModelSpec(num_heads=64, topk=512, max_model_len=8192,
                      layers=[dsv4.Layer(0, LayerKind.SWA), dsv4.Layer(1, LayerKind.C1A, 1),
                              dsv4.Layer(2, LayerKind.C2A, 2), dsv4.Layer(3, LayerKind.C2A, 2)])
@@ -580,7 +580,7 @@ def test_gpu_prefill_32k_chunk_bounded(table, monkeypatch):
                         lambda self, q, kv, *a: (launches.append((q.shape[0], kv.shape[0])), prefill(self, q, kv, *a)))
     gen = torch.Generator().manual_seed(32768)
     case = nvidia_step(gen, [32768], [40000], heads=64, topk=512, max_model_len=65536, num_decode_tokens=0,
-                     device=GPU)
+                       device=GPU)
     mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU, max_tokens=32768)
     plan = mla.plan(case.batch)
     sample = torch.cat([torch.arange(64), torch.randperm(32768, generator=gen)[:448], torch.arange(32704, 32768)])
@@ -606,7 +606,7 @@ def _graph_case(gen, device, kinds):
     """16 decode tokens; the longest request is fixed so block tables and caches keep their shapes."""
     seqs = [4000] + [int(x) for x in torch.randint(1, 4000, (15,), generator=gen)]
     return nvidia_step(gen, [1] * 16, seqs, kinds=kinds, heads=64, topk=512, device=device,
-                     block_size=256 if kinds == V4_KINDS else 64)
+                       block_size=256 if kinds == V4_KINDS else 64)
 
 
 def _refill(case, new):
@@ -678,8 +678,8 @@ def test_gpu_huge_slots(table, kinds):
     _real_lib()
     gen = torch.Generator().manual_seed(2**31 % 1000)
     case = nvidia_step(gen, [1, 1, 1, 3], [4000, 5000, 300, 3000], kinds=kinds, heads=64, topk=512, block_base=60000,
-                     num_decode_tokens=3, max_model_len=8192, block_size=256 if kinds == V4_KINDS else 64,
-                     device=GPU)
+                       num_decode_tokens=3, max_model_len=8192, block_size=256 if kinds == V4_KINDS else 64,
+                       device=GPU)
     assert case.caches["swa"].shape[0] * case.caches["swa"].stride(0) > 2**31
     mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU)
     plan = mla.plan(case.batch, validate=True)

@@ -91,7 +91,7 @@ def test_kinds_and_formats(device, kind, fmt, gen):
     # (pos < W, no compressed key yet for its first tokens), one long C128A request
     kv_scale = 0.5 if fmt == "fp8_e4m3" else 1.0
     spec, batch, caches, topk, q, sink = _make_step(gen, [1, 2, 6, 3, 1], [300, 131, 70, 3, 33000], fmt=fmt,
-                                                   kv_scale=kv_scale if fmt == "fp8_e4m3" else None).v4_inputs()
+                                                    kv_scale=kv_scale if fmt == "fp8_e4m3" else None).v4_inputs()
     mla = dsv4.SparseMLA(spec, fmt, backend=name)
     plan = mla.plan(batch)
     run_and_check(mla, plan, kind, q, caches, topk, sink, fmt, kv_scale=kv_scale)

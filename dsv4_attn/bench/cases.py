@@ -146,7 +146,7 @@ def make_decode_case(cfg: DecodeConfig, b: int, s_q: int, device, fmt: KVFormat 
     q, sink = _q_and_sink(T, cfg.heads, device, gen)
     spec = _spec(cfg.heads, cfg.kind, cfg.comp_width if cfg.kind.uses_topk else 512, cfg.max_model_len)
     return LayerCase(f"{cfg.name} b={b} s_q={s_q}", cfg.kind, spec, batch, q, swa_cache, comp_cache, topk, sink, fmt,
-                R, s_q, "decode", {"config": cfg.name, "batch": b, "format": fmt.value})
+                     R, s_q, "decode", {"config": cfg.name, "batch": b, "format": fmt.value})
 
 
 def make_prefill_case(cfg: PrefillConfig, device, fmt: KVFormat = KVFormat.MODEL1_FP8, seed: int = 0) -> LayerCase:
@@ -173,7 +173,7 @@ def make_prefill_case(cfg: PrefillConfig, device, fmt: KVFormat = KVFormat.MODEL
     q, sink = _q_and_sink(T, cfg.heads, device, gen)
     spec = _spec(cfg.heads, cfg.kind, K, max(s_kv, 65536))
     return LayerCase(cfg.name, cfg.kind, spec, batch, q, swa_cache, comp_cache, topk, sink, fmt, 1, T, "prefill",
-                {"config": cfg.name, "s_q": T, "s_kv": s_kv, "topk": cfg.topk, "format": fmt.value})
+                     {"config": cfg.name, "s_q": T, "s_kv": s_kv, "topk": cfg.topk, "format": fmt.value})
 
 
 
@@ -240,5 +240,5 @@ def make_model_step(model: StepModel, b: int, s_q: int, device, fmt: KVFormat = 
         layers.append(StepLayer(layer.index, kind, q, _new_cache(fmt.swa_record, swa_blocks, SWA_BLOCK, device),
                                 comp, topk, sink))
     return ModelStep(f"{model.name} b={b} s_q={s_q}", model, spec, batch, fmt, layers, b, s_q,
-                    {"config": model.name, "batch": b, "format": fmt.value})
+                     {"config": model.name, "batch": b, "format": fmt.value})
 

@@ -51,7 +51,7 @@ def persistent(gen) -> tuple[bool, str]:
     arch = load_aiter().arch
     dialect = "fnuz" if arch == "gfx942" else "ocp"
     case = aiter_step(gen, "fp8_e4m3", 64, query_lens=(1,), seq_lens=(4000,), num_pad=0, topk=512, device=DEV,
-                     swa_dialect=dialect, comp_dialect=dialect, kv_scale=0.5)
+                      swa_dialect=dialect, comp_dialect=dialect, kv_scale=0.5)
     name = _register(path="mla_decode_fwd", fp8_compute=True, max_decode_tokens=64)
     try:
         mla = dsv4.SparseMLA(case.spec, "fp8_e4m3", backend=name, swa_dialect=dialect, comp_dialect=dialect)
@@ -123,7 +123,7 @@ def split_sweep(gen) -> tuple[bool, str]:
 def capacity(gen) -> tuple[bool, str]:
     lens = tuple(int(n) for n in torch.randint(4, 4000, (1024,), generator=gen))
     case = aiter_step(gen, "fp8_ds_mla", 64, query_lens=(3,) * 1024, seq_lens=lens, num_pad=0, device=DEV, topk=512,
-                     max_model_len=8192)
+                      max_model_len=8192)
     T = case.q.shape[0]
     name = _register()
     try:
