@@ -23,7 +23,7 @@ from dsv4_attn import bench  # noqa: E402
 from dsv4_attn.common import layout, reference  # noqa: E402
 from dsv4_attn.portable.kernels.ops import KernelConfig, sparse_mla_fwd  # noqa: E402
 
-from conftest import within_flashmla_lse_tolerance  # noqa: E402
+from kit.reference import within_flashmla_lse_tolerance  # noqa: E402
 
 
 def flashmla_like(seed: int, T: int, H: int, two_scopes: bool, dev: torch.device):
