@@ -64,7 +64,7 @@ def test_gpu_heads_on_n_matches_the_reference_across_graph_replays(cfg, heads, b
     from dsv4_attn.common.registry import register_backend
     from dsv4_attn.portable.triton_backend import TritonBackend
 
-    from compare import assert_close, metrics
+    from kit.compare import assert_close, metrics
 
     name = f"triton-heads-n-test-{merge}"
     register_backend(name, TritonBackend(ops.KernelConfig(impl="gluon", heads_on_n=1, merge_in_kernel=merge)))
@@ -94,14 +94,7 @@ def test_gpu_heads_on_n_matches_the_reference_across_graph_replays(cfg, heads, b
     out.fill_(float("nan"))
     run()
     check("eager")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = bench.timing.capture_graph(run)
     for replay in range(3):
         out.fill_(float("nan"))
         graph.replay()

@@ -17,9 +17,8 @@ import torch
 import dsv4_attn as dsv4
 from dsv4_attn.common import indices, reference
 from dsv4_attn.common.spec import LayerKind
-
-from compare import compare
-from step_cases import make_step
+from dsv4_attn.testing.errors import compare
+from dsv4_attn.testing.steps import make_step
 
 C128A = LayerKind.C128A
 MAX_LEN = 1 << 20  # C128A rows of 8192 columns
@@ -102,7 +101,7 @@ def test_graph_width_split_writes_and_merges_only_partials_with_keys(gen, device
     from dsv4_attn.portable.kernels import ops
 
     case = make_step(gen, [1, 1, 1], [300, 8400, 129], kinds=("swa", "c128a"), heads=heads, max_model_len=MAX_LEN,
-                     num_tokens=4, device=device)
+                     pad_tokens=1, device=device)
     # key tiles of 64 per token: 128 window keys = 2; 2 / 65 / 1 compressed entries = 1 / 2 / 1; padding 0
     used = [3, 4, 3, 1]
     mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch", max_tokens=8, front_end="triton")
