@@ -254,11 +254,15 @@ def main() -> None:
     p.add_argument("--only", nargs="+", metavar="LABEL", help="only the variants of these labels")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", metavar="FILE", help="also write every row (with errors) as JSON")
+    p.add_argument("--list", action="store_true", help="print the variants (JSON: target, kernel, label) and exit")
     args = p.parse_args()
     todo = [j for j in jobs_for(args.targets, args.kernels, args.full) if not args.only or j.label in args.only]
     if args.quick:  # sm_80 / sm_100: the portable kernel in its smallest tile only
         todo = [j for j in todo if j.kernel != "attention" or j.target in SERVED or j.args[0].block_h == min(
             k.args[0].block_h for k in todo if k.kernel == "attention" and k.target == j.target)]
+    if args.list:
+        print(json.dumps([{"target": j.target, "kernel": j.kernel, "label": j.label} for j in todo]))
+        return
     start = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(measure, job) for job in todo]
