@@ -19,14 +19,14 @@ import importlib.util
 
 import torch
 
-from .common import checks, choices, registry
+from .common import checks, registry
 from .common.backend import Backend, BackendUnavailableError, LayerInputs, Phase
 from .common.batch import StepBatch
 from .common.layout import Fp8Dialect, KVFormat
 from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan
 from .common.platform import Platform, platform_for_device, triton_interpreting
 from .common.rows import StepRows
-from .common.selection import Selection
+from .common.selection import Selection, measured_lines
 from .common.spec import LayerKind, ModelSpec
 
 
@@ -139,27 +139,7 @@ class SparseMLA:
             if len({row[2:] for row in rows}) == 1 and all(row[0] == "all" for row in rows):
                 rows = [("all", "all") + rows[0][2:]]  # the same verdict everywhere: one line
             lines.extend(f"{name:<18} {k:<14} {p:<8} {st:<8} {why}" for k, p, st, why in rows)
-        return "\n".join(lines + self._measured_lines(plat, requested))
-
-    def _measured_lines(self, plat: Platform, requested: str) -> list[str]:
-        """The measured choices (common/choices.py) that reorder auto selection for this model, by
-        token range; "chosen" above is the choice for a launch no measurement covers."""
-        entries, where, note = choices.table_for(plat.arch, plat.device_name)
-        kinds = {k.name for k in self.spec.kinds}
-        mine = [e for e in entries if e.kind in kinds and e.fmt == self.fmt.value
-                and e.heads == choices.heads_bucket(self.spec.num_heads)]
-        if not mine or requested != "auto":
-            return []
-        if note:
-            where = f"{where}: {note}"
-        out = [f"measured choices ({where}; auto tries this order first for launches in range; where the "
-               "table has per-step costs, ordered for this model's layers of the kind):"]
-        for e in mine:
-            layers = registry.layers_per_step(self.spec, LayerKind.parse(e.kind))
-            costs = e.costs(layers)
-            out.append(f"  {e.kind:<6} {e.phase:<8} tokens {e.tokens[0]}-{e.tokens[1] - 1}: "
-                       f"{' > '.join(e.ranked(layers))}  [{f'{costs}; ' if costs else ''}{e.evidence}]")
-        return out
+        return "\n".join(lines + measured_lines(plat, self.spec, self.fmt, requested))
 
     # ---- per step ---------------------------------------------------------------------------
     def plan(self, batch: StepBatch | StepRows, validate: bool = False) -> StepPlan:
