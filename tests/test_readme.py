@@ -36,7 +36,7 @@ def test_ci_runs_the_readme_commands():
         res = subprocess.run(["bash", "-c", f"cd {ROOT} && readme_block() {{ {extract}\n}}; readme_block {marker}"],
                              capture_output=True, text=True, check=True)
         got[marker] = res.stdout.strip().splitlines()
-    assert got["install-command"] == ["pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+    assert got["install-command"] == ["pip install torch==2.13.0",
                                       'pip install -e ".[test]" "triton==3.8.0"']
     assert got["test-command"] == ["bash ci/torch-next.sh --prefetch", "bash ci/compile-matrix.sh --prefetch",
                                    "ruff check .", "mypy",
