@@ -60,7 +60,6 @@ def test_heads_on_n_setting_is_checked():
 ])
 def test_gpu_heads_on_n_matches_the_reference_across_graph_replays(cfg, heads, batch, mtp, merge):
     from dsv4_attn import SparseMLA, bench
-    from dsv4_attn.common import reference
     from dsv4_attn.common.registry import register_backend
     from dsv4_attn.portable.triton_backend import TritonBackend
 
@@ -78,9 +77,7 @@ def test_gpu_heads_on_n_matches_the_reference_across_graph_replays(cfg, heads, b
     def run():
         mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink, out=out)
 
-    rows, lens = plan.comp_scope(case.kind, case.topk)
-    want, _ = reference.sparse_mla(case.q, case.swa_cache, plan.swa_rows, plan.swa_lens, case.comp_cache, rows, lens,
-                                   case.sink, case.spec.scale, case.fmt)
+    want = case.reference(plan)
 
     def check(what):
         torch.cuda.synchronize()

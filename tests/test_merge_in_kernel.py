@@ -53,7 +53,6 @@ def test_combine_tile_after_each_kernel():
                                        ("h128-c4a1024", 1)])
 def test_gpu_in_kernel_merge_matches_the_reference_across_graph_replays(cfg, batch):
     from dsv4_attn import SparseMLA, bench
-    from dsv4_attn.common import reference
     from dsv4_attn.common.registry import register_backend
     from dsv4_attn.portable.triton_backend import TritonBackend
 
@@ -70,9 +69,7 @@ def test_gpu_in_kernel_merge_matches_the_reference_across_graph_replays(cfg, bat
     def run():
         mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink, out=out)
 
-    rows, lens = plan.comp_scope(case.kind, case.topk)
-    want, _ = reference.sparse_mla(case.q, case.swa_cache, plan.swa_rows, plan.swa_lens, case.comp_cache, rows, lens,
-                                   case.sink, case.spec.scale, case.fmt)
+    want = case.reference(plan)
     out.fill_(float("nan"))
     run()
     graph = bench.timing.capture_graph(run)

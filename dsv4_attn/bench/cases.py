@@ -10,6 +10,7 @@ import torch
 
 from ..common.batch import StepBatch
 from ..common.layout import KVFormat, Record, new_cache
+from ..common.reference import sparse_mla
 from ..common.spec import LayerKind, ModelSpec
 from ..testing.steps import fill_topk_prefix
 from .configs import COMP_BLOCK, STEP_MAX_MODEL_LEN, SWA_BLOCK, V41_KINDS, DecodeConfig, PrefillConfig, StepModel
@@ -76,6 +77,14 @@ class LayerCase:
     s_q: int
     phase: str
     extra: dict = field(default_factory=dict)
+
+    def reference(self, plan) -> torch.Tensor:
+        """The case's output computed in float64 by ``common.reference.sparse_mla`` over ``plan``'s
+        index rows (``plan``: a plan of ``batch``), bf16 like q: what a backend's output is judged by."""
+        rows, lens = plan.comp_scope(self.kind, self.topk)
+        out, _ = sparse_mla(self.q, self.swa_cache, plan.swa_rows, plan.swa_lens, self.comp_cache, rows, lens,
+                            self.sink, self.spec.scale, self.fmt)
+        return out
 
 
 def _new_cache(record: Record, nb: int, bs: int, device) -> torch.Tensor:

@@ -16,7 +16,6 @@ import sys
 import torch
 
 from dsv4_attn import bench
-from dsv4_attn.common import reference
 from dsv4_attn.testing.errors import error_figures
 
 CONFIGS = ["h8-c4a512", "h8-swa", "h16-c4a1024", "h16-c128a", "h32-c4a512", "h64-c4a512", "h64-c128a",
@@ -57,9 +56,7 @@ def main() -> int:
             for label, name in names.items():
                 run, out, plan = bench.runners.api_runner(case, name)
                 if ref is None:
-                    rows, lens = plan.comp_scope(case.kind, case.topk)
-                    ref, _ = reference.sparse_mla(case.q, case.swa_cache, plan.swa_rows, plan.swa_lens,
-                                                  case.comp_cache, rows, lens, case.sink, case.spec.scale, case.fmt)
+                    ref = case.reference(plan)
                 for i, got in enumerate(outputs(run, out)):
                     nan = int(got.isnan().sum())
                     err = error_figures(got.nan_to_num(0), ref)

@@ -12,7 +12,6 @@ import sys
 import torch
 
 from dsv4_attn import bench
-from dsv4_attn.common import reference
 from dsv4_attn.common.layout import KVFormat
 
 
@@ -46,9 +45,7 @@ def main() -> int:
             out.fill_(float("nan"))
             run()
             torch.cuda.synchronize()
-            rows, lens = plan.comp_scope(case.kind, case.topk)
-            ref, _ = reference.sparse_mla(case.q, case.swa_cache, plan.swa_rows, plan.swa_lens, case.comp_cache, rows,
-                                          lens, case.sink, case.spec.scale, case.fmt)
+            ref = case.reference(plan)
             nan = int(out.isnan().sum())
             mx, rel, cos = compare(out.nan_to_num(0), ref)
             ok = nan == 0 and rel < 1e-2 and cos > 0.9999 and float(out[:, 0].abs().max()) == 0
