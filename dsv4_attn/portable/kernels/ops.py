@@ -87,7 +87,9 @@ class Tile:
 # (128 each). 4 waves: each SIMD runs one, which may then use 512 VGPRs (256 arch + 256 AGPRs).
 # 128 keys spill VGPRs; 32 keys need 2 waves (half the SIMDs). Measured offline, with the
 # launcher's specialization of its integer arguments, in the heaviest variants (top-k V4, bf16,
-# nvfp4_ds_mla, split; docs/rocm.md "Triton kernels on AMD"; tests/test_amd_compile.py holds it).
+# mxfp8_ds_mla, nvfp4_ds_mla, FNUZ caches, split; docs/rocm.md "Triton kernels on AMD";
+# tests/test_amd_compile.py holds it). Every record runs in it (V4.1 records in the pair order of
+# their bytes, attention._chunk_dims).
 AMD_TILE = Tile(16, 64, 4, 1, True, (("matrix_instr_nonkdim", 16),))
 
 
