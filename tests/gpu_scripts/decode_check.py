@@ -75,8 +75,8 @@ def check(record: layout.Record, dt, f32_decode: bool, gen) -> int:
     want_s = q.to(_TORCH[dt]).double() @ want[:, 0:256:2].to(_TORCH[dt]).double().T
     s_err = float((scores.cpu().double() - want_s).norm() / want_s.norm())
     s_bad = not s_err < 1e-2
-    print(f"{record.value:<6} DT={dt} F32_DECODE={f32_decode}: values {int(bad.sum())} of {bad.numel()} wrong, scores rel_l2 {s_err:.2e}",
-          end="")
+    print(f"{record.value:<6} DT={dt} F32_DECODE={f32_decode}: values {int(bad.sum())} of {bad.numel()} wrong, "
+          f"scores rel_l2 {s_err:.2e}", end="")
     if bad.any():
         i, j = bad.nonzero()[0].tolist()
         print(f"; first at [{i}, {j}]: got {float(got[i, j])}, want {float(want[i, j])}", end="")
