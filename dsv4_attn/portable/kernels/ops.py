@@ -137,7 +137,9 @@ class KernelConfig:
     def tile(self, arch: str, num_heads: int, records: tuple[Record, ...] = ()) -> Tile:
         """The portable kernel's tile for ``num_heads`` query heads on ``arch`` ('cpu': the
         interpreter) for a layer reading caches in ``records``, this config's fields overriding
-        the arch's choice."""
+        the arch's choice. No tile depends on the records today (AMD's NVFP4 layers had their own
+        until the pair-order decode); callers still name them, so a record-specific tile stays a
+        one-line change."""
         if arch.startswith("gfx"):
             # gfx950 converts e4m3 -> fp32 -> bf16 in hardware (gfx942 in software: there the
             # bf16 product is shorter): V4 top-k 51.0 -> 36.4 instructions per key on gfx950
