@@ -16,6 +16,7 @@
 #   bash ci/torch-next.sh                    # (wait for it, then) the subset; venv in
 #                                            # ~/.cache/dsv4-attn/torch-next-venv, reused when present
 #   TORCH_NEXT_VENV=/tmp/t bash ci/torch-next.sh tests/test_api.py   # other tests than the subset
+#   TORCH_NEXT_JOBS=1 bash ci/torch-next.sh                                # one pytest process (default 2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${TORCH_NEXT_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/dsv4-attn/torch-next-venv}
@@ -56,4 +57,5 @@ subset=(tests/test_api.py tests/test_reference.py tests/test_indices.py tests/te
         tests/test_triton_kernels.py tests/test_v41.py tests/test_layout.py tests/test_kv_records.py
         tests/test_merge.py tests/test_golden.py tests/test_compile_probe.py)
 if [[ $# -gt 0 ]]; then subset=("$@"); fi
-exec "$py" -m pytest -q "${subset[@]}"
+# on both cores, as the main run (pytest-xdist comes with the test extra): nothing else runs by then
+exec "$py" -m pytest -q -n "${TORCH_NEXT_JOBS:-2}" "${subset[@]}"

@@ -19,15 +19,14 @@ import importlib.util
 
 import torch
 
-from . import envs
-from .common import checks, choices, registry
+from .common import checks, registry
 from .common.backend import Backend, BackendUnavailableError, LayerInputs, Phase
 from .common.batch import StepBatch
 from .common.layout import Fp8Dialect, KVFormat
 from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan
 from .common.platform import Platform, platform_for_device, triton_interpreting
 from .common.rows import StepRows
-from .common.selection import Selection
+from .common.selection import Selection, measured_lines
 from .common.spec import LayerKind, ModelSpec
 
 
@@ -65,6 +64,7 @@ class SparseMLA:
         checks.check_construction(spec, max_tokens, max_reqs, backend, registry.backend_names(), front_end,
                                   _FRONT_ENDS)
         self.spec = spec
+        self._scale = spec.scale  # (a frozen spec's) read per layer call
         self.fmt = KVFormat.parse(fmt)
         self.swa_dialect = Fp8Dialect.parse(swa_dialect)
         self.comp_dialect = Fp8Dialect.parse(comp_dialect)
@@ -139,27 +139,7 @@ class SparseMLA:
             if len({row[2:] for row in rows}) == 1 and all(row[0] == "all" for row in rows):
                 rows = [("all", "all") + rows[0][2:]]  # the same verdict everywhere: one line
             lines.extend(f"{name:<18} {k:<14} {p:<8} {st:<8} {why}" for k, p, st, why in rows)
-        return "\n".join(lines + self._measured_lines(plat, requested))
-
-    def _measured_lines(self, plat: Platform, requested: str) -> list[str]:
-        """The measured choices (common/choices.py) that reorder auto selection for this model, by
-        token range; "chosen" above is the choice for a launch no measurement covers."""
-        entries, where, note = choices.table_for(plat.arch, plat.device_name)
-        kinds = {k.name for k in self.spec.kinds}
-        mine = [e for e in entries if e.kind in kinds and e.fmt == self.fmt.value
-                and e.heads == choices.heads_bucket(self.spec.num_heads)]
-        if not mine or requested != "auto":
-            return []
-        if note:
-            where = f"{where}: {note}"
-        out = [f"measured choices ({where}; auto tries this order first for launches in range; where the "
-               "table has per-step costs, ordered for this model's layers of the kind):"]
-        for e in mine:
-            layers = registry.layers_per_step(self.spec, LayerKind.parse(e.kind))
-            costs = e.costs(layers)
-            out.append(f"  {e.kind:<6} {e.phase:<8} tokens {e.tokens[0]}-{e.tokens[1] - 1}: "
-                       f"{' > '.join(e.ranked(layers))}  [{f'{costs}; ' if costs else ''}{e.evidence}]")
-        return out
+        return "\n".join(lines + measured_lines(plat, self.spec, self.fmt, requested))
 
     # ---- per step ---------------------------------------------------------------------------
     def plan(self, batch: StepBatch | StepRows, validate: bool = False) -> StepPlan:
@@ -182,7 +162,10 @@ class SparseMLA:
 
     def reserve(self, plan: StepPlan, decode_tokens: int | None = None) -> None:
         """Engine start (a memory profile): let each decode backend allocate the buffers steps of
-        up to ``decode_tokens`` decode tokens (default ``max_tokens``) will use (``Backend.reserve``)."""
+        up to ``decode_tokens`` decode tokens (default ``max_tokens``) will use (``Backend.reserve``),
+        and, for a plan of a StepBatch, compile the index front end's kernels (``FrontEnd.warm``)."""
+        if isinstance(plan.batch, StepBatch):
+            plan.front_end.warm(self._ensure_buffers(plan.device))
         for name in dict.fromkeys(self.backend_for(kind, Phase.DECODE) for kind in self.spec.kinds):
             self._backend(name).reserve(plan, self.fmt, self.spec.num_heads, self.dialects,
                                         decode_tokens or self.max_tokens)
@@ -241,12 +224,12 @@ class SparseMLA:
 
     def _route(self, plan: StepPlan, kind: LayerKind) -> tuple:
         """((backend, plan, token range or None for all), ...) that run ``kind``'s layers of
-        ``plan``: one backend for the whole step, or one per phase. Decided once per plan, kind,
-        requested backend and choices table (what ``backend_for`` reads), so every layer of a
-        step after the first pays two lookups."""
-        requested = registry.requested_backend(self._explicit)[0]
-        table = envs.CHOICES.raw if requested == "auto" else None  # the file launch_bucket reads
-        return plan.cached(("route", kind, requested, table), lambda: self._new_route(plan, kind))
+        ``plan``: one backend for the whole step, or one per phase. Decided once per plan, kind
+        and ``dsv4_attn.backend()`` context, so every layer of a step after the first pays two
+        lookups: the environment (``DSV4_ATTN_BACKEND``, ``DSV4_ATTN_CHOICES``) is read at the
+        first layer of each kind of a plan, so a change takes effect at the next step (reading it
+        at every layer call cost ~1 us per variable)."""
+        return plan.cached(("route", kind, registry.context_backend()), lambda: self._new_route(plan, kind))
 
     def _new_route(self, plan: StepPlan, kind: LayerKind) -> tuple:
         T, nd = plan.num_tokens, plan.num_decode_tokens
@@ -271,10 +254,12 @@ class SparseMLA:
         """Every check of a layer's inputs, once; the backends trust the result (its geometry)."""
         kind = self.spec.check_kind(kind)
         checks.check_plan_current(plan, self, self._generation)
-        layer = LayerInputs(kind, q, swa_cache, comp_cache, topk, sink, self.fmt, self.spec.scale, kv_scale,
+        layer = LayerInputs(kind, q, swa_cache, comp_cache, topk, sink, self.fmt, self._scale, kv_scale,
                             self.swa_dialect, self.comp_dialect,
                             swa_geo=None, comp_geo=None)  # type: ignore[arg-type]  # set below, once checked
         layer.swa_geo, layer.comp_geo, layer.checked_key = self._checks(plan, layer, out, validate)
+        if layer.checked_key is not None:
+            layer.checked_out = out
         return layer
 
     def _backend(self, name: str) -> Backend:

@@ -38,7 +38,8 @@ class EnvVar:
         return value or None
 
     def get(self) -> Any:
-        text = self.raw if self.raw is not None else self.default
+        raw = self.raw  # one read of the environment
+        text = raw if raw is not None else self.default
         try:
             return self.parse(text)
         except ValueError:

@@ -15,9 +15,9 @@ import dsv4_attn as dsv4
 from dsv4_attn.common import plan as plan_module
 from dsv4_attn.common import reference
 from dsv4_attn.common.spec import LayerKind
+from dsv4_attn.testing.steps import make_step
 
-from compare import compare
-from step_cases import make_step
+from kit.compare import compare
 
 C128A = LayerKind.C128A
 MAX_LEN = 1 << 20  # the model's C128A width: 8192 columns

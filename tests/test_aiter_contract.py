@@ -24,8 +24,9 @@ from dsv4_attn.rocm import aiter_api, aiter_features
 from dsv4_attn.rocm.aiter import AiterBackend
 from dsv4_attn.rocm.aiter_features import describe_aiter
 
-from compare import assert_close, compare
-from test_aiter import EXACT, _check, make_case, reference_for, run_layer
+from kit.compare import BF16, assert_close, compare
+from kit.layers import assert_layer_close, forward_poisoned, reference_out
+from kit.steps import aiter_step
 
 BF16_CONTRACT = 5e-3  # rel L2 the NVIDIA paths meet in the parity matrix (issue 28)
 
@@ -39,8 +40,8 @@ def _no_emulator_leak():
 
 def _mla(case, fmt, **kwargs):
     register_backend("aiter-test", AiterBackend(name="aiter-test", **{"max_decode_tokens": 64, **kwargs}))
-    return dsv4.SparseMLA(case["spec"], fmt, backend="aiter-test", swa_dialect=case["swa_dialect"],
-                          comp_dialect=case["comp_dialect"])
+    return dsv4.SparseMLA(case.spec, fmt, backend="aiter-test", swa_dialect=case.swa_dialect,
+                          comp_dialect=case.comp_dialect)
 
 
 # ---- N1: persistent work plans in the code object's kv granularity ------------------------------
@@ -62,13 +63,13 @@ def test_gfx942_64_head_persistent_plan_uses_granularity_32(gen, monkeypatch):
     object refuses the 48-key works."""
     monkeypatch.setenv("DSV4_ATTN_AITER_FP8_COMPUTE", "1")
     em = emulation.enable("gfx942", "0.1.20")
-    case = make_case(gen, "fp8_e4m3", 64, query_lens=(1,), seq_lens=(4000,), num_pad=0, topk=512,
-                     swa_dialect="fnuz", comp_dialect="fnuz", kv_scale=0.5)
+    case = aiter_step(gen, "fp8_e4m3", 64, query_lens=(1,), seq_lens=(4000,), num_pad=0, topk=512,
+                      swa_dialect="fnuz", comp_dialect="fnuz", kv_scale=0.5)
     mla = _mla(case, "fp8_e4m3", path="mla_decode_fwd")
-    plan = mla.plan(case["batch"])
-    out = run_layer(mla, plan, case, LayerKind.C4A)
+    plan = mla.plan(case.batch)
+    out = forward_poisoned(mla, plan, case, LayerKind.C4A)
     assert torch.isfinite(out).all()
-    assert compare(out, reference_for(plan, case, LayerKind.C4A))["rel_l2"] <= aiter_features.FP8_REL_L2  # as labelled
+    assert compare(out, reference_out(plan, case, LayerKind.C4A))["rel_l2"] <= aiter_features.FP8_REL_L2  # as labelled
     modes = [m for f, m in em.calls if f == "mla_decode_fwd" and "works=" in m]
     assert modes and all("qh64_qseqlen1_gqaratio64_lse_v3_ps" in m for m in modes), em.calls
     assert any(int(m.split("works=")[1].split()[0]) > 1 for m in modes), "512 keys on one token must split"
@@ -82,13 +83,13 @@ def test_v4_nm_by_keyword_on_0_1_18_and_version_gates(gen, monkeypatch):
     object: refused at construction, with the version, never a TypeError mid-serving."""
     monkeypatch.setenv("DSV4_ATTN_AITER_FP8_COMPUTE", "1")
     em = emulation.enable("gfx950", "0.1.18")
-    case = make_case(gen, "fp8_ds_mla", 16)
+    case = aiter_step(gen, "fp8_ds_mla", 16)
     mla = _mla(case, "fp8_ds_mla")
-    plan = mla.plan(case["batch"])
+    plan = mla.plan(case.batch)
     for kind in V4_KINDS:
-        out = run_layer(mla, plan, case, kind)
+        out = forward_poisoned(mla, plan, case, kind)
         assert torch.isfinite(out).all()
-        assert compare(out, reference_for(plan, case, kind))["rel_l2"] <= aiter_features.FP8_REL_L2  # as labelled
+        assert compare(out, reference_out(plan, case, kind))["rel_l2"] <= aiter_features.FP8_REL_L2  # as labelled
     assert {f for f, _ in em.calls} == {"mla_decode_fwd_v4_nm"}
     unregister_backend("aiter-test")
     spec = dsv4.ModelSpec(num_heads=64)
@@ -112,13 +113,13 @@ def test_split_mode_right_under_either_stage1_partition(gen, heads):
     1..128 plus C4A / C128A scopes, both partitions: within the bf16 tolerance every time."""
     em = emulation.enable("gfx950", "0.1.20")
     lens = (1, 2, 3, 5, 17, 31, 33, 47, 63, 64, 65, 96, 100, 127, 130, 700, 2100)
-    case = make_case(gen, "bfloat16", heads, query_lens=(1,) * len(lens), seq_lens=lens, num_pad=1)
+    case = aiter_step(gen, "bfloat16", heads, query_lens=(1,) * len(lens), seq_lens=lens, num_pad=1)
     mla = _mla(case, "bfloat16")
-    plan = mla.plan(case["batch"])
+    plan = mla.plan(case.batch)
     for partition in ("mgc", "even"):
         em.stage1_partition = partition
         for kind in V4_KINDS:
-            err = _check(run_layer(mla, plan, case, kind), plan, case, kind, EXACT)
+            err = assert_layer_close(forward_poisoned(mla, plan, case, kind), plan, case, kind, BF16)
             assert err["rel_l2"] <= BF16_CONTRACT, (partition, kind, err)
 
 
@@ -128,17 +129,17 @@ def test_tile_overreads_never_reach_another_requests_row(gen):
     row 0 (AITER #4245 fixed that in v4 nm). A NaN key of the first request (row 0 of the
     gathered scratch) must not reach any other request's output."""
     emulation.enable("gfx950", "0.1.20")
-    case = make_case(gen, "bfloat16", 16, query_lens=(1, 1, 1), seq_lens=(40, 300, 100), num_pad=0)
+    case = aiter_step(gen, "bfloat16", 16, query_lens=(1, 1, 1), seq_lens=(40, 300, 100), num_pad=0)
     mla = _mla(case, "bfloat16")
-    plan = mla.plan(case["batch"])
+    plan = mla.plan(case.batch)
     slot = int(plan.swa_rows[0, 0])
-    cache = case["caches"]["swa"]
+    cache = case.caches["swa"]
     cache.view(-1, 512)[slot] = math.nan  # block stride == block size here: slot-major rows
-    out = run_layer(mla, plan, case, LayerKind.SWA)
-    ref = reference_for(plan, case, LayerKind.SWA)
+    out = forward_poisoned(mla, plan, case, LayerKind.SWA)
+    ref = reference_out(plan, case, LayerKind.SWA)
     assert torch.isnan(ref[0]).all() and torch.isfinite(ref[1:]).all()
     assert torch.isfinite(out[1:]).all(), "request 0's NaN key leaked into another request's output"
-    assert_close(compare(out[1:], ref[1:]), EXACT, max_abs=False, what="other requests")
+    assert_close(compare(out[1:], ref[1:]), BF16, max_abs=False, what="other requests")
 
 
 # ---- N6 / N8: sparse_mla_fwd's keywords and warm-up --------------------------------------------------
@@ -148,13 +149,13 @@ def test_sparse_mla_fwd_gets_vllms_keywords_and_is_warmed_before_capture(gen, fm
     kv_scale serves both caches). N8: the first eager decode (a window-only layer) also compiles
     the two-scope variant, so a capture whose first compressed layer runs then loads nothing."""
     em = emulation.enable("gfx950", "sparse")
-    case = make_case(gen, fmt, 16, kv_scale=0.5 if fmt == "fp8_e4m3" else 1.0)
+    case = aiter_step(gen, fmt, 16, kv_scale=0.5 if fmt == "fp8_e4m3" else 1.0)
     mla = _mla(case, fmt)
-    plan = mla.plan(case["batch"])
-    _check(run_layer(mla, plan, case, LayerKind.SWA), plan, case, LayerKind.SWA, EXACT)
+    plan = mla.plan(case.batch)
+    assert_layer_close(forward_poisoned(mla, plan, case, LayerKind.SWA), plan, case, LayerKind.SWA, BF16)
     em.simulate_capture = True
     for kind in (LayerKind.C4A, LayerKind.C128A):
-        _check(run_layer(mla, plan, case, kind), plan, case, kind, EXACT)
+        assert_layer_close(forward_poisoned(mla, plan, case, kind), plan, case, kind, BF16)
     assert [f for f, _ in em.calls if f == "sparse_mla_fwd"]
 
 
@@ -173,14 +174,14 @@ def test_default_amd_path_meets_the_bf16_contract_and_fp8_is_opt_in(gen, arch, f
         monkeypatch.setenv("DSV4_ATTN_AITER_FP8_COMPUTE", "1" if opt_in else "0")
         em = emulation.enable(arch, flavor)
         for heads in (16, 64, 128):
-            case = make_case(gen, fmt, heads, swa_dialect=dialects[0], comp_dialect=dialects[1])
+            case = aiter_step(gen, fmt, heads, swa_dialect=dialects[0], comp_dialect=dialects[1])
             mla = _mla(case, fmt)
-            plan = mla.plan(case["batch"])
+            plan = mla.plan(case.batch)
             em.calls.clear()
             for kind in V4_KINDS:
-                out = run_layer(mla, plan, case, kind)
+                out = forward_poisoned(mla, plan, case, kind)
                 assert torch.isfinite(out).all(), (kind, opt_in)
-                err = compare(out, reference_for(plan, case, kind))
+                err = compare(out, reference_out(plan, case, kind))
                 worst[opt_in] = max(worst.get(opt_in, 0.0), err["rel_l2"])
             if not opt_in:
                 assert not any("persistent" in m or f == "mla_decode_fwd_v4_nm" for f, m in em.calls), em.calls
@@ -206,8 +207,8 @@ def test_fp8_compute_argument_checked():
 def _mtp_step(gen, num_seqs: int, k: int, heads: int = 16):
     """``num_seqs`` decode requests of 1 + k tokens each (MTP k), short contexts (CI-cheap)."""
     lens = [int(n) for n in torch.randint(4, 160, (num_seqs,), generator=gen)]
-    return make_case(gen, "fp8_ds_mla", heads, query_lens=(1 + k,) * num_seqs, seq_lens=lens, num_pad=0,
-                     max_model_len=1024, topk=16)
+    return aiter_step(gen, "fp8_ds_mla", heads, query_lens=(1 + k,) * num_seqs, seq_lens=lens, num_pad=0,
+                      max_model_len=1024, topk=16)
 
 
 def test_engine_decode_tokens_sized_at_start_and_larger_launches_go_to_a_backend_without_a_cap(gen, monkeypatch):
@@ -218,45 +219,45 @@ def test_engine_decode_tokens_sized_at_start_and_larger_launches_go_to_a_backend
     monkeypatch.delenv("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", raising=False)
     em = emulation.enable("gfx950", "0.1.20")
     case = _mtp_step(gen, 1024, 2)
-    T = case["q"].shape[0]
+    T = case.q.shape[0]
     assert T == 3072
     register_backend("aiter-test", AiterBackend(name="aiter-test"))
-    mla = dsv4.SparseMLA(case["spec"], "fp8_ds_mla", backend="aiter-test", max_tokens=T, max_reqs=1024)
-    mla.reserve(mla.plan(case["batch"]), decode_tokens=T)  # what the vLLM plugin does in the profile run
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="aiter-test", max_tokens=T, max_reqs=1024)
+    mla.reserve(mla.plan(case.batch), decode_tokens=T)  # what the vLLM plugin does in the profile run
     backend = mla._backend("aiter-test")
     assert backend.max_decode_tokens == T
     before = {k: s.pointers() for k, s in backend._scratch.items()}
     assert before and all(k.max_tokens >= T or k.persistent for k in before)
-    plan = mla.plan(case["batch"])
+    plan = mla.plan(case.batch)
     em.calls.clear()
-    out = run_layer(mla, plan, case, LayerKind.C128A)  # both scopes
+    out = forward_poisoned(mla, plan, case, LayerKind.C128A)  # both scopes
     assert torch.isfinite(out).all()
     sub = torch.arange(0, T, 37)  # the float64 reference on every 37th token (CI time)
     rows, lens = plan.comp_scope(LayerKind.C128A, None)
-    ref, _ = reference.sparse_mla(case["q"][sub], case["caches"]["swa"], plan.swa_rows[sub], plan.swa_lens[sub],
-                                  case["caches"][LayerKind.C128A], rows[sub], lens[sub], case["sink"], plan.spec.scale,
+    ref, _ = reference.sparse_mla(case.q[sub], case.caches["swa"], plan.swa_rows[sub], plan.swa_lens[sub],
+                                  case.caches[LayerKind.C128A], rows[sub], lens[sub], case.sink, plan.spec.scale,
                                   "fp8_ds_mla")
-    assert_close(compare(out[sub], ref), EXACT, max_abs=False, what="3072 decode tokens")
+    assert_close(compare(out[sub], ref), BF16, max_abs=False, what="3072 decode tokens")
     assert {k: s.pointers() for k, s in backend._scratch.items()} == before, "scratch allocated after engine start"
     assert [f for f, _ in em.calls if f == "mla_decode_fwd"]
     unregister_backend("aiter-test")
 
     case = _mtp_step(gen, 8, 2)  # the same above a capacity of 16 tokens (CI-cheap: 24 tokens)
     register_backend("aiter-test", AiterBackend(name="aiter-test", max_decode_tokens=16))
-    mla = dsv4.SparseMLA(case["spec"], "fp8_ds_mla", backend="aiter-test")
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="aiter-test")
     line = next(ln for ln in mla.explain().splitlines() if ln.startswith("aiter-test") and "decode" in ln)
     assert mla.backend_for(LayerKind.C128A, "decode", 16) == "aiter-test"
     fallback = mla.backend_for(LayerKind.C128A, "decode", 24)
     assert fallback in ("triton", "torch")
     assert f"decode launches above 16 tokens (the scratch's capacity) run on {fallback}" in line, line
-    plan = mla.plan(case["batch"])
+    plan = mla.plan(case.batch)
     em.calls.clear()
-    _check(run_layer(mla, plan, case, LayerKind.C128A), plan, case, LayerKind.C128A, EXACT)
+    assert_layer_close(forward_poisoned(mla, plan, case, LayerKind.C128A), plan, case, LayerKind.C128A, BF16)
     assert not em.calls, "a launch above the capacity reached AITER"
-    layer = mla.layer_inputs(plan, LayerKind.C128A, case["q"], case["caches"]["swa"],
-                             case["caches"][LayerKind.C128A], sink=case["sink"])
+    layer = mla.layer_inputs(plan, LayerKind.C128A, case.q, case.caches["swa"],
+                             case.caches[LayerKind.C128A], sink=case.sink)
     with pytest.raises(ValueError, match=r"plan: got 24 decode tokens; allowed: <= max_decode_tokens \(16\)"):
-        mla._backend("aiter-test").forward(plan, layer, torch.empty_like(case["q"]))  # driven past its limit
+        mla._backend("aiter-test").forward(plan, layer, torch.empty_like(case.q))  # driven past its limit
 
 
 def test_a_launch_limit_is_decided_per_launch_size_and_again_after_reserve(gen):
@@ -266,14 +267,14 @@ def test_a_launch_limit_is_decided_per_launch_size_and_again_after_reserve(gen):
     emulation.enable("gfx950", "0.1.20")
     case = _mtp_step(gen, 8, 2)
     register_backend("aiter-test", AiterBackend(name="aiter-test"))
-    mla = dsv4.SparseMLA(case["spec"], "fp8_ds_mla", backend="aiter-test")
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="aiter-test")
     limit = mla._backend("aiter-test").launch_limit(dsv4.Phase.DECODE)
     assert limit is not None and limit.max_tokens == 1024
     assert mla._backend("aiter-test").launch_limit(dsv4.Phase.PREFILL) is None
     picks = [mla.backend_for(LayerKind.C4A, "decode", t) for t in (1, 1024, 1025, 4096, 8)]
     assert picks[:2] == ["aiter-test"] * 2 and picks[4] == "aiter-test"
     assert picks[2] == picks[3] != "aiter-test"
-    mla.reserve(mla.plan(case["batch"]), decode_tokens=64)  # an engine of at most 64 decode tokens a step
+    mla.reserve(mla.plan(case.batch), decode_tokens=64)  # an engine of at most 64 decode tokens a step
     assert [mla.backend_for(LayerKind.C4A, "decode", t) for t in (64, 65, 1024)] == ["aiter-test", picks[2], picks[2]]
 
 

@@ -11,6 +11,7 @@ emulator's, not AITER's.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -22,8 +23,9 @@ from dsv4_attn.common.registry import get_backend, register_backend, unregister_
 from dsv4_attn.common.spec import V4_KINDS, LayerKind
 from dsv4_attn.rocm.aiter import AiterBackend
 
-from compare import assert_close, compare
-from test_aiter import EXACT, FP8, make_case, reference_for
+from kit.compare import BF16, FP8_Q, assert_close, compare
+from kit.layers import reference_out
+from kit.steps import aiter_step
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU for graph capture")]
@@ -31,10 +33,10 @@ pytestmark = [pytest.mark.gpu,
 # (emulated AITER flavor, backend kwargs, format, heads, tolerance): mla_decode_fwd persistent
 # (fixed-stride indices, work plans, fp8 gather) and split (ragged, bf16 gather), the v4 nm kernel
 # (MODEL1 records repacked, sink in the kernel) and sparse_mla_fwd (in place, sink in kernel)
-PATHS = [("0.1.20", {"path": "mla_decode_fwd"}, "fp8_ds_mla", 64, FP8),
-         ("0.1.20", {"path": "mla_decode_fwd", "persistent_max_batch": 0}, "fp8_ds_mla", 16, EXACT),
-         ("0.1.20", {"path": "mla_decode_fwd_v4_nm", "fp8_compute": True}, "fp8_ds_mla", 64, FP8),  # a8w8: opt-in
-         ("sparse", {"path": "sparse_mla_fwd"}, "fp8_ds_mla", 64, EXACT)]
+PATHS = [("0.1.20", {"path": "mla_decode_fwd"}, "fp8_ds_mla", 64, FP8_Q),
+         ("0.1.20", {"path": "mla_decode_fwd", "persistent_max_batch": 0}, "fp8_ds_mla", 16, BF16),
+         ("0.1.20", {"path": "mla_decode_fwd_v4_nm", "fp8_compute": True}, "fp8_ds_mla", 64, FP8_Q),  # a8w8: opt-in
+         ("sparse", {"path": "sparse_mla_fwd"}, "fp8_ds_mla", 64, BF16)]
 SHORT = (3, 90, 140, 260, 130, 5)
 LONG = (5000, 7000, 3100, 8000, 6000, 4500)
 
@@ -54,23 +56,23 @@ def test_decode_step_captured_and_replayed_with_new_contents(flavor, kwargs, fmt
     register_backend(name, AiterBackend(name=name, max_decode_tokens=16, **kwargs))
     try:
         lens = dict(query_lens=(1,) * 4 + (2,), num_pad=1, device=dev, max_model_len=16384)
-        short = make_case(gen, fmt, heads, seq_lens=SHORT[:5], **lens)
-        long = make_case(gen, fmt, heads, seq_lens=LONG[:5], **lens)
-        mla = dsv4.SparseMLA(short["spec"], fmt, backend=name, device=dev, max_tokens=16)
+        short = aiter_step(gen, fmt, heads, seq_lens=SHORT[:5], **lens)
+        long = aiter_step(gen, fmt, heads, seq_lens=LONG[:5], **lens)
+        mla = dsv4.SparseMLA(short.spec, fmt, backend=name, device=dev, max_tokens=16)
         # what the captured step reads by address, as an engine keeps it: caches (sized for the long
         # case), compressed block tables (fixed width), top-k, q and sink
-        static = {k: long[k].clone() for k in ("q", "sink", "topk")}
-        caches = long["caches"]
-        tables = {r: torch.zeros_like(t) for r, t in long["batch"].comp_block_tables.items()}
+        static = {"q": long.q.clone(), "sink": long.sink.clone(), "topk": long.topks[LayerKind.C4A].clone()}
+        caches = long.caches
+        tables = {r: torch.zeros_like(t) for r, t in long.batch.comp_block_tables.items()}
 
         def load(case):
-            for k in ("q", "sink", "topk"):
-                static[k].copy_(case[k])
+            for k, src in (("q", case.q), ("sink", case.sink), ("topk", case.topks[LayerKind.C4A])):
+                static[k].copy_(src)
             for r, t in tables.items():
-                src = case["batch"].comp_block_tables[r]
+                src = case.batch.comp_block_tables[r]
                 t.zero_()
                 t[:, : src.shape[1]].copy_(src)
-            b = case["batch"]
+            b = case.batch
             return mla.plan(dsv4.StepBatch(b.query_start_loc, b.seq_lens, b.num_decode_tokens, b.swa_block_table,
                                            b.swa_block_size, tables, b.block_size, b.max_model_len, b.num_tokens))
 
@@ -104,11 +106,12 @@ def test_decode_step_captured_and_replayed_with_new_contents(flavor, kwargs, fmt
             torch.cuda.synchronize()
             assert torch.cuda.memory_allocated() == before, "a replay allocated memory"
             assert scratch[0].pointers() + [o.data_ptr() for o in outs.values()] == pointers
-            ref_case = dict(case, q=static["q"], sink=static["sink"], topk=static["topk"], caches=caches)
+            ref_case = dataclasses.replace(case, q=static["q"], sink=static["sink"],
+                                           topks={LayerKind.C4A: static["topk"]}, caches=caches)
             for kind, out in outs.items():
                 assert torch.isfinite(out).all(), f"{kind.name}: unwritten output after replay"
-                err = compare(out, reference_for(plan, ref_case, kind))
-                print(f"AITER-GRAPH {kwargs} {kind.name} seq_lens={case['batch'].seq_lens.tolist()} {err}")
+                err = compare(out, reference_out(plan, ref_case, kind))
+                print(f"AITER-GRAPH {kwargs} {kind.name} seq_lens={case.batch.seq_lens.tolist()} {err}")
                 assert_close(err, tol, max_abs=False, what=kind.name)
     finally:
         unregister_backend(name)

@@ -12,8 +12,7 @@ import torch
 import dsv4_attn as dsv4
 from dsv4_attn.common import reference
 from dsv4_attn.common.spec import V4_KINDS, LayerKind
-
-from step_cases import make_case
+from dsv4_attn.testing.steps import make_step
 
 
 def _check_against_reference(mla, plan, kind, q, caches, topk, sink, fmt="fp8_ds_mla"):
@@ -37,7 +36,7 @@ def _check_against_reference(mla, plan, kind, q, caches, topk, sink, fmt="fp8_ds
 def test_forward_matches_reference_every_kind(kind, fmt):
     gen = torch.Generator().manual_seed(max(kind.ratio, 1) * 7 + len(fmt))
     # decode, MTP pair, a prefill chunk crossing the window, a long request (C128A rows wide)
-    spec, batch, caches, topk, q, sink = make_case(gen, [1, 2, 9, 1], [300, 131, 140, 33000], fmt=fmt)
+    spec, batch, caches, topk, q, sink = make_step(gen, [1, 2, 9, 1], [300, 131, 140, 33000], fmt=fmt).v4_inputs()
     mla = dsv4.SparseMLA(spec, fmt, backend="torch")
     plan = mla.plan(batch, validate=True)
     _check_against_reference(mla, plan, kind, q, caches, topk, sink, fmt)
@@ -46,7 +45,7 @@ def test_forward_matches_reference_every_kind(kind, fmt):
 def test_short_sequences_padding_tokens_and_infinite_sinks():
     gen = torch.Generator().manual_seed(3)
     # pos < W, pos + 1 < 4 (no compressed entry yet) and 3 padding tokens after the real ones
-    spec, batch, caches, topk, q, sink = make_case(gen, [1, 3, 1], [1, 3, 7])
+    spec, batch, caches, topk, q, sink = make_step(gen, [1, 3, 1], [1, 3, 7]).v4_inputs()
     padded = dsv4.StepBatch(batch.query_start_loc, batch.seq_lens, batch.num_decode_tokens,
                             batch.swa_block_table, batch.swa_block_size, batch.comp_block_tables,
                             batch.block_size, batch.max_model_len, num_tokens=batch.num_tokens + 3)
@@ -64,7 +63,7 @@ def test_short_sequences_padding_tokens_and_infinite_sinks():
 
 def test_padded_heads_and_phase_split_keep_results():
     gen = torch.Generator().manual_seed(5)
-    spec, batch, caches, topk, q, sink = make_case(gen, [1, 1, 6], [90, 600, 700], heads=12)
+    spec, batch, caches, topk, q, sink = make_step(gen, [1, 1, 6], [90, 600, 700], heads=12).v4_inputs()
     q = torch.cat([q, torch.zeros(q.shape[0], 4, 512, dtype=q.dtype)], dim=1)  # pad 12 -> 16 heads
     sink = torch.cat([sink, torch.full((4,), -math.inf)])
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
@@ -83,7 +82,7 @@ def test_padded_heads_and_phase_split_keep_results():
 
 def test_stale_plan_and_foreign_plan_are_refused():
     gen = torch.Generator().manual_seed(7)
-    spec, batch, caches, topk, q, sink = make_case(gen, [1, 1], [50, 60])
+    spec, batch, caches, topk, q, sink = make_step(gen, [1, 1], [50, 60]).v4_inputs()
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
     old = mla.plan(batch)
     mla.plan(batch)
@@ -96,16 +95,16 @@ def test_stale_plan_and_foreign_plan_are_refused():
 
 def test_plan_reuses_preallocated_buffers():
     gen = torch.Generator().manual_seed(8)
-    spec, batch, caches, topk, q, sink = make_case(gen, [1, 1], [50, 60])
+    spec, batch, caches, topk, q, sink = make_step(gen, [1, 1], [50, 60]).v4_inputs()
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch", max_tokens=16)
     p1 = mla.plan(batch)
     ptrs = (p1.swa_rows.data_ptr(), p1.comp_rows[128][0].data_ptr(), p1.positions.data_ptr())
-    spec2, batch2, *_ = make_case(gen, [1, 1], [900, 2000])
+    spec2, batch2, *_ = make_step(gen, [1, 1], [900, 2000]).v4_inputs()
     p2 = mla.plan(batch2)
     assert (p2.swa_rows.data_ptr(), p2.comp_rows[128][0].data_ptr(), p2.positions.data_ptr()) == ptrs
     assert p2.comp_rows[128][0].shape[1] == spec.c128a_width  # fixed by the model, not the batch
     with pytest.raises(ValueError, match="max_tokens"):
-        mla.plan(make_case(gen, [20], [40])[1])
+        mla.plan(make_step(gen, [20], [40]).batch)
 
 
 @pytest.mark.parametrize(
@@ -126,7 +125,7 @@ def test_plan_reuses_preallocated_buffers():
 )
 def test_forward_rejects_bad_input_with_named_argument(mutate, match):
     gen = torch.Generator().manual_seed(9)
-    spec, batch, caches, topk, q, sink = make_case(gen, [1, 1], [50, 60])
+    spec, batch, caches, topk, q, sink = make_step(gen, [1, 1], [50, 60]).v4_inputs()
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
     plan = mla.plan(batch)
     args = dict(q=q, swa_cache=caches["swa"], comp_cache=caches[LayerKind.C4A], topk=topk, sink=sink)
@@ -137,7 +136,7 @@ def test_forward_rejects_bad_input_with_named_argument(mutate, match):
 
 def test_validate_catches_cache_too_small_for_block_table():
     gen = torch.Generator().manual_seed(10)
-    spec, batch, caches, topk, q, sink = make_case(gen, [1, 1], [50, 60])
+    spec, batch, caches, topk, q, sink = make_step(gen, [1, 1], [50, 60]).v4_inputs()
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch")
     plan = mla.plan(batch)
     small = caches["swa"][:1]
@@ -177,8 +176,8 @@ def _plan_fields(plan, topk):
 def test_triton_front_end_builds_the_torch_rows(swa_bs, block_size, gen):
     """Same rows, lens and per-token facts from both front ends (on CPU through the interpreter):
     odd block sizes, pos < W, no compressed entry yet, garbage top-k lanes, padding tokens."""
-    spec, batch, caches, topk, q, sink = make_case(gen, [1, 2, 5, 1, 3], [300, 131, 70, 3, 2100], swa_bs=swa_bs,
-                                               block_size=block_size)
+    spec, batch, caches, topk, q, sink = make_step(gen, [1, 2, 5, 1, 3], [300, 131, 70, 3, 2100], swa_bs=swa_bs,
+                                               block_size=block_size).v4_inputs()
     dev = FRONT_END_DEVICE
     padded = dsv4.StepBatch(batch.query_start_loc.to(dev), batch.seq_lens.to(dev), batch.num_decode_tokens,
                             batch.swa_block_table.to(dev), swa_bs,
@@ -212,7 +211,7 @@ def test_plan_and_topk_rows_replay_in_a_cuda_graph():
     """Capture plan() + the C4A translation on a short step, replay after writing a long step's
     lengths and top-k into the same tensors: the rows equal a fresh torch-front-end plan."""
     gen = torch.Generator().manual_seed(11)
-    spec, batch, _, topk, _, _ = make_case(gen, [1, 1, 1, 1], [33000, 700, 131, 4000])
+    spec, batch, _, topk, _, _ = make_step(gen, [1, 1, 1, 1], [33000, 700, 131, 4000]).v4_inputs()
     tables = {r: t.cuda() for r, t in batch.comp_block_tables.items()}
     gpu_batch = dsv4.StepBatch(batch.query_start_loc.cuda(), torch.tensor([5, 9, 130, 40], dtype=torch.int32,
                                device="cuda"), batch.num_decode_tokens, batch.swa_block_table.cuda(),

@@ -18,9 +18,9 @@ import dsv4_attn as dsv4
 from dsv4_attn import envs
 from dsv4_attn.common import choices
 from dsv4_attn.common.spec import Layer, LayerKind, ModelSpec
+from dsv4_attn.testing.steps import make_step
 
-from compare import assert_close, compare
-from step_cases import make_step
+from kit.compare import assert_close, compare
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="Triton missing"))]
@@ -48,7 +48,7 @@ def _forward(backend, case, rows, kind):
     mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend=backend, front_end="torch")
     plan = mla.plan(rows)
     out = torch.full_like(case.q, float("nan"))
-    mla.forward(plan, kind, case.q, case.caches["swa"], case.caches[kind], topk=case.topk[kind], sink=case.sink,
+    mla.forward(plan, kind, case.q, case.caches["swa"], case.caches[kind], topk=case.topks[kind], sink=case.sink,
                 out=out)
     assert not out.isnan().any(), "output not fully written"
     return out
@@ -98,7 +98,7 @@ def test_out_overlapping_an_input_is_refused_before_any_write(gen, backend, alia
         out = torch.empty(0, dtype=torch.bfloat16).set_(swa.untyped_storage(), 0, (T, H, 512))
     before = (q.clone(), swa.clone())
     with pytest.raises(ValueError, match=rf"^out: got a tensor overlapping {alias} .*allowed: memory of its own"):
-        mla.forward(plan, LayerKind.C4A, q, swa, case.caches[LayerKind.C4A], topk=case.topk[LayerKind.C4A],
+        mla.forward(plan, LayerKind.C4A, q, swa, case.caches[LayerKind.C4A], topk=case.topks[LayerKind.C4A],
                     sink=case.sink, out=out)
     assert torch.equal(q, before[0]) and torch.equal(swa, before[1])
 
@@ -112,7 +112,7 @@ def test_out_overlapping_a_plan_buffer_is_refused_at_every_layer(gen):
 
     def layer(out):
         mla.forward(plan, LayerKind.C4A, case.q, case.caches["swa"], case.caches[LayerKind.C4A],
-                    topk=case.topk[LayerKind.C4A], sink=case.sink, out=out)
+                    topk=case.topks[LayerKind.C4A], sink=case.sink, out=out)
 
     layer(torch.full_like(case.q, float("nan")))
     storage = plan.swa_rows.untyped_storage()

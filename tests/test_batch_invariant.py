@@ -13,9 +13,9 @@ import torch
 
 import dsv4_attn as dsv4
 from dsv4_attn.common.spec import LayerKind
+from dsv4_attn.testing.steps import make_step
 
-from compare import assert_close, compare
-from step_cases import make_step
+from kit.compare import assert_close, compare
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton missing")
 KINDS = (LayerKind.SWA, LayerKind.C4A)
@@ -42,7 +42,7 @@ def _run(case, requests, batch_invariant):
     q = case.q[idx]
     out = torch.full_like(q, float("nan"))
     mla.forward(mla.plan(sub), LayerKind.C4A, q, case.caches["swa"], case.caches[LayerKind.C4A],
-                topk=case.topk[LayerKind.C4A][idx], sink=case.sink, out=out)
+                topk=case.topks[LayerKind.C4A][idx], sink=case.sink, out=out)
     assert not out.isnan().any()
     return out
 

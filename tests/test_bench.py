@@ -14,7 +14,7 @@ from dsv4_attn.common import layout
 from dsv4_attn.common.layout import KVFormat, Record
 from dsv4_attn.common.spec import LayerKind
 
-from compare import assert_close, metrics
+from kit.compare import assert_close, metrics
 
 FORMATS = ["fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla"]
 
@@ -117,8 +117,8 @@ def test_vllm_c128a_width():
 
 
 def _step_case(seed=3, model="v4-flash"):
-    return bench.make_step_case(bench.STEP_MODELS[model], 2, 1, torch.device("cpu"),
-                                max_model_len=bench.STEP_CPU_MAX_MODEL_LEN, seed=seed)
+    return bench.make_model_step(bench.STEP_MODELS[model], 2, 1, torch.device("cpu"),
+                                 max_model_len=bench.STEP_CPU_MAX_MODEL_LEN, seed=seed)
 
 
 def _reference(case, layer):
@@ -140,7 +140,7 @@ def test_step_case_owns_its_caches_and_matches_the_reference():
     """Every layer its own SWA cache, q and sink, C128A layers their own compressed cache, the C4A
     layers one shared cache with their own top-k; one step through the API (plan once, every
     layer) writes every layer, and a C4A and a C128A layer match the float64 reference."""
-    from compare import compare
+    from kit.compare import compare
 
     case = _step_case()
     layers = case.layers
@@ -172,7 +172,7 @@ def test_step_flashmla_as_vllm_runner_on_the_flashmla_stand_in(monkeypatch, mode
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed")
-    from compare import compare
+    from kit.compare import compare
     from kit.flashmla_standin import FakeFlashMLA
 
     fake = FakeFlashMLA("sm90")
@@ -204,7 +204,7 @@ def test_gpu_step_is_captured_whole_and_agrees_with_flashmla_as_vllm():
     from types import SimpleNamespace
 
     device = torch.device("cuda")
-    case = bench.make_step_case(bench.STEP_MODELS["v4-flash"], 4, 2, device, max_model_len=16384)
+    case = bench.make_model_step(bench.STEP_MODELS["v4-flash"], 4, 2, device, max_model_len=16384)
     args = SimpleNamespace(reps=3, no_graph=False, no_flashmla=False)
     res = bench.run_step_case(case, ["triton"], args, bench.L2Flush(device))
     for name, r in res["backends"].items():

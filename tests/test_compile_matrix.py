@@ -67,3 +67,33 @@ def test_gluon_hopper_kernel_compiles_for_sm90a_with_the_installed_triton(tmp_pa
         assert r["ok"] and r["kernel"] == "hopper", r
         # read from ptxas' own report; the kernel asks for maxnreg 168 (hopper.MAXNREG)
         assert 0 < r["regs"] <= 168 and r["shared"] > 100_000, r
+
+
+def test_quick_matrix_holds_every_tile_and_format_selection_launches():
+    """CI's `compile-matrix.sh --quick`: on sm_90, gfx942 and gfx950 the portable kernel in every tile
+    KernelConfig.tile picks for 1..128 heads, in every format selection gives it there (on sm_90 the
+    V4 record too: the portable kernel reads it in FNUZ), each in the top-k walk, and a split per
+    tile (main compiled the 16-head tile only: no 32- / 64-head tile on sm_90)."""
+    from dsv4_attn.common.layout import Fp8Dialect, KVFormat
+    from dsv4_attn.common.spec import MAX_HEADS
+    from dsv4_attn.portable.kernels import ops
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--list"], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = [r for r in json.loads(res.stdout) if r["kernel"] == "attention"]
+    assert ops.kernel_choice("sm90", (KVFormat.MODEL1_FP8.swa_record,) * 2, (Fp8Dialect.FNUZ,) * 2)[0] == "portable"
+    for target in ("sm90", "gfx942", "gfx950"):
+        labels = {r["label"] for r in rows if r["target"] == target}
+        for fmt in KVFormat:
+            records = (fmt.swa_record, fmt.comp_record)
+            for heads in range(1, MAX_HEADS + 1):
+                t = ops.DEFAULT_CONFIG.tile(target, heads, records)
+                assert f"{t.block_h}h x {t.block_n}k {t.num_warps}w {fmt.value} top-k" in labels, (target, fmt, heads)
+        tiles = {ops.DEFAULT_CONFIG.tile(target, h, (fmt.swa_record, fmt.comp_record))
+                 for h in range(1, MAX_HEADS + 1) for fmt in KVFormat}
+        splits = [label for label in labels if label.endswith(" split")]
+        assert len(splits) == len(tiles), (target, splits)
+    assert {r["target"] for r in rows} == {"sm80", "sm90", "sm100", "gfx942", "gfx950"}

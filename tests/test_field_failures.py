@@ -29,9 +29,9 @@ from dsv4_attn import envs
 from dsv4_attn.common import layout, reference
 from dsv4_attn.common.registry import unregister_backend
 from dsv4_attn.common.spec import V4_KINDS, LayerKind
+from dsv4_attn.testing.steps import make_step
 
-from compare import assert_close, compare
-from step_cases import make_step
+from kit.compare import assert_close, compare
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 CUDA = torch.cuda.is_available()
@@ -82,7 +82,7 @@ def _forward(mla, plan, case, kind, q=None, topk=None, caches=None):
     q = case.q if q is None else q
     caches = caches or case.caches
     out = torch.full_like(q, float("nan"))
-    topk = topk if topk is not None else case.topk.get(kind)
+    topk = topk if topk is not None else case.topks.get(kind)
     mla.forward(plan, kind, q, caches["swa"], caches.get(kind), topk=topk[: q.shape[0]] if topk is not None else None,
                 sink=case.sink, out=out)
     return out
@@ -107,7 +107,7 @@ def test_padded_graph_requests_and_tokens_with_stale_metadata_are_empty(gen, bac
         t[3, ::2] = t[0, ::2]  # a stale row: another request's blocks
         t[4, 0] = -7
     padded = _batch_like(b, SEQ_LENS + [999, 5], stale, num_tokens=5, query_lens=[1, 1, 1, 0, 0])
-    topk = torch.cat([case.topk[LayerKind.C4A], torch.randint(-10**6, 10**6, (2, 32), generator=gen).int().to(device)])
+    topk = torch.cat([case.topks[LayerKind.C4A], torch.randint(-10**6, 10**6, (2, 32), generator=gen).int().to(device)])
     q = torch.cat([case.q, torch.randn(2, *case.q.shape[1:], generator=gen).bfloat16().to(device)])
     for kind in (LayerKind.C4A, LayerKind.C128A):  # both read the SWA rows too
         mla = _mla(case, backend)
@@ -144,7 +144,7 @@ def test_plan_captured_short_and_replayed_long_gives_the_long_answer(gen, backen
     backend_on(backend)
     case = make_step(gen, [1] * 3, SEQ_LENS, **SHAPE, device=device)
     b = case.batch
-    topk_buf = case.topk[LayerKind.C4A].clone()
+    topk_buf = case.topks[LayerKind.C4A].clone()
     long_lens = b.seq_lens.clone()
     for kind in case.spec.kinds:
         live = _batch_like(b, [2, 3, 1])  # short: the tensors the "graph" keeps
@@ -152,7 +152,7 @@ def test_plan_captured_short_and_replayed_long_gives_the_long_answer(gen, backen
         topk_buf.fill_(-1)
         _forward(mla, mla.plan(live), case, kind, topk=topk_buf if kind.uses_topk else None)
         live.seq_lens.copy_(long_lens)  # replay: new contents, same tensors
-        topk_buf.copy_(case.topk[LayerKind.C4A])
+        topk_buf.copy_(case.topks[LayerKind.C4A])
         got = _forward(mla, mla.plan(live), case, kind, topk=topk_buf if kind.uses_topk else None)
         fresh = _mla(case, backend)
         assert torch.equal(got, _forward(fresh, fresh.plan(b), case, kind)), f"{backend} {kind.name}"
@@ -195,7 +195,7 @@ def test_nan_bytes_in_unselected_cache_rows_do_not_leak(gen, backend, device, ba
         caches = {"swa": case.caches["swa"], kind: case.caches.get(kind)}
         num_slots = {k: layout.check_cache(c, fmt.swa_record if k == "swa" else fmt.comp_record, "c").num_slots
                      for k, c in caches.items() if c is not None}
-        used = _selected_slots(plan, kind, case.topk.get(kind), num_slots)
+        used = _selected_slots(plan, kind, case.topks.get(kind), num_slots)
         # both caches hold the selected rows re-encoded the same way; only the unselected ones differ
         twins = {k: _nan_cache(caches[k], used[k], fmt.swa_record if k == "swa" else fmt.comp_record) for k in used}
         clean = {k: t.clone() for k, t in twins.items()}

@@ -30,8 +30,9 @@ from dsv4_attn.common.platform import LibraryInfo, Platform
 from dsv4_attn.common.spec import V4_KINDS, LayerKind, ModelSpec, round_up
 from dsv4_attn.cuda import flashinfer as fi
 
-from compare import FP8_Q, assert_close, metrics
-from nvidia_cases import make_case, run_layer
+from kit.compare import FP8_Q, assert_close, metrics
+from kit.layers import run_layer
+from kit.steps import nvidia_step
 
 SM100 = Platform("cuda", "sm100", "fake B200", "2.x")
 
@@ -163,10 +164,10 @@ def test_every_kind_matches_reference(fake_flashinfer, gen, kinds, fmt, kv_scale
     # decodes (pos < W, pos + 1 < 4), an MTP pair, prefill crossing the window, padding tokens,
     # strided pools (storage offsets != slots) and a top-k row that is all -1 (-1 inside its lens)
     # compressed pages of 64 entries: V4's C4A at block_size 256, V4.1's C1A at 64 (vLLM on SM90)
-    case = make_case(gen, [1, 1, 2, 7, 3], [1, 300, 131, 140, 9], kinds=kinds, heads=heads, topk=62, fmt=fmt,
-                     block_size=256 if kinds == V4_KINDS else 64, num_decode_tokens=4, pad_tokens=2,
-                     swa_block_stride=64 * 512 * 2, comp_block_stride=64 * 512 + 512, empty_topk_tokens=(1,),
-                     kv_scale=kv_scale)
+    case = nvidia_step(gen, [1, 1, 2, 7, 3], [1, 300, 131, 140, 9], kinds=kinds, heads=heads, topk=62, fmt=fmt,
+                       block_size=256 if kinds == V4_KINDS else 64, num_decode_tokens=4, pad_tokens=2,
+                       swa_block_stride=64 * 512 * 2, comp_block_stride=64 * 512 + 512, empty_topk_tokens=(1,),
+                       kv_scale=kv_scale)
     case.sink[0], case.sink[1] = math.inf, -math.inf
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
@@ -189,7 +190,7 @@ def test_every_kind_matches_reference(fake_flashinfer, gen, kinds, fmt, kv_scale
 
 
 def test_decode_and_prefill_launched_separately_with_own_workspaces(fake_flashinfer, gen):
-    case = make_case(gen, [1, 2, 5], [40, 80, 200], heads=64, fmt="bfloat16", num_decode_tokens=3)
+    case = nvidia_step(gen, [1, 2, 5], [40, 80, 200], heads=64, fmt="bfloat16", num_decode_tokens=3)
     mla = _mla(case)
     plan = mla.plan(case.batch)
     assert_close(run_layer(mla, plan, case, LayerKind.C4A))
@@ -202,8 +203,8 @@ def test_two_models_in_one_process_own_their_workspaces(fake_flashinfer, gen):
     """Two SparseMLA objects for two models (128 and 16 heads, top-k 62 and 32), their steps and
     layers interleaved: each runs on its own backend instance with its own workspaces, and each
     result stays the reference's."""
-    cases = [make_case(gen, [1, 1, 1], [300, 700, 1000], heads=128, topk=62, fmt="bfloat16"),
-             make_case(gen, [1, 1], [50, 900], heads=16, topk=32, fmt="bfloat16")]
+    cases = [nvidia_step(gen, [1, 1, 1], [300, 700, 1000], heads=128, topk=62, fmt="bfloat16"),
+             nvidia_step(gen, [1, 1], [50, 900], heads=16, topk=32, fmt="bfloat16")]
     mlas = [_mla(case) for case in cases]
     plans = [mla.plan(case.batch) for mla, case in zip(mlas, cases)]
     for kind in (LayerKind.C4A, LayerKind.SWA, LayerKind.C128A):
@@ -217,7 +218,7 @@ def test_two_models_in_one_process_own_their_workspaces(fake_flashinfer, gen):
 
 
 def test_c128a_and_swa_rows_built_once_per_step_c4a_per_layer(fake_flashinfer, gen):
-    case = make_case(gen, [1, 1, 1], [300, 700, 1000], heads=64, fmt="bfloat16")
+    case = nvidia_step(gen, [1, 1, 1], [300, 700, 1000], heads=64, fmt="bfloat16")
     mla = _mla(case)
     plan = mla.plan(case.batch)
     kinds = [LayerKind.C128A, LayerKind.C4A, LayerKind.SWA] * 2
@@ -235,7 +236,7 @@ def test_c128a_and_swa_rows_built_once_per_step_c4a_per_layer(fake_flashinfer, g
 def test_merged_rows_give_the_reference_result(gen, kind):
     """Run the float64 reference on the merged rows the kernel gets (plain pools: storage offsets
     == slots): SWA columns [0, 128) with the seq_lens window rule, compressed columns after."""
-    case = make_case(gen, [1, 4, 1], [3, 150, 900], heads=8, topk=61, fmt="bfloat16")
+    case = nvidia_step(gen, [1, 4, 1], [3, 150, 900], heads=8, topk=61, fmt="bfloat16")
     mla = SparseMLA(case.spec, case.fmt, backend="torch")
     plan = mla.plan(case.batch)
     layer = mla.layer_inputs(plan, kind, case.q, case.caches["swa"], case.caches[kind], case.topk_for(kind),
@@ -257,8 +258,8 @@ def test_minus_one_never_inside_the_attended_lengths(fake_flashinfer, gen):
     window), top-k lanes -1 or out of the cache inside the valid prefix, a token whose whole
     window is out of the cache. The adapter's answer is the reference's under both readings of
     -1; what the kernel attends holds keys only."""
-    case = make_case(gen, [1, 1, 1, 2], [200, 700, 90, 1000], kinds=V41, heads=64, topk=64, fmt="bfloat16",
-                     block_size=64)
+    case = nvidia_step(gen, [1, 1, 1, 2], [200, 700, 90, 1000], kinds=V41, heads=64, topk=64, fmt="bfloat16",
+                       block_size=64)
     table = case.batch.swa_block_table
     table[0, 1] = case.caches["swa"].shape[0] + 5  # positions 64..127 of request 0: past the cache
     table[2, 1] = case.caches["swa"].shape[0]  # request 2's window (positions 64..89): all past the cache
@@ -350,7 +351,7 @@ def test_loader_refuses_missing_cubins_jit_and_old_signature(monkeypatch, tmp_pa
 
 
 def test_bad_cache_layout_is_a_value_error(fake_flashinfer, gen):
-    case = make_case(gen, [1], [50], heads=64, fmt="bfloat16", swa_block_stride=64 * 512 + 8)
+    case = nvidia_step(gen, [1], [50], heads=64, fmt="bfloat16", swa_block_stride=64 * 512 + 8)
     mla = _mla(case)
     plan = mla.plan(case.batch)
     with pytest.raises(ValueError, match="swa_cache: got block stride 32776 elements; allowed: a multiple of 512"):

@@ -35,11 +35,13 @@ from dsv4_attn.common.layout import KVFormat, Record
 from dsv4_attn.common.platform import Platform
 from dsv4_attn.common.spec import V4_KINDS, LayerKind, ModelSpec
 from dsv4_attn.cuda import flashmla
+from dsv4_attn.testing.steps import redrawn_topk
 
-from compare import BF16, assert_close, metrics
-from garbage_cases import garbage_step
+from kit.compare import BF16, assert_close, metrics
 from kit.flashmla_standin import FakeFlashMLA, Op
-from nvidia_cases import forward_poisoned, make_case, redrawn_topk, reference_out, run_layer
+from kit.garbage import garbage_step
+from kit.layers import forward_poisoned, reference_out, run_layer
+from kit.steps import nvidia_step
 
 SM90 = Platform("cuda", "sm90", "fake H100", "2.x")
 SM100 = Platform("cuda", "sm100", "fake B200", "2.x")
@@ -88,8 +90,8 @@ def _every_kind_matches_reference(case, pad_tokens: int) -> None:
 def test_every_kind_decode_prefill_mtp_padding_matches_reference(fake_flashmla, gen, heads):
     # decodes (pos < W, pos + 1 < 4, long), an MTP pair, a prefill chunk crossing the window, a
     # prefill request whose first tokens see no compressed entry yet, then 2 padding tokens
-    case = make_case(gen, [1, 1, 1, 2, 9, 5], [1, 3, 300, 131, 140, 7], heads=heads, topk=96,
-                     num_decode_tokens=5, pad_tokens=2, empty_topk_tokens=(2,))
+    case = nvidia_step(gen, [1, 1, 1, 2, 9, 5], [1, 3, 300, 131, 140, 7], heads=heads, topk=96,
+                       num_decode_tokens=5, pad_tokens=2, empty_topk_tokens=(2,))
     _every_kind_matches_reference(case, pad_tokens=2)
     # decode went through sparse_decode_fwd with heads padded to 64/128, prefill through prefill
     assert {c["h"] for c in fake_flashmla.decode_calls} == {flashmla.padded_heads(heads)}
@@ -99,8 +101,8 @@ def test_every_kind_decode_prefill_mtp_padding_matches_reference(fake_flashmla, 
 def test_odd_page_sizes_block_strides_and_widths(fake_flashmla, gen):
     # SWA block size 1 with a foreign-page stride, C4A block size 53 (block_size 212), top-k 100
     # (not a multiple of the kernels' blocks), window 96 (decode pads the SWA row to 128 columns)
-    case = make_case(gen, [1, 1, 4], [90, 400, 260], heads=64, topk=100, window=96, swa_bs=1,
-                     block_size=212, swa_block_stride=2 * 584 + 576)
+    case = nvidia_step(gen, [1, 1, 4], [90, 400, 260], heads=64, topk=100, window=96, swa_bs=1,
+                       block_size=212, swa_block_stride=2 * 584 + 576)
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
     for kind in (LayerKind.SWA, LayerKind.C4A):
@@ -109,8 +111,8 @@ def test_odd_page_sizes_block_strides_and_widths(fake_flashmla, gen):
 
 @pytest.mark.parametrize("swa_bs, block_size", [(2, 256), (256, 512)])
 def test_block_sizes(fake_flashmla, gen, swa_bs, block_size):
-    case = make_case(gen, [1, 3, 1], [700, 520, 1030], heads=32, swa_bs=swa_bs, block_size=block_size,
-                     num_decode_tokens=1)
+    case = nvidia_step(gen, [1, 3, 1], [700, 520, 1030], heads=32, swa_bs=swa_bs, block_size=block_size,
+                       num_decode_tokens=1)
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
     for kind in V4_KINDS:
@@ -118,7 +120,7 @@ def test_block_sizes(fake_flashmla, gen, swa_bs, block_size):
 
 
 def test_scheduler_metadata_planned_once_per_kind_and_step(fake_flashmla, gen):
-    case = make_case(gen, [1, 1, 1], [100, 900, 2000], heads=64)
+    case = nvidia_step(gen, [1, 1, 1], [100, 900, 2000], heads=64)
     mla = _mla(case)
     for step in range(2):
         plan = mla.plan(case.batch)
@@ -137,7 +139,7 @@ def test_scheduler_metadata_planned_once_per_kind_and_step(fake_flashmla, gen):
 
 
 def test_prefill_workspace_holds_distinct_selected_rows_within_budget(fake_flashmla, gen):
-    case = make_case(gen, [40, 30], [300, 1500], heads=64, topk=128)
+    case = nvidia_step(gen, [40, 30], [300, 1500], heads=64, topk=128)
     budget = 96 * 1024  # 96 rows of bf16: forces the chunk to be halved several times
     bm.register_backend("flashmla-small", flashmla.FlashMLABackend(workspace_bytes=budget, index_keys=4096))
     try:
@@ -160,7 +162,7 @@ def test_cuda_graph_style_reuse_refused_across_steps_is_not_needed(fake_flashmla
     """Two steps with different lengths: each step's first layer plans anew (no stale schedule)."""
     mla = SparseMLA(ModelSpec(num_heads=64, topk=64), "fp8_ds_mla", backend="flashmla")
     for seq in ([100, 200], [300, 400]):
-        case = make_case(gen, [1, 1], seq, heads=64)
+        case = nvidia_step(gen, [1, 1], seq, heads=64)
         plan = mla.plan(case.batch)
         assert_close(run_layer(mla, plan, case, LayerKind.C128A))
     tiles = [id(c["tile"]) for c in fake_flashmla.decode_calls]
@@ -176,7 +178,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 @needs_triton
 @pytest.mark.parametrize("kinds", [V4_KINDS, V41], ids=["v4", "v41"])
 def test_fused_topk_translation_matches_the_torch_ops_on_garbage(kinds):
-    """Every garbage class in the block tables and the top-k rows (tests/garbage_cases.py), top-k
+    """Every garbage class in the block tables and the top-k rows (tests/kit/garbage.py), top-k
     32 (padded to 128 columns), the cache's slot count and bounds that cut valid slots: the fused
     kernel writes what translation + bound + padding in torch write, lens too."""
     from dsv4_attn.common.indices import Tokens, bounded_rows, comp_rows_for
@@ -186,7 +188,7 @@ def test_fused_topk_translation_matches_the_torch_ops_on_garbage(kinds):
     case, tokens = step.case, Tokens.of(step.case.batch)
     for kind in (k for k in kinds if k.uses_topk):
         table, bs = case.batch.comp_block_tables[kind.ratio], case.batch.comp_block_size(kind)
-        local = case.topk[kind]
+        local = case.topks[kind]
         rows, lens = comp_rows_for(tokens, kind, table, bs, local)
         slots = case.caches[kind].shape[0] * bs
         valid = rows[rows >= 0]
@@ -255,8 +257,8 @@ V41_QUERY_LENS, V41_SEQ_LENS = [1, 1, 1, 2, 9, 3], [1, 3, 300, 131, 140, 3]
 
 @pytest.mark.parametrize("heads, block_size", [(16, 64), (64, 256), (128, 64)])  # vLLM on SM90: 64-token blocks
 def test_v41_kinds_on_the_v4_record(fake_flashmla, gen, heads, block_size):
-    case = make_case(gen, V41_QUERY_LENS, V41_SEQ_LENS, kinds=V41, heads=heads, topk=96, block_size=block_size,
-                     num_decode_tokens=5, pad_tokens=2, empty_topk_tokens=(2,))
+    case = nvidia_step(gen, V41_QUERY_LENS, V41_SEQ_LENS, kinds=V41, heads=heads, topk=96, block_size=block_size,
+                       num_decode_tokens=5, pad_tokens=2, empty_topk_tokens=(2,))
     _every_kind_matches_reference(case, pad_tokens=2)
     calls = fake_flashmla.decode_calls
     assert {c["records"] for c in calls} == {(Record.V4_FP8, None), (Record.V4_FP8, Record.V4_FP8)}
@@ -270,7 +272,7 @@ def test_v41_kinds_on_the_v4_record(fake_flashmla, gen, heads, block_size):
 def test_v41_layers_sharing_a_compressed_cache(fake_flashmla, gen):
     """Two C2A layers read one cache with their own top-k rows: one schedule serves both (the
     lengths derive from positions only), the cache is read in place and left unchanged."""
-    case = make_case(gen, [1, 1, 1], [90, 600, 2000], kinds=(LayerKind.SWA, LayerKind.C2A), heads=64, topk=64)
+    case = nvidia_step(gen, [1, 1, 1], [90, 600, 2000], kinds=(LayerKind.SWA, LayerKind.C2A), heads=64, topk=64)
     spec = ModelSpec(num_heads=64, topk=64, max_model_len=4096,
                      layers=[dsv4.Layer(0, LayerKind.SWA), dsv4.Layer(1, LayerKind.C2A, 1),
                              dsv4.Layer(2, LayerKind.C2A, 1)])
@@ -291,9 +293,9 @@ def test_v41_records_on_sm100(fake_flashmla_sm100, gen, fmt, kinds, heads):
     """CONTRACT TEST (no SM100 GPU): decode reads the V4.1 records in place (528 B SWA; 528 or 288 B
     compressed), prefill dequantizes the selected rows; every kind against the reference."""
     # pages of whole 512 B multiples (vLLM's V4.1 pages): block_size 4096 gives C128A 32-entry pages
-    case = make_case(gen, V41_QUERY_LENS, V41_SEQ_LENS, kinds=kinds, heads=heads, fmt=fmt, topk=64,
-                     block_size=256 if kinds == V41 else 4096, num_decode_tokens=5, pad_tokens=1,
-                     empty_topk_tokens=(2,))
+    case = nvidia_step(gen, V41_QUERY_LENS, V41_SEQ_LENS, kinds=kinds, heads=heads, fmt=fmt, topk=64,
+                       block_size=256 if kinds == V41 else 4096, num_decode_tokens=5, pad_tokens=1,
+                       empty_topk_tokens=(2,))
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
     for kind in kinds:
@@ -310,20 +312,20 @@ def test_sm100_block_strides(fake_flashmla_sm100, gen):
     that is not a multiple of them is a ValueError naming the cache; vLLM's shared block stride,
     a multiple of lcm(528, 288), serves both caches."""
     shared = 3168 * 6  # lcm(528, 288) * 6 >= 64 * 288 and >= 32 * 528
-    case = make_case(gen, [1, 1, 3], [90, 700, 260], kinds=V41, heads=64, fmt="nvfp4_ds_mla", topk=64, swa_bs=32,
-                     block_size=64, swa_block_stride=shared, comp_block_stride=shared)
+    case = nvidia_step(gen, [1, 1, 3], [90, 700, 260], kinds=V41, heads=64, fmt="nvfp4_ds_mla", topk=64, swa_bs=32,
+                       block_size=64, swa_block_stride=shared, comp_block_stride=shared)
     mla = _mla(case)
     plan = mla.plan(case.batch, validate=True)
     for kind in V41:
         assert_close(run_layer(mla, plan, case, kind))
-    bad = make_case(gen, [1], [90], kinds=V41, heads=64, fmt="nvfp4_ds_mla", topk=64, block_size=64,
-                    comp_block_stride=64 * 528)  # a multiple of 528, not of 288
+    bad = nvidia_step(gen, [1], [90], kinds=V41, heads=64, fmt="nvfp4_ds_mla", topk=64, block_size=64,
+                      comp_block_stride=64 * 528)  # a multiple of 528, not of 288
     mla = _mla(bad)
     plan = mla.plan(bad.batch)
     with pytest.raises(ValueError, match=r"^comp_cache: got block stride 33792 B; allowed on SM100: a multiple of "
                                          r"288 B \(FlashMLA reads nvfp4 caches as rows of 288 B"):
         mla.forward(plan, "c1a", bad.q, bad.caches["swa"], bad.caches[LayerKind.C1A], topk=bad.topks[LayerKind.C1A])
-    odd = make_case(gen, [1], [90], kinds=V41, heads=64, fmt="mxfp8_ds_mla", topk=64, swa_bs=1)  # page 1024 B
+    odd = nvidia_step(gen, [1], [90], kinds=V41, heads=64, fmt="mxfp8_ds_mla", topk=64, swa_bs=1)  # page 1024 B
     mla = _mla(odd)
     plan = mla.plan(odd.batch)
     with pytest.raises(ValueError, match=r"^swa_cache: got block stride 1024 B; allowed on SM100: a multiple of 528 B"):
@@ -482,7 +484,7 @@ def _record(table, name, kind, m):
     assert_close(m, dataclasses.replace(BF16, max_abs=0.1))  # outputs reach |8|: bf16 steps there are 0.03
 
 
-# name -> (query_lens, seq_lens, make_case keyword arguments)
+# name -> (query_lens, seq_lens, nvidia_step keyword arguments)
 _GPU_CASES = {
     "decode H64 C4A512 b64": ([1] * 64, None, dict(heads=64, topk=512)),
     "decode H128 C4A1024 b32": ([1] * 32, None, dict(heads=128, topk=1024)),
@@ -530,7 +532,7 @@ def test_gpu_parity(name, table):
         seqs = [int(x) for x in torch.randint(1, 6000, (len(qlens),), generator=gen)]
         seqs = [max(s, q) for s, q in zip(seqs, qlens)]
     kw = {"max_model_len": 8192, **kw}
-    case = make_case(gen, qlens, seqs, device=GPU, **kw)
+    case = nvidia_step(gen, qlens, seqs, device=GPU, **kw)
     case.sink[0], case.sink[1] = math.inf, -math.inf
     mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU)
     plan = mla.plan(case.batch, validate=True)
@@ -551,8 +553,8 @@ def test_gpu_v41_layers_sharing_a_compressed_cache(table):
     _real_lib()
     gen = torch.Generator().manual_seed(41)
     seqs = [int(x) for x in torch.randint(1, 6000, (32,), generator=gen)]
-    case = make_case(gen, [1] * 32, seqs, kinds=V41, heads=64, topk=512, block_size=64, max_model_len=8192,
-                     device=GPU)
+    case = nvidia_step(gen, [1] * 32, seqs, kinds=V41, heads=64, topk=512, block_size=64, max_model_len=8192,
+                       device=GPU)
     spec = ModelSpec(num_heads=64, topk=512, max_model_len=8192,
                      layers=[dsv4.Layer(0, LayerKind.SWA), dsv4.Layer(1, LayerKind.C1A, 1),
                              dsv4.Layer(2, LayerKind.C2A, 2), dsv4.Layer(3, LayerKind.C2A, 2)])
@@ -577,8 +579,8 @@ def test_gpu_prefill_32k_chunk_bounded(table, monkeypatch):
     monkeypatch.setattr(flashmla.FlashMLAOps, "prefill",
                         lambda self, q, kv, *a: (launches.append((q.shape[0], kv.shape[0])), prefill(self, q, kv, *a)))
     gen = torch.Generator().manual_seed(32768)
-    case = make_case(gen, [32768], [40000], heads=64, topk=512, max_model_len=65536, num_decode_tokens=0,
-                     device=GPU)
+    case = nvidia_step(gen, [32768], [40000], heads=64, topk=512, max_model_len=65536, num_decode_tokens=0,
+                       device=GPU)
     mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU, max_tokens=32768)
     plan = mla.plan(case.batch)
     sample = torch.cat([torch.arange(64), torch.randperm(32768, generator=gen)[:448], torch.arange(32704, 32768)])
@@ -587,11 +589,11 @@ def test_gpu_prefill_32k_chunk_bounded(table, monkeypatch):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        out = forward_poisoned(mla, plan, case, kind)
+        out = forward_poisoned(mla, plan, case, kind, validate=True)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
         idx = sample.to(GPU)  # the reference on 576 of the 32768 tokens (first, last and random ones)
-        m = dict(metrics(out[idx], reference_out(mla, plan, case, kind, tokens=idx)),
+        m = dict(metrics(out[idx], reference_out(plan, case, kind, tokens=idx)),
                  written=not bool(out.isnan().any()))
         rows = max(r for _, r in launches)
         _record(table, f"prefill 32k tokens: {len(launches)} launches, <= {rows} ws rows, peak +{peak >> 20} MiB",
@@ -603,8 +605,8 @@ def test_gpu_prefill_32k_chunk_bounded(table, monkeypatch):
 def _graph_case(gen, device, kinds):
     """16 decode tokens; the longest request is fixed so block tables and caches keep their shapes."""
     seqs = [4000] + [int(x) for x in torch.randint(1, 4000, (15,), generator=gen)]
-    return make_case(gen, [1] * 16, seqs, kinds=kinds, heads=64, topk=512, device=device,
-                     block_size=256 if kinds == V4_KINDS else 64)
+    return nvidia_step(gen, [1] * 16, seqs, kinds=kinds, heads=64, topk=512, device=device,
+                       block_size=256 if kinds == V4_KINDS else 64)
 
 
 def _refill(case, new):
@@ -632,7 +634,7 @@ def _decode_step(mla, plan, case, outs):
 
 def _check_step(table, name, mla, plan, case, outs):
     for kind, out in outs.items():
-        _record(table, name, kind, metrics(out, reference_out(mla, plan, case, kind)))
+        _record(table, name, kind, metrics(out, reference_out(plan, case, kind)))
 
 
 @pytest.mark.gpu
@@ -675,9 +677,9 @@ def test_gpu_huge_slots(table, kinds):
     """Last on purpose: if the kernel computed byte offsets in int32 this could fault the context."""
     _real_lib()
     gen = torch.Generator().manual_seed(2**31 % 1000)
-    case = make_case(gen, [1, 1, 1, 3], [4000, 5000, 300, 3000], kinds=kinds, heads=64, topk=512, block_base=60000,
-                     num_decode_tokens=3, max_model_len=8192, block_size=256 if kinds == V4_KINDS else 64,
-                     device=GPU)
+    case = nvidia_step(gen, [1, 1, 1, 3], [4000, 5000, 300, 3000], kinds=kinds, heads=64, topk=512, block_base=60000,
+                       num_decode_tokens=3, max_model_len=8192, block_size=256 if kinds == V4_KINDS else 64,
+                       device=GPU)
     assert case.caches["swa"].shape[0] * case.caches["swa"].stride(0) > 2**31
     mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device=GPU)
     plan = mla.plan(case.batch, validate=True)

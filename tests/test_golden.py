@@ -21,7 +21,7 @@ import torch
 from dsv4_attn import LayerKind, ModelSpec, SparseMLA, StepBatch
 from dsv4_attn.common import reference
 
-from compare import assert_close, compare
+from kit.compare import assert_close, compare
 
 DATA = Path(__file__).parent / "data" / "flashmla_golden_small.pt"
 # the untrimmed recording the small file was cut from (not in the repository: 13.8 MB); set this

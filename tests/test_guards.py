@@ -1,6 +1,6 @@
 """Bad input never crashes or silently corrupts (docs/bad-input.md).
 
-* Every class of garbage index (tests/garbage_cases.py: -1 between valid entries, < -1, int32
+* Every class of garbage index (tests/kit/garbage.py: -1 between valid entries, < -1, int32
   extremes, the capacity itself, past it) in every scope (SWA, C4A and C128A block tables, top-k
   rows, global slot rows) gives the answer of the step's CLEAN twin (garbage replaced by -1),
   computed by the float64 reference on rows built from the clean inputs; ``validate=True``
@@ -32,11 +32,11 @@ from dsv4_attn.common import layout, reference  # noqa: E402
 from dsv4_attn.common import registry as backend_mod  # noqa: E402
 from dsv4_attn.common.backend import Phase  # noqa: E402
 from dsv4_attn.common.spec import V4_KINDS, LayerKind  # noqa: E402
+from dsv4_attn.testing.steps import filled_cache, make_step  # noqa: E402
 
-from compare import assert_close, compare  # noqa: E402
-from conftest import within_flashmla_lse_tolerance  # noqa: E402
-from garbage_cases import CLASSES, clean_rows, garbage_rows, garbage_step, garbage_value, raw_rows_case  # noqa: E402
-from step_cases import filled_cache, make_case  # noqa: E402
+from kit.compare import assert_close, compare  # noqa: E402
+from kit.garbage import CLASSES, clean_rows, garbage_rows, garbage_step, garbage_value, raw_rows_case  # noqa: E402
+from kit.reference import within_flashmla_lse_tolerance  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -271,7 +271,7 @@ def test_front_ends_agree_on_garbage_and_never_read_past_a_table(device):
 
 
 def _v4_case(seed=9, query_lens=(1, 1), seq_lens=(50, 60), **kw):
-    return make_case(torch.Generator().manual_seed(seed), list(query_lens), list(seq_lens), **kw)
+    return make_step(torch.Generator().manual_seed(seed), list(query_lens), list(seq_lens), **kw).v4_inputs()
 
 
 def test_topk_width_must_be_the_models():
@@ -413,7 +413,7 @@ def _nan_backends(device):
 @pytest.mark.parametrize("device", _devices())
 def test_nan_sink_gives_nan_on_its_head_not_zeros(device):
     """Before: the torch backend (and apply_sink) turned a NaN sink into an all-zero head."""
-    spec, batch, caches, topk, q, sink = _v4_case(query_lens=(1, 3), seq_lens=(300, 90), num_tokens=6,
+    spec, batch, caches, topk, q, sink = _v4_case(query_lens=(1, 3), seq_lens=(300, 90), pad_tokens=2,
                                                   device=device)
     sink[3] = float("nan")
     plan = dsv4.SparseMLA(spec, "fp8_ds_mla", backend="torch", front_end="torch").plan(batch)

@@ -26,8 +26,7 @@ import torch
 import dsv4_attn as dsv4
 from dsv4_attn.common import checks
 from dsv4_attn.common.spec import LayerKind
-
-from step_cases import make_step
+from dsv4_attn.testing.steps import make_step
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 C4A_ONLY = (LayerKind.SWA, LayerKind.C4A)
@@ -40,7 +39,7 @@ def case(gen):
 
 def _call(mla, plan, case, **changes):
     args = dict(q=case.q, swa_cache=case.caches["swa"], comp_cache=case.caches[LayerKind.C4A],
-                topk=case.topk[LayerKind.C4A], sink=case.sink, out=torch.full_like(case.q, float("nan")))
+                topk=case.topks[LayerKind.C4A], sink=case.sink, out=torch.full_like(case.q, float("nan")))
     args.update(changes)
     return mla.forward(plan, LayerKind.C4A, **args)
 
@@ -54,7 +53,7 @@ def _refusal(mla, plan, case, **changes) -> str:
 def _changes(case, plan):
     """name -> inputs that differ from the good call in one attribute the checks read."""
     q, swa, comp = case.q, case.caches["swa"], case.caches[LayerKind.C4A]
-    topk, T = case.topk[LayerKind.C4A], case.q.shape[0]
+    topk, T = case.topks[LayerKind.C4A], case.q.shape[0]
     return {
         "q shape": dict(q=q[:-1]),
         "q dtype": dict(q=q.float()),
@@ -129,7 +128,7 @@ def test_a_repeated_call_skips_the_deep_checks_and_a_new_one_runs_them(case, mon
     _call(mla, mla.plan(case.batch), case, out=out)  # the next step, same facts: memoized
     assert len(calls) == 2
     mla.forward(plan := mla.plan(case.batch), LayerKind.C4A, case.q, case.caches["swa"],
-                case.caches[LayerKind.C4A], topk=case.topk[LayerKind.C4A], sink=case.sink, out=out, validate=True)
+                case.caches[LayerKind.C4A], topk=case.topks[LayerKind.C4A], sink=case.sink, out=out, validate=True)
     assert len(calls) == 3  # validate reads values: never memoized
 
 
@@ -137,15 +136,15 @@ def test_a_replaced_copy_of_checked_inputs_carries_no_key(case):
     mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")
     plan = mla.plan(case.batch)
     layer = mla.layer_inputs(plan, LayerKind.C4A, case.q, case.caches["swa"], case.caches[LayerKind.C4A],
-                             case.topk[LayerKind.C4A], case.sink)
+                             case.topks[LayerKind.C4A], case.sink)
     again = mla.layer_inputs(plan, LayerKind.C4A, case.q, case.caches["swa"], case.caches[LayerKind.C4A],
-                             case.topk[LayerKind.C4A], case.sink)
+                             case.topks[LayerKind.C4A], case.sink)
     assert layer.checked_key is not None and layer.checked_key == again.checked_key
     assert dataclasses.replace(layer, q=case.q[:1]).checked_key is None
     assert layer.token_slice(0, 1).checked_key == (layer.checked_key, 0, 1)
     other = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")
     theirs = other.layer_inputs(other.plan(case.batch), LayerKind.C4A, case.q, case.caches["swa"],
-                                case.caches[LayerKind.C4A], case.topk[LayerKind.C4A], case.sink)
+                                case.caches[LayerKind.C4A], case.topks[LayerKind.C4A], case.sink)
     assert theirs.checked_key != layer.checked_key  # two models' keys never mix
 
 
@@ -162,7 +161,7 @@ def _launches(case, split: int):
     out = torch.empty_like(case.q)
     return ops.layer_launches(
         case.q, out, "fp8_ds_mla", case.caches["swa"], plan.swa_rows, plan.swa_lens,
-        comp_cache=case.caches[kind], comp_rows=case.topk[kind],
+        comp_cache=case.caches[kind], comp_rows=case.topks[kind],
         c4a=(case.batch.comp_block_table(kind), plan.token_to_req, plan.positions), topk_ratio=kind.ratio,
         sink=case.sink, config=ops.KernelConfig(split=split, p_scratch=1))
 

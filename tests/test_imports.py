@@ -1,11 +1,17 @@
 """The house's import rules (docs/architecture.md, issue 25): no import circle, lazy imports
 included; a vendor backend imports neither the registry nor another backend (tools and
 SparseMLA choose backends, a backend never builds another); no package file over 600 lines
-outside the Triton kernels."""
+outside the Triton kernels; a test module imports the tests' kit, the package and third-party
+modules only, never another test module."""
 
 from __future__ import annotations
 
-from house_stats import KERNELS, MAX_LINES, circles, import_graph, line_counts
+import ast
+from pathlib import Path
+
+from kit.house_stats import KERNELS, MAX_LINES, circles, import_graph, line_counts
+
+TESTS = Path(__file__).resolve().parent
 
 # the backend modules the registry ships (common/registry.py _REGISTRY), and what else they may
 # not import: the registry, tools, engines
@@ -37,6 +43,15 @@ def test_no_backend_imports_the_registry_or_another_backend():
         assert not wrong, f"{backend} imports {sorted(wrong)}"
 
 
+def test_the_shared_step_builder_imports_torch_and_common_only():
+    """dsv4_attn.testing serves the tests, parity and the bench from a wheel: vendor-free like common/."""
+    graph = import_graph()
+    for module in (m for m in graph if m == "dsv4_attn.testing" or m.startswith("dsv4_attn.testing.")):
+        wrong = {m for m in graph[module] if not m.startswith(("dsv4_attn.common", "dsv4_attn.testing"))}
+        assert not wrong, f"{module} imports {sorted(wrong)}"
+    assert "dsv4_attn.testing.steps" in graph["dsv4_attn.parity.inputs"]
+
+
 def test_the_import_graph_sees_lazy_and_relative_imports():
     graph = import_graph()
     assert "dsv4_attn.common.registry" in graph["dsv4_attn.api"]  # from .common import registry
@@ -46,3 +61,28 @@ def test_the_import_graph_sees_lazy_and_relative_imports():
 def test_no_package_file_over_600_lines_outside_the_kernels():
     big = {f: n for f, n in line_counts().items() if n > MAX_LINES and not f.startswith(KERNELS)}
     assert not big, big
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The first name of every absolute import in a file, lazy ones inside functions included."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_test_modules_import_only_the_kit_the_package_and_third_party_modules():
+    """Helpers two test modules share live in tests/kit/ (or the package's dsv4_attn.testing): no
+    test module, kit module or GPU script imports a test module, conftest or another file of
+    tests/ outside the kit."""
+    beside = {p.stem for p in TESTS.glob("*.py")} | {p.name for p in TESTS.iterdir() if p.is_dir()}
+    beside -= {"kit"}
+    files = [*TESTS.glob("*.py"), *TESTS.glob("kit/*.py"), *TESTS.glob("gpu_scripts/*.py"),
+             *TESTS.glob("vllm_env/*.py"), *TESTS.glob("sglang_env/*.py")]
+    assert len(files) > 40 and "conftest" in beside and "test_aiter" in beside
+    wrong = {f"{f.relative_to(TESTS)} imports {sorted(names)}" for f in files
+             if (names := _top_level_imports(f) & beside)}
+    assert not wrong, sorted(wrong)

@@ -28,7 +28,7 @@ from dsv4_attn.common.layout import Fp8Dialect, KVFormat, Record
 from dsv4_attn.common.platform import probe
 from dsv4_attn.common.spec import LayerKind
 
-from conftest import e4m3_table
+from kit.reference import e4m3_table
 
 GOLDEN = torch.load(Path(__file__).parent / "data" / "kv_records_golden.pt")
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)

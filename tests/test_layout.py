@@ -15,7 +15,7 @@ import torch
 from dsv4_attn.common import layout
 from dsv4_attn.common.layout import Fp8Dialect, KVFormat
 
-from conftest import e4m3_table
+from kit.reference import e4m3_table
 
 MODEL1 = KVFormat.MODEL1_FP8
 

@@ -11,7 +11,7 @@ import torch
 
 from dsv4_attn.common import merge
 
-from compare import compare
+from kit.compare import compare
 
 T, H, D = 5, 4, 16
 

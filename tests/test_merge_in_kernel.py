@@ -57,7 +57,7 @@ def test_gpu_in_kernel_merge_matches_the_reference_across_graph_replays(cfg, bat
     from dsv4_attn.common.registry import register_backend
     from dsv4_attn.portable.triton_backend import TritonBackend
 
-    from compare import assert_close, metrics
+    from kit.compare import assert_close, metrics
 
     name = "triton-merge-in-kernel-test"
     register_backend(name, TritonBackend(ops.KernelConfig(impl="gluon", merge_in_kernel=1)))
@@ -75,14 +75,7 @@ def test_gpu_in_kernel_merge_matches_the_reference_across_graph_replays(cfg, bat
                                    case.sink, case.spec.scale, case.fmt)
     out.fill_(float("nan"))
     run()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = bench.timing.capture_graph(run)
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()

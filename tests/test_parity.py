@@ -21,9 +21,9 @@ from dsv4_attn.common import registry as bm
 from dsv4_attn.common.backend import Backend, Phase
 from dsv4_attn.common.layout import KVFormat
 from dsv4_attn.common.spec import LayerKind
-from dsv4_attn.parity.inputs import cache_to, flat_bytes
 from dsv4_attn.parity.report import finite_json
 from dsv4_attn.portable.torch_backend import TorchBackend
+from dsv4_attn.testing.steps import cache_to, flat_bytes
 
 from kit.parity_tiny import TINY
 

@@ -27,7 +27,8 @@ def test_ci_runs_the_readme_commands():
     torch (CPU build, in the supported range) before the package, then the package with its test
     tools; the test block runs the linter, the type check, the example, the suite, the vLLM and
     SGLang shim tests, the packaging check, the torch 2.15 pass (its venv installed in the
-    background from the block's start) and the offline compiles under Triton 3.6 and 3.9."""
+    background from the block's start) and the offline compiles under Triton 3.6 and 3.9 (their side
+    installs prefetched the same way)."""
     script = (ROOT / ".ci" / "run").read_text()
     extract = script.split("readme_block() {", 1)[1].split("\n}", 1)[0]
     got = {}
@@ -35,9 +36,10 @@ def test_ci_runs_the_readme_commands():
         res = subprocess.run(["bash", "-c", f"cd {ROOT} && readme_block() {{ {extract}\n}}; readme_block {marker}"],
                              capture_output=True, text=True, check=True)
         got[marker] = res.stdout.strip().splitlines()
-    assert got["install-command"] == ["pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+    assert got["install-command"] == ["pip install torch==2.13.0",
                                       'pip install -e ".[test]" "triton==3.8.0"']
-    assert got["test-command"] == ["bash ci/torch-next.sh --prefetch", "ruff check .", "mypy",
+    assert got["test-command"] == ["bash ci/torch-next.sh --prefetch", "bash ci/compile-matrix.sh --prefetch",
+                                   "ruff check .", "mypy",
                                    "python examples/run_step.py", "python -m pytest -q -n 2 tests",
                                    "bash ci/vllm-tests.sh", "bash ci/sglang-tests.sh", "bash ci/wheel-check.sh",
                                    "bash ci/torch-next.sh", "bash ci/compile-matrix.sh --quick"]

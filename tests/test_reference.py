@@ -20,8 +20,8 @@ import torch
 from dsv4_attn.common import layout, reference
 from dsv4_attn.common.layout import KVFormat
 
-from compare import compare
-from conftest import e4m3_table
+from kit.compare import compare
+from kit.reference import e4m3_table
 
 
 def _decode_model1(cache: torch.Tensor, dialect: str) -> torch.Tensor:

@@ -19,9 +19,9 @@ import torch
 import dsv4_attn as dsv4
 from dsv4_attn.common import reference
 from dsv4_attn.common.spec import V4_KINDS, LayerKind
+from dsv4_attn.testing.steps import make_step
 
-from compare import assert_close, compare
-from step_cases import make_step
+from kit.compare import assert_close, compare
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 V41_KINDS = (LayerKind.SWA, LayerKind.C1A, LayerKind.C2A)
@@ -52,7 +52,7 @@ def expected_keys(case, kind):
             table, bs = batch.comp_block_tables[kind.ratio], batch.block_size // kind.ratio
             visible = (p + 1) // kind.ratio
             if kind.uses_topk:
-                local = [int(c) for c in case.topk[kind][t, : min(visible, case.spec.topk)]]
+                local = [int(c) for c in case.topks[kind][t, : min(visible, case.spec.topk)]]
                 comp = [_slot(table, r, c, bs) if 0 <= c < visible else -1 for c in local]
             else:
                 comp = [_slot(table, r, c, bs) for c in range(visible)]
@@ -133,7 +133,7 @@ BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRI
 @pytest.mark.parametrize("kinds", [V4_KINDS, V41_KINDS], ids=["v4", "v41"])
 def test_global_rows_match_reference_on_every_kind(gen, backend, kinds):
     case = make_step(gen, QUERY_LENS, SEQ_LENS, kinds=kinds, topk=32, max_model_len=4096,
-                     num_tokens=len(_tokens()) + PAD)
+                     pad_tokens=PAD)
     rows, keys = step_rows(case, gen, clamp1=True)
     mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend=backend, front_end="torch")
     plan = mla.plan(rows, validate=True)
@@ -147,7 +147,7 @@ def test_global_rows_match_reference_on_every_kind(gen, backend, kinds):
         bplan = batch_mla.plan(case.batch)
         out = torch.full_like(case.q, float("nan"))
         batch_mla.forward(bplan, kind, case.q, case.caches["swa"], case.caches.get(kind),
-                               topk=case.topk.get(kind), sink=case.sink, out=out)
+                               topk=case.topks.get(kind), sink=case.sink, out=out)
         check(out, ref, f"batch {kind.name}")
 
 
@@ -155,7 +155,7 @@ def test_rows_are_views_and_read_when_the_layer_runs(gen):
     """plan() copies no rows; a top-k layer's rows rewritten in place after plan() (SGLang's
     indexer writes each layer's rows into one buffer) are the ones that layer attends."""
     case = make_step(gen, QUERY_LENS, SEQ_LENS, kinds=V4_KINDS, topk=32, max_model_len=4096,
-                     num_tokens=len(_tokens()) + PAD)
+                     pad_tokens=PAD)
     rows, keys = step_rows(case, gen)
     mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")
     plan = mla.plan(rows)
@@ -181,7 +181,7 @@ def test_topk_table_translates_local_topk(gen, backend):
     """A ratio given as TopkTable: the layer's local top-k goes through the table, positions and
     requests of the StepRows (C1A and C2A of V4.1 with 64-token pages)."""
     case = make_step(gen, QUERY_LENS, SEQ_LENS, kinds=V41_KINDS, topk=32, max_model_len=4096, block_size=64,
-                     num_tokens=len(_tokens()) + PAD)
+                     pad_tokens=PAD)
     rows, keys = step_rows(case, gen)
     req = torch.tensor([r for r, _ in _tokens()] + [-1] * PAD, dtype=torch.int32)
     comp = {k.ratio: dsv4.TopkTable(case.batch.comp_block_tables[k.ratio], 64 // k.ratio)
@@ -193,7 +193,7 @@ def test_topk_table_translates_local_topk(gen, backend):
     for kind in (LayerKind.C1A, LayerKind.C2A):
         assert plan.translates_topk(kind)
         out = torch.full_like(case.q, float("nan"))
-        mla.forward(plan, kind, case.q, case.caches["swa"], case.caches[kind], topk=case.topk[kind],
+        mla.forward(plan, kind, case.q, case.caches["swa"], case.caches[kind], topk=case.topks[kind],
                     sink=case.sink, out=out, validate=True)
         assert not out.isnan().any()
         check(out, reference_out(case, kind, keys[kind], case.q), kind.name)
@@ -201,7 +201,7 @@ def test_topk_table_translates_local_topk(gen, backend):
 
 def test_phase_plans_view_the_rows(gen):
     case = make_step(gen, QUERY_LENS, SEQ_LENS, kinds=V4_KINDS, topk=32, max_model_len=4096,
-                     num_tokens=len(_tokens()) + PAD)
+                     pad_tokens=PAD)
     rows, _ = step_rows(case, gen)
     plan = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch").plan(rows)
     decode, prefill = plan.phase_plan("decode"), plan.phase_plan("prefill")
@@ -214,7 +214,7 @@ def test_phase_plans_view_the_rows(gen):
 # ---- bad input: a ValueError naming the argument, before anything runs -------------------------------
 def _good(gen):
     case = make_step(gen, QUERY_LENS, SEQ_LENS, kinds=V4_KINDS, topk=32, max_model_len=4096,
-                     num_tokens=len(_tokens()) + PAD)
+                     pad_tokens=PAD)
     rows, _ = step_rows(case, gen)
     return case, rows
 
@@ -319,7 +319,7 @@ def test_forward_refuses_topk_for_a_kind_given_as_global_rows(gen):
     plan = mla.plan(rows)
     with pytest.raises(ValueError, match=r"topk: got a tensor for a C4A layer whose global rows the plan holds"):
         mla.forward(plan, LayerKind.C4A, case.q, case.caches["swa"], case.caches[LayerKind.C4A],
-                    topk=case.topk[LayerKind.C4A])
+                    topk=case.topks[LayerKind.C4A])
     only_swa = _with(rows, comp={})
     plan = mla.plan(only_swa)
     with pytest.raises(ValueError, match=r"comp: the step's StepRows has no GlobalRows for ratio 128"):

@@ -11,7 +11,7 @@ positions, causal and replay-floored SWA rows, prefill / verify / draft-extend e
 ``DSV4AttnMetadata``. Each step -- decode, extend, target verify, draft extend, multi-step draft
 decode, the bounded-replay tail -- runs every layer through ``backend.forward`` and through
 SGLang's OWN ``_forward_attention`` on the same metadata, its FlashMLA calls (decode and sparse
-prefill) answered in float64 (tests/vllm_stack.py), and both against the float64 reference. The
+prefill) answered in float64 (tests/kit/vllm_stack.py), and both against the float64 reference. The
 compressed rows (written on GPUs by SGLang's Triton metadata kernel and its indexer) are written
 here from their definitions through SGLang's ``set_sparse_topk``. Not exercised:
 SGLang's cache writers (CUDA kernels; the caches are filled with dsv4_attn's byte-exact writer),
@@ -34,13 +34,12 @@ import torch
 sglang = pytest.importorskip("sglang", reason="sglang is not importable here: run `bash ci/sglang-tests.sh` "
                                               "(docs/sglang.md) for the SGLang shim tests")
 
-import vllm_stack  # noqa: E402  # its float64 FlashMLA only (imports no vLLM code)
-
 from dsv4_attn.common import layout, reference  # noqa: E402
 from dsv4_attn.common.rows import StepRows  # noqa: E402
 from dsv4_attn.integrations import sglang as shim  # noqa: E402
 
-from compare import assert_close, compare  # noqa: E402
+from kit import vllm_stack  # noqa: E402  # its float64 FlashMLA only (imports no vLLM code)
+from kit.compare import assert_close, compare  # noqa: E402
 
 if not shim.is_tested_version(sglang.__version__):
     pytest.skip(f"sglang {sglang.__version__} is installed; these tests target {shim.TESTED_SGLANG_VERSIONS}",
@@ -302,7 +301,7 @@ def expected(step, tokens, keys, ratio, layer, q, sink, floor=None):
 def flashmla_f64(q, k_cache, head_dim_v, softmax_scale, indices, topk_length, attn_sink, extra_k_cache=None,
                  extra_indices_in_kvcache=None, extra_topk_length=None, **_):
     """SGLang's ``flash_mla_with_kvcache`` call (q bf16 [T, 1, H, 512], caches [pages, 256, 1, bytes])
-    answered by the float64 FlashMLA of the vLLM tests (tests/vllm_stack.py: its own fp8_ds_mla
+    answered by the float64 FlashMLA of the vLLM tests (tests/kit/vllm_stack.py: its own fp8_ds_mla
     dequantizer, not dsv4_attn's)."""
     out = torch.empty(*q.shape[:3], head_dim_v, dtype=torch.bfloat16)
     return vllm_stack.flash_mla_with_kvcache(
@@ -314,7 +313,7 @@ def flashmla_f64(q, k_cache, head_dim_v, softmax_scale, indices, topk_length, at
 
 def flashmla_sparse_f64(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
     """SGLang's sparse-prefill ``flash_mla_sparse_fwd`` call (q [T, H, 512], kv bf16 [rows, 1, 512]
-    gathered by SGLang) answered by the float64 FlashMLA of tests/vllm_stack.py."""
+    gathered by SGLang) answered by the float64 FlashMLA of tests/kit/vllm_stack.py."""
     out = torch.empty(*q.shape[:2], d_v, dtype=torch.bfloat16)
     return vllm_stack.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out=out)
 

@@ -29,9 +29,9 @@ from dsv4_attn.common import layout, reference  # noqa: E402
 from dsv4_attn.common import registry as backend_mod  # noqa: E402
 from dsv4_attn.common.backend import Phase  # noqa: E402
 from dsv4_attn.common.spec import V4_KINDS, LayerKind  # noqa: E402
+from dsv4_attn.testing.steps import filled_cache, make_step  # noqa: E402
 
-import step_cases  # noqa: E402
-from compare import assert_close, compare  # noqa: E402
+from kit.compare import assert_close, compare  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.gpu
@@ -48,8 +48,8 @@ def _backend(name: str, **cfg) -> str:
 
 
 # this file's cases: a smaller top-k and model length (the interpreter is slow), made on DEVICE
-make_case = functools.partial(step_cases.make_case, topk=32, max_model_len=33280, device=DEVICE)
-_filled_cache = functools.partial(step_cases.filled_cache, device=DEVICE)
+_make_step = functools.partial(make_step, topk=32, max_model_len=33280, device=DEVICE)
+_filled_cache = functools.partial(filled_cache, device=DEVICE)
 
 
 def run_and_check(mla, plan, kind, q, caches, topk, sink, fmt="fp8_ds_mla", kv_scale=1.0, swa_dialect="ocp"):
@@ -90,8 +90,8 @@ def test_kinds_and_formats(device, kind, fmt, gen):
     # decode (long), MTP pair, a prefill chunk crossing the window start, a very short request
     # (pos < W, no compressed key yet for its first tokens), one long C128A request
     kv_scale = 0.5 if fmt == "fp8_e4m3" else 1.0
-    spec, batch, caches, topk, q, sink = make_case(gen, [1, 2, 6, 3, 1], [300, 131, 70, 3, 33000], fmt=fmt,
-                                                   kv_scale=kv_scale if fmt == "fp8_e4m3" else None)
+    spec, batch, caches, topk, q, sink = _make_step(gen, [1, 2, 6, 3, 1], [300, 131, 70, 3, 33000], fmt=fmt,
+                                                    kv_scale=kv_scale if fmt == "fp8_e4m3" else None).v4_inputs()
     mla = dsv4.SparseMLA(spec, fmt, backend=name)
     plan = mla.plan(batch)
     run_and_check(mla, plan, kind, q, caches, topk, sink, fmt, kv_scale=kv_scale)
@@ -101,7 +101,7 @@ def test_kinds_and_formats(device, kind, fmt, gen):
 def test_sinks_padded_heads_and_split(device, gen):
     """±inf sinks, 20 real heads padded to 24 (sink -inf on the padding), and the split-KV path
     (partials + combine) against the unsplit kernel."""
-    spec, batch, caches, topk, q, _ = make_case(gen, [1, 1, 2], [200, 90, 41], heads=20)
+    spec, batch, caches, topk, q, _ = _make_step(gen, [1, 1, 2], [200, 90, 41], heads=20).v4_inputs()
     H = 24
     q = torch.cat([q, torch.zeros(q.shape[0], 4, 512, dtype=q.dtype, device=q.device)], dim=1)
     sink = torch.randn(H, generator=gen).to(DEVICE)
@@ -118,7 +118,7 @@ def test_sinks_padded_heads_and_split(device, gen):
 def test_empty_rows_padding_tokens_and_fnuz(device, gen):
     """Padding tokens (graph-padded batch: rows all -1, lens 0) write 0; an FNUZ SWA cache."""
     name = _backend("triton-t16", block_n=16)
-    spec, batch, caches, topk, q, sink = make_case(gen, [1, 1], [5, 64], num_tokens=5, swa_dialect="fnuz")
+    spec, batch, caches, topk, q, sink = _make_step(gen, [1, 1], [5, 64], pad_tokens=3, swa_dialect="fnuz").v4_inputs()
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend=name, swa_dialect="fnuz")
     plan = mla.plan(batch)
     out, _ = run_and_check(mla, plan, LayerKind.C128A, q, caches, topk, sink, swa_dialect="fnuz")
@@ -131,7 +131,8 @@ def test_block_sizes(device, swa_bs, block_size, gen):
     """SWA block sizes 1/2/256/48/64 and compressed blocks of 64/128/96 (C4A) and 2/4/3 (C128A)
     entries: powers of two (the Gluon kernel splits slots with shifts) and not (divisions)."""
     name = _backend("triton-t32", block_n=32)
-    spec, batch, caches, topk, q, sink = make_case(gen, [1, 3], [700, 260], swa_bs=swa_bs, block_size=block_size)
+    case = _make_step(gen, [1, 3], [700, 260], swa_bs=swa_bs, block_size=block_size)
+    spec, batch, caches, topk, q, sink = case.v4_inputs()
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend=name)
     plan = mla.plan(batch)
     for kind in (LayerKind.C4A, LayerKind.C128A):
@@ -215,7 +216,7 @@ def test_gpu_index_builder_matches_common(device, gen):
     from dsv4_attn.common import indices
     from dsv4_attn.portable.kernels.indices import build_step_rows
 
-    spec, batch, *_ = make_case(gen, [1, 2, 5, 1, 3], [300, 131, 70, 3, 33000], num_tokens=14, swa_bs=2)
+    spec, batch, *_ = _make_step(gen, [1, 2, 5, 1, 3], [300, 131, 70, 3, 33000], pad_tokens=2, swa_bs=2).v4_inputs()
     T, W, width = batch.num_tokens, 128, spec.c128a_width
     tok = indices.Tokens.of(batch)
     want_swa = indices.swa_rows_for(tok, batch.swa_block_table, batch.swa_block_size, W)
@@ -225,7 +226,9 @@ def test_gpu_index_builder_matches_common(device, gen):
     bufs = dict(positions=torch.full((T,), -7, dtype=torch.int64, device=DEVICE),
                 token_to_req=torch.full((T,), -7, **i32), token_valid=torch.zeros(T, dtype=torch.bool, device=DEVICE),
                 swa_rows=torch.full((T, W), -7, **i32), swa_lens=torch.full((T,), -7, **i32),
-                c128_rows=torch.full((T, width), -7, **i32), c128_lens=torch.full((T,), -7, **i32))
+                # previous lengths = the whole row: every column is stale, so every one is rewritten
+                # (the builder writes up to max(new, previous length): PlanBuffers' invariant)
+                c128_rows=torch.full((T, width), -7, **i32), c128_lens=torch.full((T,), width, **i32))
     build_step_rows(batch.query_start_loc, batch.seq_lens, T, batch.swa_block_table, batch.swa_block_size, W,
                     bufs["positions"], bufs["token_to_req"], bufs["token_valid"], bufs["swa_rows"], bufs["swa_lens"],
                     batch.comp_block_tables[128], batch.comp_block_size(128), bufs["c128_rows"], bufs["c128_lens"])
@@ -264,7 +267,7 @@ def test_refusal_reasons(monkeypatch):
 def test_odd_block_stride_is_refused_before_launch(device, fmt, gen):
     # the kernel reads V4 RoPE values and MXFP8 values (as 16-bit words) through a 2-byte view
     name = _backend("triton-t16", block_n=16)
-    spec, batch, caches, topk, q, sink = make_case(gen, [1], [40])
+    spec, batch, caches, topk, q, sink = _make_step(gen, [1], [40]).v4_inputs()
     stride = layout.default_block_stride(layout.KVFormat.parse(fmt).swa_record, 64) + 1
     bad = layout.new_cache(layout.KVFormat.parse(fmt).swa_record, 2, 64, device=DEVICE, block_stride=stride)
     mla = dsv4.SparseMLA(spec, fmt, backend=name)
@@ -363,14 +366,9 @@ def test_gpu_cuda_graph_short_capture_long_replay(impl, gen):
         state["plan"] = mla.plan(new_batch())
         mla.forward(state["plan"], LayerKind.C4A, q, swa_cache, c4_cache, topk=topk, sink=sink, out=out)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up (compiles) outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    from dsv4_attn.bench.timing import capture_graph
+
+    graph = capture_graph(step)  # its warm-up call compiles outside the capture
     fill([8000, 4097, 300, 7777, 129, 6000])  # long: full windows, full top-k rows
     out.fill_(float("nan"))
     graph.replay()
@@ -444,7 +442,7 @@ def test_fnuz_extreme_bytes(device, fmt, gen):
     interpreter decodes OCP 0x7F as 480, not NaN."""
     from dsv4_attn.portable.kernels.ops import sparse_mla_fwd
 
-    from conftest import e4m3_value
+    from kit.reference import e4m3_value
 
     assert (e4m3_value(0x7F, "fnuz"), e4m3_value(0xFF, "fnuz")) == (240.0, -240.0)
     T, H, W = 3, 16, 20

@@ -13,9 +13,9 @@ import torch
 import dsv4_attn as dsv4
 from dsv4_attn.common import indices, reference
 from dsv4_attn.common.spec import LayerKind
+from dsv4_attn.testing.steps import make_step
 
-from compare import assert_close, compare
-from step_cases import make_step
+from kit.compare import assert_close, compare
 
 V41 = (LayerKind.SWA, LayerKind.C1A, LayerKind.C2A)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -46,9 +46,9 @@ def _brute_topk_rows(batch, ratio, local):
 
 @pytest.mark.parametrize("block_size", [256, 64])  # vLLM: 256 tokens per compressed page; 64 on SM90 for V4.1
 def test_topk_rows_of_every_ratio_match_a_loop(gen, block_size):
-    case = make_step(gen, QUERY_LENS, SEQ_LENS, kinds=V41, block_size=block_size, num_tokens=sum(QUERY_LENS) + 2)
+    case = make_step(gen, QUERY_LENS, SEQ_LENS, kinds=V41, block_size=block_size, pad_tokens=2)
     for kind in (LayerKind.C1A, LayerKind.C2A):
-        topk = case.topk[kind]
+        topk = case.topks[kind]
         want = _brute_topk_rows(case.batch, kind.ratio, topk)
         got = indices.topk_rows(case.batch, kind, topk)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), kind
@@ -66,7 +66,7 @@ def test_triton_front_end_gives_the_same_rows(gen):
         assert torch.equal(getattr(plans["torch"], name), getattr(plans["triton"], name)), name
     for i in (0, 1):  # C128A rows, lens
         assert torch.equal(plans["torch"].comp_rows[128][i], plans["triton"].comp_rows[128][i])
-    got = [plans[fe].comp_scope(LayerKind.C2A, case.topk[LayerKind.C2A]) for fe in ("torch", "triton")]
+    got = [plans[fe].comp_scope(LayerKind.C2A, case.topks[LayerKind.C2A]) for fe in ("torch", "triton")]
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
 
 
@@ -96,7 +96,7 @@ def test_every_v41_kind_matches_the_reference(backend, fmt, gen):
     for kind in V41:
         out = _run(mla, plan, case, kind, fmt)
         if kind is LayerKind.C2A:  # request 3 (pos 0): no ratio-2 entry yet, only its own SWA row
-            assert int(plan.comp_scope(kind, case.topk[kind])[1][sum(QUERY_LENS[:3])]) == 0
+            assert int(plan.comp_scope(kind, case.topks[kind])[1][sum(QUERY_LENS[:3])]) == 0
     assert out.shape == case.q.shape
 
 
@@ -112,9 +112,9 @@ def test_layers_sharing_a_compressed_cache_read_it_in_place(backend, gen):
     before = cache.clone()
     mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend=backend)
     plan = mla.plan(case.batch)
-    second = torch.flip(case.topk[LayerKind.C2A], dims=[1]).contiguous()  # another layer's top-k
-    for topk in (case.topk[LayerKind.C2A], second):
-        case.topk[LayerKind.C2A] = topk
+    second = torch.flip(case.topks[LayerKind.C2A], dims=[1]).contiguous()  # another layer's top-k
+    for topk in (case.topks[LayerKind.C2A], second):
+        case.topks[LayerKind.C2A] = topk
         _run(mla, plan, case, LayerKind.C2A, "fp8_ds_mla")
     assert torch.equal(cache, before)
 
@@ -125,18 +125,18 @@ def test_v41_refusals_name_the_argument(gen):
     plan = mla.plan(case.batch)
     q, swa, c1 = case.q, case.caches["swa"], case.caches[LayerKind.C1A]
     with pytest.raises(ValueError, match=r"^kind: got C4A; allowed: this model's kinds \['SWA', 'C1A', 'C2A'\]"):
-        mla.forward(plan, LayerKind.C4A, q, swa, c1, topk=case.topk[LayerKind.C1A])
+        mla.forward(plan, LayerKind.C4A, q, swa, c1, topk=case.topks[LayerKind.C1A])
     with pytest.raises(ValueError, match=r"^topk: got None; allowed: int32 \[T, K\] local top-k for C1A layers"):
         mla.forward(plan, "c1a", q, swa, c1)
     with pytest.raises(ValueError, match=r"^comp_cache: got block size 256; allowed: batch.block_size // 2 = 128"):
-        mla.forward(plan, "c2a", q, swa, c1, topk=case.topk[LayerKind.C2A])
+        mla.forward(plan, "c2a", q, swa, c1, topk=case.topks[LayerKind.C2A])
     v4 = make_step(gen, [1, 1], [40, 60], topk=32, max_model_len=4096)
     v4_mla = dsv4.SparseMLA(v4.spec, "fp8_ds_mla", backend="torch")
     v4_plan = v4_mla.plan(v4.batch)
     with pytest.raises(ValueError, match=r"^topk: got a tensor for a C128A layer, which attends every compressed "
                                          r"entry; allowed: None"):
         v4_mla.forward(v4_plan, "c128a", v4.q, v4.caches["swa"], v4.caches[LayerKind.C128A],
-                       topk=v4.topk[LayerKind.C4A])
+                       topk=v4.topks[LayerKind.C4A])
     with pytest.raises(ValueError, match=r"^batch.comp_block_tables: got ratio\(s\) \[4, 128\]; allowed: the "
                                          r"model's compression ratios \[1, 2\]"):
         mla.plan(v4.batch)

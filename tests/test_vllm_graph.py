@@ -29,7 +29,7 @@ from dsv4_attn.common.layout import Fp8Dialect
 from dsv4_attn.common.spec import LayerKind, ModelSpec
 from dsv4_attn.integrations import vllm as shim
 
-from compare import compare
+from kit.compare import compare
 
 HEADS, TOPK, MAX_MODEL_LEN, W = 64, 128, 8192, 128
 MAX_REQS, MAX_TOKENS, NUM_BLOCKS = 8, 32, 96

@@ -3,7 +3,7 @@
 Run with ``bash ci/vllm-tests.sh`` (a venv with vllm 0.33 installed without its torch pin);
 everywhere else this module skips with the reason. The plugin tests run vLLM's plugin loader,
 its DeepSeek-V4 layer-class selection (hooked) and its config objects. The stack tests
-(``tests/vllm_stack.py``) build the attention layers of a small DeepSeek-V4 with vLLM's own
+(``tests/kit/vllm_stack.py``) build the attention layers of a small DeepSeek-V4 with vLLM's own
 ``__init__``, KV-cache grouping and allocation, metadata builders (Triton interpreter), cache
 writer and MTP draft loop, and compare the shim's ``forward_mqa`` with vLLM's own
 ``forward_mqa``, whose FlashMLA calls are replaced by float64 implementations: the two agree to
@@ -39,14 +39,13 @@ if not torch.cuda.is_available():
 vllm = pytest.importorskip("vllm", reason="vllm is not importable here: run `bash ci/vllm-tests.sh` "
                                           "(docs/vllm.md) for the vLLM shim tests")
 
-import vllm_stack  # noqa: E402
-from vllm_stack import HEADS, NUM_SPEC_TOKENS, VllmStack  # noqa: E402
-
 from dsv4_attn.common import layout  # noqa: E402
 from dsv4_attn.common.backend import BackendUnavailableError  # noqa: E402
 from dsv4_attn.integrations import vllm as shim  # noqa: E402
 
-from compare import compare  # noqa: E402
+from kit import vllm_stack  # noqa: E402
+from kit.compare import compare  # noqa: E402
+from kit.vllm_stack import HEADS, NUM_SPEC_TOKENS, VllmStack  # noqa: E402
 
 if not shim.is_tested_version(vllm.__version__):
     pytest.skip(f"vllm {vllm.__version__} is installed; these tests target vLLM {shim.TESTED_VLLM_SERIES}.x",
@@ -343,7 +342,7 @@ def exactly_quantizable_keys(gen, n: int) -> torch.Tensor:
     """bf16 [n, 512] whose NoPE tiles are e4m3 values times 2^e with a +-448 * 2^e element (so
     the tile's scale is exactly 2^e and no value needs rounding), one all-zero tile (vLLM's 1e-4
     amax floor), random bf16 RoPE dims."""
-    from conftest import e4m3_table
+    from kit.reference import e4m3_table
 
     finite = e4m3_table()[:0x7F]  # the non-negative finite e4m3 values, 0 .. 448
     tiles = finite[torch.randint(0, 0x7F, (n, 7, 64), generator=gen)]

@@ -11,7 +11,7 @@ dispatch and launch.
 from __future__ import annotations
 
 from . import cases, cli, configs, layer, report, runners, step, timing
-from .cases import Case, StepCase, StepLayer, fill_random, make_decode_case, make_prefill_case, make_step_case
+from .cases import LayerCase, ModelStep, StepLayer, fill_random, make_decode_case, make_model_step, make_prefill_case
 from .cli import default_backends, main
 from .configs import (
                       DECODE_CONFIGS,
@@ -32,10 +32,11 @@ from .step import run_step_case
 from .timing import L2Flush, Timing, host_us, measure_ceilings, time_callable
 
 __all__ = ["CSV_COLUMNS", "DECODE_CONFIGS", "PREFILL_CONFIGS", "STEP_CPU_MAX_MODEL_LEN", "STEP_MAX_MODEL_LEN",
-           "STEP_MODELS", "Case", "DecodeConfig", "L2Flush", "PrefillConfig", "StepCase", "StepLayer", "StepModel",
+           "STEP_MODELS", "DecodeConfig", "L2Flush", "LayerCase", "ModelStep", "PrefillConfig", "StepLayer",
+           "StepModel",
            "Timing", "api_step_runner", "auto_gaps", "case_work", "cases", "cli", "configs", "default_backends",
            "fill_random", "flashmla_vllm_step_runner", "host_us", "layer", "main", "make_decode_case",
            "make_prefill_case",
-           "make_step_case", "measure_ceilings", "report", "run_case", "run_step_case", "runners", "runs_in",
+           "make_model_step", "measure_ceilings", "report", "run_case", "run_step_case", "runners", "runs_in",
            "select_configs", "step", "step_auto_gaps", "time_callable", "timing", "uncapturable",
            "vllm_c128a_width"]

@@ -1,5 +1,5 @@
-"""The bench's cases on random, production-like inputs: one layer (``Case``: decode or prefill)
-or a whole decode step (``StepCase``: every layer of a model), over shuffled block tables and
+"""The bench's cases on random, production-like inputs: one layer (``LayerCase``: decode or prefill)
+or a whole decode step (``ModelStep``: every layer of a model), over shuffled block tables and
 caches filled in every record's byte layout."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from ..common.batch import StepBatch
 from ..common.layout import KVFormat, Record, new_cache
 from ..common.spec import LayerKind, ModelSpec
+from ..testing.steps import fill_topk_prefix
 from .configs import COMP_BLOCK, STEP_MAX_MODEL_LEN, SWA_BLOCK, V41_KINDS, DecodeConfig, PrefillConfig, StepModel
 
 # ---- random caches ----------------------------------------------------------------------------
@@ -58,7 +59,7 @@ def row_bytes(record: Record) -> int:
 
 
 @dataclass
-class Case:
+class LayerCase:
     """Everything one benchmark case needs (on the GPU)."""
 
     label: str
@@ -91,13 +92,8 @@ def _q_and_sink(T: int, H: int, device, gen) -> tuple[torch.Tensor, torch.Tensor
 
 def _local_topk(gen, positions: torch.Tensor, ratio: int, width: int) -> torch.Tensor:
     """int32 [T, width] local top-k of a decode step: distinct random visible entries, -1 after."""
-    visible = (positions.cpu() + 1) // ratio
     topk = torch.full((positions.shape[0], width), -1, dtype=torch.int32)
-    for t in range(positions.shape[0]):
-        n = int(visible[t])
-        k = min(n, width)
-        topk[t, :k] = torch.randperm(n, generator=gen)[:k].to(torch.int32)
-    return topk.to(positions.device)
+    return fill_topk_prefix(gen, topk, positions.cpu(), ratio).to(positions.device)
 
 
 def _spec(heads: int, kind: LayerKind, topk: int, max_model_len: int) -> ModelSpec:
@@ -133,7 +129,7 @@ def _decode_batch(gen, seq: list[int], s_q: int, ratios: tuple[int, ...], max_mo
 
 
 def make_decode_case(cfg: DecodeConfig, b: int, s_q: int, device, fmt: KVFormat = KVFormat.MODEL1_FP8,
-                     seed: int = 0) -> Case:
+                     seed: int = 0) -> LayerCase:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     torch.manual_seed(seed)
     R, T = b, b * s_q
@@ -149,11 +145,11 @@ def make_decode_case(cfg: DecodeConfig, b: int, s_q: int, device, fmt: KVFormat 
     topk = _local_topk(gen, batch.positions, ratio, cfg.comp_width) if cfg.kind.uses_topk else None
     q, sink = _q_and_sink(T, cfg.heads, device, gen)
     spec = _spec(cfg.heads, cfg.kind, cfg.comp_width if cfg.kind.uses_topk else 512, cfg.max_model_len)
-    return Case(f"{cfg.name} b={b} s_q={s_q}", cfg.kind, spec, batch, q, swa_cache, comp_cache, topk, sink, fmt,
-                R, s_q, "decode", {"config": cfg.name, "batch": b, "format": fmt.value})
+    return LayerCase(f"{cfg.name} b={b} s_q={s_q}", cfg.kind, spec, batch, q, swa_cache, comp_cache, topk, sink, fmt,
+                     R, s_q, "decode", {"config": cfg.name, "batch": b, "format": fmt.value})
 
 
-def make_prefill_case(cfg: PrefillConfig, device, fmt: KVFormat = KVFormat.MODEL1_FP8, seed: int = 0) -> Case:
+def make_prefill_case(cfg: PrefillConfig, device, fmt: KVFormat = KVFormat.MODEL1_FP8, seed: int = 0) -> LayerCase:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     torch.manual_seed(seed)
     T, s_kv, K, ratio = cfg.s_q, cfg.s_kv, cfg.topk - 128, cfg.kind.ratio
@@ -176,8 +172,8 @@ def make_prefill_case(cfg: PrefillConfig, device, fmt: KVFormat = KVFormat.MODEL
     del scores
     q, sink = _q_and_sink(T, cfg.heads, device, gen)
     spec = _spec(cfg.heads, cfg.kind, K, max(s_kv, 65536))
-    return Case(cfg.name, cfg.kind, spec, batch, q, swa_cache, comp_cache, topk, sink, fmt, 1, T, "prefill",
-                {"config": cfg.name, "s_q": T, "s_kv": s_kv, "topk": cfg.topk, "format": fmt.value})
+    return LayerCase(cfg.name, cfg.kind, spec, batch, q, swa_cache, comp_cache, topk, sink, fmt, 1, T, "prefill",
+                     {"config": cfg.name, "s_q": T, "s_kv": s_kv, "topk": cfg.topk, "format": fmt.value})
 
 
 
@@ -199,7 +195,7 @@ class StepLayer:
 
 
 @dataclass
-class StepCase:
+class ModelStep:
     """A whole decode step of a StepModel: one batch, every (non-MTP) layer's inputs."""
 
     label: str
@@ -215,13 +211,13 @@ class StepCase:
     @property
     def num_tokens(self) -> int:
         tokens = self.batch.num_tokens
-        if tokens is None:  # make_step_case gives every batch its token count
+        if tokens is None:  # make_model_step gives every batch its token count
             raise ValueError("batch.num_tokens: got None; allowed: the step's token count")
         return tokens
 
 
-def make_step_case(model: StepModel, b: int, s_q: int, device, fmt: KVFormat = KVFormat.MODEL1_FP8,
-                   seed: int = 0, max_model_len: int = STEP_MAX_MODEL_LEN) -> StepCase:
+def make_model_step(model: StepModel, b: int, s_q: int, device, fmt: KVFormat = KVFormat.MODEL1_FP8,
+                    seed: int = 0, max_model_len: int = STEP_MAX_MODEL_LEN) -> ModelStep:
     """``b`` decode requests of ``s_q`` tokens, lengths drawn uniformly in [s_q + 128,
     ``max_model_len``], every layer of ``model`` but its MTP draft layer (it runs in the drafter's
     own forward), caches as STEP_CACHES says."""
@@ -243,6 +239,6 @@ def make_step_case(model: StepModel, b: int, s_q: int, device, fmt: KVFormat = K
         q, sink = _q_and_sink(b * s_q, spec.num_heads, device, gen)
         layers.append(StepLayer(layer.index, kind, q, _new_cache(fmt.swa_record, swa_blocks, SWA_BLOCK, device),
                                 comp, topk, sink))
-    return StepCase(f"{model.name} b={b} s_q={s_q}", model, spec, batch, fmt, layers, b, s_q,
-                    {"config": model.name, "batch": b, "format": fmt.value})
+    return ModelStep(f"{model.name} b={b} s_q={s_q}", model, spec, batch, fmt, layers, b, s_q,
+                     {"config": model.name, "batch": b, "format": fmt.value})
 

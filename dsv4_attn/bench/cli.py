@@ -59,7 +59,7 @@ from ..common import choices
 from ..common.layout import KVFormat
 from ..common.spec import LayerKind
 from . import report
-from .cases import make_decode_case, make_prefill_case, make_step_case
+from .cases import make_decode_case, make_model_step, make_prefill_case
 from .configs import (
     CONFIG_GROUPS,
     DECODE_CONFIGS,
@@ -238,7 +238,7 @@ def run_one(phase: str, name: str, b: int, sq: int, fmt: KVFormat, args, device:
     """One case built and timed: its result row (its inputs freed when this returns)."""
     if phase == "step":
         step_len = STEP_CPU_MAX_MODEL_LEN if device.type == "cpu" else STEP_MAX_MODEL_LEN
-        step_case = make_step_case(STEP_MODELS[name], b, sq, device, fmt, max_model_len=step_len)
+        step_case = make_model_step(STEP_MODELS[name], b, sq, device, fmt, max_model_len=step_len)
         return run_step_case(step_case, args.backends, args, flush)
     case = (make_decode_case(DECODE_CONFIGS[name], b, sq, device, fmt) if phase == "decode"
             else make_prefill_case(PREFILL_CONFIGS[name], device, fmt))

@@ -9,12 +9,13 @@ import statistics
 import torch
 
 from ..common.layout import KVFormat
-from .cases import Case, row_bytes
-from .runners import _case_mla, _run_layer, api_runner, backend_mode, compare, flashmla_runners, register_variant
+from ..testing.errors import error_figures
+from .cases import LayerCase, row_bytes
+from .runners import _case_mla, _run_layer, api_runner, backend_mode, flashmla_runners, register_variant
 from .timing import host_us, sync, time_callable
 
 
-def per_step_us(case: Case, backend: str, layer_us: float, reps: int, flush, graph: bool) -> tuple[float, float]:
+def per_step_us(case: LayerCase, backend: str, layer_us: float, reps: int, flush, graph: bool) -> tuple[float, float]:
     """(the backend's own per-step work in us, the index front end's plan() in us): a fresh step
     of one layer (plan() + the layer; Backend.prepare and its first-call work included) timed
     against plan() alone and the layer alone (``layer_us``: the step's work already done). What
@@ -34,7 +35,7 @@ def _valid_slots(rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return rows[(rows >= 0) & (col < lens[:, None])]
 
 
-def case_work(case: Case, plan) -> tuple[float, float, int]:
+def case_work(case: LayerCase, plan) -> tuple[float, float, int]:
     """(flops, bytes, valid keys) of a case from the plan's rows: FLOPs per (token, key) pair;
     bytes: each DISTINCT key row once at its cache record's size (tokens of one request share
     most rows: MTP tokens nearly all, prefill tokens their window and many top-k rows, so counting
@@ -51,7 +52,7 @@ def case_work(case: Case, plan) -> tuple[float, float, int]:
     return flops, nbytes, keys
 
 
-def uncapturable(backend: str, case: Case, plan) -> str | None:
+def uncapturable(backend: str, case: LayerCase, plan) -> str | None:
     """Why ``backend`` (a name, or "auto": what it picks for the case) cannot run the case's phase
     inside a CUDA-graph capture (Backend.uncapturable), or None."""
     from ..common.backend import Phase
@@ -64,7 +65,7 @@ def uncapturable(backend: str, case: Case, plan) -> str | None:
     return f"{name} {case.phase} cannot be graph-captured: {why}" if why else None
 
 
-def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> dict:
+def run_case(case: LayerCase, backends: list[str], args, ceilings: dict, flush) -> dict:
     rows = {}
     ref_out = None
     plan0 = None
@@ -84,7 +85,7 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
         if ref_out is None:
             ref_out = out.clone()
         else:
-            rows[name]["vs_first"] = compare(out, ref_out)
+            rows[name]["vs_first"] = error_figures(out, ref_out)
     flops, nbytes, keys = case_work(case, plan0)
     floor = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["bf16_flops_per_s"])
     result = {"case": case.label, "phase": case.phase, "kind": case.kind.name, **case.extra, "s_q_per_req": case.s_q,
@@ -101,7 +102,7 @@ def run_case(case: Case, backends: list[str], args, ceilings: dict, flush) -> di
                                        uncapturable=uncapturable("flashmla", case, plan0) if key == "api" else None)
                 run()
                 torch.cuda.synchronize()
-                vs_ours = compare(ref_out, out) if ref_out is not None else None
+                vs_ours = error_figures(ref_out, out) if ref_out is not None else None
                 result[label] = {**timing.as_us(), "via": how, "vs_ours": vs_ours}
             except Exception as exc:
                 result[label] = {"unavailable": f"{type(exc).__name__}: {str(exc)[:200]}"}
@@ -127,7 +128,7 @@ def guard_variants(fmt: KVFormat) -> dict[str, tuple[str, str]]:
                    register_variant(f"{impl}-unchecked=impl={impl},range_checks=0")) for impl in impls}
 
 
-def guard_cost(case: Case, variants: dict[str, tuple[str, str]], args, flush) -> dict:
+def guard_cost(case: LayerCase, variants: dict[str, tuple[str, str]], args, flush) -> dict:
     """Per kernel: median µs with and without the range checks, timed A-B-B-A on ``case``, the
     checks' cost in percent, and whether both builds wrote the same bits."""
     res = {}

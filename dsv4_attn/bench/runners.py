@@ -11,7 +11,7 @@ import torch
 
 from ..common.layout import KVFormat
 from ..common.spec import HEAD_DIM, LayerKind
-from .cases import Case, StepCase
+from .cases import LayerCase, ModelStep
 
 
 def _needed(t: torch.Tensor | None, what: str) -> torch.Tensor:
@@ -19,13 +19,6 @@ def _needed(t: torch.Tensor | None, what: str) -> torch.Tensor:
     if t is None:
         raise ValueError(f"{what}: got None; allowed: a tensor (the layer kind has a compressed scope)")
     return t
-
-
-def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
-    a, b = a.double().flatten(), b.double().flatten()
-    rel = float((a - b).norm() / b.norm().clamp_min(1e-30))
-    cos = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
-    return {"max_abs": float((a - b).abs().max()), "rel_l2": rel, "cosine": cos}
 
 
 BATCH_INVARIANT = "+batch-invariant"  # a bench row: the backend under SparseMLA(batch_invariant=True)
@@ -37,7 +30,7 @@ def backend_mode(name: str) -> tuple[str, bool]:
     return (name[:-len(BATCH_INVARIANT)], True) if name.endswith(BATCH_INVARIANT) else (name, False)
 
 
-def _case_mla(case: Case, backend: str):
+def _case_mla(case: LayerCase, backend: str):
     """A SparseMLA for ``case`` on ``backend`` (a bench row name), sized for its tokens and requests."""
     from ..api import SparseMLA
 
@@ -46,11 +39,11 @@ def _case_mla(case: Case, backend: str):
                      max_tokens=max(case.q.shape[0], 1), max_reqs=max(case.num_reqs, 1))
 
 
-def _run_layer(mla, plan, case: Case, out: torch.Tensor) -> None:
+def _run_layer(mla, plan, case: LayerCase, out: torch.Tensor) -> None:
     mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink, out=out)
 
 
-def api_runner(case: Case, backend: str):
+def api_runner(case: LayerCase, backend: str):
     """A callable running one layer through the public API, and its SparseMLA + plan."""
     mla = _case_mla(case, backend)
     plan = mla.plan(case.batch)
@@ -77,12 +70,12 @@ def raw_flashmla_ops():
     return flashmla.raw_ops() if flashmla is not None else None
 
 
-def flashmla_runners(case: Case, plan) -> dict:
+def flashmla_runners(case: LayerCase, plan) -> dict:
     """{'api': (callable, out, how) or (None, None, reason), 'raw': ...} for FlashMLA."""
     return {"api": flashmla_api_runner(case), "raw": flashmla_raw_runner(case, plan)}
 
 
-def flashmla_api_runner(case: Case):
+def flashmla_api_runner(case: LayerCase):
     """FlashMLA through ``SparseMLA(backend="flashmla")`` (adapter included), or (None, None, why)."""
     try:
         from ..common import registry
@@ -134,7 +127,7 @@ def vllm_padded(q: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torc
     return q_pad, sink_pad
 
 
-def flashmla_raw_runner(case: Case, plan):
+def flashmla_raw_runner(case: LayerCase, plan):
     """The raw FlashMLA op on the plan's rows (vLLM's call; decode with fewer than 64 heads padded to
     64 as vLLM pads them), or (None, None, why)."""
     ops = raw_flashmla_ops()
@@ -215,7 +208,7 @@ def register_variant(spec_str: str) -> str:
 # ---- whole decode steps -------------------------------------------------------------------------
 
 
-def api_step_runner(case: StepCase, backend: str):
+def api_step_runner(case: ModelStep, backend: str):
     """(callable, outs, SparseMLA): one step through the public API, ``plan()`` once and then
     ``forward()`` of every layer into ``outs`` (bf16 [T, H, 512] per layer)."""
     from ..api import SparseMLA
@@ -241,7 +234,7 @@ def vllm_c128a_width(max_seq_len: int, model_width: int) -> int:
     return min(max(1 << (entries - 1).bit_length(), 128), model_width)
 
 
-def flashmla_vllm_step_runner(case: StepCase):
+def flashmla_vllm_step_runner(case: ModelStep):
     """FlashMLA driven the way vLLM 0.33 drives a decode step, or (None, None, why).
 
     Per step (vLLM: v1/attention/backends/mla/sparse_swa.py ``build`` and
@@ -272,7 +265,9 @@ def flashmla_vllm_step_runner(case: StepCase):
     c128 = LayerKind.C128A
     has_c128 = c128.ratio in batch.comp_block_tables
     width = vllm_c128a_width(int(batch.seq_lens.max()), case.spec.all_width(c128.ratio))
-    c128_rows, c128_lens = torch.empty(T, width, **i32), torch.empty(T, **i32)
+    # -1 past each length (lengths 0 at first): the step kernel then writes each row only as far as
+    # needed (build_step_rows), never leaving a stale column
+    c128_rows, c128_lens = torch.full((T, width), -1, **i32), torch.zeros(T, **i32)
     padded = [vllm_padded(layer.q, layer.sink) for layer in case.layers]  # fewer than 64 heads: padded as vLLM
     Hp = padded[0][0].shape[1]
     outs = [torch.empty_like(q) for q, _ in padded]

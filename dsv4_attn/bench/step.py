@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from .cases import StepCase
+from ..testing.errors import error_figures
+from .cases import ModelStep
 from .configs import STEP_CACHES
-from .runners import api_step_runner, compare, flashmla_vllm_step_runner
+from .runners import api_step_runner, flashmla_vllm_step_runner
 from .timing import sync, time_callable
 
 
@@ -22,11 +23,11 @@ def _layers_written(run, outs: list[torch.Tensor], device: torch.device) -> int:
 
 def _compare_layers(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> dict:
     """The worst layer's differences between two runs' outputs."""
-    per_layer = [compare(out, ref) for out, ref in zip(outs, refs)]
+    per_layer = [error_figures(out, ref) for out, ref in zip(outs, refs)]
     return {"max_rel_l2": max(m["rel_l2"] for m in per_layer), "min_cosine": min(m["cosine"] for m in per_layer)}
 
 
-def run_step_case(case: StepCase, backends: list[str], args, flush) -> dict:
+def run_step_case(case: ModelStep, backends: list[str], args, flush) -> dict:
     """Times the whole step for ``auto`` and every named backend, and FlashMLA driven as vLLM
     drives it (unless --no-flashmla), in one run; per backend µs per step and per layer, the
     layers every element of whose output was written, what auto picked per kind, and the worst

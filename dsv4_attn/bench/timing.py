@@ -128,6 +128,21 @@ def _samples(fn, reps: int, flush, warmup: int = 3, device: torch.device | None 
     return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
 
 
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph, after one call on a side stream: the allocations and
+    one-time setup (compiles, workspaces) of a first call happen outside the capture, as
+    torch.cuda.graph asks. The caller synchronizes as it needs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def time_callable(fn, reps: int, flush, graph: bool, device: torch.device | None = None,
                   uncapturable: str | None = None) -> Timing:
     """``reps`` timed runs of ``fn``: CUDA-graph replays when ``graph`` (eager launches when the
@@ -143,14 +158,7 @@ def time_callable(fn, reps: int, flush, graph: bool, device: torch.device | None
         print(f"  ({uncapturable}; timing eager launches)", file=sys.stderr)
     elif graph:
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
+            g = capture_graph(fn)
             torch.cuda.synchronize()
             return Timing.of(_samples(g.replay, reps, flush, warmup=2), "graph")
         except Exception as exc:  # capture unsupported by this callable: time eager launches

@@ -64,6 +64,8 @@ class LayerInputs:
     # may reuse what it derived from them. Not an __init__ field: a copy made with
     # dataclasses.replace (other inputs) gets None, never a stale key.
     checked_key: int | tuple | None = field(default=None, init=False, repr=False, compare=False)
+    # the ``out`` tensor object those checks covered (its signature is in checked_key), or None
+    checked_out: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def comp_storage(self) -> tuple[torch.Tensor, CacheGeometry]:
         """(compressed cache, its geometry) of a layer with a compressed scope; a ValueError for a

@@ -13,7 +13,7 @@ computed anew at every access, and ``SparseMLA.plan()`` re-runs the host checks 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -241,6 +241,17 @@ class StepBatch:
             _check_table(f"comp_block_tables[{ratio}]", table, entries, self.block_size // ratio,
                          cache_blocks.get(ratio), "comp_cache")
         return self
+
+    def to(self, device: torch.device | str) -> StepBatch:
+        """This step with its tensors on ``device`` (a given ``num_tokens`` stays given)."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return replace(self, query_start_loc=self.query_start_loc.to(device), seq_lens=self.seq_lens.to(device),
+                       swa_block_table=self.swa_block_table.to(device),
+                       comp_block_tables={r: t.to(device) for r, t in self.comp_block_tables.items()},
+                       num_tokens=self.num_tokens if self._num_tokens_given else None,
+                       swa_start=move(self.swa_start))
 
     # ---- derived per-token tensors ------------------------------------------------------
     @property

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .records import Fp8Dialect, KVFormat, Record, check_dialect, parse_record
+from .records import Fp8Dialect, KVFormat, Record, RecordLayout, check_dialect, parse_record
 from .spec import (
     HEAD_DIM,
     MODEL1_TOKEN_BYTES,
@@ -93,6 +93,16 @@ def _decode_nvfp4(packed: torch.Tensor, scales: torch.Tensor, group: int) -> tor
     return (vals * scales.contiguous().view(torch.float8_e4m3fn).float()[..., None]).reshape(n, -1)
 
 
+def _packed_layout(record: Record | KVFormat | str, dialect: Fp8Dialect | str) -> tuple[RecordLayout, Fp8Dialect]:
+    """(the layout, the parsed dialect) of a packed record, after the checks encode and decode share."""
+    record = parse_record(record, "record")
+    dialect = Fp8Dialect.parse(dialect)
+    if not record.layout.packed:
+        raise ValueError(f"record: got {record.value}; allowed: a packed record (v4_fp8, mxfp8, nvfp4)")
+    check_dialect(record, dialect, "dialect")
+    return record.layout, dialect
+
+
 def encode(record: Record | KVFormat | str, rows: torch.Tensor,
            dialect: Fp8Dialect | str = Fp8Dialect.OCP) -> torch.Tensor:
     """Quantize rows into a packed record's bytes: bf16 or fp32 ``[N, 512]`` -> uint8
@@ -101,12 +111,7 @@ def encode(record: Record | KVFormat | str, rows: torch.Tensor,
     fp32 input is what vLLM's compressor writers quantize (RoPE applied in fp32, never rounded to
     bf16); bf16 input is widened exactly. Raw bf16 dims (V4's RoPE) are rounded to nearest even.
     """
-    record = parse_record(record, "record")
-    dialect = Fp8Dialect.parse(dialect)
-    lay = record.layout
-    if not lay.packed:
-        raise ValueError(f"record: got {record.value}; allowed: a packed record (v4_fp8, mxfp8, nvfp4)")
-    check_dialect(record, dialect, "dialect")
+    lay, dialect = _packed_layout(record, dialect)
     check_rows("rows", rows, (torch.bfloat16, torch.float32), HEAD_DIM)
     x = rows.float()
     scaled = x[:, :lay.scaled_dims]
@@ -122,12 +127,7 @@ def encode(record: Record | KVFormat | str, rows: torch.Tensor,
 def decode(record: Record | KVFormat | str, tokens: torch.Tensor,
            dialect: Fp8Dialect | str = Fp8Dialect.OCP) -> torch.Tensor:
     """Dequantize a packed record's bytes: uint8 ``[N, token_bytes]`` -> float32 ``[N, 512]`` (exact)."""
-    record = parse_record(record, "record")
-    dialect = Fp8Dialect.parse(dialect)
-    lay = record.layout
-    if not lay.packed:
-        raise ValueError(f"record: got {record.value}; allowed: a packed record (v4_fp8, mxfp8, nvfp4)")
-    check_dialect(record, dialect, "dialect")
+    lay, dialect = _packed_layout(record, dialect)
     check_rows("tokens", tokens, (torch.uint8,), lay.token_bytes)
     value_bytes = lay.scaled_dims // 2 if lay.values == "e2m1" else lay.scaled_dims
     values = tokens[:, :value_bytes]

@@ -56,6 +56,13 @@ class PlanBuffers:
     ratio r (``max_tokens x spec.all_width(r)`` int32; C128A at 1M context and 8k tokens:
     256 MiB) by the first plan whose batch has a ratio-r block table, so plans for window-only
     KV-cache groups never pay for them. Do that first plan before a CUDA-graph capture.
+
+    Invariant of the rows of an "all" kind: every column at or past a row's length (its entry in
+    the lens buffer, as the last plan left it) is -1, over the buffer's whole width, whatever
+    width a plan views. Readers may read a whole row; the front ends keep it cheaply: a row's
+    previous length bounds its stale columns, so the Triton builder writes a row only up to the
+    larger of its new and previous length (a CUDA graph captured at the model's width then writes
+    what the step's requests need at every replay, not the width: ``_step_rows_kernel``).
     """
 
     spec: ModelSpec
@@ -117,6 +124,18 @@ def active_width(spec: ModelSpec, batch: StepBatch, kind: LayerKind) -> int:
     return min(max(1 << (entries - 1).bit_length(), ALL_WIDTH_MULTIPLE), full)
 
 
+def torch_all_rows(tokens: Tokens, kind: LayerKind, batch: StepBatch, buffers: PlanBuffers) -> None:
+    """Write the rows of "all" kind ``kind`` for ``tokens`` with torch ops: the columns the batch
+    views, and -1 over the rest of each row of the buffer (PlanBuffers' invariant)."""
+    rows, lens = buffers.rows_of(kind, batch)
+    T = tokens.positions.shape[0]
+    comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind), rows.shape[1],
+                  out=(rows[:T], lens[:T]))
+    whole = buffers.all_rows[kind.ratio][0]
+    if rows.shape[1] < whole.shape[1]:
+        whole[:T, rows.shape[1]:].fill_(-1)
+
+
 def _capturing(device: torch.device) -> bool:
     """A CUDA / HIP graph capture is in progress on ``device``'s current stream."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -130,6 +149,10 @@ class FrontEnd(Protocol):
     def step_rows(self, batch: StepBatch, buffers: PlanBuffers, num_tokens: int) -> None:
         """Write positions, token_to_req, token_valid, the SWA rows and the rows of every kind of
         ``buffers.all_kinds(batch)`` for tokens [0, num_tokens) into ``buffers``."""
+
+    def warm(self, buffers: PlanBuffers) -> None:
+        """Engine start: compile whatever ``step_rows`` launches for ``buffers``' model (a no-op
+        where nothing compiles), so that no step compiles."""
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
                   local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:
@@ -155,9 +178,10 @@ class TorchFrontEnd:
                      out=(swa_rows[:T], swa_lens[:T]),
                      starts=batch.window_starts(tokens.token_to_req))
         for kind in buffers.all_kinds(batch):
-            rows, lens = buffers.rows_of(kind, batch)
-            comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind), rows.shape[1],
-                          out=(rows[:T], lens[:T]))
+            torch_all_rows(tokens, kind, batch, buffers)
+
+    def warm(self, buffers: PlanBuffers) -> None:
+        pass  # torch ops: nothing to compile
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
                   local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:

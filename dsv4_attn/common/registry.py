@@ -170,6 +170,11 @@ def backend(name: str):
         _forced.reset(token)
 
 
+def context_backend() -> str | None:
+    """The backend a ``dsv4_attn.backend()`` context forces here, or None."""
+    return _forced.get()
+
+
 def requested_backend(explicit: str = "auto") -> tuple[str, str]:
     """(name or 'auto', where it came from)."""
     if explicit != "auto":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 
-from . import registry
+from . import choices, registry
 from .backend import Backend, BackendUnavailableError, Dialects
 from .layout import KVFormat
 from .plan import Phase
@@ -80,3 +80,25 @@ class Selection:
                 bisect.insort(bounds, limit.max_tokens)
                 self._decided.clear()
         return backend
+
+
+def measured_lines(plat: Platform, spec: ModelSpec, fmt: KVFormat, requested: str) -> list[str]:
+    """``SparseMLA.explain``'s lines on the measured choices (common/choices.py) that reorder auto
+    selection for ``spec`` in ``fmt``, by token range (none unless ``requested`` is "auto"); its
+    "chosen" rows are the choice for a launch no measurement covers."""
+    entries, where, note = choices.table_for(plat.arch, plat.device_name)
+    kinds = {k.name for k in spec.kinds}
+    mine = [e for e in entries if e.kind in kinds and e.fmt == fmt.value
+            and e.heads == choices.heads_bucket(spec.num_heads)]
+    if not mine or requested != "auto":
+        return []
+    if note:
+        where = f"{where}: {note}"
+    out = [f"measured choices ({where}; auto tries this order first for launches in range; where the "
+           "table has per-step costs, ordered for this model's layers of the kind):"]
+    for e in mine:
+        layers = registry.layers_per_step(spec, LayerKind.parse(e.kind))
+        costs = e.costs(layers)
+        out.append(f"  {e.kind:<6} {e.phase:<8} tokens {e.tokens[0]}-{e.tokens[1] - 1}: "
+                   f"{' > '.join(e.ranked(layers))}  [{f'{costs}; ' if costs else ''}{e.evidence}]")
+    return out

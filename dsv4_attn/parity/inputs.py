@@ -19,6 +19,7 @@ from ..common import layout
 from ..common.batch import StepBatch
 from ..common.layout import Fp8Dialect, KVFormat, Record
 from ..common.spec import HEAD_DIM, ModelSpec, cdiv
+from ..testing.steps import cache_to, fill_topk_prefix, flat_bytes
 from .matrix import Case
 
 _FILLER_BLOCKS = 2  # physical blocks shared by every logical block no row references
@@ -52,11 +53,7 @@ class CaseInputs:
     def to(self, device: torch.device) -> CaseInputs:
         if torch.device(device) == self.q.device:
             return self
-        b = self.batch
-        batch = StepBatch(b.query_start_loc.to(device), b.seq_lens.to(device), b.num_decode_tokens,
-                          b.swa_block_table.to(device), b.swa_block_size,
-                          {r: t.to(device) for r, t in b.comp_block_tables.items()}, b.block_size,
-                          b.max_model_len, b.num_tokens)
+        batch = self.batch.to(device)
 
         def move(t):
             return None if t is None else t.to(device)
@@ -64,18 +61,6 @@ class CaseInputs:
         return replace(self, batch=batch, q=self.q.to(device), swa_cache=cache_to(self.swa_cache, device),
                        comp_cache=None if self.comp_cache is None else cache_to(self.comp_cache, device),
                        topk=move(self.topk), sink=move(self.sink), other_topk=move(self.other_topk))
-
-
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """uint8 view of a tensor's whole storage (caches are as_strided views with page gaps)."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-
-
-def cache_to(cache: torch.Tensor, device) -> torch.Tensor:
-    """Copy a cache to ``device`` keeping its strides (``.to`` would compact the page gaps)."""
-    flat = torch.empty(cache.untyped_storage().nbytes(), dtype=torch.uint8, device=device)
-    flat.copy_(flat_bytes(cache))
-    return flat.view(cache.dtype).as_strided(cache.shape, cache.stride(), cache.storage_offset())
 
 
 def make_inputs(case: Case) -> CaseInputs:
@@ -143,11 +128,7 @@ def _local_topk(case: Case, req: torch.Tensor, pos: torch.Tensor, gen: torch.Gen
     pick = torch.rand(T, K, generator=gen)
     topk = torch.where(pick < 0.3, torch.full_like(topk, -1), topk)
     topk = torch.where(pick > 0.7, topk % 64, topk)
-    for t, p in enumerate(pos.tolist()):
-        n = (p + 1) // case.kind.ratio
-        if n:
-            topk[t, : min(n, K)] = torch.randperm(n, generator=gen)[:K]
-    return topk.to(torch.int32)
+    return fill_topk_prefix(gen, topk, pos, case.kind.ratio).to(torch.int32)
 
 
 def _window_refs(case: Case, req: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

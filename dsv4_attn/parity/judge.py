@@ -20,6 +20,7 @@ from ..common import indices, reference, registry
 from ..common.backend import BackendUnavailableError, Phase
 from ..common.layout import KVFormat
 from ..common.platform import platform_for_device
+from ..testing.errors import error_figures
 from .inputs import CaseInputs, tensor_bytes
 from .matrix import Case, Tolerance
 from .report import output_record
@@ -158,16 +159,8 @@ def _judge(out: torch.Tensor, ref: torch.Tensor, case: Case, never: torch.Tensor
     nonfinite = int((~finite & ~never[:, :heads]).sum())
     ok = bool(finite.all())
     a, b = (region.reshape(-1), want.reshape(-1)) if ok else (region[finite], want[finite])
-    diff = a - b
-    ref_norm, out_norm = float(b.norm()), float(a.norm())
-    rel = float(diff.norm()) / ref_norm if ref_norm > 0 else float(diff.norm())
-    if ref_norm > 0 and out_norm > 0:
-        cosine = float(a @ b) / (ref_norm * out_norm)
-    else:
-        cosine = 1.0 if ref_norm == out_norm == 0 else 0.0
     unwritten = int(never.sum())
-    return {"max_abs": float(diff.abs().max()) if diff.numel() else 0.0, "rel_l2": rel, "cosine": cosine,
-            "ref_norm": ref_norm, "finite": nonfinite == 0, "nonfinite": nonfinite,
+    return {**error_figures(a, b), "ref_norm": float(b.norm()), "finite": nonfinite == 0, "nonfinite": nonfinite,
             "written": unwritten == 0, "unwritten": unwritten,
             "out_sha256": hashlib.sha256(tensor_bytes(out[:, :heads])).hexdigest()}
 

@@ -142,8 +142,9 @@ class TritonBackend(Backend):
         comp_offset = layer.comp_cache.storage_offset() if layer.comp_cache is not None else None
         kind = layer.kind
         facts = plan.cached(("triton_launch_facts", kind), lambda: self._plan_facts(_launch_facts(plan, kind)))
-        return (layer.checked_key, facts,
-                tensor_signature(out), layer.swa_cache.storage_offset(), comp_offset, launch.current_gpu(out.device))
+        out_signature = None if layer.checked_out is out else tensor_signature(out)  # else in checked_key
+        return (layer.checked_key, facts, out_signature, layer.swa_cache.storage_offset(), comp_offset,
+                launch.current_gpu(out.device))
 
     def _launches(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor):
         """The layer call's kernel launches (``ops.layer_launches``), after the backend's own checks."""

@@ -34,8 +34,9 @@ from dsv4_attn.common.spec import LayerKind  # noqa: E402
 from dsv4_attn.rocm.aiter import AiterBackend  # noqa: E402
 from dsv4_attn.rocm.aiter_api import load_aiter  # noqa: E402
 
-from compare import compare  # noqa: E402
-from test_aiter import make_case, reference_for, run_layer  # noqa: E402
+from kit.compare import compare  # noqa: E402
+from kit.layers import forward_poisoned, reference_out  # noqa: E402
+from kit.steps import aiter_step  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16_CONTRACT, FP8_LABEL = 5e-3, 5e-2
@@ -49,14 +50,14 @@ def _register(name="aiter-risk", **kwargs) -> str:
 def persistent(gen) -> tuple[bool, str]:
     arch = load_aiter().arch
     dialect = "fnuz" if arch == "gfx942" else "ocp"
-    case = make_case(gen, "fp8_e4m3", 64, query_lens=(1,), seq_lens=(4000,), num_pad=0, topk=512, device=DEV,
-                     swa_dialect=dialect, comp_dialect=dialect, kv_scale=0.5)
+    case = aiter_step(gen, "fp8_e4m3", 64, query_lens=(1,), seq_lens=(4000,), num_pad=0, topk=512, device=DEV,
+                      swa_dialect=dialect, comp_dialect=dialect, kv_scale=0.5)
     name = _register(path="mla_decode_fwd", fp8_compute=True, max_decode_tokens=64)
     try:
-        mla = dsv4.SparseMLA(case["spec"], "fp8_e4m3", backend=name, swa_dialect=dialect, comp_dialect=dialect)
-        plan = mla.plan(case["batch"])
-        out = run_layer(mla, plan, case, LayerKind.C4A)
-        err = compare(out, reference_for(plan, case, LayerKind.C4A))
+        mla = dsv4.SparseMLA(case.spec, "fp8_e4m3", backend=name, swa_dialect=dialect, comp_dialect=dialect)
+        plan = mla.plan(case.batch)
+        out = forward_poisoned(mla, plan, case, LayerKind.C4A)
+        err = compare(out, reference_out(plan, case, LayerKind.C4A))
     finally:
         unregister_backend(name)
     ok = bool(torch.isfinite(out).all()) and err["rel_l2"] <= FP8_LABEL
@@ -103,13 +104,14 @@ def split_sweep(gen) -> tuple[bool, str]:
     case_lens = tuple(lens[::4])
     worst = 0.0
     for heads in (16, 128):
-        case = make_case(gen, "bfloat16", heads, query_lens=(1,) * len(case_lens), seq_lens=case_lens, device=DEV)
+        case = aiter_step(gen, "bfloat16", heads, query_lens=(1,) * len(case_lens), seq_lens=case_lens, device=DEV)
         name = _register(max_decode_tokens=len(case_lens) + 1)
         try:
-            mla = dsv4.SparseMLA(case["spec"], "bfloat16", backend=name)
-            plan = mla.plan(case["batch"])
+            mla = dsv4.SparseMLA(case.spec, "bfloat16", backend=name)
+            plan = mla.plan(case.batch)
             for kind in (LayerKind.SWA, LayerKind.C4A, LayerKind.C128A):
-                worst = max(worst, compare(run_layer(mla, plan, case, kind), reference_for(plan, case, kind))["rel_l2"])
+                err = compare(forward_poisoned(mla, plan, case, kind), reference_out(plan, case, kind))
+                worst = max(worst, err["rel_l2"])
         finally:
             unregister_backend(name)
     adapter = worst <= BF16_CONTRACT
@@ -120,26 +122,26 @@ def split_sweep(gen) -> tuple[bool, str]:
 
 def capacity(gen) -> tuple[bool, str]:
     lens = tuple(int(n) for n in torch.randint(4, 4000, (1024,), generator=gen))
-    case = make_case(gen, "fp8_ds_mla", 64, query_lens=(3,) * 1024, seq_lens=lens, num_pad=0, device=DEV, topk=512,
-                     max_model_len=8192)
-    T = case["q"].shape[0]
+    case = aiter_step(gen, "fp8_ds_mla", 64, query_lens=(3,) * 1024, seq_lens=lens, num_pad=0, device=DEV, topk=512,
+                      max_model_len=8192)
+    T = case.q.shape[0]
     name = _register()
     try:
-        mla = dsv4.SparseMLA(case["spec"], "fp8_ds_mla", backend=name, max_tokens=T, max_reqs=1024)
+        mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend=name, max_tokens=T, max_reqs=1024)
         before = torch.cuda.memory_allocated()
-        mla.reserve(mla.plan(case["batch"]), decode_tokens=T)
+        mla.reserve(mla.plan(case.batch), decode_tokens=T)
         torch.cuda.synchronize()
         reserved = torch.cuda.memory_allocated() - before
         backend = mla._backend(name)
         pointers = {k: s.pointers() for k, s in backend._scratch.items()}
-        plan = mla.plan(case["batch"])
+        plan = mla.plan(case.batch)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         worst = 0.0
         for kind in (LayerKind.SWA, LayerKind.C4A, LayerKind.C128A):
-            out = run_layer(mla, plan, case, kind)
+            out = forward_poisoned(mla, plan, case, kind)
             sub = torch.arange(0, T, 97, device=DEV)
-            ref = reference_for(plan, case, kind)
+            ref = reference_out(plan, case, kind)
             worst = max(worst, compare(out[sub], ref[sub])["rel_l2"])
         peak = torch.cuda.max_memory_allocated() - base
         moved = {k: s.pointers() for k, s in backend._scratch.items()} != pointers

@@ -6,14 +6,19 @@ print registers, spills and scratch per variant. No GPU needed; run it without T
 
 Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
 
-* ``hopper``: the Gluon Hopper kernel, sm_90a: the top-k walk with its LSE, split, split with the
-  in-kernel merge, and SWA alone (``--full``: its 14 variants: SWA / every-entry / top-k, each
-  alone, with the LSE, split, and split merging in the kernel;
-  top-k with non-power-of-two cache blocks and without range checks);
+* ``hopper``: the Gluon Hopper kernels, sm_90a: the top-k walk with its LSE, split, split with the
+  in-kernel merge, SWA alone, and the heads-on-N kernel's split merge (``--full``: 16 variants:
+  SWA / every-entry / top-k, each alone, with the LSE, split, and split merging in the kernel;
+  top-k with non-power-of-two cache blocks and without range checks; the heads-on-N kernel's
+  top-k split merge (8 heads) and every-entry walk with its LSE (16 heads));
 * ``attention``: the portable kernel in every tile ``KernelConfig.tile`` picks for 1 - 128 heads,
-  on sm_80 (bf16 caches only: the fp8 formats need sm_89), sm_90, sm_100, gfx942, gfx950: the
-  top-k walk with its LSE and its split epilogue in the V4 record (bf16 on sm_80), on AMD also in
-  bf16 and nvfp4_ds_mla's two records (``--full``: every record x layer kind x split);
+  on sm_80 (bf16 caches only: the fp8 formats need sm_89), sm_90, sm_100, gfx942, gfx950, for the
+  formats selection runs on it there (``portable_formats``: on sm_90 every format, the V4 record
+  when the Gluon kernel cannot take it). On sm_90, gfx942 and gfx950 every format of each tile in
+  the top-k walk with its LSE (the kind whose code holds the others': both scopes and the
+  block-table translation) and the tile's split epilogue; on sm_80 / sm_100 the V4 walk (bf16 on
+  sm_80) and its split, ``--quick``: in the smallest tile only; ``--full``: every record x layer
+  kind x split everywhere;
 * ``combine`` (split merge) and ``step_rows`` / ``topk_rows`` (the index front end) on every target.
 
 Fails (exit 1) on a compile error, or on AMD scratch (registers spilled to memory) or LDS past
@@ -29,6 +34,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import io
+import itertools
 import json
 import os
 import re
@@ -57,16 +63,18 @@ TARGETS = {"sm80": GPUTarget("cuda", 80, 32), "sm90": GPUTarget("cuda", 90, 32),
            "sm100": GPUTarget("cuda", 100, 32), "gfx942": GPUTarget("hip", "gfx942", 64),
            "gfx950": GPUTarget("hip", "gfx950", 64)}
 KINDS = {"SWA": K.COMP_NONE, "all": K.COMP_GLOBAL, "top-k": K.COMP_C4A_LOCAL}
-# (COMP, split, write_lse, shifts, range_checks, merge in the kernel): what the launcher compiles of
-# the Gluon kernel
-HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True, False) for comp in (0, 1, 2) for lse in (True, False)]
-                   + [(comp, True, False, (6, 6), True, False) for comp in (0, 1, 2)]
-                   + [(comp, True, True, (6, 6), True, True) for comp in (0, 1, 2)]
-                   + [(2, False, True, (-1, -1), True, False), (2, False, True, (6, 6), False, False)])
+# (COMP, split, write_lse, shifts, range_checks, merge in the kernel, heads on N): what the launcher
+# compiles of the Gluon kernels (heads on N 8 / 16: hopper_heads, 0: the 64-head kernel)
+HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True, False, 0) for comp in (0, 1, 2) for lse in (True, False)]
+                   + [(comp, True, False, (6, 6), True, False, 0) for comp in (0, 1, 2)]
+                   + [(comp, True, True, (6, 6), True, True, 0) for comp in (0, 1, 2)]
+                   + [(2, False, True, (-1, -1), True, False, 0), (2, False, True, (6, 6), False, False, 0)]
+                   + [(2, True, True, (6, 6), True, True, 8), (1, False, True, (6, 6), True, False, 16)])
 # without --full: the top-k walk with its LSE, split and in-kernel merge (every Gluon builtin the
-# kernel calls) and SWA alone
-HOPPER_QUICK = [(2, False, True, (6, 6), True, False), (2, True, False, (6, 6), True, False),
-                (2, True, True, (6, 6), True, True), (0, False, True, (6, 6), True, False)]
+# kernel calls), SWA alone, and the heads-on-N kernel's split merge
+HOPPER_QUICK = [(2, False, True, (6, 6), True, False, 0), (2, True, False, (6, 6), True, False, 0),
+                (2, True, True, (6, 6), True, True, 0), (0, False, True, (6, 6), True, False, 0),
+                (2, True, True, (6, 6), True, True, 8)]
 
 
 @dataclass(frozen=True)
@@ -77,8 +85,30 @@ class Job:
     args: tuple = ()
 
 
+# the targets whose quick matrix holds every tile and record pair selection launches there (the
+# GPUs the package is run on: H100 / H200, MI300X, MI355X); sm_80 and sm_100 keep the smallest tile
+SERVED = ("sm90", "gfx942", "gfx950")
+
+
+def portable_formats(target: str) -> list[KVFormat]:
+    """The KV formats a layer on ``target`` runs on the portable kernel for, as selection decides:
+    ``ops.kernel_choice`` gives it the portable kernel in some FP8 dialect its records are written
+    in (on sm_90 the Gluon kernel takes the V4 record in OCP e4m3: the portable kernel gets it in
+    FNUZ, and for caches whose blocks are not 16-byte aligned), and the triton backend serves the
+    fp8 formats from sm_89 only (``TritonBackend.extra_reasons``)."""
+    out = []
+    for fmt in KVFormat:
+        if fmt.uses_fp8 and target.startswith("sm") and int(target[2:]) < 89:
+            continue
+        records = (fmt.swa_record, fmt.comp_record)
+        dialects = itertools.product(*(r.layout.dialects for r in records))
+        if any(ops.kernel_choice(target, records, d)[0] == "portable" for d in dialects):
+            out.append(fmt)
+    return out
+
+
 def _attention_jobs(target: str, full: bool) -> list[Job]:
-    fmts = [KVFormat.BF16] if target == "sm80" else list(KVFormat)  # fp8 conversions need sm_89+
+    fmts = portable_formats(target)
     arch = target if target.startswith("gfx") else "sm90"  # NVIDIA archs share the tile choice
     recs = {pb.layer_records(fmt, comp) for fmt in fmts for comp in KINDS.values()}
     tiles = sorted({ops.DEFAULT_CONFIG.tile(arch, h, r) for h in range(1, MAX_HEADS + 1) for r in recs},
@@ -86,14 +116,17 @@ def _attention_jobs(target: str, full: bool) -> list[Job]:
     jobs = []
     for tile in tiles:
         name = f"{tile.block_h}h x {tile.block_n}k {tile.num_warps}w"
+        # the formats selection runs in this tile (AMD: NVFP4 caches have their own)
+        here = [fmt for fmt in fmts if any(ops.DEFAULT_CONFIG.tile(arch, h, pb.layer_records(fmt, KINDS["top-k"]))
+                                           == tile for h in range(1, MAX_HEADS + 1))]
         if full:
             cases = [(fmt, kind, split) for fmt in fmts for kind in KINDS for split in (1, 2)]
+        elif target in SERVED:
+            # every format of this tile in the top-k walk (its code holds the other kinds': the SWA
+            # scope, the compressed scope and the block-table translation), and the split epilogue
+            cases = [(fmt, "top-k", 1) for fmt in here] + [(here[0], "top-k", 2)] if here else []
         else:
-            # AMD: the records with the most registers live and the split (the spill bar of
-            # tests/test_amd_compile.py); NVIDIA: the V4 walk and its split (bf16 on sm_80)
-            quick = ([(KVFormat.MODEL1_FP8, 1), (KVFormat.BF16, 1), (KVFormat.NVFP4, 1), (KVFormat.MODEL1_FP8, 2)]
-                     if target.startswith("gfx") else [(fmts[0], 1), (fmts[0], 2)])
-            cases = [(fmt, "top-k", split) for fmt, split in quick]
+            cases = [(fmts[0], "top-k", 1), (fmts[0], "top-k", 2)]  # the V4 walk and its split (bf16 on sm_80)
         seen = set()
         for fmt, kind, split in cases:
             records = pb.layer_records(fmt, KINDS[kind])
@@ -113,9 +146,9 @@ def jobs_for(targets: list[str], kernels: list[str], full: bool) -> list[Job]:
     for target in targets:
         if "hopper" in kernels and target == "sm90":
             for v in HOPPER_VARIANTS if full else [v for v in HOPPER_VARIANTS if v in HOPPER_QUICK]:
-                comp, split, lse, shifts, checks, merge = v
+                comp, split, lse, shifts, checks, merge, heads_n = v
                 label = (f"{list(KINDS)[comp]}{' split' if split else ''}{' merge' if merge else ''}"
-                         f"{' lse' if lse else ''}"
+                         f"{' lse' if lse else ''}{f' heads-on-N {heads_n}' if heads_n else ''}"
                          f"{' bs!=2^n' if shifts[0] < 0 else ''}{' no range checks' if not checks else ''}")
                 out.append(Job(target, "hopper", label, v))
         if "attention" in kernels:
@@ -146,8 +179,8 @@ def _compile_indices(job: Job, target: GPUTarget):
 def _compile(job: Job):
     target = TARGETS[job.target]
     if job.kernel == "hopper":
-        comp, split, lse, shifts, checks, merge = job.args
-        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge))
+        comp, split, lse, shifts, checks, merge, heads_n = job.args
+        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge, heads_n))
     if job.kernel == "attention":
         tile, fmt, kind, split = job.args
         return pb.compile_portable(target, pb.variant(fmt, KINDS[kind], tile, split), ops.launch_options(tile))
@@ -219,15 +252,20 @@ def main() -> None:
                    default=["hopper", "attention", "combine", "indices"])
     p.add_argument("--full", action="store_true", help="every record x layer kind x split of the portable kernel")
     p.add_argument("--quick", action="store_true",
-                   help="the portable kernel in its smallest tile only (CI time; the other tiles differ in BLOCK_H)")
+                   help="on sm_80 / sm_100 the portable kernel in its smallest tile only (CI time; the other tiles "
+                        "differ in BLOCK_H); sm_90, gfx942 and gfx950 keep every tile")
     p.add_argument("--only", nargs="+", metavar="LABEL", help="only the variants of these labels")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", metavar="FILE", help="also write every row (with errors) as JSON")
+    p.add_argument("--list", action="store_true", help="print the variants (JSON: target, kernel, label) and exit")
     args = p.parse_args()
     todo = [j for j in jobs_for(args.targets, args.kernels, args.full) if not args.only or j.label in args.only]
-    if args.quick:
-        todo = [j for j in todo if j.kernel != "attention" or j.args[0].block_h == min(
+    if args.quick:  # sm_80 / sm_100: the portable kernel in its smallest tile only
+        todo = [j for j in todo if j.kernel != "attention" or j.target in SERVED or j.args[0].block_h == min(
             k.args[0].block_h for k in todo if k.kernel == "attention" and k.target == j.target)]
+    if args.list:
+        print(json.dumps([{"target": j.target, "kernel": j.kernel, "label": j.label} for j in todo]))
+        return
     start = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(measure, job) for job in todo]

@@ -14,7 +14,7 @@ from dsv4_attn.api import SparseMLA
 from dsv4_attn.common.spec import LayerKind
 from dsv4_attn.cuda import flashmla
 
-from nvidia_cases import make_case
+from kit.steps import nvidia_step
 
 ITERS = 20
 _kernel_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -39,12 +39,12 @@ flashmla.FlashMLAOps.prefill = _timed(flashmla.FlashMLAOps.prefill)
 
 def measure(name, qlens, seqs, kind, **kw):
     gen = torch.Generator().manual_seed(len(name))
-    case = make_case(gen, qlens, seqs, device="cuda", **kw)
+    case = nvidia_step(gen, qlens, seqs, device="cuda", **kw)
     mla = SparseMLA(case.spec, case.fmt, backend="flashmla", device="cuda", max_tokens=max(8192, sum(qlens)))
     plan = mla.plan(case.batch)
     out = torch.empty_like(case.q)
     args = (case.q, case.caches["swa"], case.caches.get(kind) if kind.has_comp_scope else None)
-    topk = case.topk if kind is LayerKind.C4A else None
+    topk = case.topk_for(kind) if kind is LayerKind.C4A else None
 
     def run():
         mla.forward(plan, kind, *args, topk=topk, sink=case.sink, out=out)

@@ -23,7 +23,7 @@ from dsv4_attn import bench  # noqa: E402
 from dsv4_attn.common import layout, reference  # noqa: E402
 from dsv4_attn.portable.kernels.ops import KernelConfig, sparse_mla_fwd  # noqa: E402
 
-from conftest import within_flashmla_lse_tolerance  # noqa: E402
+from kit.reference import within_flashmla_lse_tolerance  # noqa: E402
 
 
 def flashmla_like(seed: int, T: int, H: int, two_scopes: bool, dev: torch.device):
@@ -60,10 +60,11 @@ def production(cfg: str, b: int, dev: torch.device):
 
 def main() -> int:
     dev = torch.device("cuda")
-    impls = ["triton"] + (["gluon"] if torch.cuda.get_device_capability() == (9, 0) else [])
+    # gluon-n: the heads-on-N kernel (hopper_heads), forced; it runs the cases of <= 16 heads
+    impls = ["triton"] + (["gluon", "gluon-n"] if torch.cuda.get_device_capability() == (9, 0) else [])
     cases = [(f"flashmla-like T=64 H={h} {'two scopes' if two else 'one scope'}",
               lambda h=h, two=two, s=s: flashmla_like(s, 64, h, two, dev))
-             for s, (h, two) in enumerate([(64, False), (64, True), (128, True)])]
+             for s, (h, two) in enumerate([(64, False), (64, True), (128, True), (8, True), (16, False), (12, True)])]
     cases += [(f"{cfg} b={b}", lambda cfg=cfg, b=b: production(cfg, b, dev))
               for cfg, b in (("h64-c4a512", 8), ("h128-c4a1024", 4), ("h64-c128a", 8))]
     stats = {impl: [0, 0, 0.0] for impl in impls}  # elements, failures, worst abs error
@@ -72,11 +73,15 @@ def main() -> int:
         _, want = reference.sparse_mla(q, swa, rows, lens, comp, crows, clens, None, scale, "fp8_ds_mla",
                                        dtype=torch.float32)
         for impl in impls:
-            # split 4 merged by the combine launch and, on the Gluon kernel, inside the kernel
-            for split, merge in ((1, -1), (4, 0)) + (((4, 1),) if impl == "gluon" else ()):
+            if impl == "gluon-n" and q.shape[1] > 16:
+                continue
+            # split 4 merged by the combine launch and, on the Gluon kernels, inside the kernel
+            for split, merge in ((1, -1), (4, 0)) + (((4, 1),) if impl != "triton" else ()):
                 lse = torch.full(q.shape[:2], float("nan"), device=dev)
+                config = KernelConfig(impl="gluon" if impl.startswith("gluon") else impl, split=split,
+                                      merge_in_kernel=merge, heads_on_n=1 if impl == "gluon-n" else 0)
                 sparse_mla_fwd(q, torch.empty_like(q), "fp8_ds_mla", swa, rows, lens, comp, crows, clens, scale=scale,
-                               lse=lse, config=KernelConfig(impl=impl, split=split, merge_in_kernel=merge))
+                               lse=lse, config=config)
                 torch.cuda.synchronize()
                 ok = within_flashmla_lse_tolerance(lse, want)
                 fin = torch.isfinite(want).cpu()

@@ -17,16 +17,10 @@ import torch
 
 from dsv4_attn import bench
 from dsv4_attn.common import reference
+from dsv4_attn.testing.errors import error_figures
 
 CONFIGS = ["h8-c4a512", "h8-swa", "h16-c4a1024", "h16-c128a", "h32-c4a512", "h64-c4a512", "h64-c128a",
            "h128-c4a1024"]
-
-
-def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
-    a, b = out.double().flatten(), ref.double().flatten()
-    rel = float((a - b).norm() / b.norm().clamp_min(1e-30))
-    cos = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
-    return float((a - b).abs().max()), rel, cos
 
 
 def outputs(run, out: torch.Tensor) -> list[torch.Tensor]:
@@ -36,14 +30,7 @@ def outputs(run, out: torch.Tensor) -> list[torch.Tensor]:
     run()
     torch.cuda.synchronize()
     got.append(out.clone())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = bench.timing.capture_graph(run)
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()
@@ -75,7 +62,8 @@ def main() -> int:
                                                   case.comp_cache, rows, lens, case.sink, case.spec.scale, case.fmt)
                 for i, got in enumerate(outputs(run, out)):
                     nan = int(got.isnan().sum())
-                    mx, rel, cos = compare(got.nan_to_num(0), ref)
+                    err = error_figures(got.nan_to_num(0), ref)
+                    mx, rel, cos = err["max_abs"], err["rel_l2"], err["cosine"]
                     ok = nan == 0 and rel < 1e-2 and cos > 0.9999 and float(got[:, 0].abs().max()) == 0
                     bad += not ok
                     how = "eager" if i == 0 else f"replay {i}"

@@ -1,7 +1,7 @@
 """Device script: every kernel on small steps poisoned with each class of garbage index, meant to
 run under ``compute-sanitizer --tool memcheck`` (a clean run = no out-of-bounds access).
 
-Per garbage class (tests/garbage_cases.py: -1 between valid entries, -123456, -2**31, the
+Per garbage class (tests/kit/garbage.py: -1 between valid entries, -123456, -2**31, the
 capacity, past it, 2**31 - 1), written into every scope at once (the SWA and compressed block
 tables, the top-k rows), it runs and checks against the float64 reference of the step's clean
 twin (garbage replaced by -1):
@@ -47,7 +47,7 @@ from dsv4_attn.common.backend import Phase  # noqa: E402
 from dsv4_attn.portable.kernels.ops import KernelConfig, sparse_mla_fwd  # noqa: E402
 from dsv4_attn.portable.triton_backend import TritonBackend  # noqa: E402
 
-from garbage_cases import CLASSES, garbage_step, raw_rows_case  # noqa: E402
+from kit.garbage import CLASSES, garbage_step, raw_rows_case  # noqa: E402
 
 RESULTS: Counter = Counter()
 FAILED: list[str] = []

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from dsv4_attn import bench
-from dsv4_attn.bench.timing import L2Flush
+from dsv4_attn.bench.timing import L2Flush, capture_graph
 
 CASES = [("h8-c4a512", 1), ("h8-c4a512", 4), ("h8-swa", 1), ("h16-c128a", 2), ("h64-c4a512", 2),
          ("h128-c4a1024", 2)]
@@ -24,14 +24,7 @@ CASES = [("h8-c4a512", 1), ("h8-c4a512", 4), ("h8-swa", 1), ("h16-c128a", 2), ("
 def capture(run) -> torch.cuda.CUDAGraph:
     for _ in range(3):
         run()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = capture_graph(run)
     torch.cuda.synchronize()
     return graph
 

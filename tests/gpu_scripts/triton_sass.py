@@ -2,7 +2,7 @@
 decides its speed: ptxas' registers, spills and C7515 warnings, and the HGMMA / DEPBAR counts
 (one WARPGROUP.DEPBAR per HGMMA = every wgmma serialized).
 
-    PYTHONPATH=. python tests/gpu_scripts/triton_sass.py [--comp 2] [--split] [--no-range-checks]
+    PYTHONPATH=. python tests/gpu_scripts/triton_sass.py [--comp 2] [--split] [--no-range-checks] [--heads-n 16]
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ def main() -> None:
                    help="log2 of the SWA / compressed cache block sizes (-1: not a power of two)")
     p.add_argument("--no-range-checks", action="store_true",
                    help="compile without the index range checks (to see what they cost)")
+    p.add_argument("--heads-n", type=int, default=0, choices=(0, 8, 16),
+                   help="the heads-on-N kernel (hopper_heads) with this many heads per program; 0: the 64-head one")
     args = p.parse_args()
     kernel = compile_hopper(hopper_constexprs(args.comp, args.split, shifts=tuple(args.shifts),
-                                              range_checks=not args.no_range_checks))
+                                              range_checks=not args.no_range_checks, heads_n=args.heads_n))
     report, sass = ptxas_and_sass(kernel)
     print("\n".join(line for line in report.splitlines() if "stack" in line or "egisters" in line
                     or "C75" in line))

@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: vllm_sta
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import vllm_stack  # noqa: E402
 
 from dsv4_attn.integrations import vllm as shim  # noqa: E402
+
+from kit import vllm_stack  # noqa: E402
 
 SHAPES = {"V4-Flash": dict(num_hidden_layers=43, num_attention_heads=64, index_topk=512, o_groups=8),
           "V4-Pro": dict(num_hidden_layers=61, num_attention_heads=128, index_topk=1024, o_groups=16)}

@@ -34,7 +34,11 @@ rows, in tiles of ``BLOCK_N`` keys, with ONE online softmax over both scopes:
 
 When the tokens are too few to fill the GPU the key tiles of a token are split over ``SPLIT``
 programs writing fp32 partials ``(acc, m, l)``; a small combine kernel merges them, applies the
-sink and writes bf16 (the LSE merge of docs/semantics.md). Scores are kept in base 2 (``qk_scale`` includes
+sink and writes bf16 (the LSE merge of docs/semantics.md). ``SPLIT`` is chosen on the host from
+the rows' width; a token whose keys fill fewer than ``SPLIT`` programs' ranges (a short request
+in rows of the model's width, as a CUDA graph captures them) writes partials from the programs
+that have keys only, and says how many (``PU``): the others store nothing and the merge reads
+nothing of theirs. Scores are kept in base 2 (``qk_scale`` includes
 log2(e)); the returned lse is natural-log and excludes the sink.
 
 Dot dtype ``DT``: bfloat16 (the default on GPUs), float16 (e4m3 values and their power-of-two
@@ -419,8 +423,9 @@ def sparse_mla_fwd_kernel(
     # top-k translation: the ratio's block table (bt_cols columns of ids < b_blocks), token -> request,
     # positions; b_width = compressed row width
     BT, stride_bt, bt_cols, b_blocks, TOK2REQ, POS, b_width,
-    # split partials: PO fp32 [T, SPLIT, H, 512], PML fp32 [T, SPLIT, H, 2]
-    PO, PML,
+    # split partials: PO fp32 [T, SPLIT, H, 512], PML fp32 [T, SPLIT, H, 2], PU int32 [T] the
+    # partials each token wrote (splits [0, PU[t]))
+    PO, PML, PU,
     # per-program scratch for P (DT [grid, 2, BLOCK_H, BLOCK_N]) and alpha (fp32 [grid, 2, BLOCK_H])
     SCR_P, SCR_A,
     num_heads, qk_scale, kv_scale, split, a_exp_off, b_exp_off,
@@ -474,8 +479,9 @@ def sparse_mla_fwd_kernel(
         len_b = tl.minimum(tl.maximum(len_b, 0), b_width)
     tiles_a = tl.cdiv(len_a, BLOCK_N)
     tiles = tiles_a + tl.cdiv(len_b, BLOCK_N)
+    used = 1  # programs of this token with keys (split partials it writes)
     if IS_SPLIT:
-        per = tl.cdiv(tiles, split)
+        per, used = split_ranges(tiles, split)
         lo = sp * per
         hi = tl.minimum(lo + per, tiles)
     else:
@@ -522,7 +528,7 @@ def sparse_mla_fwd_kernel(
         if WRITE_LSE:
             lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
             tl.store(LSE + t64 * stride_lt + h, lse, mask=hmask)
-    else:
+    elif sp < used:  # a program past the token's keys writes nothing (the merge reads [0, used))
         part = (t64 * split + sp) * num_heads + h.to(tl.int64)
         po_row = PO + part * 512
         _store_rows(po_row, 0, acc_a, hmask, PAIRED)
@@ -531,22 +537,34 @@ def sparse_mla_fwd_kernel(
         _store_rows(po_row, 3, acc_r, hmask, PAIRED)
         tl.store(PML + part * 2, m_i, mask=hmask)
         tl.store(PML + part * 2 + 1, l_i, mask=hmask)
+        if sp + hb == 0:
+            tl.store(PU + t, used)
+
+
+@triton.jit
+def split_ranges(tiles, split):
+    """(tiles per split program, programs with keys) of a token of ``tiles`` key tiles over ``split``
+    programs: program s takes tiles [s * per, (s + 1) * per); at least one program (it writes the
+    empty partial of a token without keys)."""
+    per = tl.maximum(tl.cdiv(tiles, split), 1)
+    return per, tl.maximum(tl.cdiv(tiles, per), 1)
 
 
 @triton.jit
 def combine_kernel(
-    PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, num_heads,
+    PO, PML, PU, O, stride_ot, stride_oh, LSE, stride_lt, SINK, num_heads,
     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Merge SPLIT partials (acc, m, l) of one token: o = Σ w_s acc_s / (Σ w_s l_s + exp2(sink2 - M)),
-    w_s = exp2(m_s - M). Grid: (T, cdiv(H, BLOCK_H), 512 // BLOCK_D)."""
+    """Merge the PU[t] <= SPLIT partials (acc, m, l) a token wrote: o = Σ w_s acc_s / (Σ w_s l_s +
+    exp2(sink2 - M)), w_s = exp2(m_s - M). Grid: (T, cdiv(H, BLOCK_H), 512 // BLOCK_D)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     hmask = h < num_heads
+    used = tl.load(PU + t)
     s = tl.arange(0, SPLIT_P2)
-    smask = s < SPLIT
+    smask = s < used
     part = (t * SPLIT + s[None, :]) * num_heads + h[:, None].to(tl.int64)  # [BH, SP]
     pm = hmask[:, None] & smask[None, :]
     m = tl.load(PML + part * 2, mask=pm, other=-1.0e30)
@@ -561,7 +579,7 @@ def combine_kernel(
     has = l_sum != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
     inv = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for i in range(SPLIT):
+    for i in range(used):
         p_i = (t * SPLIT + i) * num_heads + h.to(tl.int64)
         m_s = tl.load(PML + p_i * 2, mask=hmask, other=-1.0e30)
         w_s = tl.exp2(m_s - m_max)

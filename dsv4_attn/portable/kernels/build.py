@@ -23,7 +23,7 @@ from . import attention as K
 POINTERS = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32", "A_U8": "*u8", "A_16": "*bf16",
             "B_U8": "*u8", "B_16": "*bf16", "A_ROWS": "*i32", "A_LENS": "*i32", "B_ROWS": "*i32",
             "B_LENS": "*i32", "BT": "*i32", "TOK2REQ": "*i32", "POS": "*i64", "PO": "*fp32", "PML": "*fp32",
-            "SCR_P": "*bf16", "SCR_A": "*fp32"}
+            "PU": "*i32", "SCR_P": "*bf16", "SCR_A": "*fp32"}
 FLOATS = {"qk_scale", "kv_scale"}
 # integer arguments a launch passes as multiples of 16 in the common case (strides of q / out /
 # rows, cache block strides and sizes of 16-multiple pages, slot counts, row widths, head counts
@@ -35,7 +35,8 @@ PORTABLE_DIV16 = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_lt
                   "num_heads"}
 HOPPER_POINTERS = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32", "A_U8": "*u8", "B_U8": "*u8",
                    "A_ROWS": "*i32", "A_LENS": "*i32", "B_ROWS": "*i32", "B_LENS": "*i32", "BT": "*i32",
-                   "TOK2REQ": "*i32", "POS": "*i64", "PO": "*fp32", "PML": "*fp32", "CNT": "*i32"}
+                   "TOK2REQ": "*i32", "POS": "*i64", "PO": "*fp32", "PML": "*fp32", "CNT": "*i32",
+                   "PU": "*i32"}
 # what the launcher's arguments are specialized as (16-byte aligned pointers and strides)
 HOPPER_DIV16 = set(HOPPER_POINTERS) | {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "a_stride0", "b_stride0",
                                        "stride_ar", "stride_br", "stride_bt", "b_width", "a_width", "a_slots",
@@ -75,18 +76,46 @@ def compile_combine(gpu: GPUTarget, split: int = 304, block_h: int = 16):
     fn = K.combine_kernel
     constexprs = dict(SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), HAS_SINK=True, WRITE_LSE=True,
                       BLOCK_H=block_h, BLOCK_D=128)
-    sig = {p.name: {"PO": "*fp32", "PML": "*fp32", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32"}.get(p.name)
-           or ("constexpr" if p.name in constexprs else "i32") for p in fn.params}
+    pointers = {"PO": "*fp32", "PML": "*fp32", "PU": "*i32", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32"}
+    sig = {p.name: pointers.get(p.name) or ("constexpr" if p.name in constexprs else "i32") for p in fn.params}
     return triton.compile(ASTSource(fn, sig, constexprs), target=gpu, options=dict(num_warps=4))
 
 
 def hopper_constexprs(comp: int, split: bool = False, write_lse: bool = False, shifts: tuple[int, int] = (6, 6),
-                      range_checks: bool = True, merge: bool = False) -> dict:
+                      range_checks: bool = True, merge: bool = False, heads_n: int = 0) -> dict:
     """The Gluon Hopper kernel's constexprs of one launch (``ops.sparse_mla_fwd``), with a sink;
-    ``merge``: a split launch merging its partials itself (``ops.merge_in_kernel``)."""
+    ``merge``: a split launch merging its partials itself (``ops.merge_in_kernel``); ``heads_n``
+    8 / 16: the heads-on-N kernel (``hopper_heads``) with that many heads per program, 0 the
+    64-head one."""
     merge = merge and split
-    return dict(COMP=comp, C4A_RATIO=4, HAS_SINK=True, WRITE_LSE=write_lse and (not split or merge), IS_SPLIT=split,
-                BN=64, A_SHIFT=shifts[0], B_SHIFT=shifts[1], RANGE_CHECKS=range_checks, MERGE_IN_KERNEL=merge)
+    const = dict(COMP=comp, C4A_RATIO=4, HAS_SINK=True, WRITE_LSE=write_lse and (not split or merge), IS_SPLIT=split,
+                 BN=64, A_SHIFT=shifts[0], B_SHIFT=shifts[1], RANGE_CHECKS=range_checks, MERGE_IN_KERNEL=merge)
+    if heads_n:
+        const["NH"] = heads_n
+    return const
+
+
+def hopper_kernel(constexprs: dict):
+    """(the Gluon kernel, its launch options) of ``constexprs``: the heads-on-N kernel where they
+    name NH (``hopper_heads``), else the 64-head one (``hopper``)."""
+    if "NH" in constexprs:
+        from . import hopper_heads
+
+        return hopper_heads.sparse_mla_fwd_hopper_heads_n, dict(num_warps=hopper_heads.NUM_WARPS,
+                                                                maxnreg=hopper_heads.MAXNREG)
+    from . import hopper
+
+    return hopper.sparse_mla_fwd_hopper, dict(num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG)
+
+
+def ctas_per_sm(heads_n: int) -> int:
+    """Programs of the Gluon kernel that one SM holds at once: 2 for the heads-on-N kernel (``heads_n``
+    > 0, hopper_heads.CTAS_PER_SM), 1 for the 64-head one."""
+    if not heads_n:
+        return 1
+    from . import hopper_heads
+
+    return hopper_heads.CTAS_PER_SM
 
 
 def compile_hopper(constexprs: dict):
@@ -95,14 +124,12 @@ def compile_hopper(constexprs: dict):
     _require_compiler()
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from . import hopper
-
-    fn = hopper.sparse_mla_fwd_hopper
+    fn, options = hopper_kernel(constexprs)
     sig = {p.name: HOPPER_POINTERS.get(p.name) or ("constexpr" if p.name in constexprs else
                                                    "fp32" if p.name == "qk_scale" else "i32") for p in fn.params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in HOPPER_DIV16}
     return triton.compile(GluonASTSource(fn, sig, constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG))
+                          options=options)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -161,8 +161,8 @@ def _prefetch_lines_l2(ptrs, mask):
 def _prefetch_index_rows(a_rows, a_width, b_rows, b_width, COMP: gl.constexpr):
     """L2 prefetch of a token's whole index rows (SWA slots, compressed entries), one line per
     thread, issued before the lengths that pick this program's tiles are known."""
-    L1d: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])  # 256 lanes: one line each
-    j = gl.arange(0, 256, layout=L1d)
+    L1d: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    j = gl.arange(0, 256, layout=L1d)  # 256 lines: one per lane (8 warps) or two (4 warps)
     ja = gl.minimum(j * 32, a_width - 1)  # 32 int32 entries per line; the last line's tail too
     _prefetch_lines_l2(a_rows + gl.maximum(ja, 0), (j < 128) & (j * 32 < a_width + 31) & (a_width > 0))
     if COMP != 0:
@@ -174,17 +174,65 @@ def _prefetch_index_rows(a_rows, a_width, b_rows, b_width, COMP: gl.constexpr):
 def _prefetch_table_row(bt_row, visible, b_bs, bt_cols):
     """L2 prefetch of the block-table columns a top-k token can name (its visible compressed
     entries), up to 256 lines."""
-    L1d: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
+    L1d: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     j = gl.arange(0, 256, layout=L1d)
     cols = gl.minimum(gl.cdiv(visible, b_bs), bt_cols)
     _prefetch_lines_l2(bt_row + gl.minimum(j * 32, gl.maximum(cols - 1, 0)), (j * 32 < cols + 31) & (cols > 0))
 
 
 @gluon.jit
-def _load_partial(PO, PML, t64, s, split, h, hm, d, num_heads):
-    """Split ``s``'s partial (m, l [8], acc [8, 512]) of heads ``h``; splits >= ``split`` are
-    empty (m -1e30, l 0, acc 0). L1 bypassed (.cg): other CTAs wrote them."""
-    live = hm & (s < split)
+def _normalizer(m, lsum, SINK, h, hm, HAS_SINK: gl.constexpr):
+    """Per head ``h``: 1 / (l + exp2(sink2 - m)) (0 where no key was valid) and the LSE (natural
+    log, sink excluded, -inf where no key was valid) of a finished (m, l)."""
+    denom = lsum
+    if HAS_SINK:
+        sink2 = gl.load(SINK + h, mask=hm, other=float("-inf")) * 1.4426950408889634
+        denom = lsum + gl.exp2(sink2 - m)
+    has = lsum != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
+    inv = gl.where(has, 1.0 / gl.where(has, denom, 1.0), 0.0)
+    lse = gl.where(has, (m + gl.log2(gl.where(has, lsum, 1.0))) * 0.6931471805599453, float("-inf"))
+    return inv, lse
+
+
+@gluon.jit
+def _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, t, t64, hb, n_hb, num_heads, split,
+                   used, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, BH: gl.constexpr):
+    """After this program's partial stores: the last of the token's ``used`` split programs with
+    keys to get here merges them (no combine launch; programs past the keys never arrive). One
+    acq_rel counter increment per program after a CTA-wide barrier: the release covers every
+    thread's stores; the acquire, broadcast through the atomic's own barrier, orders the merge's
+    L1-bypassing loads after the other programs' stores (the split-K semaphore pattern). CNT is
+    zero before the launch and left zero after it: the last program resets its entry once it has
+    merged."""
+    compat.barrier()
+    cnt = CNT + t * n_hb + hb
+    arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if arrived == used - 1:
+        _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64, hb, num_heads, split, used,
+                      HAS_SINK, WRITE_LSE, BH)
+        gl.store(cnt, 0)
+
+
+@gluon.jit
+def _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb, num_heads,
+                  split, used, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, MERGE_IN_KERNEL: gl.constexpr,
+                  BH: gl.constexpr):
+    """After a program with keys stored its partial: the merge in the kernel (by the last of the
+    token's ``used`` programs), or the token's ``used`` for the combine launch, which reads the
+    partials [0, used) (written once, by the token's first program)."""
+    if MERGE_IN_KERNEL:
+        _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, t, t64, hb, n_hb, num_heads, split,
+                       used, HAS_SINK, WRITE_LSE, BH)
+    elif sp + hb == 0:
+        gl.store(PU + t, used)
+
+
+@gluon.jit
+def _load_partial(PO, PML, t64, s, split, used, h, hm, d, num_heads):
+    """Split ``s``'s partial (m, l [8], acc [8, 512]) of heads ``h``; splits >= ``used`` (programs
+    without keys: nothing written) are empty (m -1e30, l 0, acc 0). L1 bypassed (.cg): other CTAs
+    wrote them."""
+    live = hm & (s < used)
     part = (t64 * split + s) * num_heads + h.to(gl.int64)
     m = gl.load(PML + part * 2, mask=live, other=-1.0e30, cache_modifier=".cg")
     lsum = gl.load(PML + part * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
@@ -203,13 +251,14 @@ def _rescale_add(m_run, l_run, acc, m, lsum, x):
 
 
 @gluon.jit
-def _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64, hb, num_heads, split,
+def _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64, hb, num_heads, split, used,
                   HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, BH: gl.constexpr):
-    """The split merge of ``attention.combine_kernel`` for one (token, head block), run by the
-    last of its split programs to finish: o = sum_s w_s acc_s / (sum_s w_s l_s + exp2(sink2 - M)),
+    """The split merge of ``attention.combine_kernel`` for one (token, head block) over the
+    partials of its ``used`` programs with keys, run by the last of them to finish:
+    o = sum_s w_s acc_s / (sum_s w_s l_s + exp2(sink2 - M)),
     w_s = exp2(m_s - M), one pass with an online rescale. 8 heads at a time (a warp per head,
     16-byte loads), 4 splits' partials in flight per step (loaded before any is used)."""
-    L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [8, 1], [1, 0])  # [8 heads, 512]
+    L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])  # [8 heads, 512]
     Lh: gl.constexpr = gl.SliceLayout(1, L)
     d = gl.arange(0, 512, layout=gl.SliceLayout(0, L))
     h_hi = gl.minimum(num_heads - hb * BH, BH)
@@ -219,26 +268,20 @@ def _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64, h
         m_run = gl.full([8], -1.0e30, gl.float32, layout=Lh)
         l_run = gl.zeros([8], gl.float32, layout=Lh)
         acc = gl.zeros([8, 512], gl.float32, layout=L)
-        for s0 in range(0, split, 4):
-            m0, l0, x0 = _load_partial(PO, PML, t64, s0, split, h, hm, d, num_heads)
-            m1, l1, x1 = _load_partial(PO, PML, t64, s0 + 1, split, h, hm, d, num_heads)
-            m2, l2, x2 = _load_partial(PO, PML, t64, s0 + 2, split, h, hm, d, num_heads)
-            m3, l3, x3 = _load_partial(PO, PML, t64, s0 + 3, split, h, hm, d, num_heads)
+        for s0 in range(0, used, 4):
+            m0, l0, x0 = _load_partial(PO, PML, t64, s0, split, used, h, hm, d, num_heads)
+            m1, l1, x1 = _load_partial(PO, PML, t64, s0 + 1, split, used, h, hm, d, num_heads)
+            m2, l2, x2 = _load_partial(PO, PML, t64, s0 + 2, split, used, h, hm, d, num_heads)
+            m3, l3, x3 = _load_partial(PO, PML, t64, s0 + 3, split, used, h, hm, d, num_heads)
             m_run, l_run, acc = _rescale_add(m_run, l_run, acc, m0, l0, x0)
             m_run, l_run, acc = _rescale_add(m_run, l_run, acc, m1, l1, x1)
             m_run, l_run, acc = _rescale_add(m_run, l_run, acc, m2, l2, x2)
             m_run, l_run, acc = _rescale_add(m_run, l_run, acc, m3, l3, x3)
-        denom = l_run
-        if HAS_SINK:
-            sink2 = gl.load(SINK + h, mask=hm, other=float("-inf")) * 1.4426950408889634
-            denom = l_run + gl.exp2(sink2 - m_run)
-        has = l_run != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
-        inv = gl.where(has, 1.0 / gl.where(has, denom, 1.0), 0.0)
+        inv, lse = _normalizer(m_run, l_run, SINK, h, hm, HAS_SINK)
         o = (acc * gl.expand_dims(inv, 1)).to(gl.bfloat16)
         gl.store(O + t64 * stride_ot + gl.expand_dims(h.to(gl.int64) * stride_oh, 1) + gl.expand_dims(d, 0), o,
                  mask=gl.expand_dims(hm, 1))
         if WRITE_LSE:
-            lse = gl.where(has, (m_run + gl.log2(gl.where(has, l_run, 1.0))) * 0.6931471805599453, float("-inf"))
             gl.store(LSE + t64 * stride_lt + h, lse, mask=hm)
 
 
@@ -270,13 +313,14 @@ def _dequant(x, e, B0: gl.constexpr, BN: gl.constexpr):
 def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_rows, len_a, B_U8, b_stride0,
               b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a,
               A_SHIFT: gl.constexpr, B_SHIFT: gl.constexpr, COMP: gl.constexpr, BN: gl.constexpr,
-              RANGE_CHECKS: gl.constexpr):
-    """Producer warpgroup: for each key tile, load its rows (e4m3 bytes and scale words into
-    registers, RoPE values with cp.async into the stage's RoPE buffer), wait until the consumers
-    have released K[stage], dequantize into it and signal ``kready``. The index pipeline and an
-    L2 prefetch of the rows run one tile ahead (tile g+1 goes through the block table and into
-    L2 while tile g's rows load; two tiles ahead measured slower); its row pointers are resolved
-    once, for the prefetch and the next iteration's loads."""
+              RANGE_CHECKS: gl.constexpr, NS: gl.constexpr):
+    """Producer warpgroup: for each key tile (tile lo + i into K stage i % NS, of NS = 1 or 2),
+    load its rows (e4m3 bytes and scale words into registers, RoPE values with cp.async into the
+    stage's RoPE buffer), wait until the consumers have released K[stage], dequantize into it and
+    signal ``kready``. The index pipeline and an L2 prefetch of the rows run one tile ahead (tile
+    g+1 goes through the block table and into L2 while tile g's rows load; two tiles ahead
+    measured slower); its row pointers are resolved once, for the prefetch and the next
+    iteration's loads."""
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0])  # [BN, n, 64] e4m3 bytes
     Lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [BN, 64] bf16
     Lrow: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
@@ -287,7 +331,7 @@ def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slot
     v_c, r_c = _idx_load(lo + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
     for g in range(lo, hi):
         i = g - lo
-        stage = i % 2
+        stage = i % NS
         row = row_c
         valid = valid_c
         ptrs, m = _chunk_ptrs(row, valid, 0, 2, L3)
@@ -315,7 +359,7 @@ def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slot
         row_c, srow_c = _row_ptrs(g + 1, slots_c, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs,
                                   A_SHIFT, B_SHIFT)
         _prefetch_l2(row_c, srow_c)
-        mbarrier.wait(kempty.index(stage), ((i // 2) & 1) ^ 1)
+        mbarrier.wait(kempty.index(stage), ((i // NS) & 1) ^ 1)
         k_buf = k_smem.index(stage)
         k_buf.slice(0, 128, dim=1).store(_dequant(x01, e0, 0, BN))
         k_buf.slice(128, 128, dim=1).store(_dequant(x23, e0, 2, BN))
@@ -387,6 +431,55 @@ def _consumer(q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, strid
 
 
 @gluon.jit
+def _token_tiles(split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride_br, B_LENS, BT, stride_bt, bt_cols,
+                 b_bs, TOK2REQ, POS, b_width, COMP: gl.constexpr, C4A_RATIO: gl.constexpr, IS_SPLIT: gl.constexpr,
+                 RANGE_CHECKS: gl.constexpr, BN: gl.constexpr):
+    """This program's (token t, key split sp, head block hb) and its key tiles [lo, hi) (SWA tiles
+    first, then compressed ones from ``tiles_a``), with the token's index rows, lengths, visible
+    compressed entries and block-table row, and ``used``: how many of the token's split programs
+    have keys (the rest write no partial); the index rows (and block-table columns) are pulled
+    into L2 before the lengths are known."""
+    pid = gl.program_id(0)
+    sp = pid % split
+    hb = (pid // split) % n_hb
+    t = pid // (split * n_hb)
+    t64 = t.to(gl.int64)
+    a_rows = A_ROWS + t64 * stride_ar
+    b_rows = B_ROWS + t64 * stride_br
+    _prefetch_index_rows(a_rows, a_width, b_rows, b_width, COMP)
+    len_a = gl.load(A_LENS + t)
+    len_b = 0
+    visible = 0
+    req = 0
+    if COMP == 1:
+        len_b = gl.load(B_LENS + t)
+    if COMP == 2:
+        req = gl.load(TOK2REQ + t)
+        pos = gl.load(POS + t)
+        visible = gl.maximum(gl.minimum((pos + 1) // C4A_RATIO, 2147483647), 0).to(gl.int32)  # int64 pos: no wrap
+        len_b = gl.where(req >= 0, gl.minimum(visible, b_width), 0)
+        req = gl.maximum(req, 0)
+    if RANGE_CHECKS:  # a length never reaches past its row (nor below 0)
+        len_a = gl.minimum(gl.maximum(len_a, 0), a_width)
+        len_b = gl.minimum(gl.maximum(len_b, 0), b_width)
+    tiles_a = gl.cdiv(len_a, BN)
+    tiles = tiles_a + gl.cdiv(len_b, BN)
+    used = 1  # programs of this token with keys: only they write partials (attention.split_ranges)
+    if IS_SPLIT:
+        per = gl.maximum(gl.cdiv(tiles, split), 1)
+        used = gl.maximum(gl.cdiv(tiles, per), 1)
+        lo = sp * per
+        hi = gl.minimum(lo + per, tiles)
+    else:
+        lo = 0
+        hi = tiles
+    bt_row = BT + req.to(gl.int64) * stride_bt  # type: ignore[attr-defined]  # req starts as the Python 0 the JIT turns into a scalar tensor
+    if COMP == 2:
+        _prefetch_table_row(bt_row, visible, b_bs, bt_cols)
+    return t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi, used
+
+
+@gluon.jit
 def sparse_mla_fwd_hopper(
     Q, stride_qt, stride_qh,
     O, stride_ot, stride_oh,
@@ -395,7 +488,7 @@ def sparse_mla_fwd_hopper(
     A_U8, a_stride0, a_bs, a_slots, A_ROWS, stride_ar, A_LENS, a_width,
     B_U8, b_stride0, b_bs, b_slots, B_ROWS, stride_br, B_LENS,
     BT, stride_bt, bt_cols, b_blocks, TOK2REQ, POS, b_width,
-    PO, PML, CNT,
+    PO, PML, CNT, PU,
     num_heads, qk_scale, split,
     COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
     IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64, A_SHIFT: gl.constexpr = -1, B_SHIFT: gl.constexpr = -1,
@@ -425,51 +518,17 @@ def sparse_mla_fwd_hopper(
         mbarrier.init(kready.index(i), count=1)
         mbarrier.init(kempty.index(i), count=1)
 
-    pid = gl.program_id(0)
     n_hb = gl.cdiv(num_heads, BH)
-    sp = pid % split
-    hb = (pid // split) % n_hb
-    t = pid // (split * n_hb)
-    t64 = t.to(gl.int64)
-    a_rows = A_ROWS + t64 * stride_ar
-    b_rows = B_ROWS + t64 * stride_br
-    _prefetch_index_rows(a_rows, a_width, b_rows, b_width, COMP)
-
-    # ---- key ranges ---------------------------------------------------------------------------
-    len_a = gl.load(A_LENS + t)
-    len_b = 0
-    visible = 0
-    req = 0
-    if COMP == 1:
-        len_b = gl.load(B_LENS + t)
-    if COMP == 2:
-        req = gl.load(TOK2REQ + t)
-        pos = gl.load(POS + t)
-        visible = gl.maximum(gl.minimum((pos + 1) // C4A_RATIO, 2147483647), 0).to(gl.int32)  # int64 pos: no wrap
-        len_b = gl.where(req >= 0, gl.minimum(visible, b_width), 0)
-        req = gl.maximum(req, 0)
-    if RANGE_CHECKS:  # a length never reaches past its row (nor below 0)
-        len_a = gl.minimum(gl.maximum(len_a, 0), a_width)
-        len_b = gl.minimum(gl.maximum(len_b, 0), b_width)
-    tiles_a = gl.cdiv(len_a, BN)
-    tiles = tiles_a + gl.cdiv(len_b, BN)
-    if IS_SPLIT:
-        per = gl.cdiv(tiles, split)
-        lo = sp * per
-        hi = gl.minimum(lo + per, tiles)
-    else:
-        lo = 0
-        hi = tiles
-    bt_row = BT + req.to(gl.int64) * stride_bt  # type: ignore[attr-defined]  # req starts as the Python 0 the JIT turns into a scalar tensor
-    if COMP == 2:
-        _prefetch_table_row(bt_row, visible, b_bs, bt_cols)
+    t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi, used = _token_tiles(
+        split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride_br, B_LENS, BT, stride_bt, bt_cols, b_bs,
+        TOK2REQ, POS, b_width, COMP, C4A_RATIO, IS_SPLIT, RANGE_CHECKS, BN)
 
     acc, m_i, l_i = gl.warp_specialize([
         (_consumer, (q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, stride_qh, t64, hb, num_heads,
                      qk_scale, lo, hi, BH, BN)),
         (_producer, (k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_rows, len_a, B_U8,
                      b_stride0, b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a,
-                     A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS)),
+                     A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS, 2)),
     ], [4], [PRODUCER_REGS])
 
     # ---- epilogue ------------------------------------------------------------------------------
@@ -479,31 +538,16 @@ def sparse_mla_fwd_hopper(
     m_o = gl.convert_layout(m_i, Lor)
     l_o = gl.convert_layout(l_i, Lor)
     if IS_SPLIT:
-        part = (t64 * split + sp) * num_heads + h_o.to(gl.int64)
-        gl.store(PO + gl.expand_dims(part * 512, 1) + gl.expand_dims(d_o, 0), acc, mask=gl.expand_dims(hmask_o, 1))
-        gl.store(PML + part * 2, m_o, mask=hmask_o)
-        gl.store(PML + part * 2 + 1, l_o, mask=hmask_o)
-        if MERGE_IN_KERNEL:
-            # the last of the token's split programs to get here merges (no combine launch). The
-            # CTA's partial stores, then one acq_rel counter increment per program (after the
-            # barrier, the release covers every thread's stores; the acquire, broadcast through the
-            # atomic's own barrier, orders the merge's L1-bypassing loads after the other
-            # programs' stores: the split-K semaphore pattern). CNT is zero before the launch and
-            # left zero after it: the last program resets its entry once it has merged.
-            compat.barrier()
-            cnt = CNT + t * n_hb + hb
-            arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if arrived == split - 1:
-                _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64, hb, num_heads, split,
-                              HAS_SINK, WRITE_LSE, BH)
-                gl.store(cnt, 0)
+        if sp < used:  # a program past the token's keys writes nothing and does not arrive
+            part = (t64 * split + sp) * num_heads + h_o.to(gl.int64)
+            gl.store(PO + gl.expand_dims(part * 512, 1) + gl.expand_dims(d_o, 0), acc,
+                     mask=gl.expand_dims(hmask_o, 1))
+            gl.store(PML + part * 2, m_o, mask=hmask_o)
+            gl.store(PML + part * 2 + 1, l_o, mask=hmask_o)
+            _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb,
+                          num_heads, split, used, HAS_SINK, WRITE_LSE, MERGE_IN_KERNEL, BH)
     else:
-        denom = l_o
-        if HAS_SINK:
-            sink2 = gl.load(SINK + h_o, mask=hmask_o, other=float("-inf")) * 1.4426950408889634
-            denom = l_o + gl.exp2(sink2 - m_o)
-        has = l_o != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
-        inv = gl.where(has, 1.0 / gl.where(has, denom, 1.0), 0.0)
+        inv, lse = _normalizer(m_o, l_o, SINK, h_o, hmask_o, HAS_SINK)
         o = acc * gl.expand_dims(inv, 1)
         # 16-byte coalesced stores (the MMA layout would give 4-byte ones)
         ob = gl.convert_layout(o.to(gl.bfloat16), Lq)
@@ -512,5 +556,4 @@ def sparse_mla_fwd_hopper(
         o_ptr = O + t64 * stride_ot + gl.expand_dims(h_s.to(gl.int64) * stride_oh, 1) + gl.expand_dims(d_s, 0)
         gl.store(o_ptr, ob, mask=gl.expand_dims(h_s < num_heads, 1))
         if WRITE_LSE:
-            lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_o, 1.0))) * 0.6931471805599453, float("-inf"))
             gl.store(LSE + t64 * stride_lt + h_o, lse, mask=hmask_o)

@@ -12,6 +12,7 @@ without any host synchronisation (no ``searchsorted`` / ``.item()``), into calle
   SWA row:   slots of positions s .. pos, then -1;  s = max(0, pos-W+1, swa_start[r]),
              len = pos + 1 - s (min(pos+1, W) without swa_start)
   C128A row: slots of compressed entries 0 .. n-1, then -1;    n = min((pos+1)//128, width)
+             (written up to max(n, the row's previous length) only: see ``_step_rows_kernel``)
   C4A row:   slot(local[t, c]) for c < n with 0 <= local[t, c] < (pos+1)//4, else -1;
              n = min((pos+1)//4, K)
   slot(p) = table[r, p // bs] * bs + p % bs  (int64 arithmetic, stored int32)
@@ -27,18 +28,27 @@ import torch
 import triton
 import triton.language as tl
 
-from ...common.indices import INT32_SLOTS, IndexPair, Tokens, comp_rows_for
+from ...common.indices import INT32_SLOTS, IndexPair, Tokens
+from ...common.plan import torch_all_rows
 from ...common.spec import LayerKind
 
+# The arguments that change from step to step (the batch's requests and tables, the rows' active
+# width) are not specialized on their values or alignment: one compiled variant per model and
+# row-buffer shape serves every step, compiled at engine start (``TritonFrontEnd.warm``) instead
+# of at the first step of each request count or width (Triton compiles a variant per value == 1,
+# value % 16 == 0 and 16-byte alignment of each specialized argument).
+_STEP_VALUES = ("num_reqs", "stride_swa_t", "swa_bs", "swa_cols", "stride_c_t", "c_bs", "c_cols", "c_width")
+_STEP_POINTERS = ("QSL", "SEQ", "SWA_START", "SWA_TABLE", "C_TABLE")
 
-@triton.jit
+
+@triton.jit(do_not_specialize=_STEP_VALUES, do_not_specialize_on_alignment=_STEP_POINTERS)
 def _step_rows_kernel(
     QSL, SEQ, num_reqs, SWA_START,
     POS, TOK2REQ, VALID,
     SWA_TABLE, stride_swa_t, swa_bs, swa_cols,
     SWA_ROWS, stride_swa_r, SWA_LENS,
     C_TABLE, stride_c_t, c_bs, c_cols,
-    C_ROWS, stride_c_r, C_LENS, c_width,
+    C_ROWS, stride_c_r, C_LENS, c_width, c_cap,
     WINDOW: tl.constexpr, W_P2: tl.constexpr, HAS_START: tl.constexpr, HAS_C128: tl.constexpr,
     C_RATIO: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -80,8 +90,16 @@ def _step_rows_kernel(
     tl.store(SWA_LENS + t, tl.where(valid, tl.maximum(pos + 1 - start, 0), 0).to(tl.int32))
 
     if HAS_C128:
-        n = tl.where(valid, tl.minimum((pos + 1) // C_RATIO, c_width), 0)
-        for c0 in range(0, c_width, BLOCK_C):
+        n = tl.where(valid, tl.minimum((pos + 1) // C_RATIO, c_width), 0).to(tl.int32)
+        # Columns at and past a row's length hold -1 (PlanBuffers' invariant: readers of the whole
+        # row rely on it), so the row's previous length bounds what is stale: writing columns
+        # [0, max(n, previous)) keeps the invariant, and a short request costs its own entries, not
+        # the row's width. The bound is read here, on the device, so a CUDA graph captured at the
+        # model's width (c_width = c_cap) writes only that much at every replay. Columns up to the
+        # buffer's c_cap are cleared, past a narrower view's c_width too.
+        previous = tl.minimum(tl.maximum(tl.load(C_LENS + t), 0), c_cap)
+        written = tl.maximum(n, previous)
+        for c0 in range(0, written, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             ccol = c // c_bs
             okc = (c < n) & (ccol < c_cols)
@@ -89,13 +107,18 @@ def _step_rows_kernel(
             cslot = cblk * c_bs + (c - ccol * c_bs)
             okc = okc & (cblk >= 0) & (cslot < 2147483648)
             tl.store(C_ROWS + t.to(tl.int64) * stride_c_r + c, tl.where(okc, cslot, -1).to(tl.int32),
-                     mask=c < c_width)
-        tl.store(C_LENS + t, n.to(tl.int32))
+                     mask=c < written)
+        tl.store(C_LENS + t, n)
 
 
 def _block(n: int) -> int:
     """Tile width for a loop over ``n`` elements: a power of two, at most 1024."""
     return min(1024, triton.next_power_of_2(max(n, 1)))
+
+
+# Requests per step of the request count loop: a fixed tile (not one per request count, each a
+# compiled variant); 1024 requests take 4 iterations.
+REQS_BLOCK = 256
 
 
 def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int,
@@ -104,14 +127,18 @@ def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
                     swa_rows: torch.Tensor, swa_lens: torch.Tensor,
                     c128_table: torch.Tensor | None = None, c128_block_size: int = 2,
                     c128_rows: torch.Tensor | None = None, c128_lens: torch.Tensor | None = None,
-                    all_ratio: int = 128, swa_start: torch.Tensor | None = None) -> None:
+                    all_ratio: int = 128, swa_start: torch.Tensor | None = None,
+                    c128_capacity: int | None = None) -> None:
     """Fill the step buffers (first ``num_tokens`` rows of each) in one launch.
 
     positions int64 [>=T], token_to_req int32 [>=T], token_valid bool [>=T], swa_rows int32
     [>=T, window] (last dim contiguous), swa_lens int32 [>=T]; optionally the rows int32
     [>=T, width] and lens of an "all" kind (C128A) from its ratio-``all_ratio`` block table;
-    ``swa_start`` int32 [>=R] bounds each request's window from below. Inputs are not validated
-    here.
+    ``swa_start`` int32 [>=R] bounds each request's window from below. The rows may be a view of
+    the first ``width`` columns of a buffer of ``c128_capacity`` columns (default ``width``)
+    whose columns at and past each row's length (``c128_lens``, as the last call left it) are -1:
+    kept so, writing only up to the larger of the new and the previous length. Inputs are not
+    validated here.
     """
     T = num_tokens
     if T == 0:
@@ -123,16 +150,17 @@ def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
         if c128_rows is None or c128_lens is None:
             raise ValueError("c128_rows / c128_lens: got None with a c128_table; allowed: int32 rows and lens")
         ct, cr, cl, width = c128_table, c128_rows, c128_lens, c128_rows.shape[1]
+    capacity = max(c128_capacity or width, width)
     _step_rows_kernel[(T,)](
         query_start_loc, seq_lens, R, swa_start if swa_start is not None else seq_lens,
         positions, token_to_req, token_valid,
         swa_table, swa_table.stride(0), swa_block_size, swa_table.shape[1],
         swa_rows, swa_rows.stride(0), swa_lens,
         ct, ct.stride(0), c128_block_size if has_c else 1, ct.shape[1],
-        cr, cr.stride(0), cl, width,
+        cr, cr.stride(0), cl, width, capacity,
         WINDOW=window, W_P2=triton.next_power_of_2(window), HAS_START=swa_start is not None,
-        HAS_C128=has_c, C_RATIO=all_ratio,
-        BLOCK_R=_block(R), BLOCK_C=_block(width), num_warps=4,
+        HAS_C128=has_c, C_RATIO=all_ratio if has_c else 1,
+        BLOCK_R=REQS_BLOCK, BLOCK_C=_block(capacity), num_warps=4,
     )
 
 
@@ -201,14 +229,36 @@ class TritonFrontEnd:
                         buffers.token_valid, swa_rows, swa_lens,
                         batch.comp_block_tables[fused.ratio] if fused else None,
                         batch.comp_block_size(fused) if fused else 1, rows, lens,
-                        fused.ratio if fused else 1, batch.swa_start)
+                        fused.ratio if fused else 1, batch.swa_start,
+                        buffers.spec.all_width(fused.ratio) if fused else None)
         # No released model has a second "all" kind; any further one takes the torch ops.
         T = num_tokens
         tokens = Tokens(buffers.positions[:T], buffers.token_to_req[:T], buffers.token_valid[:T])
         for kind in kinds[1:]:
-            rows, lens = buffers.rows_of(kind, batch)
-            comp_rows_for(tokens, kind, batch.comp_block_table(kind), batch.comp_block_size(kind), rows.shape[1],
-                          out=(rows[:T], lens[:T]))
+            torch_all_rows(tokens, kind, batch, buffers)
+
+    def warm(self, buffers) -> None:
+        """Compile every variant of the step-row kernel this model's steps launch (with and
+        without a window start, with and without its "all" kind's rows), by launching each on a
+        one-token step into scratch tensors shaped as ``buffers``' rows: engine start, outside
+        any graph capture, so no step compiles (the values that vary per step are not
+        specialized: ``_STEP_VALUES``)."""
+        spec, dev = buffers.spec, buffers.positions.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        one = torch.ones(1, **i32)
+        qsl, table = torch.tensor([0, 1], **i32), torch.zeros(1, 1, **i32)
+        facts = (torch.zeros(1, dtype=torch.int64, device=dev), torch.zeros(1, **i32),
+                 torch.zeros(1, dtype=torch.bool, device=dev))
+        swa = (torch.full((1, spec.window), -1, **i32), torch.zeros(1, **i32))
+        all_kinds = [k for k in spec.kinds if k.attends_all][:1]
+        for kind in [None, *all_kinds]:
+            rows = {}
+            if kind is not None:
+                width = spec.all_width(kind.ratio)
+                rows = dict(c128_table=table, c128_rows=torch.full((1, width), -1, **i32),
+                            c128_lens=torch.zeros(1, **i32), all_ratio=kind.ratio, c128_capacity=width)
+            for start in (None, torch.zeros(1, **i32)):
+                build_step_rows(qsl, one, 1, table, 64, spec.window, *facts, *swa, swa_start=start, **rows)
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
                   local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:

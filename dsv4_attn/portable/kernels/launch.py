@@ -23,6 +23,7 @@ sees every launch through Triton's own path), a kernel that compiled to nothing.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +112,14 @@ class Replay:
 
 def bindable(device: torch.device) -> bool:
     """Whether launches on ``device`` can be bound (module docstring)."""
-    return device.type == "cuda" and torch.version.hip is None and not triton_interpreting()
+    return device.type == "cuda" and _compiled_cuda()
+
+
+@functools.cache
+def _compiled_cuda() -> bool:
+    """CUDA (not ROCm) and compiled kernels: Triton picks its interpreter once per process, when
+    the kernels are defined, so this is read once (not the environment at every layer call)."""
+    return torch.version.hip is None and not triton_interpreting()
 
 
 def current_gpu(device: torch.device) -> int | None:
@@ -121,9 +129,15 @@ def current_gpu(device: torch.device) -> int | None:
 
 def current_stream(device: torch.device):
     """The stream a launch on ``device`` goes to now, as Triton's JIT path reads it."""
+    return _stream_of()(device.index)
+
+
+@functools.cache
+def _stream_of():
+    """Triton's ``driver.active.get_current_stream`` (its driver is fixed per process)."""
     from triton.runtime import driver
 
-    return driver.active.get_current_stream(device.index)
+    return driver.active.get_current_stream
 
 
 def run(layer: LayerLaunches, device: torch.device, bind: bool) -> Replay | None:

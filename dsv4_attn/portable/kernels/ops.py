@@ -115,6 +115,9 @@ class KernelConfig:
     # ``combine_tile``'s
     combine_heads: int | None = None
     combine_dims: int | None = None
+    # Gluon kernel with few heads: -1 auto (``heads_on_n``), 0 the 64-head kernel (heads on wgmma's M),
+    # 1 the heads-on-N kernel (hopper_heads) wherever the head count allows it (<= 16)
+    heads_on_n: int = -1
     # 0 compiles the kernels WITHOUT their index range checks, so out-of-range entries are read
     # out of bounds: only for measuring the checks' cost (dsv4-attn bench --guard-cost)
     range_checks: int = 1
@@ -122,6 +125,8 @@ class KernelConfig:
     def __post_init__(self) -> None:
         if self.block_h not in (None, 16, 32, 64):
             raise ValueError(f"block_h: got {self.block_h!r}; allowed: None (the arch's), 16, 32 or 64")
+        if self.heads_on_n not in (-1, 0, 1):
+            raise ValueError(f"heads_on_n: got {self.heads_on_n!r}; allowed: -1 (auto), 0 or 1")
         if self.merge_in_kernel not in (-1, 0, 1):
             raise ValueError(f"merge_in_kernel: got {self.merge_in_kernel!r}; allowed: -1 (auto), 0 or 1")
         if self.combine_heads not in (None, 4, 8, 16) or self.combine_dims not in (None, 32, 64, 128):
@@ -263,13 +268,55 @@ def use_gluon(device: torch.device, records: tuple[Record, ...], dialects: tuple
     return ok
 
 
-def choose_split(num_programs: int, max_tiles: int, device: torch.device, requested: int = 0) -> int:
+def choose_split(num_programs: int, max_tiles: int, device: torch.device, requested: int = 0,
+                 ctas_per_sm: int = 1) -> int:
+    """Key splits per program: enough programs to fill the SMs once (``ctas_per_sm`` programs
+    each, for a kernel that fits several), at most one tile per split."""
     if requested > 0:
         return max(1, min(requested, max_tiles))
-    sms = num_sms(device)
-    if num_programs >= sms or max_tiles <= 1:
+    slots = num_sms(device) * ctas_per_sm
+    if num_programs >= slots or max_tiles <= 1:
         return 1
-    return max(1, min(max_tiles, sms // num_programs))
+    return max(1, min(max_tiles, slots // num_programs))
+
+
+# The heads-on-N Gluon kernel (hopper_heads: wgmma N = 8 / 16 heads, one K stage, two CTAs per SM)
+# against the 64-head one, same runs on the H100 (notes/perf-wave5.md): 5-23 % faster at b = 64-128 on
+# layers whose tokens read 16+ key tiles (C4A 1024, C128A 1024: 18), and 23-46 % faster on every
+# layer kind where its launch needs no key split (b = 256: C4A 512 / 1024, C128A, window only); a
+# tie or up to 6 % slower on split launches of 10 tiles (C4A 512 at b = 64-128) and 14-36 % slower
+# on split window-only launches at b = 128 (2 tiles: the extra split's merge costs more than the
+# overlap gives); within 0.5 us at b <= 4. Auto takes it for up to HEADS_ON_N_MAX_HEADS heads where
+# a token's rows span at least HEADS_ON_N_MIN_TILES key tiles or its launch is not split.
+HEADS_ON_N_MAX_HEADS = 16
+HEADS_ON_N_MIN_TILES = 16
+
+
+def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int, num_tokens: int,
+               device: torch.device, comp_mode: int = K.COMP_NONE) -> int:
+    """NH, the heads per program of the heads-on-N Gluon kernel for a launch of ``num_tokens`` tokens
+    x ``num_heads`` heads whose rows span ``max_tiles`` key tiles, or 0 for the 64-head kernel:
+    never on the portable kernel or above ``hopper_heads.MAX_HEADS`` heads; else as
+    ``config.heads_on_n`` says, auto up to HEADS_ON_N_MAX_HEADS heads, from HEADS_ON_N_MIN_TILES
+    tiles or where the launch is not split, where it compiles with this Triton
+    (``build.compile_error``; forced where it does not: ValueError)."""
+    from . import hopper_heads
+
+    if not gluon or config.heads_on_n == 0 or num_heads > hopper_heads.MAX_HEADS:
+        return 0
+    nh = hopper_heads.heads_per_program(num_heads)
+    if config.heads_on_n != 1:
+        if num_heads > HEADS_ON_N_MAX_HEADS:
+            return 0
+        programs = num_tokens * _cdiv(num_heads, nh)
+        unsplit = choose_split(programs, max_tiles, device, config.split, hopper_heads.CTAS_PER_SM) == 1
+        if max_tiles < HEADS_ON_N_MIN_TILES and not unsplit:
+            return 0
+    variant = build.hopper_constexprs(comp_mode, write_lse=True, heads_n=nh)
+    error = build.compile_error(device_arch(device), "gluon", tuple(sorted(variant.items())))
+    if error and config.heads_on_n == 1:
+        raise ValueError(f"config.heads_on_n: got 1; allowed only where the heads-on-N kernel compiles; here: {error}")
+    return 0 if error else nh
 
 
 # The in-kernel merge is one program's serial walk over the partials, 8 heads at a time
@@ -392,21 +439,26 @@ def layer_launches(
     dialects = tuple(Fp8Dialect.FNUZ if fnuz else Fp8Dialect.OCP for fnuz in (swa_fnuz, comp_fnuz))[:len(records)]
     gluon = use_gluon(q.device, records, dialects, config, (swa_cache, comp_cache), comp_mode, H)
     tile = config.tile(device_arch(q.device), H, records)
-    block_h = 64 if gluon else tile.block_h
-    n_hb = _cdiv(H, block_h)
     bn = config.g_block_n if gluon else tile.block_n
     max_tiles = _cdiv(swa_rows.shape[1], bn) + (_cdiv(b_width, bn) if comp_mode else 0)
-    split = choose_split(T * n_hb, max_tiles, q.device, config.split)
+    heads_n = heads_on_n(config, gluon, H, max_tiles, T, q.device, comp_mode)
+    block_h = (heads_n or 64) if gluon else tile.block_h
+    n_hb = _cdiv(H, block_h)
+    split = choose_split(T * n_hb, max_tiles, q.device, config.split, build.ctas_per_sm(heads_n))
     temporaries = []
     if split > 1:
-        need = T * split * H * (512 + 2)
+        # partials (acc fp32 [T, split, H, 512], m / l fp32 [T, split, H, 2]) and the count of
+        # partials each token wrote (int32 [T]: a token with fewer key tiles than programs writes
+        # fewer; attention.split_ranges)
+        need = T * split * H * (512 + 2) + T
         if workspace is None or workspace.numel() < need:
             workspace = torch.empty(need, dtype=torch.float32, device=q.device)
             temporaries.append(workspace)
         po = workspace[: T * split * H * 512]
-        pml = workspace[T * split * H * 512: need]
+        pml = workspace[T * split * H * 512: need - T]
+        pu = workspace[need - T: need].view(torch.int32)
     else:
-        po = pml = out  # unused
+        po = pml = pu = out  # unused
     grid = (T * n_hb * split,)
     write_lse = lse is not None
     counters = None
@@ -419,21 +471,23 @@ def layer_launches(
     sink_t = sink if sink is not None else out
     stride_lt = lse.stride(0) if lse is not None else 0
     if gluon:
-        from . import hopper
-
-        attention = launch.KernelLaunch(hopper.sparse_mla_fwd_hopper, grid, (
+        constexprs = dict(COMP=comp_mode, C4A_RATIO=topk_ratio, HAS_SINK=sink is not None,
+                          WRITE_LSE=write_lse and (split == 1 or counters is not None), IS_SPLIT=split > 1, BN=bn,
+                          A_SHIFT=_log2_or_minus1(a_bs), B_SHIFT=_log2_or_minus1(b_bs),
+                          RANGE_CHECKS=bool(config.range_checks), MERGE_IN_KERNEL=counters is not None)
+        if heads_n:
+            constexprs["NH"] = heads_n
+        fn, options = build.hopper_kernel(constexprs)
+        attention = launch.KernelLaunch(fn, grid, (
             q, q.stride(0), q.stride(1),
             out, out.stride(0), out.stride(1),
             lse_t, stride_lt, sink_t,
             a_u8, a_s0, a_bs, ranges[0], swa_rows, swa_rows.stride(0), swa_lens, ranges[1],
             b_u8, b_s0, b_bs, ranges[2], comp_rows, comp_rows.stride(0), comp_lens,
             bt, bt.stride(0), ranges[3], ranges[4], tok2req, pos, b_width,
-            po, pml, counters if counters is not None else pml,
+            po, pml, counters if counters is not None else pml, pu,
             H, scale * LOG2E, split,
-        ), dict(COMP=comp_mode, C4A_RATIO=topk_ratio, HAS_SINK=sink is not None,
-                WRITE_LSE=write_lse and (split == 1 or counters is not None), IS_SPLIT=split > 1, BN=bn,
-                A_SHIFT=_log2_or_minus1(a_bs), B_SHIFT=_log2_or_minus1(b_bs), RANGE_CHECKS=bool(config.range_checks),
-                MERGE_IN_KERNEL=counters is not None), dict(num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG))
+        ), constexprs, options)
     else:
         dt = config.dt()
         if tile.p_scratch:
@@ -449,7 +503,7 @@ def layer_launches(
             a_u8, a_16, a_s0, a_bs, ranges[0], swa_rows, swa_rows.stride(0), swa_lens, ranges[1],
             b_u8, b_16, b_s0, b_bs, ranges[2], comp_rows, comp_rows.stride(0), comp_lens,
             bt, bt.stride(0), ranges[3], ranges[4], tok2req, pos, b_width,
-            po, pml, scr_p, scr_a,
+            po, pml, pu, scr_p, scr_a,
             H, scale * LOG2E, float(kv_scale), split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
         ), portable_constexprs(codes, comp_mode, topk_ratio, sink is not None, write_lse, split, tile, dt,
                                bool(config.range_checks), (_log2_or_minus1(a_bs), _log2_or_minus1(b_bs)),
@@ -461,7 +515,7 @@ def layer_launches(
         bh_c = min(bh_c, block_h)
         launches.append(launch.KernelLaunch(
             K.combine_kernel, (T, _cdiv(H, bh_c), 512 // bd),
-            (po, pml, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H),
+            (po, pml, pu, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H),
             dict(SPLIT=split, SPLIT_P2=_next_power_of_2(split), HAS_SINK=sink is not None, WRITE_LSE=write_lse,
                  BLOCK_H=bh_c, BLOCK_D=bd), dict(num_warps=4)))
     return launch.LayerLaunches(launches, temporaries)

@@ -8,8 +8,9 @@ Tolerances are READ FROM THE PARITY MATRIX (``dsv4_attn/data/parity.yaml``, the 
                 BF16 (one contract); for the tests of paths that compute in fp8 by choice (aiter's
                 opt-in a8w8 kernels; FlashInfer's fp8 path casts q as well)
 
-A test compares with ``compare`` (or ``metrics``, which also says whether the NaN poison was
-overwritten everywhere) and checks with ``assert_close``, whose bounds are strict (<, >).
+A test compares with ``compare`` (the package's three figures, ``dsv4_attn.testing.errors``; or
+``metrics``, which also says whether the NaN poison was overwritten everywhere) and checks with
+``assert_close``, whose bounds are strict (<, >).
 """
 
 from __future__ import annotations
@@ -19,30 +20,13 @@ import math
 import torch
 
 from dsv4_attn.parity.matrix import Tolerance, load_matrix
+from dsv4_attn.testing.errors import compare
+
+__all__ = ["BF16", "FP8_Q", "assert_close", "compare", "metrics"]
 
 _MATRIX = load_matrix()
 BF16: Tolerance = _MATRIX.tolerance_default
 FP8_Q: Tolerance = Tolerance(max_abs=5.0e-1, rel_l2=6.0e-2, cosine=0.998)
-
-
-def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    """max abs error, relative L2 error ``|out-ref| / |ref|`` and cosine similarity, in float64.
-
-    Both tensors must be finite; an all-zero ``ref`` gives rel_l2 = |out| and cosine 1 iff out is 0.
-    """
-    a, b = out.detach().double().flatten().cpu(), ref.detach().double().flatten().cpu()
-    if a.shape != b.shape:
-        raise ValueError(f"compare: shapes differ: {tuple(out.shape)} vs {tuple(ref.shape)}")
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        raise ValueError("compare: non-finite values (check NaN poisoning / masking first)")
-    diff = a - b
-    ref_norm, out_norm = b.norm().item(), a.norm().item()
-    rel = diff.norm().item() / ref_norm if ref_norm > 0 else diff.norm().item()
-    if ref_norm > 0 and out_norm > 0:
-        cosine = (a @ b).item() / (ref_norm * out_norm)
-    else:
-        cosine = 1.0 if ref_norm == out_norm == 0 else 0.0
-    return {"max_abs": diff.abs().max().item() if diff.numel() else 0.0, "rel_l2": rel, "cosine": cosine}
 
 
 def metrics(out: torch.Tensor, ref: torch.Tensor) -> dict:

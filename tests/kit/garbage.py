@@ -18,14 +18,13 @@ num_blocks * block_size for slots, the token's visible-entry count for local top
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from dsv4_attn.common import reference
 from dsv4_attn.common.spec import V4_KINDS
-
-from step_cases import StepCase, filled_cache, make_step
+from dsv4_attn.testing.steps import StepCase, filled_cache, make_step
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 CLASSES = ("minus_one", "below_minus_one", "int32_min", "at_count", "past_count", "int32_max")
@@ -63,12 +62,11 @@ def _last_tokens(batch) -> list[int]:
 
 def garbage_step(gen, classes=CLASSES, *, kinds=V4_KINDS, heads=16, fmt="fp8_ds_mla", topk=32,
                  device="cpu") -> GarbageStep:
-    """A random step (``step_cases.make_step``) poisoned with ``classes`` in every block table (the
+    """A random step (``dsv4_attn.testing.steps.make_step``) poisoned with ``classes`` in every block table (the
     SWA table and each compressed ratio's) and every top-k row, each class at its own entry, in
     entries some token reads; built on the CPU, then moved to ``device``."""
     case = make_step(gen, QUERY_LENS, SEQ_LENS, kinds=kinds, heads=heads, fmt=fmt, topk=topk,
-                     max_model_len=4096, num_tokens=NUM_TOKENS)
-    case.batch.num_decode_tokens = NUM_DECODE_TOKENS
+                     max_model_len=4096, pad_tokens=NUM_TOKENS - sum(QUERY_LENS), num_decode_tokens=NUM_DECODE_TOKENS)
     batch = case.batch
     pos = batch.positions
     last = _last_tokens(batch)
@@ -78,7 +76,7 @@ def garbage_step(gen, classes=CLASSES, *, kinds=V4_KINDS, heads=16, fmt="fp8_ds_
             tables[kind.ratio] = (batch.comp_block_tables[kind.ratio], batch.block_size // kind.ratio,
                                   case.caches[kind].shape[0])
     clean_tables = {name: t.clone() for name, (t, _, _) in tables.items()}
-    clean_topk = {k: t.clone() for k, t in case.topk.items()}
+    clean_topk = {k: t.clone() for k, t in case.topks.items()}
     hits = []
     R = batch.num_reqs
     assert len(classes) <= R, "one request per class"
@@ -96,7 +94,7 @@ def garbage_step(gen, classes=CLASSES, *, kinds=V4_KINDS, heads=16, fmt="fp8_ds_
             table[r, col] = garbage_value(cls, num_blocks)
             clean_tables[name][r, col] = -1
             hits.append((f"block table {name}, request {r}, column {col}", cls))
-        for kind, local in case.topk.items():  # lane 1 of a prefix of >= 2 entries: between valid ones
+        for kind, local in case.topks.items():  # lane 1 of a prefix of >= 2 entries: between valid ones
             tok = [u for u in range(len(pos)) if min((int(pos[u]) + 1) // kind.ratio, topk) >= 2]
             u = tok[i * len(tok) // len(classes)]
             local[u, 1] = garbage_value(cls, (int(pos[u]) + 1) // kind.ratio)
@@ -105,21 +103,8 @@ def garbage_step(gen, classes=CLASSES, *, kinds=V4_KINDS, heads=16, fmt="fp8_ds_
     clean_batch = type(batch)(batch.query_start_loc, batch.seq_lens, batch.num_decode_tokens, clean_tables["swa"],
                               batch.swa_block_size, {r: t for r, t in clean_tables.items() if r != "swa"},
                               batch.block_size, batch.max_model_len, batch.num_tokens)
-    clean = StepCase(case.spec, clean_batch, case.caches, clean_topk, case.q, case.sink)
-    return GarbageStep(_to(case, device), _to(clean, device), hits)
-
-
-def _to(case: StepCase, device) -> StepCase:
-    if torch.device(device).type == "cpu":
-        return case
-    b = case.batch
-    batch = type(b)(b.query_start_loc.to(device), b.seq_lens.to(device), b.num_decode_tokens,
-                    b.swa_block_table.to(device), b.swa_block_size,
-                    {r: t.to(device) for r, t in b.comp_block_tables.items()}, b.block_size, b.max_model_len,
-                    b.num_tokens)
-    caches = {k: c.to(device) for k, c in case.caches.items()}
-    return StepCase(case.spec, batch, caches, {k: t.to(device) for k, t in case.topk.items()}, case.q.to(device),
-                    case.sink.to(device))
+    clean = replace(case, batch=clean_batch, topks=clean_topk)
+    return GarbageStep(case.to(device), clean.to(device), hits)
 
 
 def garbage_rows(gen, rows: torch.Tensor, lens: torch.Tensor, count: int, classes=CLASSES) -> torch.Tensor:

@@ -1,0 +1,171 @@
+"""Hopper (sm_90) Gluon kernel for few query heads (up to 16: what one rank of V4-Flash / V4-Pro
+runs under tensor parallelism 8): the heads on the MMA N dimension, two CTAs per SM.
+
+Same math, argument contract and producer as ``hopper.sparse_mla_fwd_hopper``, which puts the
+heads on wgmma's M dimension: M is at least 64, so with 8 heads 7/8 of its Q·Kᵀ and P·V rows are
+padding, its two consumer warpgroups hold a [64, 512] fp32 accumulator and its q buffer is 64 KB.
+Here the products are transposed (swap AB), NH = 8 or 16 heads per program:
+
+* Sᵀ [64 keys, NH] = K · Qᵀ (A: the fp16 K tile in shared memory, B: q [NH, 512] transposed);
+  the online softmax runs along the keys (axis 0); Pᵀ goes through shared memory as [NH, 64];
+* Oᵀ [512, NH] += Vᵀ · Pᵀ (A: the same K tile, transposed view; 8 repetitions of M = 64).
+
+One consumer warpgroup (the default partition) holds 512 x NH / 128 = 32-64 accumulator
+registers. What decides the speed (notes/perf-wave5.md, ablations on the H100): at b = 64 the
+producer's gathers run near the DRAM rate for such rows, and what is left is each program's fixed
+chain (lengths -> index rows -> block table -> rows, then the partial stores and the merge), during
+which the memory system idles when every SM runs one program. So this kernel trades the second K
+stage for a second CTA per SM: ONE K stage (the producer gathers tile g+1 while the consumer works
+on tile g, and dequantizes once the stage is free), 83-93 KB of shared memory and 128 registers
+per thread (8 warps: consumer 136, producer 120), so two programs share each SM and one's chain
+runs under the other's gathers; the launcher splits the keys for ``CTAS_PER_SM`` x SMs programs.
+
+Chosen by ``ops.heads_on_n`` (KernelConfig.heads_on_n) for up to ``MAX_HEADS`` heads.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from . import compat
+from .hopper import _finish_split, _normalizer, _producer, _token_tiles
+
+MAX_HEADS = 16  # 32 heads' accumulator (128 registers) does not fit the consumer's 136
+NUM_WARPS = 4  # the consumer (default) partition; the producer adds one warpgroup
+PRODUCER_REGS = gl.constexpr(120)
+MAXNREG = 128  # 2 CTAs x 8 warps x 32 threads x 128 = 64K registers: the consumer gets 136, the producer 120
+CTAS_PER_SM = 2
+
+
+def heads_per_program(num_heads: int) -> int:
+    """NH, the heads one program computes (wgmma N: 8 or 16) for ``num_heads`` <= MAX_HEADS."""
+    return max(8, min(MAX_HEADS, 1 << max(0, num_heads - 1).bit_length()))
+
+
+@gluon.jit
+def _consumer_heads_n(q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, stride_qh, t64, hb, num_heads,
+                      qk_scale, lo, hi, NH: gl.constexpr, BN: gl.constexpr):
+    """The consumer warpgroup: q into shared memory, then per key tile Sᵀ = K·Qᵀ, the online softmax
+    along the keys, Pᵀ through shared memory, Oᵀ += Vᵀ·Pᵀ, the K stage handed back. Returns (accᵀ
+    [512, NH], m [NH], l [NH])."""
+    Lq: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [NH, 512] q rows
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
+    Lkey: gl.constexpr = gl.SliceLayout(1, mma)
+    Lh: gl.constexpr = gl.SliceLayout(0, mma)
+    h_q = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(1, Lq))
+    d_q = gl.arange(0, 512, layout=gl.SliceLayout(0, Lq))
+    q = gl.load(Q + t64 * stride_qt + gl.expand_dims(h_q.to(gl.int64) * stride_qh, 1) + gl.expand_dims(d_q, 0),
+                mask=gl.expand_dims(h_q < num_heads, 1), other=0.0)
+    q_smem.store(q.to(gl.float16))  # exact (hopper.py: the scale goes on the fp32 scores)
+    fence_async_shared()
+    compat.barrier()
+
+    m_i = gl.full([NH], -1.0e30, gl.float32, layout=Lh)
+    l_i = gl.zeros([NH], gl.float32, layout=Lh)
+    acc = gl.zeros([512, NH], gl.float32, layout=mma)
+    s_zero = gl.zeros([BN, NH], gl.float32, layout=mma)
+    for g in range(lo, hi):
+        i = g - lo
+        mbarrier.wait(kready.index(0), i & 1)
+        k_cur = k_smem.index(0)
+        s = warpgroup_mma(k_cur, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))  # kᵀq unscaled, [BN, NH]
+        valid = vflag.index(0).load(Lkey) != 0
+        s = gl.where(gl.expand_dims(valid, 1), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 0))
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))  # [NH, BN]: keys contiguous, a K-major B
+        fence_async_shared()
+        compat.barrier()
+        acc = warpgroup_mma(k_cur.permute((1, 0)), p_smem.permute((1, 0)), acc * gl.expand_dims(alpha, 0),
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # retired per tile (hopper.py: C7515)
+        compat.barrier()
+        mbarrier.arrive(kempty.index(0), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def sparse_mla_fwd_hopper_heads_n(
+    Q, stride_qt, stride_qh,
+    O, stride_ot, stride_oh,
+    LSE, stride_lt,
+    SINK,
+    A_U8, a_stride0, a_bs, a_slots, A_ROWS, stride_ar, A_LENS, a_width,
+    B_U8, b_stride0, b_bs, b_slots, B_ROWS, stride_br, B_LENS,
+    BT, stride_bt, bt_cols, b_blocks, TOK2REQ, POS, b_width,
+    PO, PML, CNT, PU,
+    num_heads, qk_scale, split,
+    COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
+    IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64, A_SHIFT: gl.constexpr = -1, B_SHIFT: gl.constexpr = -1,
+    RANGE_CHECKS: gl.constexpr = True, MERGE_IN_KERNEL: gl.constexpr = False, NH: gl.constexpr = 16,
+):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
+    Lh: gl.constexpr = gl.SliceLayout(0, mma)
+    # [512, NH] stores: 8 consecutive dims per thread (16-byte bf16 / 32-byte fp32 stores), a warp per head
+    Lo: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [1, 4], [0, 1])
+
+    # ---- shared memory: q, ONE K tile, Pᵀ, the RoPE buffer, tile validity, one mbarrier pair -------
+    q_smem = gl.allocate_shared_memory(gl.float16, [NH, 512],
+                                       gl.NVMMASharedLayout.get_default_for([NH, 512], gl.float16))
+    k_smem = gl.allocate_shared_memory(gl.float16, [1, BN, 512],
+                                       gl.NVMMASharedLayout.get_default_for([BN, 512], gl.float16))
+    p_smem = gl.allocate_shared_memory(gl.float16, [NH, BN], gl.NVMMASharedLayout.get_default_for([NH, BN], gl.float16))
+    rope = gl.allocate_shared_memory(gl.bfloat16, [1, BN, 64],
+                                     gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+    vflag = gl.allocate_shared_memory(gl.int8, [1, BN], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+                                                                           order=[0]))
+    kready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    kempty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kready.index(0), count=1)
+    mbarrier.init(kempty.index(0), count=1)
+
+    n_hb = gl.cdiv(num_heads, NH)
+    t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi, used = _token_tiles(
+        split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride_br, B_LENS, BT, stride_bt, bt_cols, b_bs,
+        TOK2REQ, POS, b_width, COMP, C4A_RATIO, IS_SPLIT, RANGE_CHECKS, BN)
+
+    acc, m_i, l_i = gl.warp_specialize([
+        (_consumer_heads_n, (q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, stride_qh, t64, hb,
+                             num_heads, qk_scale, lo, hi, NH, BN)),
+        (_producer, (k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_rows, len_a, B_U8,
+                     b_stride0, b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a,
+                     A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS, 1)),
+    ], [4], [PRODUCER_REGS])
+
+    # ---- epilogue: accᵀ [512, NH] -> out [NH, 512] (or the split's fp32 partial) -----------------
+    h_o = hb * NH + gl.arange(0, NH, layout=Lh)
+    hmask_o = h_o < num_heads
+    h_s = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(0, Lo))
+    d_s = gl.arange(0, 512, layout=gl.SliceLayout(1, Lo))
+    hmask_s = gl.expand_dims(h_s < num_heads, 0)
+    if IS_SPLIT:
+        if sp < used:  # a program past the token's keys writes nothing and does not arrive
+            part = (t64 * split + sp) * num_heads + h_o.to(gl.int64)
+            part_s = (t64 * split + sp) * num_heads + h_s.to(gl.int64)
+            gl.store(PO + gl.expand_dims(part_s * 512, 0) + gl.expand_dims(d_s, 1), gl.convert_layout(acc, Lo),
+                     mask=hmask_s)
+            gl.store(PML + part * 2, m_i, mask=hmask_o)
+            gl.store(PML + part * 2 + 1, l_i, mask=hmask_o)
+            _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb,
+                          num_heads, split, used, HAS_SINK, WRITE_LSE, MERGE_IN_KERNEL, NH)
+    else:
+        inv, lse = _normalizer(m_i, l_i, SINK, h_o, hmask_o, HAS_SINK)
+        # scaled after the layout change, as the split path stores (scaling in the MMA layout first
+        # spilled 528-688 B under Triton 3.6)
+        inv_s = gl.convert_layout(inv, gl.SliceLayout(0, Lo))
+        ob = (gl.convert_layout(acc, Lo) * gl.expand_dims(inv_s, 0)).to(gl.bfloat16)
+        o_ptr = O + t64 * stride_ot + gl.expand_dims(h_s.to(gl.int64) * stride_oh, 0) + gl.expand_dims(d_s, 1)
+        gl.store(o_ptr, ob, mask=hmask_s)
+        if WRITE_LSE:
+            gl.store(LSE + t64 * stride_lt + h_o, lse, mask=hmask_o)

@@ -1,0 +1,63 @@
+"""Where a repeated eager layer call's host time goes (issue 24, notes/host-time.md): cProfile of
+``SparseMLA.forward`` with the same inputs called again and again (every memo of the host path
+hits, the launches bound), on a GPU (kernels run) or the CPU (kernels stubbed, interpreter).
+
+    PYTHONPATH=. python tests/gpu_scripts/host_profile.py [--case flash-decode-b2] [--calls 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import os
+import pstats
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dsv4_attn.bench import host  # noqa: E402
+from dsv4_attn.bench.runners import _case_mla  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", default="flash-decode-b2", choices=list(host.CASES))
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    case = host._make_case(args.case, device)
+    with host.kernels_stubbed() if device.type == "cpu" else contextlib.nullcontext():
+        mla = _case_mla(case, args.backend)
+        plan = mla.plan(case.batch)
+        out = torch.empty_like(case.q)
+
+        def call() -> None:
+            mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink,
+                        out=out)
+
+        for _ in range(100):
+            call()
+        host._sync(device)
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            call()
+        print(f"{case.label} {args.backend}: {(time.perf_counter() - start) / args.calls * 1e6:.1f} us per call "
+              f"(wall, {args.calls} calls, unprofiled)")
+        host._sync(device)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.calls):
+            call()
+        profile.disable()
+        host._sync(device)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()

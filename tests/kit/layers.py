@@ -1,0 +1,59 @@
+"""One layer of a ``StepCase`` through a SparseMLA against the float64 reference: the output
+NaN-poisoned before the call, the reference computed on the plan's own rows."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import dsv4_attn as dsv4
+from dsv4_attn.common import reference
+from dsv4_attn.common.spec import LayerKind
+from dsv4_attn.parity.matrix import Tolerance
+from dsv4_attn.testing.steps import StepCase
+
+from kit.compare import assert_close, compare, metrics
+
+
+def reference_out(plan, case: StepCase, kind: LayerKind, q=None, sink="case",
+                  tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 [n, H, 512]: the reference on the plan's own rows for ``tokens`` (default all), in
+    the case's format, scale and dialects; ``q`` / ``sink`` replace the case's."""
+    q = case.q if q is None else q
+    sink = case.sink if sink == "case" else sink
+    rows, lens = plan.comp_scope(kind, case.topk_for(kind))
+    sel = slice(None) if tokens is None else tokens
+    ref, _ = reference.sparse_mla(q[sel], case.caches["swa"], plan.swa_rows[sel], plan.swa_lens[sel],
+                                  case.comp_cache(kind), None if rows is None else rows[sel],
+                                  None if lens is None else lens[sel], sink, plan.spec.scale, case.fmt,
+                                  kv_scale=case.kv_scale, swa_dialect=case.swa_dialect,
+                                  comp_dialect=case.comp_dialect)
+    return ref
+
+
+def forward_poisoned(mla: dsv4.SparseMLA, plan, case: StepCase, kind: LayerKind, q=None, sink="case", *,
+                     out: torch.Tensor | None = None, validate: bool = False) -> torch.Tensor:
+    """One layer's output into ``out`` (default a new tensor), NaN-filled before the call when new."""
+    q = case.q if q is None else q
+    sink = case.sink if sink == "case" else sink
+    if out is None:
+        out = torch.full_like(q, math.nan)
+    mla.forward(plan, kind, q, case.caches["swa"], case.comp_cache(kind), topk=case.topk_for(kind), sink=sink,
+                out=out, kv_scale=case.kv_scale, validate=validate)
+    return out
+
+
+def run_layer(mla: dsv4.SparseMLA, plan, case: StepCase, kind, q=None, sink="case") -> dict:
+    """``metrics`` of forward_poisoned (inputs validated) vs reference_out on every token."""
+    kind = LayerKind.parse(kind)
+    out = forward_poisoned(mla, plan, case, kind, q, sink, validate=True)
+    return metrics(out, reference_out(plan, case, kind, q, sink))
+
+
+def assert_layer_close(out: torch.Tensor, plan, case: StepCase, kind: LayerKind, tol: Tolerance) -> dict:
+    """``out`` finite everywhere and within ``tol`` of reference_out (rel_l2 and cosine); its figures."""
+    assert torch.isfinite(out).all(), f"{kind.name}: unwritten or non-finite output"
+    err = compare(out, reference_out(plan, case, kind))
+    assert_close(err, tol, max_abs=False, what=kind.name)
+    return err

@@ -1,0 +1,126 @@
+"""The heads-on-N Gluon Hopper kernel (``kernels/hopper_heads.py``, ``KernelConfig.heads_on_n``,
+``ops.heads_on_n``): which head counts take it and with how many heads per program, that bad
+settings are refused, and on an sm_90 GPU that it matches the float64 reference (every kind, with
+and without a key split, the split merged by the combine launch or inside the kernel, head counts
+that do not fill a program, MTP) eagerly and across CUDA-graph replays."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from dsv4_attn.portable.kernels import hopper_heads, ops
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("heads,expected", [(1, 8), (4, 8), (8, 8), (9, 16), (12, 16), (16, 16)])
+def test_heads_per_program(heads, expected):
+    assert hopper_heads.heads_per_program(heads) == expected
+
+
+CPU = torch.device("cpu")  # ops.num_sms: 4 there, so a launch of 8+ programs of the kernel is not split
+
+
+@pytest.mark.parametrize("setting,gluon,heads,tiles,tokens", [
+    (-1, False, 8, 18, 2),   # the portable kernel
+    (1, False, 8, 18, 2),
+    (0, True, 8, 18, 2),     # forced off
+    (-1, True, 64, 18, 2),   # above the kernel's head count: the 64-head kernel
+    (-1, True, 32, 18, 2),
+    (1, True, 17, 18, 2),
+    (-1, True, 8, 10, 2),    # C4A 512 (10 key tiles per token), split: measured a tie or slower
+    (-1, True, 16, 2, 2),    # window only, split
+])
+def test_when_the_64_head_kernel_runs(setting, gluon, heads, tiles, tokens):
+    assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), gluon, heads, tiles, tokens, CPU) == 0
+
+
+def test_heads_on_n_setting_is_checked():
+    with pytest.raises(ValueError, match=r"heads_on_n: got 2; allowed: -1 \(auto\), 0 or 1"):
+        ops.KernelConfig(heads_on_n=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SM90, reason="the Gluon kernels need an sm_90 GPU")
+@pytest.mark.parametrize("cfg,heads,batch,mtp,merge", [
+    ("h8-c4a512", 8, 2, 1, -1),      # split, merged in the kernel (auto at 8 heads)
+    ("h8-c4a512", 8, 70, 1, -1),     # 70 programs: split 3 (two per SM)
+    ("h8-swa", 8, 1, 1, -1),
+    ("h16-c128a", 16, 3, 1, -1),     # split, the combine launch
+    ("h16-c4a1024", 16, 40, 2, 1),   # MTP, split merged in the kernel (forced)
+    ("h16-c4a512", 16, 5, 1, 0),
+    ("h16-c128a", 16, 300, 1, -1),   # 300 programs: no split
+    ("h8-c4a512", 4, 3, 1, -1),      # 4 of a program's 8 heads
+    ("h16-c128a", 12, 2, 1, 1),      # 12 of 16
+    ("h16-swa", 10, 4, 1, 0),        # 10 of 16
+])
+def test_gpu_heads_on_n_matches_the_reference_across_graph_replays(cfg, heads, batch, mtp, merge):
+    from dsv4_attn import SparseMLA, bench
+    from dsv4_attn.common import reference
+    from dsv4_attn.common.registry import register_backend
+    from dsv4_attn.portable.triton_backend import TritonBackend
+
+    from kit.compare import assert_close, metrics
+
+    name = f"triton-heads-n-test-{merge}"
+    register_backend(name, TritonBackend(ops.KernelConfig(impl="gluon", heads_on_n=1, merge_in_kernel=merge)))
+    config = dataclasses.replace(bench.DECODE_CONFIGS[cfg], heads=heads)
+    case = bench.make_decode_case(config, batch, mtp, torch.device("cuda"), seed=batch * 3 + heads)
+    case.sink[0], case.sink[1] = math.inf, -math.inf  # head 0: all the weight on the sink, output 0
+    mla = SparseMLA(case.spec, case.fmt, backend=name, max_tokens=case.q.shape[0])
+    plan = mla.plan(case.batch)
+    out = torch.empty_like(case.q)
+
+    def run():
+        mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink, out=out)
+
+    rows, lens = plan.comp_scope(case.kind, case.topk)
+    want, _ = reference.sparse_mla(case.q, case.swa_cache, plan.swa_rows, plan.swa_lens, case.comp_cache, rows, lens,
+                                   case.sink, case.spec.scale, case.fmt)
+
+    def check(what):
+        torch.cuda.synchronize()
+        assert not out.isnan().any(), f"{what}: {int(out.isnan().sum())} output elements not written"
+        err = metrics(out, want)
+        assert_close(err, max_abs=False, what=f"{what} {cfg} H={heads} b={batch}")
+        # bf16 output: one rounding of |out| (2^-8 relative) plus accumulation noise
+        assert err["max_abs"] <= 1e-2 + 2**-7 * float(want.abs().max()), err
+        assert float(out[:, 0].abs().max()) == 0.0
+
+    out.fill_(float("nan"))
+    run()
+    check("eager")
+    graph = bench.timing.capture_graph(run)
+    for replay in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        check(f"replay {replay}")
+
+
+@pytest.mark.parametrize("setting,heads,tiles,tokens,expected", [
+    (-1, 8, 18, 2, 8),     # V4-Flash TP8 rank, C4A 1024 / C128A 1024, split
+    (-1, 16, 16, 2, 16),   # V4-Pro TP8 rank
+    (-1, 12, 18, 2, 16),
+    (-1, 8, 10, 100, 8),   # C4A 512, not split (b = 256 on an H100)
+    (-1, 16, 2, 8, 16),    # window only, not split
+    (1, 8, 2, 2, 8),       # forced: any launch
+])
+def test_when_the_heads_on_n_kernel_runs(monkeypatch, setting, heads, tiles, tokens, expected):
+    from dsv4_attn.portable.kernels import build
+
+    monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")  # as where it compiles
+    assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), True, heads, tiles, tokens, CPU) == expected
+
+
+def test_heads_on_n_where_it_does_not_compile(monkeypatch):
+    from dsv4_attn.portable.kernels import build
+
+    monkeypatch.setattr(build, "compile_error", lambda *a, **k: "the Gluon Hopper kernel does not compile: X")
+    assert ops.heads_on_n(ops.KernelConfig(), True, 8, 18, 2, CPU) == 0  # auto: the 64-head kernel
+    with pytest.raises(ValueError, match="config.heads_on_n: got 1; allowed only where the heads-on-N kernel "
+                                         "compiles; here: the Gluon Hopper kernel does not compile: X"):
+        ops.heads_on_n(ops.KernelConfig(heads_on_n=1), True, 8, 18, 2, CPU)
