@@ -159,16 +159,17 @@ def test_amd_tiles(device, heads, fmt, swa_dialect, gen):
     """AMD's tiles, one launch and split (some splits empty), with 1-3 head blocks: in the V4
     record as gfx942 writes it (FNUZ SWA cache), 16 heads x 64 keys, 4 waves, P through the
     scratch; in the two-record walk (MXFP8 SWA + NVFP4 compressed), the NVFP4 tile (16 keys, P in
-    registers)."""
+    registers). gfx950's keys scaled in fp32 (one launch), gfx942's in the dot dtype (split)."""
     from dsv4_attn.portable.kernels.ops import KernelConfig
 
     recs = layout.KVFormat.parse(fmt)
-    want = (16, 16, 4, False) if fmt == "nvfp4_ds_mla" else (16, 64, 4, True)
+    want = (16, 64, 4, True)
     for arch in ("gfx942", "gfx950"):
         tile = KernelConfig().tile(arch, heads, (recs.swa_record, recs.comp_record))
         assert (tile.block_h, tile.block_n, tile.num_warps, tile.p_scratch) == want, tile
-    configs = [KernelConfig(block_h=16, block_n=want[1], num_warps=4, p_scratch=int(want[3]), split=split)
-               for split in (1, 3)]
+        assert tile.f32_decode == (arch == "gfx950"), tile
+    configs = [KernelConfig(block_h=16, block_n=want[1], num_warps=4, p_scratch=int(want[3]), split=split,
+                            f32_decode=f32_decode) for split, f32_decode in ((1, 1), (3, 0))]
     _check_raw_kernel(fmt, swa_dialect, heads, configs, gen)
 
 
@@ -262,11 +263,14 @@ def test_refusal_reasons(monkeypatch):
 
 
 @pytest.mark.parametrize("device", _devices())
-def test_odd_block_stride_is_refused_before_launch(device, gen):
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "mxfp8_ds_mla"])
+def test_odd_block_stride_is_refused_before_launch(device, fmt, gen):
+    # the kernel reads V4 RoPE values and MXFP8 values (as 16-bit words) through a 2-byte view
     name = _backend("triton-t16", block_n=16)
     spec, batch, caches, topk, q, sink = _make_step(gen, [1], [40]).v4_inputs()
-    bad = layout.new_cache("fp8_ds_mla", 2, 64, device=DEVICE, block_stride=layout.model1_page_bytes(64) + 1)
-    mla = dsv4.SparseMLA(spec, "fp8_ds_mla", backend=name)
+    stride = layout.default_block_stride(layout.KVFormat.parse(fmt).swa_record, 64) + 1
+    bad = layout.new_cache(layout.KVFormat.parse(fmt).swa_record, 2, 64, device=DEVICE, block_stride=stride)
+    mla = dsv4.SparseMLA(spec, fmt, backend=name)
     plan = mla.plan(batch)
     with pytest.raises(ValueError, match="swa_cache"):
         mla.forward(plan, LayerKind.SWA, q, bad, sink=sink)
@@ -524,10 +528,9 @@ def test_kernel_choice_is_visible_in_explain(monkeypatch):
     amd = b.choice(mi355, dsv4.ModelSpec(num_heads=32), KVFormat.MODEL1_FP8, LayerKind.C4A, phase, ocp)
     assert amd == "portable kernel, 16 heads x 64 keys per tile, 4 warps (the Gluon kernel is sm_90 only, " \
                   "this is gfx950)", amd
-    # a layer reading an NVFP4 cache gets AMD's NVFP4 tile; its SWA layers (MXFP8 only) do not
-    amd = b.choice(mi355, dsv4.ModelSpec(num_heads=32), KVFormat.NVFP4, LayerKind.C1A, phase, ocp)
-    assert amd.startswith("portable kernel, 16 heads x 16 keys per tile, 4 warps"), amd
-    amd = b.choice(mi355, dsv4.ModelSpec(num_heads=32), KVFormat.NVFP4, LayerKind.SWA, phase, ocp)
-    assert amd.startswith("portable kernel, 16 heads x 64 keys per tile, 4 warps"), amd
+    # every record in AMD's one tile: a layer reading an NVFP4 cache too
+    for kind in (LayerKind.C1A, LayerKind.SWA):
+        amd = b.choice(mi355, dsv4.ModelSpec(num_heads=32), KVFormat.NVFP4, kind, phase, ocp)
+        assert amd.startswith("portable kernel, 16 heads x 64 keys per tile, 4 warps"), amd
     mla = dsv4.SparseMLA(dsv4.ModelSpec(num_heads=16, layers=("swa", "c1a")), "nvfp4_ds_mla", backend="triton")
     assert "portable kernel, 16 heads x 64 keys per tile, 8 warps (Triton's CPU interpreter)" in mla.explain()

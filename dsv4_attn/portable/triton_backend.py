@@ -185,8 +185,9 @@ class TritonBackend(Backend):
 
     @staticmethod
     def _check_v4_stride(name: str, cache: torch.Tensor, record: Record, stride0: int) -> None:
-        # the kernel reads the V4 record's bf16 RoPE values through a 2-byte view of the cache
-        if record is Record.V4_FP8 and (stride0 % 2 or cache.storage_offset() % 2):
+        # the kernel reads the V4 record's bf16 RoPE values (and MXFP8 values, in nvfp4_ds_mla
+        # layers) through a 2-byte view of the cache
+        if record in (Record.V4_FP8, Record.MXFP8) and (stride0 % 2 or cache.storage_offset() % 2):
             raise ValueError(f"{name}: got block stride {stride0} bytes and storage offset "
                              f"{cache.storage_offset()}; allowed: both even for the triton backend "
                              "(vLLM pages are multiples of 576 bytes)")

@@ -46,6 +46,7 @@ info() {  # info NAME CMD...: run and log; a failure is recorded, not a verdict 
 $PY -m dsv4_attn probe --json > "$OUT/probe.json" || failed=1
 step "hardware checks" $PY -m pytest -q -m gpu -rs --junitxml "$OUT/pytest.xml" tests/test_aiter_hardware.py \
     tests/test_aiter_graph.py tests/test_triton_kernels.py -k "hardware or graph or fnuz"
+step "portable kernel decoders (pair order, fp32 scaling)" $PY tests/gpu_scripts/decode_check.py
 step "risks (issue 28)" $PY tests/gpu_scripts/amd_risks.py --json "$OUT/risks.json"
 step "parity (auto)" $PY -m dsv4_attn parity --full --backends aiter triton torch --out "$OUT/parity-auto"
 step "parity (aiter: mla_decode_fwd split)" env DSV4_ATTN_AITER_PATH=mla_decode_fwd \

@@ -1,7 +1,9 @@
 """The portable kernel's record loads and in-register decoders (``attention._load_kv_raw`` +
 ``_dequant``) on 16 random records, compiled for the GPU, against ``layout.decode`` (the exact
-torch decoder): every dim of each record stored as decoded, and the first chunk's decoded values
-fed to a score dot (q @ Kᵀ) as the kernel feeds them. The interpreter runs the same code with
+torch decoder): every dim of each record stored as decoded (chunks in the pair order of V4.1
+records, ``_chunk_dims``), with the keys scaled in the dot dtype and in fp32 (``F32_DECODE``,
+gfx950's choice), and the first chunk's decoded values fed to a score dot (q @ Kᵀ) as the kernel
+feeds them. The interpreter runs the same code with
 numpy semantics; this shows what the compiled kernel does.
 
 Run: ``PYTHONPATH=. python tests/gpu_scripts/decode_check.py`` (one line per record x dot dtype;
@@ -22,21 +24,23 @@ N = 16
 
 
 @triton.jit
-def _decode_rows(src, q, out, scores, stride0, FMT: tl.constexpr, DT: tl.constexpr, GR: tl.constexpr):
-    """Records 0..15 of ``src`` (one token per block): decoded dims -> out fp32 [16, 512]; the
-    dims [0, 256) chunk's scores q [16, 256] @ Kᵀ -> scores fp32 [16, 16]."""
+def _decode_rows(src, src16, q, out, scores, stride0, FMT: tl.constexpr, DT: tl.constexpr,
+                 F32_DECODE: tl.constexpr):
+    """Records 0..15 of ``src`` (one token per block; ``src16`` its 2-byte view): decoded dims ->
+    out fp32 [16, 512]; chunk 0's scores (the even dims of [0, 256)) q [16, 128] @ Kᵀ -> scores
+    fp32 [16, 16]."""
     n = tl.arange(0, 16)
-    a, b, c, r, ea, eb, ec, er = K._load_kv_raw(src, src, stride0, 1, n, n >= 0, FMT, 16)
-    ka = K._dequant(a, ea, 1.0, 0, FMT, DT, True)
-    kb = K._dequant(b, eb, 1.0, 0, FMT, DT, True)
-    kc = K._dequant(c, ec, 1.0, 0, FMT, DT, GR)
-    kr = K._dequant(r, er, 1.0, 0, FMT, DT, GR)
+    a, b, c, r, ea, eb, ec, er = K._load_kv_raw(src, src16, stride0, 1, n, n >= 0, FMT, 16, 0)
+    ka = K._dequant(a, ea, 1.0, 0, FMT, DT, True, False, F32_DECODE, False)
+    kb = K._dequant(b, eb, 1.0, 0, FMT, DT, True, False, F32_DECODE, True)
+    kc = K._dequant(c, ec, 1.0, 0, FMT, DT, True, False, F32_DECODE, False)
+    kr = K._dequant(r, er, 1.0, 0, FMT, DT, True, False, F32_DECODE, True)
     rows = out + n[:, None] * 512
-    tl.store(rows + tl.arange(0, 256)[None, :], ka.to(tl.float32))
-    tl.store(rows + 256 + tl.arange(0, 128)[None, :], kb.to(tl.float32))
-    tl.store(rows + 384 + tl.arange(0, 64)[None, :], kc.to(tl.float32))
-    tl.store(rows + 448 + tl.arange(0, 64)[None, :], kr.to(tl.float32))
-    qa = tl.load(q + n[:, None] * 256 + tl.arange(0, 256)[None, :]).to(DT)
+    tl.store(rows + K._chunk_dims(0, True)[None, :], ka.to(tl.float32))
+    tl.store(rows + K._chunk_dims(1, True)[None, :], kb.to(tl.float32))
+    tl.store(rows + K._chunk_dims(2, True)[None, :], kc.to(tl.float32))
+    tl.store(rows + K._chunk_dims(3, True)[None, :], kr.to(tl.float32))
+    qa = tl.load(q + n[:, None] * 128 + tl.arange(0, 128)[None, :]).to(DT)
     tl.store(scores + n[:, None] * 16 + n[None, :], tl.dot(qa, tl.trans(ka)))
 
 
@@ -54,24 +58,25 @@ def _records(record: layout.Record, gen) -> torch.Tensor:
     return tokens
 
 
-def check(record: layout.Record, dt, gen) -> int:
+def check(record: layout.Record, dt, f32_decode: bool, gen) -> int:
     tokens = _records(record, gen)
     want = layout.decode(record, tokens)
-    q = torch.randn(N, 256, generator=gen)
+    q = torch.randn(N, 128, generator=gen)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: under TRITON_INTERPRET=1
     out = torch.full((N, 512), float("nan"), device=device)
     scores = torch.full((N, 16), float("nan"), device=device)
     fmt = K.FMT_NVFP4 if record is layout.Record.NVFP4 else K.FMT_MXFP8
-    _decode_rows[(1,)](tokens.to(device), q.to(device), out, scores, record.layout.token_bytes, FMT=fmt, DT=dt,
-                       GR=True)
+    src = tokens.to(device)
+    _decode_rows[(1,)](src, src.view(torch.bfloat16), q.to(device), out, scores, record.layout.token_bytes, FMT=fmt,
+                       DT=dt, F32_DECODE=f32_decode)
     got = out.cpu()
     tol = 0 if dt == tl.float32 else 2**-8
     bad = ~((got - want).abs() <= tol * want.abs())
-    want_s = q.to(_TORCH[dt]).double() @ want[:, :256].to(_TORCH[dt]).double().T
+    want_s = q.to(_TORCH[dt]).double() @ want[:, 0:256:2].to(_TORCH[dt]).double().T
     s_err = float((scores.cpu().double() - want_s).norm() / want_s.norm())
     s_bad = not s_err < 1e-2
-    print(f"{record.value:<6} DT={dt}: values {int(bad.sum())} of {bad.numel()} wrong, scores rel_l2 {s_err:.2e}",
-          end="")
+    print(f"{record.value:<6} DT={dt} F32_DECODE={f32_decode}: values {int(bad.sum())} of {bad.numel()} wrong, "
+          f"scores rel_l2 {s_err:.2e}", end="")
     if bad.any():
         i, j = bad.nonzero()[0].tolist()
         print(f"; first at [{i}, {j}]: got {float(got[i, j])}, want {float(want[i, j])}", end="")
@@ -88,7 +93,8 @@ def main() -> int:
     for record in (layout.Record.MXFP8, layout.Record.NVFP4):
         # the interpreter computes bf16 / fp16 with numpy stand-ins: fp32 only there
         for dt in (tl.float32, tl.bfloat16, tl.float16) if torch.cuda.is_available() else (tl.float32,):
-            bad += check(record, dt, gen)
+            for f32_decode in (False, True):
+                bad += check(record, dt, f32_decode, gen)
     print(f"decode mismatches: {bad}")
     return 1 if bad else 0
 

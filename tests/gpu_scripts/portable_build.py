@@ -37,11 +37,14 @@ def layer_records(fmt: KVFormat, comp_mode: int) -> tuple:
     return (fmt.swa_record,) if comp_mode == K.COMP_NONE else (fmt.swa_record, fmt.comp_record)
 
 
-def variant(fmt: KVFormat, comp_mode: int, tile: ops.Tile, split: int = 1, topk_ratio: int = 4) -> dict:
-    """The constexprs of one launch (``ops.portable_constexprs``), with a sink and the LSE."""
+def variant(fmt: KVFormat, comp_mode: int, tile: ops.Tile, split: int = 1, topk_ratio: int = 4,
+            fnuz: bool = False) -> dict:
+    """The constexprs of one launch (``ops.portable_constexprs``), with a sink and the LSE; ``fnuz``:
+    a cache in FNUZ e4m3 bytes (gfx942's)."""
     records = layer_records(fmt, comp_mode)
     codes = (ops.RECORD_CODE[records[0]], ops.RECORD_CODE[records[-1]])
-    return ops.portable_constexprs(codes, comp_mode, topk_ratio, True, True, split, tile, K.tl.bfloat16, True)
+    return ops.portable_constexprs(codes, comp_mode, topk_ratio, True, True, split, tile, K.tl.bfloat16, True,
+                                   fnuz=fnuz)
 
 
 def _amd_field(asm: str, name: str) -> int:

@@ -9,10 +9,11 @@ no scratch (so no SGPR spilled to memory either).
 
 The variants are what ``ops.sparse_mla_fwd`` launches: the tile ``KernelConfig.tile(arch, heads, records)``
 picks for any head count 1..MAX_HEADS, each KV format x layer kind (SWA, every-entry, top-k) it
-serves, one launch and split launches, and the split's combine kernel. No GPU needed; run it
-without TRITON_INTERPRET. ``--quick`` keeps, per tile, the top-k walk with its LSE in the records with
-the most registers live (V4, bf16; the worst in the full run of the earlier 16-key tile), in
-nvfp4_ds_mla's two records, and the split epilogue.
+serves (on gfx942 with OCP and FNUZ caches), one launch and split launches, and the split's
+combine kernel. No GPU needed; run it without TRITON_INTERPRET. ``--quick`` keeps, per tile, the
+top-k walk with its LSE in the records with the most registers live (V4, bf16; the worst in the
+full run of the earlier 16-key tile), in mxfp8_ds_mla's and nvfp4_ds_mla's records, on gfx942
+V4 and MXFP8 in FNUZ bytes too, and the split epilogue.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Variant:
     fmt: KVFormat | None = None
     kind: str = ""
     split: int = 1
+    fnuz: bool = False  # the SWA cache in FNUZ e4m3 bytes (gfx942's dialect)
 
     def label(self, kind: bool = True) -> str:
         """'arch tile format [kind [split]]' (``kind`` False: the row of ``--summary``)."""
@@ -53,7 +55,8 @@ class Variant:
             return f"{self.arch} combine (split merge)"
         t = self.tile
         head = f"{self.arch} {t.block_h}h x {t.block_n}k {t.num_warps}w{' P scratch' if t.p_scratch else ''} "
-        return head + self.fmt.value + (f" {self.kind}{' split' if self.split > 1 else ''}" if kind else "")
+        return (head + self.fmt.value + (" FNUZ" if self.fnuz else "")
+                + (f" {self.kind}{' split' if self.split > 1 else ''}" if kind else ""))
 
 
 def picked_tiles(arch: str, heads: range = range(1, MAX_HEADS + 1), records: tuple = ()) -> list[ops.Tile]:
@@ -66,27 +69,33 @@ def variants(arch: str, quick: bool, tiles_of: str | None = None,
              heads: range = range(1, MAX_HEADS + 1), like_vllm: bool = False) -> list[Variant]:
     """What runs on ``arch``: the combine kernel and the attention kernel in the tiles picked
     there for ``heads`` (or, ``tiles_of``, on another arch: to see them fail). ``like_vllm``: only
-    the variant that reads what vLLM's gfx950 sparse-MLA kernel reads (V4 records, global slots
-    in both scopes, one launch; tests/gpu_scripts/vllm_amd_isa.py)."""
+    the variants that read what vLLM's gfx950 sparse-MLA kernel reads (V4 records, one launch,
+    on gfx942 an FNUZ SWA cache as vLLM's there; tests/gpu_scripts/vllm_amd_isa.py): global slots
+    in both scopes (vLLM's kernel), and local top-k entries translated in the loop (which vLLM
+    does in a kernel of its own)."""
     def tiles(fmt: KVFormat, kind: str) -> list[ops.Tile]:
         return picked_tiles(tiles_of or arch, heads, pb.layer_records(fmt, KINDS[kind]))
 
     if like_vllm:
-        return [Variant(arch, "attention", t, KVFormat.MODEL1_FP8, "all") for t in tiles(KVFormat.MODEL1_FP8, "all")]
+        return [Variant(arch, "attention", t, KVFormat.MODEL1_FP8, kind, fnuz=arch == "gfx942")
+                for kind in ("all", "top-k") for t in tiles(KVFormat.MODEL1_FP8, kind)]
+    fnuz = arch == "gfx942"  # gfx942's caches hold FNUZ bytes: their fix-up compiled too
     if quick:
-        cases = [(fmt, "top-k", split) for fmt, split in ((KVFormat.MODEL1_FP8, 1), (KVFormat.BF16, 1),
-                                                           (KVFormat.NVFP4, 1), (KVFormat.MODEL1_FP8, 2))]
+        cases = [(fmt, "top-k", split, f) for fmt, split, f in (
+            (KVFormat.MODEL1_FP8, 1, False), (KVFormat.BF16, 1, False), (KVFormat.NVFP4, 1, False),
+            (KVFormat.MODEL1_FP8, 2, False), (KVFormat.MODEL1_FP8, 1, fnuz), (KVFormat.MXFP8, 1, fnuz))]
     else:
-        cases = [(fmt, kind, split) for fmt in KVFormat for kind in KINDS for split in (1, 2)]
+        cases = [(fmt, kind, split, f) for fmt in KVFormat for kind in KINDS for split in (1, 2)
+                 for f in {False, fnuz and fmt is not KVFormat.BF16}]
     out = [Variant(arch, "combine")]
     seen = set()
-    for fmt, kind, split in cases:
+    for fmt, kind, split, f in cases:
         for tile in tiles(fmt, kind):
-            const = pb.variant(fmt, KINDS[kind], tile, split)
-            key = (tile, const["FMT_A"], const["FMT_B"], KINDS[kind], split)
+            const = pb.variant(fmt, KINDS[kind], tile, split, fnuz=f)
+            key = (tile, const["FMT_A"], const["FMT_B"], KINDS[kind], split, f)
             if key not in seen:  # an SWA layer of nvfp4_ds_mla is mxfp8_ds_mla's
                 seen.add(key)
-                out.append(Variant(arch, "attention", tile, fmt, kind, split))
+                out.append(Variant(arch, "attention", tile, fmt, kind, split, f))
     return out
 
 
@@ -95,7 +104,7 @@ def measure(v: Variant) -> dict:
     if v.kernel == "combine":
         kernel = pb.compile_combine(target)
     else:
-        kernel = pb.compile_portable(target, pb.variant(v.fmt, KINDS[v.kind], v.tile, v.split),
+        kernel = pb.compile_portable(target, pb.variant(v.fmt, KINDS[v.kind], v.tile, v.split, fnuz=v.fnuz),
                                      ops.launch_options(v.tile))
     res = pb.amd_resources(kernel)
     res["ok"] = (res["lds"] <= pb.LDS_LIMIT[v.arch] and res["vgpr_spills"] == 0 and res["scratch"] == 0)
@@ -121,7 +130,8 @@ def main() -> None:
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(measure, todo))
     rows = [{"label": v.label(), "arch": v.arch, "kernel": v.kernel, "tile": asdict(v.tile) if v.tile else None,
-             **res} for v, res in zip(todo, results)]
+             "fmt": v.fmt.value if v.fmt else None, "kind": v.kind, "fnuz": v.fnuz, **res}
+            for v, res in zip(todo, results)]
     if args.json:
         json.dump(rows, sys.stdout)
         return

@@ -14,9 +14,13 @@ rows, in tiles of ``BLOCK_N`` keys, with ONE online softmax over both scopes:
   them, times their 16-dim group's e4m3 scale; BF16 rows as they are; FP8 per-tensor rows times
   ``kv_scale``. When the two records differ (``nvfp4_ds_mla``) the SWA tiles and the compressed
   tiles run in two loops of one online softmax (``_walk``), each compiled for its record;
-* the 512 dims are handled as four power-of-two chunks (256 + 128 + 64 NoPE, 64 RoPE), so
-  ``Q·Kᵀ`` is four chained dots into one score tile and ``P·V`` four dots into four
-  accumulators; no per-64 tile dots, no whole-row gathers into a workspace;
+* the 512 dims are handled as four power-of-two chunks (``_chunk_dims``: 256 + 128 + 64 NoPE,
+  64 RoPE; in layers of V4.1 records, whose values are all quantized alike, four chunks of 128
+  in the pair order of their bytes: the even / odd dims of each half, so an NVFP4 byte's two
+  nibbles and an MXFP8 word's two bytes feed two chunks without moving between lanes, and q, o
+  and the accumulators follow that order), so ``Q·Kᵀ`` is four chained dots into one score tile
+  and ``P·V`` four dots into four accumulators; no per-64 tile dots, no whole-row gathers into
+  a workspace;
 * local top-k entries (C4A, C1A, C2A) are translated to global slots inside the kernel through
   the block table of the layer's ratio (no extra launch per top-k layer);
 * every slot -> byte offset product is int64 (caches larger than 2^31 bytes work);
@@ -129,12 +133,21 @@ def _chunk_ptrs(base, row, start: tl.constexpr, K: tl.constexpr, W: tl.constexpr
 
 
 @triton.jit
-def _nibble_ptrs(base, row, start: tl.constexpr, K: tl.constexpr):
-    """Pointers [N, K, 16] to the bytes holding K groups of 16 e2m1 dims at ``row + start``: dim d
-    of a group is in byte d // 2 of its 8 (``_e2m1_as_e4m3`` picks the nibble)."""
-    t = tl.arange(0, K)
-    c = tl.arange(0, 16) // 2
-    return base + row[:, None, None] + start + (t * 8)[None, :, None] + c[None, None, :]
+def _chunk_dims(k: tl.constexpr, PAIRED: tl.constexpr):
+    """The dims of chunk ``k`` (0..3) of q, o and the accumulators: [0,256), [256,384), [384,448),
+    [448,512); ``PAIRED`` (layers reading NVFP4, two dims per byte): four chunks of 128, the even
+    then the odd dims of [0,256), the even then the odd dims of [256,512), so chunks 0 / 1 are the
+    low / high nibbles of the same 128 bytes (2 / 3 of the next 128): each byte is loaded once, as
+    part of a vector, and its nibbles never move between lanes."""
+    if PAIRED:
+        d = 256 * (k // 2) + 2 * tl.arange(0, 128) + k % 2
+    elif k == 0:
+        d = tl.arange(0, 256)
+    elif k == 1:
+        d = 256 + tl.arange(0, 128)
+    else:
+        d = 384 + 64 * (k - 2) + tl.arange(0, 64)
+    return d
 
 
 @triton.jit
@@ -148,13 +161,14 @@ def _load_kv_raw(cache_u8, cache_16, stride0, bs, slots, valid, FMT: tl.constexp
                  SHIFT: tl.constexpr):
     """Issue every load of a tile of BLOCK_N rows (raw; dequantized later, chunk by chunk).
 
-    Returns (a, b, c, r, ea, eb, ec, er): dims [0,256), [256,384), [384,448), [448,512) of each row
-    in the cache's storage type, and their scale bytes. V4 rows: a [N,4,64], b [N,2,64], c [N,64]
-    e4m3, r [N,64] bf16, scales ea [N,4], eb [N,2], ec [N] (of the 64-dim groups). MXFP8: groups of
-    32 e4m3, a [N,8,32] .. r [N,2,32], scales [N,8] .. [N,2]. NVFP4: groups of 16 dims, each dim
-    its byte (``_nibble_ptrs``), a [N,16,16] .. r [N,4,16], e4m3 scales [N,16] .. [N,4]. BF16 / FP8: a [N,4,64],
-    b [N,2,64],
-    c, r [N,64], no scales. Invalid rows read as 0."""
+    Returns (a, b, c, r, ea, eb, ec, er): the dims of chunks 0..3 (``_chunk_dims``) of each row in
+    the cache's storage type, and their scale bytes. V4 rows: a [N,4,64], b [N,2,64], c [N,64]
+    e4m3, r [N,64] bf16, scales ea [N,4], eb [N,2], ec [N] (of the 64-dim groups). V4.1 records
+    (MXFP8, NVFP4) in pair order: a = b (their low / high halves) and c = r, the same raw values;
+    NVFP4 (dims 2j, 2j+1 in byte j's low / high nibble) bytes [0,128) and [128,256) [N,16,8] with
+    the e4m3 scales of their 16-dim groups [N,16]; MXFP8 as 16-bit words (dims 2j, 2j+1 in word
+    j's low / high byte) [0,128) and [128,256) [N,8,16] with their 32-dim groups' scales [N,8].
+    BF16 / FP8: a [N,4,64], b [N,2,64], c, r [N,64], no scales. Invalid rows read as 0."""
     blk, off = _divmod(slots, bs, SHIFT)
     m3 = valid[:, None, None]
     m2 = valid[:, None]
@@ -175,29 +189,24 @@ def _load_kv_raw(cache_u8, cache_16, stride0, bs, slots, valid, FMT: tl.constexp
         eb = tl.load(cache_u8 + srow[:, None] + 4 + t2[None, :], mask=m2, other=0)
         ec = tl.load(cache_u8 + srow + 6, mask=valid, other=0)
         er = 0
-    elif FMT == 3:
-        # MXFP8: token at blk*stride0 + off*528, its 16 scale bytes at +512 (one per 32 dims)
-        row = blk.to(tl.int64) * stride0 + off.to(tl.int64) * 528
-        a = tl.load(_chunk_ptrs(cache_u8, row, 0, 8, 32), mask=m3, other=0)
-        b = tl.load(_chunk_ptrs(cache_u8, row, 256, 4, 32), mask=m3, other=0)
-        c = tl.load(_chunk_ptrs(cache_u8, row, 384, 2, 32), mask=m3, other=0)
-        r = tl.load(_chunk_ptrs(cache_u8, row, 448, 2, 32), mask=m3, other=0)
-        ea = tl.load(_span_ptrs(cache_u8, row, 512, 8), mask=m2, other=0)
-        eb = tl.load(_span_ptrs(cache_u8, row, 520, 4), mask=m2, other=0)
-        ec = tl.load(_span_ptrs(cache_u8, row, 524, 2), mask=m2, other=0)
-        er = tl.load(_span_ptrs(cache_u8, row, 526, 2), mask=m2, other=0)
     elif FMT == 4:
         # NVFP4: token at blk*stride0 + off*288: 256 bytes of e2m1 pairs (8 bytes = 16 dims per
         # scale), then its 32 e4m3 scale bytes at +256
         row = blk.to(tl.int64) * stride0 + off.to(tl.int64) * 288
-        a = tl.load(_nibble_ptrs(cache_u8, row, 0, 16), mask=m3, other=0)
-        b = tl.load(_nibble_ptrs(cache_u8, row, 128, 8), mask=m3, other=0)
-        c = tl.load(_nibble_ptrs(cache_u8, row, 192, 4), mask=m3, other=0)
-        r = tl.load(_nibble_ptrs(cache_u8, row, 224, 4), mask=m3, other=0)
+        a = tl.load(_chunk_ptrs(cache_u8, row, 0, 16, 8), mask=m3, other=0)
+        c = tl.load(_chunk_ptrs(cache_u8, row, 128, 16, 8), mask=m3, other=0)
         ea = tl.load(_span_ptrs(cache_u8, row, 256, 16), mask=m2, other=0)
-        eb = tl.load(_span_ptrs(cache_u8, row, 272, 8), mask=m2, other=0)
-        ec = tl.load(_span_ptrs(cache_u8, row, 280, 4), mask=m2, other=0)
-        er = tl.load(_span_ptrs(cache_u8, row, 284, 4), mask=m2, other=0)
+        ec = tl.load(_span_ptrs(cache_u8, row, 272, 16), mask=m2, other=0)
+        b, eb, r, er = a, ea, c, ec
+    elif FMT == 3:
+        # MXFP8: token at blk*stride0 + off*528, its 16 scale bytes at +512 (one per 32 dims); the
+        # values read as 16-bit words (byte offsets are even)
+        row = blk.to(tl.int64) * stride0 + off.to(tl.int64) * 528
+        a = tl.load(_chunk_ptrs(cache_16, row // 2, 0, 8, 16), mask=m3, other=0.0)
+        c = tl.load(_chunk_ptrs(cache_16, row // 2, 128, 8, 16), mask=m3, other=0.0)
+        ea = tl.load(_span_ptrs(cache_u8, row, 512, 8), mask=m2, other=0)
+        ec = tl.load(_span_ptrs(cache_u8, row, 520, 8), mask=m2, other=0)
+        b, eb, r, er = a, ea, c, ec
     else:
         t4 = tl.arange(0, 4)
         t2 = tl.arange(0, 2)
@@ -225,48 +234,80 @@ def _exp_scale(e, exp_off, DT: tl.constexpr):
 
 
 @triton.jit
-def _e4m3(x, exp_off, DT: tl.constexpr):
+def _e4m3(x, exp_off, DT: tl.constexpr, FNUZ: tl.constexpr):
     """e4m3 bytes as DT, read as OCP; FNUZ bytes (exp_off 1) are halved by the caller's scale.
-    FNUZ 0x7F / 0xFF are ±240 but NaN in OCP, so they become ±480 here (±240 once halved)."""
+    FNUZ 0x7F / 0xFF are ±240 but NaN in OCP, so they become ±480 here (±240 once halved); that
+    fix-up (5 instructions per byte on AMD) is compiled only where a cache holds FNUZ bytes (FNUZ)."""
     f = x.to(tl.float8e4nv, bitcast=True).to(DT)
-    top = (exp_off > 0) & ((x & 0x7F) == 0x7F)
-    return tl.where(top, tl.where(x > 0x7F, -480.0, 480.0).to(DT), f)
+    if FNUZ:
+        top = (exp_off > 0) & ((x & 0x7F) == 0x7F)
+        f = tl.where(top, tl.where(x > 0x7F, -480.0, 480.0).to(DT), f)
+    return f
 
 
 @triton.jit
-def _e2m1_as_e4m3(x):
-    """e2m1 codes [N, k, 16] in dim order, each read from its byte (``_nibble_ptrs``: dims 2j and
-    2j+1 both hold byte j, the even dim's code in the low nibble) -> e4m3 bytes worth 2^-6 times
+def _e2m1_as_e4m3(x, HIGH: tl.constexpr):
+    """The e2m1 codes in the low (or ``HIGH``) nibbles of bytes x -> e4m3 bytes worth 2^-6 times
     their e2m1 value: e2m1's sign, 2 exponent bits (bias 1) and mantissa bit land on e4m3's sign,
     low exponent bits (bias 7) and top mantissa bit, so e2m1's subnormal 0.5 becomes e4m3's
-    subnormal 2^-7 (exact). Each byte is loaded twice instead of split into nibble halves joined
-    and reshaped in registers: that version gave wrong NVFP4 outputs compiled for sm_90 (Triton
-    3.6; right in the interpreter and when its decoded values were only stored)."""
-    odd = (tl.arange(0, 16) % 2 == 1)[None, None, :]
-    code = tl.where(odd, x >> 4, x) & 0xF
+    subnormal 2^-7 (exact). Nibbles are never joined back into dim order in registers (that gave
+    wrong NVFP4 outputs compiled for sm_90 under Triton 3.6): each chunk holds one nibble of its
+    bytes (``_chunk_dims``)."""
+    if HIGH:
+        code = x >> 4
+    else:
+        code = x & 0xF
     return ((code << 2) & 0x1C) | ((code << 4) & 0x80)
 
 
 @triton.jit
-def _dequant(x, e, kv_scale, exp_off, FMT: tl.constexpr, DT: tl.constexpr, GROUPED: tl.constexpr):
+def _byte_of_words(x, HIGH: tl.constexpr):
+    """The low (or ``HIGH``) bytes of 16-bit words x (loaded as bf16) as uint8."""
+    w = x.to(tl.int16, bitcast=True).to(tl.int32)
+    if HIGH:
+        w = w >> 8
+    return (w & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _dequant(x, e, kv_scale, exp_off, FMT: tl.constexpr, DT: tl.constexpr, GROUPED: tl.constexpr,
+             FNUZ: tl.constexpr, F32_DECODE: tl.constexpr, HIGH: tl.constexpr):
     """One chunk to DT [N, dims]. ``GROUPED``: x comes in groups [N, k, w] sharing a scale e [N, k]
     (else x [N, w], e [N]). V4 / MXFP8: e4m3 * 2^(byte-127) per group of 64 / 32 dims; NVFP4: e2m1
-    * e4m3 scale per 16 dims (w = 16 dims, one byte each); BF16: as is; FP8_TENSOR: e4m3 * kv_scale."""
+    * e4m3 scale per 16 dims (w = 16 dims, one byte each); BF16: as is; FP8_TENSOR: e4m3 * kv_scale.
+    ``F32_DECODE``: V4 / MXFP8 bytes go to fp32, are scaled there and rounded to DT once (gfx950
+    converts e4m3 -> fp32 and fp32 -> bf16 in hardware, while a bf16 product is an fp32 multiply
+    and a software round, 5 instructions per element); else they are converted to DT and scaled
+    in DT (fewer instructions where those conversions are software, gfx942). Both are exact:
+    e4m3 times a power of two is a bf16 value, e2m1 times an e4m3 scale too. ``HIGH``: which half
+    of each NVFP4 byte / paired MXFP8 word the chunk holds (``_chunk_dims``)."""
+    if FMT == 3:
+        x = _byte_of_words(x, HIGH)
     if FMT == 0 or FMT == 3:
-        f = _e4m3(x, exp_off, DT)
-        if GROUPED:
-            y = f * _exp_scale(e, exp_off, DT)[:, :, None]
+        if F32_DECODE:
+            f = _e4m3(x, exp_off, tl.float32, FNUZ)
+            if GROUPED:
+                y = (f * _exp_scale(e, exp_off, tl.float32)[:, :, None]).to(DT)
+            else:
+                y = (f * _exp_scale(e, exp_off, tl.float32)[:, None]).to(DT)
         else:
-            y = f * _exp_scale(e, exp_off, DT)[:, None]
+            f = _e4m3(x, exp_off, DT, FNUZ)
+            if GROUPED:
+                y = f * _exp_scale(e, exp_off, DT)[:, :, None]
+            else:
+                y = f * _exp_scale(e, exp_off, DT)[:, None]
     elif FMT == 4:
         # 64 = 2^6 undoes _e2m1_as_e4m3's factor (448 * 64 still fits fp16)
-        scale = e.to(tl.float8e4nv, bitcast=True).to(DT) * 64.0
-        y = _e2m1_as_e4m3(x).to(tl.float8e4nv, bitcast=True).to(DT) * scale[:, :, None]
+        f = _e2m1_as_e4m3(x, HIGH).to(tl.float8e4nv, bitcast=True)
+        if F32_DECODE:
+            y = (f.to(tl.float32) * (e.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0)[:, :, None]).to(DT)
+        else:
+            y = f.to(DT) * (e.to(tl.float8e4nv, bitcast=True).to(DT) * 64.0)[:, :, None]
     elif FMT == 1:
         y = x.to(DT)
     else:
         sc = kv_scale * tl.where(exp_off > 0, 0.5, 1.0)
-        y = (_e4m3(x, exp_off, tl.float32) * sc).to(DT)
+        y = (_e4m3(x, exp_off, tl.float32, FNUZ) * sc).to(DT)
     if GROUPED:
         y = tl.reshape(y, (y.shape[0], y.shape[1] * y.shape[2]))
     return y
@@ -274,11 +315,12 @@ def _dequant(x, e, kv_scale, exp_off, FMT: tl.constexpr, DT: tl.constexpr, GROUP
 
 @triton.jit
 def _attend_tile(qa, qb, qc, qr, raw, valid, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, exp_off,
-                 scr_p, scr_a, FMT: tl.constexpr, DT: tl.constexpr, P_SCRATCH: tl.constexpr):
+                 scr_p, scr_a, FMT: tl.constexpr, DT: tl.constexpr, P_SCRATCH: tl.constexpr, FNUZ: tl.constexpr,
+                 F32_DECODE: tl.constexpr):
     a, b, c, r, ea, eb, ec, er = raw
     BLOCK_N: tl.constexpr = a.shape[0]
     BLOCK_H: tl.constexpr = qa.shape[0]
-    GROUPED_CR: tl.constexpr = FMT == 3 or FMT == 4  # V4.1 records: chunks c and r come in groups too
+    GROUPED_CR: tl.constexpr = FMT >= 3  # V4.1 records: chunks c and r come in groups too
     # Each chunk is dequantized right before its score dot (only one chunk's registers live).
     # s = Q·Kᵀ [BLOCK_H, BLOCK_N]; the shared-memory K chunks are the B operands of both dots.
     # The four chunk dots are summed, not chained through the accumulator: a dot feeding a dot
@@ -287,13 +329,13 @@ def _attend_tile(qa, qb, qc, qr, raw, valid, m_i, l_i, acc_a, acc_b, acc_c, acc_
     if FMT == 0:
         kr = r.to(DT)
     else:
-        kr = _dequant(r, er, kv_scale, exp_off, FMT, DT, GROUPED_CR)
+        kr = _dequant(r, er, kv_scale, exp_off, FMT, DT, GROUPED_CR, FNUZ, F32_DECODE, True)
     s = tl.dot(qr, tl.trans(kr)) * qk_scale
-    ka = _dequant(a, ea, kv_scale, exp_off, FMT, DT, True)
+    ka = _dequant(a, ea, kv_scale, exp_off, FMT, DT, True, FNUZ, F32_DECODE, False)
     s += tl.dot(qa, tl.trans(ka)) * qk_scale
-    kb = _dequant(b, eb, kv_scale, exp_off, FMT, DT, True)
+    kb = _dequant(b, eb, kv_scale, exp_off, FMT, DT, True, FNUZ, F32_DECODE, True)
     s += tl.dot(qb, tl.trans(kb)) * qk_scale
-    kc = _dequant(c, ec, kv_scale, exp_off, FMT, DT, GROUPED_CR)
+    kc = _dequant(c, ec, kv_scale, exp_off, FMT, DT, GROUPED_CR, FNUZ, F32_DECODE, False)
     s += tl.dot(qc, tl.trans(kc)) * qk_scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -326,7 +368,7 @@ def _walk(g0, g1, tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visib
           qa, qb, qc, qr, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, scr_p, scr_a,
           FMT: tl.constexpr, COMP: tl.constexpr, SCOPE: tl.constexpr, RANGE_CHECKS: tl.constexpr,
           BLOCK_N: tl.constexpr, DT: tl.constexpr, P_SCRATCH: tl.constexpr, A_SHIFT: tl.constexpr,
-          B_SHIFT: tl.constexpr):
+          B_SHIFT: tl.constexpr, FNUZ: tl.constexpr, F32_DECODE: tl.constexpr):
     """The online softmax over global tiles [g0, g1) read in record FMT (tiles < tiles_a are SWA
     tiles, the others compressed ones); returns (m, l, acc_a, acc_b, acc_c, acc_r) updated.
     SCOPE 0: tiles of both caches (one record), base pointers chosen per tile; 1: SWA tiles only
@@ -355,7 +397,7 @@ def _walk(g0, g1, tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visib
         par = g % 2
         m_i, l_i, acc_a, acc_b, acc_c, acc_r = _attend_tile(
             qa, qb, qc, qr, raw, valid, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, exp_off,
-            scr_p + par * (BLOCK_H * BLOCK_N), scr_a + par * BLOCK_H, FMT, DT, P_SCRATCH)
+            scr_p + par * (BLOCK_H * BLOCK_N), scr_a + par * BLOCK_H, FMT, DT, P_SCRATCH, FNUZ, F32_DECODE)
         slots = slots_n
         valid = valid_n
         is_a = is_a_n
@@ -363,8 +405,8 @@ def _walk(g0, g1, tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visib
 
 
 @triton.jit
-def _store_rows(row_ptrs, col0: tl.constexpr, val, hmask, WIDTH: tl.constexpr):
-    d = col0 + tl.arange(0, WIDTH)
+def _store_rows(row_ptrs, k: tl.constexpr, val, hmask, PAIRED: tl.constexpr):
+    d = _chunk_dims(k, PAIRED)
     tl.store(row_ptrs[:, None] + d[None, :], val, mask=hmask[:, None])
 
 
@@ -391,6 +433,7 @@ def sparse_mla_fwd_kernel(
     HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
     IS_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
     P_SCRATCH: tl.constexpr, RANGE_CHECKS: tl.constexpr, A_SHIFT: tl.constexpr, B_SHIFT: tl.constexpr,
+    FNUZ: tl.constexpr, F32_DECODE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_hb = tl.cdiv(num_heads, BLOCK_H)
@@ -403,20 +446,19 @@ def sparse_mla_fwd_kernel(
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < num_heads
     q_row = Q + t64 * stride_qt + h.to(tl.int64) * stride_qh
-    d256 = tl.arange(0, 256)
-    d128 = tl.arange(0, 128)
-    d64 = tl.arange(0, 64)
-    qa = tl.load(q_row[:, None] + d256[None, :], mask=hmask[:, None], other=0.0).to(DT)
-    qb = tl.load(q_row[:, None] + 256 + d128[None, :], mask=hmask[:, None], other=0.0).to(DT)
-    qc = tl.load(q_row[:, None] + 384 + d64[None, :], mask=hmask[:, None], other=0.0).to(DT)
-    qr = tl.load(q_row[:, None] + 448 + d64[None, :], mask=hmask[:, None], other=0.0).to(DT)
+    # V4.1 records (MXFP8, NVFP4) keep q, o and the accumulators in the pair order of their bytes
+    PAIRED: tl.constexpr = FMT_A >= 3
+    qa = tl.load(q_row[:, None] + _chunk_dims(0, PAIRED)[None, :], mask=hmask[:, None], other=0.0).to(DT)
+    qb = tl.load(q_row[:, None] + _chunk_dims(1, PAIRED)[None, :], mask=hmask[:, None], other=0.0).to(DT)
+    qc = tl.load(q_row[:, None] + _chunk_dims(2, PAIRED)[None, :], mask=hmask[:, None], other=0.0).to(DT)
+    qr = tl.load(q_row[:, None] + _chunk_dims(3, PAIRED)[None, :], mask=hmask[:, None], other=0.0).to(DT)
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc_a = tl.zeros([BLOCK_H, 256], tl.float32)
-    acc_b = tl.zeros([BLOCK_H, 128], tl.float32)
-    acc_c = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc_r = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc_a = tl.zeros(qa.shape, tl.float32)
+    acc_b = tl.zeros(qb.shape, tl.float32)
+    acc_c = tl.zeros(qc.shape, tl.float32)
+    acc_r = tl.zeros(qr.shape, tl.float32)
 
     # ---- key ranges of this token: tiles [0, tiles_a) SWA, then [tiles_a, +tiles_b) compressed
     len_a = tl.load(A_LENS + t)
@@ -458,18 +500,18 @@ def sparse_mla_fwd_kernel(
             lo, hi, tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row, bt_cols, b_blocks,
             A_U8, A_16, a_stride0, a_bs, a_exp_off, B_U8, B_16, b_stride0, b_bs, b_exp_off,
             qa, qb, qc, qr, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, scr_p, scr_a,
-            FMT_A, COMP, 0, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH, A_SHIFT, B_SHIFT)
+            FMT_A, COMP, 0, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH, A_SHIFT, B_SHIFT, FNUZ, F32_DECODE)
     else:
         m_i, l_i, acc_a, acc_b, acc_c, acc_r = _walk(
             lo, tl.minimum(hi, tiles_a), tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row,
             bt_cols, b_blocks, A_U8, A_16, a_stride0, a_bs, a_exp_off, B_U8, B_16, b_stride0, b_bs, b_exp_off,
             qa, qb, qc, qr, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, scr_p, scr_a,
-            FMT_A, 0, 1, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH, A_SHIFT, B_SHIFT)
+            FMT_A, 0, 1, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH, A_SHIFT, B_SHIFT, FNUZ, F32_DECODE)
         m_i, l_i, acc_a, acc_b, acc_c, acc_r = _walk(
             tl.maximum(lo, tiles_a), hi, tiles_a, a_rows, len_a, a_slots, b_rows, len_b, b_slots, visible, bt_row,
             bt_cols, b_blocks, A_U8, A_16, a_stride0, a_bs, a_exp_off, B_U8, B_16, b_stride0, b_bs, b_exp_off,
             qa, qb, qc, qr, m_i, l_i, acc_a, acc_b, acc_c, acc_r, qk_scale, kv_scale, scr_p, scr_a,
-            FMT_B, COMP, 2, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH, A_SHIFT, B_SHIFT)
+            FMT_B, COMP, 2, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH, A_SHIFT, B_SHIFT, FNUZ, F32_DECODE)
 
     if not IS_SPLIT:
         denom = l_i
@@ -479,20 +521,20 @@ def sparse_mla_fwd_kernel(
         has = l_i != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
         inv = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
         o_row = O + t64 * stride_ot + h.to(tl.int64) * stride_oh
-        _store_rows(o_row, 0, (acc_a * inv[:, None]).to(O.dtype.element_ty), hmask, 256)
-        _store_rows(o_row, 256, (acc_b * inv[:, None]).to(O.dtype.element_ty), hmask, 128)
-        _store_rows(o_row, 384, (acc_c * inv[:, None]).to(O.dtype.element_ty), hmask, 64)
-        _store_rows(o_row, 448, (acc_r * inv[:, None]).to(O.dtype.element_ty), hmask, 64)
+        _store_rows(o_row, 0, (acc_a * inv[:, None]).to(O.dtype.element_ty), hmask, PAIRED)
+        _store_rows(o_row, 1, (acc_b * inv[:, None]).to(O.dtype.element_ty), hmask, PAIRED)
+        _store_rows(o_row, 2, (acc_c * inv[:, None]).to(O.dtype.element_ty), hmask, PAIRED)
+        _store_rows(o_row, 3, (acc_r * inv[:, None]).to(O.dtype.element_ty), hmask, PAIRED)
         if WRITE_LSE:
             lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
             tl.store(LSE + t64 * stride_lt + h, lse, mask=hmask)
     elif sp < used:  # a program past the token's keys writes nothing (the merge reads [0, used))
         part = (t64 * split + sp) * num_heads + h.to(tl.int64)
         po_row = PO + part * 512
-        _store_rows(po_row, 0, acc_a, hmask, 256)
-        _store_rows(po_row, 256, acc_b, hmask, 128)
-        _store_rows(po_row, 384, acc_c, hmask, 64)
-        _store_rows(po_row, 448, acc_r, hmask, 64)
+        _store_rows(po_row, 0, acc_a, hmask, PAIRED)
+        _store_rows(po_row, 1, acc_b, hmask, PAIRED)
+        _store_rows(po_row, 2, acc_c, hmask, PAIRED)
+        _store_rows(po_row, 3, acc_r, hmask, PAIRED)
         tl.store(PML + part * 2, m_i, mask=hmask)
         tl.store(PML + part * 2 + 1, l_i, mask=hmask)
         if sp + hb == 0:

@@ -67,7 +67,8 @@ def device_arch(device: torch.device) -> str:
 @dataclass(frozen=True)
 class Tile:
     """How the portable kernel is launched: query heads and keys per program, warps, stages, P and
-    alpha through a per-program scratch (``attention._attend_tile``), and backend options."""
+    alpha through a per-program scratch (``attention._attend_tile``), backend options, and whether
+    e4m3 keys are scaled in fp32 (``attention._dequant``'s ``F32_DECODE``)."""
 
     block_h: int
     block_n: int
@@ -75,6 +76,7 @@ class Tile:
     num_stages: int
     p_scratch: bool
     options: tuple[tuple[str, int], ...] = ()
+    f32_decode: bool = False
 
 
 # AMD CDNA (gfx942 / gfx950): blocks of 16 heads, 64 keys per tile, 4 waves per workgroup, P and
@@ -85,12 +87,10 @@ class Tile:
 # (128 each). 4 waves: each SIMD runs one, which may then use 512 VGPRs (256 arch + 256 AGPRs).
 # 128 keys spill VGPRs; 32 keys need 2 waves (half the SIMDs). Measured offline, with the
 # launcher's specialization of its integer arguments, in the heaviest variants (top-k V4, bf16,
-# nvfp4_ds_mla, split; docs/rocm.md "Triton kernels on AMD"; tests/test_amd_compile.py holds it).
+# mxfp8_ds_mla, nvfp4_ds_mla, FNUZ caches, split; docs/rocm.md "Triton kernels on AMD";
+# tests/test_amd_compile.py holds it). Every record runs in it (V4.1 records in the pair order of
+# their bytes, attention._chunk_dims).
 AMD_TILE = Tile(16, 64, 4, 1, True, (("matrix_instr_nonkdim", 16),))
-# ... except layers reading an NVFP4 cache (nvfp4_ds_mla's compressed scope): its walk loads each
-# e2m1 byte once per dim, and in the 64-key tile it spills VGPRs to scratch under Triton 3.9
-# (428-756 B); the earlier 16-key tile with P in registers does not (there every wave repeats Q·Kᵀ)
-AMD_NVFP4_TILE = Tile(16, 16, 4, 1, False, (("matrix_instr_nonkdim", 16),))
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,7 @@ class KernelConfig:
     split: int = 0
     dot_dtype: str = "auto"  # auto | fp16 | bf16 | fp32
     p_scratch: int | None = None  # 1: P/alpha round-trip through a per-program scratch (see attention.py)
+    f32_decode: int | None = None  # 1: e4m3 keys scaled in fp32, rounded to the dot dtype once (Tile.f32_decode)
     impl: str = "auto"  # auto | gluon (Hopper kernel, V4 record only) | triton (portable kernel)
     g_block_n: int = 64  # Gluon kernel: keys per tile
     # split merge (Gluon kernel): -1 auto (``merge_in_kernel``), 0 the combine launch, 1 inside
@@ -141,14 +142,19 @@ class KernelConfig:
     def tile(self, arch: str, num_heads: int, records: tuple[Record, ...] = ()) -> Tile:
         """The portable kernel's tile for ``num_heads`` query heads on ``arch`` ('cpu': the
         interpreter) for a layer reading caches in ``records``, this config's fields overriding
-        the arch's choice."""
+        the arch's choice. No tile depends on the records today (AMD's NVFP4 layers had their own
+        until the pair-order decode); callers still name them, so a record-specific tile stays a
+        one-line change."""
         if arch.startswith("gfx"):
-            base = AMD_NVFP4_TILE if Record.NVFP4 in records else AMD_TILE
+            # gfx950 converts e4m3 -> fp32 -> bf16 in hardware (gfx942 in software: there the
+            # bf16 product is shorter): V4 top-k 51.0 -> 36.4 instructions per key on gfx950
+            base = replace(AMD_TILE, f32_decode=arch == "gfx950")
         else:
             base = Tile(64 if num_heads >= 64 else max(16, _next_power_of_2(num_heads)), 64, 8, 1, True)
         return replace(base, block_h=self.block_h or base.block_h, block_n=self.block_n or base.block_n,
                        num_warps=self.num_warps or base.num_warps, num_stages=self.num_stages,
-                       p_scratch=base.p_scratch if self.p_scratch is None else bool(self.p_scratch))
+                       p_scratch=base.p_scratch if self.p_scratch is None else bool(self.p_scratch),
+                       f32_decode=base.f32_decode if self.f32_decode is None else bool(self.f32_decode))
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -165,8 +171,9 @@ def _cache_views(cache: torch.Tensor, fmt_code: int) -> tuple[torch.Tensor, torc
     if fmt_code == K.FMT_BF16:
         return cache, cache, stride0, bs, nb
     u8 = cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
-    if fmt_code == K.FMT_MODEL1:
-        # same bytes seen as bf16 for the RoPE part (byte offsets used there are even)
+    if fmt_code in (K.FMT_MODEL1, K.FMT_MXFP8):
+        # same bytes seen as bf16: the V4 record's RoPE part, MXFP8 values read as 16-bit words in
+        # nvfp4_ds_mla layers (byte offsets used there are even)
         b16 = u8.view(torch.bfloat16)
         return u8, b16, stride0, bs, nb
     return u8, u8, stride0, bs, nb
@@ -340,13 +347,14 @@ def combine_tile(config: KernelConfig, gluon: bool) -> tuple[int, int]:
 
 def portable_constexprs(fmt_codes: tuple[int, int], comp_mode: int, topk_ratio: int, has_sink: bool,
                         write_lse: bool, split: int, tile: Tile, dt, range_checks: bool,
-                        shifts: tuple[int, int] = (6, 6)) -> dict:
+                        shifts: tuple[int, int] = (6, 6), fnuz: bool = False) -> dict:
     """The portable kernel's constexpr arguments (what one compiled variant is); ``shifts``: each
-    cache's ``_log2_or_minus1(block_size)`` (default: 64-token pages)."""
+    cache's ``_log2_or_minus1(block_size)`` (default: 64-token pages); ``fnuz``: a cache holds FNUZ
+    e4m3 bytes (the kernel then compiles their ±240 fix-up)."""
     return dict(FMT_A=fmt_codes[0], FMT_B=fmt_codes[1], COMP=comp_mode, C4A_RATIO=topk_ratio, HAS_SINK=has_sink,
                 WRITE_LSE=write_lse and split == 1, IS_SPLIT=split > 1, BLOCK_H=tile.block_h,
                 BLOCK_N=tile.block_n, DT=dt, P_SCRATCH=tile.p_scratch, RANGE_CHECKS=bool(range_checks),
-                A_SHIFT=shifts[0], B_SHIFT=shifts[1])
+                A_SHIFT=shifts[0], B_SHIFT=shifts[1], FNUZ=fnuz, F32_DECODE=tile.f32_decode)
 
 
 def launch_options(tile: Tile) -> dict:
@@ -498,7 +506,8 @@ def layer_launches(
             po, pml, pu, scr_p, scr_a,
             H, scale * LOG2E, float(kv_scale), split, int(bool(swa_fnuz)), int(bool(comp_fnuz)),
         ), portable_constexprs(codes, comp_mode, topk_ratio, sink is not None, write_lse, split, tile, dt,
-                               bool(config.range_checks), (_log2_or_minus1(a_bs), _log2_or_minus1(b_bs))),
+                               bool(config.range_checks), (_log2_or_minus1(a_bs), _log2_or_minus1(b_bs)),
+                               Fp8Dialect.FNUZ in dialects),
             launch_options(tile))
     launches = [attention]
     if split > 1 and counters is None:
