@@ -101,16 +101,44 @@ def _dequant_mxfp8(x, e, BN: gl.constexpr):
     return gl.reshape(x3 * gl.expand_dims(scale, 2), [BN, 128])
 
 
+# Four bytes of e2m1 pairs -> eight fp16 in dim order, each 2^-6 times its e2m1 value. The operands
+# are the bytes doubled (``gl.join(x, x)``: b0 b0 b1 b1 | b2 b2 b3 b3, packed eight to a call): one
+# permute gathers b0..b3 into a word; the low and the high nibbles of all four become e4m3 bytes at
+# once (sign to bit 7, exponent and mantissa to bits 4..2: 2^-6 times the e2m1 value, 0.5 -> the
+# subnormal 2^-7), two permutes interleave them into dim order, and each pair converts in hardware.
+# ~4 instructions per byte, against ~12 for the same steps on single bytes.
+_E2M1X8_TO_F16 = gl.constexpr("""{
+.reg .b32 w, t, u, lo, hi, p0, p1;
+.reg .b16 h0, h1, h2, h3;
+prmt.b32 w, $4, $5, 0x6420;
+shl.b32 t, w, 2;
+shl.b32 u, w, 4;
+and.b32 t, t, 0x1C1C1C1C;
+and.b32 u, u, 0x80808080;
+or.b32 lo, t, u;
+shr.b32 t, w, 2;
+and.b32 t, t, 0x1C1C1C1C;
+and.b32 u, w, 0x80808080;
+or.b32 hi, t, u;
+prmt.b32 p0, lo, hi, 0x5140;
+prmt.b32 p1, lo, hi, 0x7362;
+mov.b32 {h0, h1}, p0;
+mov.b32 {h2, h3}, p1;
+cvt.rn.f16x2.e4m3x2 $0, h0;
+cvt.rn.f16x2.e4m3x2 $1, h1;
+cvt.rn.f16x2.e4m3x2 $2, h2;
+cvt.rn.f16x2.e4m3x2 $3, h3;
+}""")
+
+
 @gluon.jit
 def _dequant_nvfp4(x, s, BN: gl.constexpr):
     """fp16 [BN, 128] = the e2m1 pairs of bytes [BN, 8, 8] (dim 2j in byte j's low nibble, 2j+1 in
-    its high one) times their 16-dim group's e4m3 scale byte ``s`` [BN, 8]. Each nibble's sign,
-    exponent and mantissa bits move onto an e4m3 byte worth 2^-6 times its value; the two bytes of
-    a pair are joined in dim order, converted as e4m3 pairs, and multiplied by 64 x the scale
-    (exact in fp16: <= 28672)."""
-    lo = ((x << 2) & 0x1C) | ((x << 4) & 0x80)
-    hi = ((x >> 2) & 0x1C) | (x & 0x80)
-    v = gl.join(lo, hi).to(gl.float8e4nv, bitcast=True).to(gl.float16)  # [BN, 8, 8, 2]
+    its high one) times their 16-dim group's e4m3 scale byte ``s`` [BN, 8]: the nibbles decoded
+    four bytes at a time (``_E2M1X8_TO_F16``: 2^-6 times their value, in dim order), times 64 x
+    the scale (exact in fp16: <= 28672; e2m1 x e4m3 needs 6 significant bits in [2^-10, 2688])."""
+    v = gl.inline_asm_elementwise(_E2M1X8_TO_F16, "=r,=r,=r,=r,r,r", [gl.join(x, x)], dtype=gl.float16,
+                                  is_pure=True, pack=8)  # [BN, 8, 8, 2]
     L4: gl.constexpr = v.type.layout
     sc = gl.convert_layout(s, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
     scale = sc.to(gl.float8e4nv, bitcast=True).to(gl.float16) * 64.0
