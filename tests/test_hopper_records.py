@@ -79,6 +79,27 @@ def test_where_the_records_kernel_does_not_compile_the_portable_kernel_runs(monk
     assert (asked[0]["FMT_A"], asked[0]["FMT_B"]) == (K.FMT_MXFP8, K.FMT_NVFP4)
 
 
+def test_compile_matrix_compiles_the_records_kernel_for_each_pair_selection_gives_it():
+    """ci/compile-matrix.sh's hopper jobs hold the records kernel for every (layer kind, record
+    pair) that ``ops.kernel_choice`` sends to it on sm_90, derived from selection (no hand list)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    script = root / "tests" / "gpu_scripts" / "compile_matrix.py"
+    res = subprocess.run([sys.executable, str(script), "--targets", "sm90", "--kernels", "hopper", "--list"],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    labels = {r["label"] for r in json.loads(res.stdout)}
+    assert {"records mxfp8/mxfp8 top-k lse", "records mxfp8/mxfp8 top-k split merge lse",
+            "records mxfp8/nvfp4 top-k lse", "records mxfp8/nvfp4 top-k split merge lse"} <= labels, labels
+
+
 # ---- GPU: against the float64 reference ------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
   SWA / every-entry / top-k, each alone, with the LSE, split, and split merging in the kernel;
   top-k with non-power-of-two cache blocks and without range checks; the heads-on-N kernel's
   top-k split merge (8 heads) and every-entry walk with its LSE (16 heads)); and the V4.1 records'
-  kernel (``hopper_records``) for every record pair selection gives it (``gluon_record_pairs``:
+  kernel (``hopper_records``) for every record pair selection gives it (``gluon_record_layers``:
   MXFP8, MXFP8 SWA + NVFP4 compressed) in the top-k walk with its LSE and the split merged in the
   kernel (``--full``: SWA alone and the every-entry split too);
 * ``attention``: the portable kernel in every tile ``KernelConfig.tile`` picks for 1 - 128 heads,
@@ -84,17 +84,18 @@ RECORDS_QUICK = [(2, False, True, (6, 6), True, False, 0), (2, True, True, (6, 6
 RECORDS_FULL = RECORDS_QUICK + [(0, False, True, (6, 6), True, False, 0), (1, True, False, (-1, -1), True, False, 0)]
 
 
-def gluon_record_pairs() -> list[tuple[int, int]]:
-    """The (SWA, compressed) V4.1 record codes for which selection gives a layer on sm_90 a Gluon
-    kernel (``ops.kernel_choice`` in OCP e4m3): what the records kernel is compiled for."""
-    pairs = set()
+def gluon_record_layers() -> list[tuple[int, tuple[int, int]]]:
+    """(COMP, (SWA, compressed) V4.1 record codes) of every layer kind and format for which
+    selection gives a layer on sm_90 a Gluon kernel (``ops.kernel_choice`` in OCP e4m3): what the
+    records kernel is compiled for (an SWA layer of nvfp4_ds_mla reads its MXFP8 cache only)."""
+    layers = set()
     for fmt in KVFormat:
         for comp in KINDS.values():
             records = pb.layer_records(fmt, comp)
             codes = ops.v41_codes(records)
             if codes and ops.kernel_choice("sm90", records, (Fp8Dialect.OCP,) * len(records))[0] == "gluon":
-                pairs.add(codes)
-    return sorted(pairs)
+                layers.add((comp, codes))
+    return sorted(layers)
 
 
 @dataclass(frozen=True)
@@ -172,9 +173,12 @@ def jobs_for(targets: list[str], kernels: list[str], full: bool) -> list[Job]:
                          f"{' bs!=2^n' if shifts[0] < 0 else ''}{' no range checks' if not checks else ''}")
                 out.append(Job(target, "hopper", label, (*v, None)))
             names = {K.FMT_MXFP8: "mxfp8", K.FMT_NVFP4: "nvfp4"}
-            for pair in gluon_record_pairs():
+            layers = gluon_record_layers()
+            for pair in sorted({codes for _, codes in layers}):
                 for v in RECORDS_FULL if full else RECORDS_QUICK:
                     comp, split, lse, shifts, checks, merge, _ = v
+                    if (comp, pair) not in layers:
+                        continue
                     label = (f"records {names[pair[0]]}/{names[pair[1]]} {list(KINDS)[comp]}{' split' if split else ''}"
                              f"{' merge' if merge else ''}{' lse' if lse else ''}{' bs!=2^n' if shifts[0] < 0 else ''}")
                     out.append(Job(target, "hopper", label, (*v, pair)))
