@@ -10,9 +10,10 @@ memory, which both products read (V = K); the portable kernel decodes each eleme
 loop, chunk by chunk, in the warps that also run the dots.
 
 * MXFP8: e4m3 -> fp16 (hardware pairs) times 2^(byte-127) of its 32-dim group.
-* NVFP4: each nibble becomes the e4m3 byte worth 2^-6 times its e2m1 value (``attention._e2m1_as_e4m3``'s
-  bit move), the low / high nibbles of byte j (dims 2j / 2j+1) are joined in registers into dim
-  order, converted as e4m3 pairs and multiplied by 64 x their group's e4m3 scale.
+* NVFP4: four bytes at a time in inline PTX (``_E2M1X8_TO_F16``): each nibble becomes the e4m3
+  byte worth 2^-6 times its e2m1 value (``attention._e2m1_as_e4m3``'s bit move), the low / high
+  nibbles of byte j (dims 2j / 2j+1) are interleaved into dim order, converted as e4m3 pairs and
+  multiplied by 64 x their group's e4m3 scale.
 * fp16 is exact for both: e2m1 x e4m3 scale needs 6 significant bits and lies in [2^-10, 2688];
   e4m3 x 2^k as in ``hopper`` (the V4 record) within fp16's range.
 * ``nvfp4_ds_mla`` with a compressed scope: the producer walks the SWA tiles in MXFP8, then the
@@ -31,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from . import compat
-from .attention import FMT_MXFP8, FMT_NVFP4
+from .attention import FMT_MXFP8
 from .hopper import (
     BLOCK_H,
     MAXNREG,
@@ -46,9 +47,9 @@ from .hopper import (
     _token_tiles,
 )
 
-__all__ = ["MAXNREG", "NUM_WARPS", "RECORDS", "sparse_mla_fwd_hopper_records"]
+__all__ = ["MAXNREG", "NUM_WARPS", "sparse_mla_fwd_hopper_records"]
 
-RECORDS = (FMT_MXFP8, FMT_NVFP4)  # the kernels' record codes this kernel reads
+MXFP8 = gl.constexpr(FMT_MXFP8)  # the record codes FMT_A / FMT_B name (else NVFP4: FMT_NVFP4)
 MXFP8_BYTES = gl.constexpr(528)
 NVFP4_BYTES = gl.constexpr(288)
 
@@ -150,7 +151,7 @@ def _load_tile(row, valid, FMT: gl.constexpr, Lm: gl.constexpr, Ln: gl.constexpr
     """Issue every load of one tile's records: four parts of 128 dims each (MXFP8: [BN, 4, 32] e4m3
     bytes and the int32 word of their four scale bytes; NVFP4: [BN, 8, 8] packed bytes and their
     eight scale bytes [BN, 8]). Invalid rows read as 0."""
-    if FMT == 3:  # attention.FMT_MXFP8 (globals in a jit function must be constexprs)
+    if FMT == MXFP8:
         p, m = _group_ptrs(row, valid, 0, 4, 32, Lm)
         x0 = gl.load(p, mask=m, other=0)
         p, m = _group_ptrs(row, valid, 128, 4, 32, Lm)
@@ -196,7 +197,7 @@ def _pinned(x):
 @gluon.jit
 def _dequant_part(x, s, FMT: gl.constexpr, BN: gl.constexpr):
     x = _pinned(x)
-    if FMT == 3:
+    if FMT == MXFP8:
         return _dequant_mxfp8(x, s, BN)
     else:
         return _dequant_nvfp4(x, s, BN)
@@ -215,7 +216,7 @@ def _produce(k_smem, vflag, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_ro
     Lm: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 2, 2], [4, 1, 1], [2, 1, 0])
     Ln: gl.constexpr = gl.BlockedLayout([1, 2, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])
     Lrow: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, Lm))
-    TOKEN: gl.constexpr = MXFP8_BYTES if FMT == 3 else NVFP4_BYTES
+    TOKEN: gl.constexpr = MXFP8_BYTES if FMT == MXFP8 else NVFP4_BYTES
     v, r = _idx_load(g0, tiles_a, g1, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
     slots_c, valid_c = _idx_resolve(g0, tiles_a, v, r, a_slots, b_slots, visible, bt_row, bt_cols, b_bs, b_blocks,
                                     B_SHIFT, COMP, RANGE_CHECKS)
@@ -280,7 +281,7 @@ def sparse_mla_fwd_hopper_records(
     COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
     IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64, A_SHIFT: gl.constexpr = -1, B_SHIFT: gl.constexpr = -1,
     RANGE_CHECKS: gl.constexpr = True, MERGE_IN_KERNEL: gl.constexpr = False,
-    FMT_A: gl.constexpr = 3, FMT_B: gl.constexpr = 3,
+    FMT_A: gl.constexpr = FMT_MXFP8, FMT_B: gl.constexpr = FMT_MXFP8,
 ):
     BH: gl.constexpr = BLOCK_H
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
