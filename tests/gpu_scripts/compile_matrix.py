@@ -10,7 +10,10 @@ Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
   in-kernel merge, SWA alone, and the heads-on-N kernel's split merge (``--full``: 16 variants:
   SWA / every-entry / top-k, each alone, with the LSE, split, and split merging in the kernel;
   top-k with non-power-of-two cache blocks and without range checks; the heads-on-N kernel's
-  top-k split merge (8 heads) and every-entry walk with its LSE (16 heads));
+  top-k split merge (8 heads) and every-entry walk with its LSE (16 heads)); and the V4.1 records'
+  kernel (``hopper_records``) for every record pair selection gives it (``gluon_record_layers``:
+  MXFP8, MXFP8 SWA + NVFP4 compressed) in the top-k walk with its LSE and the split merged in the
+  kernel (``--full``: SWA alone and the every-entry split too);
 * ``attention``: the portable kernel in every tile ``KernelConfig.tile`` picks for 1 - 128 heads,
   on sm_80 (bf16 caches only: the fp8 formats need sm_89), sm_90, sm_100, gfx942, gfx950, for the
   formats selection runs on it there (``portable_formats``: on sm_90 every format, the V4 record
@@ -54,7 +57,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dsv4_attn.common.layout import KVFormat  # noqa: E402
+from dsv4_attn.common.layout import Fp8Dialect, KVFormat  # noqa: E402
 from dsv4_attn.common.spec import MAX_HEADS  # noqa: E402
 from dsv4_attn.portable.kernels import attention as K  # noqa: E402
 from dsv4_attn.portable.kernels import indices, ops  # noqa: E402
@@ -75,6 +78,24 @@ HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True, False, 0) for comp in (0, 1
 HOPPER_QUICK = [(2, False, True, (6, 6), True, False, 0), (2, True, False, (6, 6), True, False, 0),
                 (2, True, True, (6, 6), True, True, 0), (0, False, True, (6, 6), True, False, 0),
                 (2, True, True, (6, 6), True, True, 8)]
+# the V4.1 records' kernel, per record pair: the top-k walk with its LSE and the split merged in the
+# kernel (quick); SWA alone and the every-entry split (full)
+RECORDS_QUICK = [(2, False, True, (6, 6), True, False, 0), (2, True, True, (6, 6), True, True, 0)]
+RECORDS_FULL = RECORDS_QUICK + [(0, False, True, (6, 6), True, False, 0), (1, True, False, (-1, -1), True, False, 0)]
+
+
+def gluon_record_layers() -> list[tuple[int, tuple[int, int]]]:
+    """(COMP, (SWA, compressed) V4.1 record codes) of every layer kind and format for which
+    selection gives a layer on sm_90 a Gluon kernel (``ops.kernel_choice`` in OCP e4m3): what the
+    records kernel is compiled for (an SWA layer of nvfp4_ds_mla reads its MXFP8 cache only)."""
+    layers = set()
+    for fmt in KVFormat:
+        for comp in KINDS.values():
+            records = pb.layer_records(fmt, comp)
+            codes = ops.v41_codes(records)
+            if codes and ops.kernel_choice("sm90", records, (Fp8Dialect.OCP,) * len(records))[0] == "gluon":
+                layers.add((comp, codes))
+    return sorted(layers)
 
 
 @dataclass(frozen=True)
@@ -150,7 +171,17 @@ def jobs_for(targets: list[str], kernels: list[str], full: bool) -> list[Job]:
                 label = (f"{list(KINDS)[comp]}{' split' if split else ''}{' merge' if merge else ''}"
                          f"{' lse' if lse else ''}{f' heads-on-N {heads_n}' if heads_n else ''}"
                          f"{' bs!=2^n' if shifts[0] < 0 else ''}{' no range checks' if not checks else ''}")
-                out.append(Job(target, "hopper", label, v))
+                out.append(Job(target, "hopper", label, (*v, None)))
+            names = {K.FMT_MXFP8: "mxfp8", K.FMT_NVFP4: "nvfp4"}
+            layers = gluon_record_layers()
+            for pair in sorted({codes for _, codes in layers}):
+                for v in RECORDS_FULL if full else RECORDS_QUICK:
+                    comp, split, lse, shifts, checks, merge, _ = v
+                    if (comp, pair) not in layers:
+                        continue
+                    label = (f"records {names[pair[0]]}/{names[pair[1]]} {list(KINDS)[comp]}{' split' if split else ''}"
+                             f"{' merge' if merge else ''}{' lse' if lse else ''}{' bs!=2^n' if shifts[0] < 0 else ''}")
+                    out.append(Job(target, "hopper", label, (*v, pair)))
         if "attention" in kernels:
             out += _attention_jobs(target, full)
         if "combine" in kernels:
@@ -179,8 +210,8 @@ def _compile_indices(job: Job, target: GPUTarget):
 def _compile(job: Job):
     target = TARGETS[job.target]
     if job.kernel == "hopper":
-        comp, split, lse, shifts, checks, merge, heads_n = job.args
-        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge, heads_n))
+        comp, split, lse, shifts, checks, merge, heads_n, records = job.args
+        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge, heads_n, records))
     if job.kernel == "attention":
         tile, fmt, kind, split = job.args
         return pb.compile_portable(target, pb.variant(fmt, KINDS[kind], tile, split), ops.launch_options(tile))
