@@ -118,7 +118,7 @@ def active_width(spec: ModelSpec, batch: StepBatch, kind: LayerKind) -> int:
     each)."""
     full = spec.all_width(kind.ratio)
     bound = batch.max_seq_len
-    if bound is None or _capturing(batch.device):
+    if bound is None or capturing(batch.device):
         return full
     entries = max(bound // kind.ratio, 1)
     return min(max(1 << (entries - 1).bit_length(), ALL_WIDTH_MULTIPLE), full)
@@ -136,7 +136,7 @@ def torch_all_rows(tokens: Tokens, kind: LayerKind, batch: StepBatch, buffers: P
         whole[:T, rows.shape[1]:].fill_(-1)
 
 
-def _capturing(device: torch.device) -> bool:
+def capturing(device: torch.device) -> bool:
     """A CUDA / HIP graph capture is in progress on ``device``'s current stream."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 

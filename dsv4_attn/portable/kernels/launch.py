@@ -86,12 +86,14 @@ class Replay:
         self._bound = bound
         self._temps = temps  # (numel, dtype, address % 16 at binding)
         self._device = device
+        self._gpu = current_gpu(device)  # the kernels were loaded on it (the current GPU at binding)
 
     def __call__(self) -> bool:
-        """Launch again; False (nothing launched) when a launch hook is installed now or a
-        temporary came at an alignment other than the bound one: the caller launches plainly."""
+        """Launch again; False (nothing launched) when a launch hook is installed now, another GPU
+        is current or a temporary came at an alignment other than the bound one: the caller
+        launches plainly."""
         hooks = knobs.runtime
-        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls or current_gpu(self._device) != self._gpu:
             return False
         temps = [torch.empty(n, dtype=dtype, device=self._device) for n, dtype, _ in self._temps]
         addresses = [t.data_ptr() for t in temps]

@@ -464,7 +464,7 @@ def layer_launches(
     counters = None
     if merge_in_kernel(config, gluon, split, H):
         # zeros that must stay the caller's (``temporaries`` are re-allocated, not zeroed, by a
-        # bound replay: the backend never binds a launch that merges in the kernel)
+        # bound replay, which reuses the caller's counters: the launch leaves them zero)
         counters = merge_counters(T * n_hb) if merge_counters is not None else \
             torch.zeros(T * n_hb, dtype=torch.int32, device=q.device)
     lse_t = lse if lse is not None else out
