@@ -479,7 +479,7 @@ def _token_tiles(split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride
     return t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi, used
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=("split",))  # per step: no variant per split value
 def sparse_mla_fwd_hopper(
     Q, stride_qt, stride_qh,
     O, stride_ot, stride_oh,

@@ -515,7 +515,7 @@ def layer_launches(
         bh_c = min(bh_c, block_h)
         launches.append(launch.KernelLaunch(
             K.combine_kernel, (T, _cdiv(H, bh_c), 512 // bd),
-            (po, pml, pu, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H),
-            dict(SPLIT=split, SPLIT_P2=_next_power_of_2(split), HAS_SINK=sink is not None, WRITE_LSE=write_lse,
+            (po, pml, pu, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H, split),
+            dict(SPLIT_P2=_next_power_of_2(split), HAS_SINK=sink is not None, WRITE_LSE=write_lse,
                  BLOCK_H=bh_c, BLOCK_D=bd), dict(num_warps=4)))
     return launch.LayerLaunches(launches, temporaries)
