@@ -164,9 +164,9 @@ class SparseMLA:
     def reserve(self, plan: StepPlan, decode_tokens: int | None = None) -> None:
         """Engine start (a memory profile): let each decode backend allocate the buffers steps of
         up to ``decode_tokens`` decode tokens (default ``max_tokens``) will use (``Backend.reserve``),
-        and, for a plan of a StepBatch, compile the index front end's kernels (``FrontEnd.warm``)."""
-        if isinstance(plan.batch, StepBatch):
-            plan.front_end.warm(self._ensure_buffers(plan.device))
+        and compile the index front end's kernels (``FrontEnd.warm``: the top-k rows', and the
+        step rows' for a plan of a StepBatch)."""
+        plan.front_end.warm(self._ensure_buffers(plan.device), step_rows=isinstance(plan.batch, StepBatch))
         for name in dict.fromkeys(self.backend_for(kind, Phase.DECODE) for kind in self.spec.kinds):
             self._backend(name).reserve(plan, self.fmt, self.spec.num_heads, self.dialects,
                                         decode_tokens or self.max_tokens)

@@ -207,11 +207,28 @@ def test_no_topk_row_kernel_compile_after_engine_start(gen, monkeypatch):
     assert set(keys) <= at_start, "a step compiled a top-k row kernel variant engine start did not"
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="reads the JIT key under the interpreter")
+def test_engine_start_of_ready_made_rows_warms_the_topk_row_kernel(monkeypatch):
+    """SGLang's engine start plans an empty StepRows (integrations/sglang.py): its top-k layers'
+    rows (a TopkTable) go through the same kernel, so reserve compiles its variants there too (it
+    compiled nothing for a StepRows before this change)."""
+    keys = _record_variants(monkeypatch, "_topk_rows_kernel")
+    _reserved_topk_model("cpu")
+    from_batch = set(keys)
+    keys.clear()
+    mla = mla_for(TOPK_SPEC, "triton", max_tokens=64, max_reqs=32)
+    none = torch.zeros(0, 1, dtype=torch.int32)
+    mla.reserve(mla.plan(dsv4.StepRows(none, none[:, 0], none[:, 0])))
+    assert from_batch and set(keys) == from_batch
+
+
+TOPK_SPEC = dsv4.ModelSpec(num_heads=16, max_model_len=1 << 16, topk=512, layers=("swa", "c4a"))
+
+
 def _reserved_topk_model(device: str):
     """A V4-like model (window + C4A, top-k 512) whose engine start (``reserve``) has run."""
-    spec = dsv4.ModelSpec(num_heads=16, max_model_len=1 << 16, topk=512, layers=("swa", "c4a"))
-    mla = mla_for(spec, "triton", max_tokens=64, max_reqs=32)
-    mla.reserve(mla.plan(_empty_step(spec, c128a=False, device=device)))
+    mla = mla_for(TOPK_SPEC, "triton", max_tokens=64, max_reqs=32)
+    mla.reserve(mla.plan(_empty_step(TOPK_SPEC, c128a=False, device=device)))
     return mla
 
 

@@ -150,9 +150,10 @@ class FrontEnd(Protocol):
         """Write positions, token_to_req, token_valid, the SWA rows and the rows of every kind of
         ``buffers.all_kinds(batch)`` for tokens [0, num_tokens) into ``buffers``."""
 
-    def warm(self, buffers: PlanBuffers) -> None:
-        """Engine start: compile whatever ``step_rows`` launches for ``buffers``' model (a no-op
-        where nothing compiles), so that no step compiles."""
+    def warm(self, buffers: PlanBuffers, step_rows: bool = True) -> None:
+        """Engine start: compile whatever ``topk_rows`` and (with ``step_rows``: steps given as a
+        StepBatch) ``step_rows`` launch for ``buffers``' model (a no-op where nothing compiles),
+        so that no step compiles."""
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
                   local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:
@@ -180,7 +181,7 @@ class TorchFrontEnd:
         for kind in buffers.all_kinds(batch):
             torch_all_rows(tokens, kind, batch, buffers)
 
-    def warm(self, buffers: PlanBuffers) -> None:
+    def warm(self, buffers: PlanBuffers, step_rows: bool = True) -> None:
         pass  # torch ops: nothing to compile
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,

@@ -245,35 +245,36 @@ class TritonFrontEnd:
         for kind in kinds[1:]:
             torch_all_rows(tokens, kind, batch, buffers)
 
-    def warm(self, buffers) -> None:
-        """Compile every variant of the step-row kernel this model's steps launch (with and
-        without a window start, with and without its "all" kind's rows) and of the top-k row
-        kernel (per top-k kind, int32 and int64 top-k), by launching each on a one-token step
-        into scratch tensors shaped as ``buffers``' rows: engine start, outside any graph
-        capture, so no step compiles (the values that vary per step are not specialized:
-        ``_STEP_VALUES``, ``_TOPK_VALUES``)."""
+    def warm(self, buffers, step_rows: bool = True) -> None:
+        """Compile every variant of the top-k row kernel (per top-k kind, int32 and int64 top-k)
+        and, with ``step_rows``, of the step-row kernel (with and without a window start, with and
+        without its "all" kind's rows) this model's steps launch, by launching each on a
+        one-token step into scratch tensors shaped as ``buffers``' rows: engine start, outside
+        any graph capture, so no step compiles (the values that vary per step are not
+        specialized: ``_STEP_VALUES``, ``_TOPK_VALUES``)."""
         spec, dev = buffers.spec, buffers.positions.device
         i32 = dict(dtype=torch.int32, device=dev)
-        one = torch.ones(1, **i32)
-        qsl, table = torch.tensor([0, 1], **i32), torch.zeros(1, 1, **i32)
+        table = torch.zeros(1, 1, **i32)
         facts = (torch.zeros(1, dtype=torch.int64, device=dev), torch.zeros(1, **i32),
                  torch.zeros(1, dtype=torch.bool, device=dev))
-        swa = (torch.full((1, spec.window), -1, **i32), torch.zeros(1, **i32))
-        all_kinds = [k for k in spec.kinds if k.attends_all][:1]
-        for kind in [None, *all_kinds]:
-            rows = {}
-            if kind is not None:
-                width = spec.all_width(kind.ratio)
-                rows = dict(c128_table=table, c128_rows=torch.full((1, width), -1, **i32),
-                            c128_lens=torch.zeros(1, **i32), all_ratio=kind.ratio, c128_capacity=width)
-            for start in (None, torch.zeros(1, **i32)):
-                build_step_rows(qsl, one, 1, table, 64, spec.window, *facts, *swa, swa_start=start, **rows)
-        tokens = Tokens(*facts)
-        for kind in spec.kinds:  # the top-k rows of each top-k kind, from int32 and int64 top-k
+        for kind in spec.kinds:
             if kind.uses_topk:
                 for dtype in (torch.int32, torch.int64):
                     local = torch.full((1, spec.comp_width(kind)), -1, dtype=dtype, device=dev)
-                    topk_rows(tokens, kind.ratio, table, 64, local)
+                    topk_rows(Tokens(*facts), kind.ratio, table, 64, local)
+        if not step_rows:
+            return
+        one, qsl = torch.ones(1, **i32), torch.tensor([0, 1], **i32)
+        swa = (torch.full((1, spec.window), -1, **i32), torch.zeros(1, **i32))
+        all_kinds = [k for k in spec.kinds if k.attends_all][:1]
+        for all_kind in [None, *all_kinds]:
+            rows = {}
+            if all_kind is not None:
+                width = spec.all_width(all_kind.ratio)
+                rows = dict(c128_table=table, c128_rows=torch.full((1, width), -1, **i32),
+                            c128_lens=torch.zeros(1, **i32), all_ratio=all_kind.ratio, c128_capacity=width)
+            for start in (None, torch.zeros(1, **i32)):
+                build_step_rows(qsl, one, 1, table, 64, spec.window, *facts, *swa, swa_start=start, **rows)
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
                   local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:
