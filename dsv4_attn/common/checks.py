@@ -233,11 +233,13 @@ def plan_tensors_key(plan: StepPlan, kind: LayerKind) -> int:
 
 
 def _plan_tensors(plan: StepPlan, kind: LayerKind) -> tuple:
+    """What ``plan_tensors_key`` numbers: every plan tensor's signature, and the step's shape a kernel
+    choice may read (tokens, decode tokens, the requests' start offsets)."""
     table = tensor_signature(plan.batch.comp_block_table(kind)) if plan.translates_topk(kind) else None
     rows = tuple((ratio, tensor_signature(r), tensor_signature(n)) for ratio, (r, n) in plan.comp_rows.items())
-    return (plan.num_tokens, plan.batch_invariant, *map(tensor_signature, (plan.positions, plan.token_to_req,
-                                                                            plan.swa_rows, plan.swa_lens)),
-            rows, table)
+    starts = tensor_signature(getattr(plan.batch, "query_start_loc", None))
+    return (plan.num_tokens, plan.num_decode_tokens, plan.batch_invariant, starts,
+            *map(tensor_signature, (plan.positions, plan.token_to_req, plan.swa_rows, plan.swa_lens)), rows, table)
 
 
 def _plan_facts(plan: StepPlan) -> tuple:
