@@ -103,11 +103,11 @@ class Replay:
             return False
         stream = current_stream(device)
         for b in self._bound:
-            args = b.args
+            args: tuple | list = b.args
             if b.fills:
-                args = list(args)
+                args = filled = list(b.args)
                 for i, temp, offset in b.fills:
-                    args[i] = addresses[temp] + offset
+                    filled[i] = addresses[temp] + offset
             b.run(*b.grid, stream, b.function, b.packed_metadata, None, None, None, *args)
         return True
 
