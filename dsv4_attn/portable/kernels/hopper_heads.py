@@ -95,7 +95,7 @@ def _consumer_heads_n(q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_q
     return acc, m_i, l_i
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=("split",))  # per step: no variant per split value
 def sparse_mla_fwd_hopper_heads_n(
     Q, stride_qt, stride_qh,
     O, stride_ot, stride_oh,
