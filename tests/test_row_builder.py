@@ -334,3 +334,20 @@ def test_no_attention_kernel_variant_per_split(gen, monkeypatch, kernel):
 
 def triton_next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def test_every_hopper_kernel_takes_its_split_at_run_time():
+    """The Gluon kernels ops launches on sm_90 (64-head, heads-on-N, V4.1 records) each leave
+    ``split`` unspecialized, as the test above checks through a launch for the first two: a kernel
+    added later without it would compile a variant per split value mid-serving (the records
+    kernel did, until this test)."""
+    from dsv4_attn.portable.kernels import attention, build, ops
+
+    if not ops._gluon_importable():
+        pytest.skip("this Triton's Gluon does not import the Hopper kernels")
+    kernels = {build.hopper_kernel(constexprs)[0] for constexprs in (
+        build.hopper_constexprs(1, split=True), build.hopper_constexprs(1, split=True, heads_n=8),
+        build.hopper_constexprs(1, split=True, records=(attention.FMT_MXFP8, attention.FMT_NVFP4)))}
+    assert len(kernels) == 3
+    for kernel in kernels:
+        assert [p.do_not_specialize for p in kernel.params if p.name == "split"] == [True], kernel.__name__
