@@ -64,7 +64,7 @@ def test_width_is_a_power_of_two_of_the_entries(gen, max_seq_len, width):
 def test_a_capture_keeps_the_models_width(gen, monkeypatch):
     """Logic only on this CPU machine: the capture test itself (torch.cuda) is stubbed."""
     case = c128a_step(gen)
-    monkeypatch.setattr(plan_module, "_capturing", lambda device: True)
+    monkeypatch.setattr(plan_module, "capturing", lambda device: True)
     (rows, _), _, _ = run(case, dataclasses.replace(case.batch, max_seq_len=2000), "torch")
     assert rows.shape[1] == 8192
 

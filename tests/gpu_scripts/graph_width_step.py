@@ -43,7 +43,7 @@ def time_step(case, narrow: bool, reps: int, flush) -> float:
     batch = case.batch
     if narrow:
         batch = dataclasses.replace(batch, max_seq_len=int(batch.seq_lens.max()))
-        plan_module._capturing = lambda device: False  # capture the narrow width an eager step views
+        plan_module.capturing = lambda device: False  # capture the narrow width an eager step views
     run, outs, _ = api_step_runner(dataclasses.replace(case, batch=batch), "triton")
     timing = time_callable(run, reps, flush, True, torch.device("cuda"))
     assert timing.how == "graph", timing.how
