@@ -118,20 +118,31 @@ def _consumer_heads_n(q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_q
 
 
 @gluon.jit
-def _pair_offset(rows0, rows1, n0, n1, off, width):
-    """Where token 1's list starts in a token pair's shared key list: ``off`` where that shares
-    every overlapping entry (rows0[j] == rows1[j - off] for the j both name) and off >= 0, else
-    n0 (token 1's entries after token 0's: nothing shared, still exact). Reads both index rows
-    (L2: prefetched with the lengths)."""
+def _pair_offset(rows0, rows1, n0, n1, width, WINDOW: gl.constexpr):
+    """Where token 1's list starts in a token pair's shared key list: ``off`` (a window: n0 + 1 - n1,
+    the next position's window ends one later; compressed rows: 0, they share their start) where
+    that shares every overlapping entry (rows0[j] == rows1[j - off] for the j both name) and
+    0 <= off <= 1, else n0 (token 1's entries after token 0's: nothing shared, still exact). The
+    index loads do not wait for the lengths (issued beside them; L2 after the prefetch)."""
     L1d: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
-    differs = (gl.to_tensor(off) < 0).to(gl.int32)
+    j0 = gl.arange(0, 512, layout=L1d)
+    differs0 = 0  # entries that differ at off 0 / at off 1
+    differs1 = 0
     for c0 in range(0, width, 512):
-        j = c0 + gl.arange(0, 512, layout=L1d)
-        both = (j < n0) & (j - off >= 0) & (j - off < n1)
-        e0 = gl.load(rows0 + j, mask=both, other=0)
-        e1 = gl.load(rows1 + (j - off), mask=both, other=0)
-        differs = differs | gl.max((e0 != e1).to(gl.int32), axis=0)
-    return gl.where(differs != 0, n0, off)
+        j = c0 + j0
+        e0 = gl.load(rows0 + j, mask=j < width, other=0)
+        e1 = gl.load(rows1 + j, mask=j < width, other=0)
+        differs0 += gl.sum(((j < n0) & (j < n1) & (e0 != e1)).to(gl.int32), axis=0)
+        if WINDOW:
+            e1s = gl.load(rows1 + (j - 1), mask=(j >= 1) & (j <= width), other=0)
+            differs1 += gl.sum(((j < n0) & (j >= 1) & (j - 1 < n1) & (e0 != e1s)).to(gl.int32), axis=0)
+    if WINDOW:
+        off = n0 + 1 - n1
+        same = ((off == 0) & (differs0 == 0)) | ((off == 1) & (differs1 == 0))
+    else:
+        off = n0 * 0
+        same = differs0 == 0
+    return gl.where(same, off, n0)
 
 
 @gluon.jit
@@ -166,10 +177,10 @@ def _pair_tiles(split, num_tokens, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, s
         len_a1 = gl.minimum(gl.maximum(len_a1, 0), a_width)
         len_b = gl.minimum(gl.maximum(len_b, 0), b_width)
         len_b1 = gl.minimum(gl.maximum(len_b1, 0), b_width)
-    off_a = _pair_offset(a_rows, a_rows1, len_a, len_a1, len_a + 1 - len_a1, a_width)
+    off_a = _pair_offset(a_rows, a_rows1, len_a, len_a1, a_width, True)
     off_b = 0
     if COMP == 1:
-        off_b = _pair_offset(b_rows, b_rows1, len_b, len_b1, 0, b_width)
+        off_b = _pair_offset(b_rows, b_rows1, len_b, len_b1, b_width, False)
     tiles_a = gl.cdiv(gl.maximum(len_a, len_a1 + off_a), BN)
     lo, hi, used = _split_range(tiles_a + gl.cdiv(gl.maximum(len_b, len_b1 + off_b), BN), sp, split, IS_SPLIT)
     return (t, t64, sp, a_rows, b_rows, len_a, len_b, tiles_a, lo, hi, used, a_rows1, len_a1, off_a, b_rows1, len_b1,
