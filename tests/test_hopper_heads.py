@@ -170,32 +170,36 @@ def test_pair_tokens_setting_is_checked():
         ops.KernelConfig(pair_tokens=3)
 
 
-@pytest.mark.parametrize("setting,gluon,heads,comp,per_request,expected", [
-    (-1, True, 8, ops.K.COMP_NONE, 2, True),      # window-only layer of an MTP step
-    (-1, True, 8, ops.K.COMP_GLOBAL, 3, True),    # C128A, 3 tokens per request
-    (-1, True, 8, ops.K.COMP_GLOBAL, 1, False),   # one token per request: nothing shared
-    (-1, True, 8, ops.K.COMP_C4A_LOCAL, 2, False),  # top-k: each token's entries differ
-    (-1, True, 16, ops.K.COMP_NONE, 2, False),    # 2 x 16 heads: past wgmma N = 16
-    (-1, False, 8, ops.K.COMP_NONE, 2, False),    # the portable kernel
-    (0, True, 8, ops.K.COMP_NONE, 2, False),      # forced off
-    (1, True, 4, ops.K.COMP_GLOBAL, 1, True),     # forced on: any step
-    (1, True, 16, ops.K.COMP_GLOBAL, 1, False),   # forced, but the head count does not fit
+@pytest.mark.parametrize("setting,gluon,heads,comp,per_request,tokens,expected", [
+    (-1, True, 8, ops.K.COMP_GLOBAL, 2, 128, True),     # C128A, 64 pairs (measured faster from 64)
+    (-1, True, 8, ops.K.COMP_GLOBAL, 3, 192, True),     # 3 tokens per request
+    (-1, True, 8, ops.K.COMP_GLOBAL, 2, 64, False),     # 32 pairs: measured slower
+    (-1, True, 8, ops.K.COMP_NONE, 2, 256, False),      # window only: measured slower
+    (-1, True, 8, ops.K.COMP_GLOBAL, 1, 256, False),    # one token per request: nothing shared
+    (-1, True, 8, ops.K.COMP_C4A_LOCAL, 2, 256, False),  # top-k: each token's entries differ
+    (-1, True, 16, ops.K.COMP_GLOBAL, 2, 256, False),   # 2 x 16 heads: past wgmma N = 16
+    (-1, False, 8, ops.K.COMP_GLOBAL, 2, 256, False),   # the portable kernel
+    (0, True, 8, ops.K.COMP_GLOBAL, 2, 256, False),     # forced off
+    (1, True, 4, ops.K.COMP_NONE, 1, 3, True),          # forced on: any step of a window / C128A layer
+    (1, True, 8, ops.K.COMP_C4A_LOCAL, 2, 256, False),  # forced, but a top-k layer
+    (1, True, 16, ops.K.COMP_GLOBAL, 1, 256, False),    # forced, but the head count does not fit
 ])
-def test_when_token_pairs_run(monkeypatch, setting, gluon, heads, comp, per_request, expected):
+def test_when_token_pairs_run(monkeypatch, setting, gluon, heads, comp, per_request, tokens, expected):
     from dsv4_attn.portable.kernels import build
 
     monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")  # as where it compiles
-    assert ops.pair_tokens(ops.KernelConfig(pair_tokens=setting), gluon, heads, comp, per_request, CPU) is expected
+    config = ops.KernelConfig(pair_tokens=setting)
+    assert ops.pair_tokens(config, gluon, heads, comp, per_request, tokens, CPU) is expected
 
 
 def test_token_pairs_where_they_do_not_compile(monkeypatch):
     from dsv4_attn.portable.kernels import build
 
     monkeypatch.setattr(build, "compile_error", lambda *a, **k: "the Gluon Hopper kernel does not compile: X")
-    assert not ops.pair_tokens(ops.KernelConfig(), True, 8, ops.K.COMP_NONE, 2, CPU)  # auto: one token per program
+    assert not ops.pair_tokens(ops.KernelConfig(), True, 8, ops.K.COMP_GLOBAL, 2, 256, CPU)  # auto: one per program
     with pytest.raises(ValueError, match="config.pair_tokens: got 1; allowed only where the token-pair kernel "
                                          "compiles; here: the Gluon Hopper kernel does not compile: X"):
-        ops.pair_tokens(ops.KernelConfig(pair_tokens=1), True, 8, ops.K.COMP_NONE, 2, CPU)
+        ops.pair_tokens(ops.KernelConfig(pair_tokens=1), True, 8, ops.K.COMP_NONE, 2, 4, CPU)
 
 
 @pytest.mark.parametrize("config,heads,comp,names", [
@@ -204,14 +208,16 @@ def test_token_pairs_where_they_do_not_compile(monkeypatch):
     (ops.KernelConfig(), 16, ops.K.COMP_C4A_LOCAL, ["heads-on-N kernel (hopper_heads.py, 16 heads",
                                                      "else the 64-head"]),
     (ops.KernelConfig(), 8, ops.K.COMP_GLOBAL, ["heads-on-N kernel (hopper_heads.py, 8 heads", "token pairs",
-                                                "2+ tokens per request"]),
+                                                "2+ tokens per request and 64+ pairs"]),
+    (ops.KernelConfig(pair_tokens=1), 8, ops.K.COMP_NONE, ["token pairs", "always"]),
     (ops.KernelConfig(heads_on_n=1, pair_tokens=0), 8, ops.K.COMP_NONE, ["heads-on-N"]),
     (ops.KernelConfig(heads_on_n=0, pair_tokens=0), 8, ops.K.COMP_NONE, ["the 64-head kernel"]),
 ])
 def test_explain_names_the_gluon_kernel(config, heads, comp, names):
     text = ops.gluon_kernel_names(config, heads, comp)
     assert all(name in text for name in names), text
-    if config.pair_tokens == 0 or comp == ops.K.COMP_C4A_LOCAL or heads > ops.PAIR_MAX_HEADS:
+    if config.pair_tokens == 0 or comp == ops.K.COMP_C4A_LOCAL or heads > ops.PAIR_MAX_HEADS \
+            or (config.pair_tokens == -1 and comp == ops.K.COMP_NONE):
         assert "token pairs" not in text, text
     if config.heads_on_n == 0:
         assert "heads-on-N" not in text, text

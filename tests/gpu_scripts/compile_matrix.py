@@ -7,10 +7,12 @@ print registers, spills and scratch per variant. No GPU needed; run it without T
 Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
 
 * ``hopper``: the Gluon Hopper kernels, sm_90a: the top-k walk with its LSE, split, split with the
-  in-kernel merge, SWA alone, and the heads-on-N kernel's split merge (``--full``: 16 variants:
+  in-kernel merge, SWA alone, the heads-on-N kernel's split merge and its token pairs' (C128A split
+  merge) (``--full``: 18 variants:
   SWA / every-entry / top-k, each alone, with the LSE, split, and split merging in the kernel;
   top-k with non-power-of-two cache blocks and without range checks; the heads-on-N kernel's
-  top-k split merge (8 heads) and every-entry walk with its LSE (16 heads));
+  top-k split merge (8 heads) and every-entry walk with its LSE (16 heads); its token pairs'
+  every-entry split merge and SWA walk with its LSE);
 * ``attention``: the portable kernel in every tile ``KernelConfig.tile`` picks for 1 - 128 heads,
   on sm_80 (bf16 caches only: the fp8 formats need sm_89), sm_90, sm_100, gfx942, gfx950, for the
   formats selection runs on it there (``portable_formats``: on sm_90 every format, the V4 record
@@ -65,16 +67,18 @@ TARGETS = {"sm80": GPUTarget("cuda", 80, 32), "sm90": GPUTarget("cuda", 90, 32),
 KINDS = {"SWA": K.COMP_NONE, "all": K.COMP_GLOBAL, "top-k": K.COMP_C4A_LOCAL}
 # (COMP, split, write_lse, shifts, range_checks, merge in the kernel, heads on N): what the launcher
 # compiles of the Gluon kernels (heads on N 8 / 16: hopper_heads, 0: the 64-head kernel)
-HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True, False, 0) for comp in (0, 1, 2) for lse in (True, False)]
-                   + [(comp, True, False, (6, 6), True, False, 0) for comp in (0, 1, 2)]
-                   + [(comp, True, True, (6, 6), True, True, 0) for comp in (0, 1, 2)]
-                   + [(2, False, True, (-1, -1), True, False, 0), (2, False, True, (6, 6), False, False, 0)]
-                   + [(2, True, True, (6, 6), True, True, 8), (1, False, True, (6, 6), True, False, 16)])
+HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True, False, 0, False) for comp in (0, 1, 2) for lse in (True, False)]
+                   + [(comp, True, False, (6, 6), True, False, 0, False) for comp in (0, 1, 2)]
+                   + [(comp, True, True, (6, 6), True, True, 0, False) for comp in (0, 1, 2)]
+                   + [(2, False, True, (-1, -1), True, False, 0, False),
+                      (2, False, True, (6, 6), False, False, 0, False)]
+                   + [(2, True, True, (6, 6), True, True, 8, False), (1, False, True, (6, 6), True, False, 16, False)]
+                   + [(1, True, True, (6, 6), True, True, 16, True), (0, False, True, (6, 6), True, False, 16, True)])
 # without --full: the top-k walk with its LSE, split and in-kernel merge (every Gluon builtin the
-# kernel calls), SWA alone, and the heads-on-N kernel's split merge
-HOPPER_QUICK = [(2, False, True, (6, 6), True, False, 0), (2, True, False, (6, 6), True, False, 0),
-                (2, True, True, (6, 6), True, True, 0), (0, False, True, (6, 6), True, False, 0),
-                (2, True, True, (6, 6), True, True, 8)]
+# kernel calls), SWA alone, the heads-on-N kernel's split merge and its token pairs' (C128A)
+HOPPER_QUICK = [(2, False, True, (6, 6), True, False, 0, False), (2, True, False, (6, 6), True, False, 0, False),
+                (2, True, True, (6, 6), True, True, 0, False), (0, False, True, (6, 6), True, False, 0, False),
+                (2, True, True, (6, 6), True, True, 8, False), (1, True, True, (6, 6), True, True, 16, True)]
 
 
 @dataclass(frozen=True)
@@ -146,9 +150,10 @@ def jobs_for(targets: list[str], kernels: list[str], full: bool) -> list[Job]:
     for target in targets:
         if "hopper" in kernels and target == "sm90":
             for v in HOPPER_VARIANTS if full else [v for v in HOPPER_VARIANTS if v in HOPPER_QUICK]:
-                comp, split, lse, shifts, checks, merge, heads_n = v
+                comp, split, lse, shifts, checks, merge, heads_n, pair = v
                 label = (f"{list(KINDS)[comp]}{' split' if split else ''}{' merge' if merge else ''}"
                          f"{' lse' if lse else ''}{f' heads-on-N {heads_n}' if heads_n else ''}"
+                         f"{' token pairs' if pair else ''}"
                          f"{' bs!=2^n' if shifts[0] < 0 else ''}{' no range checks' if not checks else ''}")
                 out.append(Job(target, "hopper", label, v))
         if "attention" in kernels:
@@ -179,8 +184,8 @@ def _compile_indices(job: Job, target: GPUTarget):
 def _compile(job: Job):
     target = TARGETS[job.target]
     if job.kernel == "hopper":
-        comp, split, lse, shifts, checks, merge, heads_n = job.args
-        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge, heads_n))
+        comp, split, lse, shifts, checks, merge, heads_n, pair = job.args
+        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge, heads_n, pair))
     if job.kernel == "attention":
         tile, fmt, kind, split = job.args
         return pb.compile_portable(target, pb.variant(fmt, KINDS[kind], tile, split), ops.launch_options(tile))

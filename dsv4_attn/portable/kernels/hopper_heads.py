@@ -122,27 +122,22 @@ def _pair_offset(rows0, rows1, n0, n1, width, WINDOW: gl.constexpr):
     """Where token 1's list starts in a token pair's shared key list: ``off`` (a window: n0 + 1 - n1,
     the next position's window ends one later; compressed rows: 0, they share their start) where
     that shares every overlapping entry (rows0[j] == rows1[j - off] for the j both name) and
-    0 <= off <= 1, else n0 (token 1's entries after token 0's: nothing shared, still exact). The
-    index loads do not wait for the lengths (issued beside them; L2 after the prefetch)."""
+    0 <= off <= 1, else n0 (token 1's entries after token 0's: nothing shared, still exact). Both
+    index rows are in L2 (prefetched with the lengths)."""
     L1d: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
     j0 = gl.arange(0, 512, layout=L1d)
-    differs0 = 0  # entries that differ at off 0 / at off 1
-    differs1 = 0
-    for c0 in range(0, width, 512):
-        j = c0 + j0
-        e0 = gl.load(rows0 + j, mask=j < width, other=0)
-        e1 = gl.load(rows1 + j, mask=j < width, other=0)
-        differs0 += gl.sum(((j < n0) & (j < n1) & (e0 != e1)).to(gl.int32), axis=0)
-        if WINDOW:
-            e1s = gl.load(rows1 + (j - 1), mask=(j >= 1) & (j <= width), other=0)
-            differs1 += gl.sum(((j < n0) & (j >= 1) & (j - 1 < n1) & (e0 != e1s)).to(gl.int32), axis=0)
     if WINDOW:
         off = n0 + 1 - n1
-        same = ((off == 0) & (differs0 == 0)) | ((off == 1) & (differs1 == 0))
     else:
         off = n0 * 0
-        same = differs0 == 0
-    return gl.where(same, off, n0)
+    differs = ((off < 0) | (off > 1)).to(gl.int32)
+    for c0 in range(0, width, 512):
+        j = c0 + j0
+        both = (j < n0) & (j - off >= 0) & (j - off < n1)
+        e0 = gl.load(rows0 + j, mask=both, other=0)
+        e1 = gl.load(rows1 + (j - off), mask=both, other=0)
+        differs += gl.sum((e0 != e1).to(gl.int32), axis=0)
+    return gl.where(differs == 0, off, n0)
 
 
 @gluon.jit

@@ -328,24 +328,31 @@ def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int
 # one position) and the same C128A rows, so one program serves two consecutive tokens (columns
 # 0-7 and 8-15 of wgmma N = 16) and reads each shared row once; the prologue checks that the
 # rows overlap as such, else the program reads both lists (exact either way). Window-only and C128A
-# layers (no top-k: each token's top-k differs), up to PAIR_MAX_HEADS heads per token. Auto takes it
-# where the step has PAIR_AUTO_MIN_TOKENS+ tokens per request (unmeasured before wave 6:
-# notes/perf-wave6.md).
+# layers (no top-k: each token's top-k differs), up to PAIR_MAX_HEADS heads per token. Measured on
+# the H100 (notes/perf-wave6.md, 8 heads, 2 tokens per request): C128A 7 % / 11 % / 22 % faster
+# at 64 / 128 / 256 pairs, but 14-45 % slower at 1-16 pairs (each split program then has one or two
+# key tiles: the pair's longer fixed chain, its overlap check and a merge of two tokens, costs
+# more than the halved rows save); window-only layers 20-25 % slower at 64-128 pairs (3 key tiles
+# for 129 shared rows against 2 per token). Auto takes it on C128A layers in steps of
+# PAIR_AUTO_MIN_TOKENS+ tokens per request with PAIR_AUTO_MIN_PAIRS+ pairs.
 PAIR_MAX_HEADS = 8
 PAIR_AUTO_MIN_TOKENS = 2
+PAIR_AUTO_MIN_PAIRS = 64
 
 
 def pair_tokens(config: KernelConfig, gluon: bool, num_heads: int, comp_mode: int, tokens_per_request: int,
-                device: torch.device) -> bool:
-    """Whether the Gluon launch runs two consecutive tokens per program (the heads-on-N kernel, 16
-    columns): never on the portable kernel, with ``heads_on_n`` 0 (the 64-head kernel), above
-    PAIR_MAX_HEADS heads or on a top-k layer; else as
-    ``config.pair_tokens`` says, auto where a step has ``tokens_per_request`` >= PAIR_AUTO_MIN_TOKENS,
-    where it compiles with this Triton (forced where it does not: ValueError)."""
+                num_tokens: int, device: torch.device) -> bool:
+    """Whether the Gluon launch of ``num_tokens`` tokens runs two consecutive tokens per program
+    (the heads-on-N kernel, 16 columns): never on the portable kernel, with ``heads_on_n`` 0 (the
+    64-head kernel), above PAIR_MAX_HEADS heads or on a top-k layer; else as ``config.pair_tokens``
+    says, auto on C128A layers (COMP_GLOBAL) where a step has ``tokens_per_request`` >=
+    PAIR_AUTO_MIN_TOKENS and PAIR_AUTO_MIN_PAIRS+ pairs, where it compiles with this Triton
+    (forced where it does not: ValueError)."""
     if not gluon or config.pair_tokens == 0 or config.heads_on_n == 0 or num_heads > PAIR_MAX_HEADS \
             or comp_mode == K.COMP_C4A_LOCAL:
         return False
-    if config.pair_tokens != 1 and tokens_per_request < PAIR_AUTO_MIN_TOKENS:
+    if config.pair_tokens != 1 and (comp_mode != K.COMP_GLOBAL or tokens_per_request < PAIR_AUTO_MIN_TOKENS
+                                    or _cdiv(num_tokens, 2) < PAIR_AUTO_MIN_PAIRS):
         return False
     variant = build.hopper_constexprs(comp_mode, write_lse=True, heads_n=16, pair=True)
     error = build.compile_error(device_arch(device), "gluon", tuple(sorted(variant.items())))
@@ -372,8 +379,10 @@ def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int) -> 
     else:
         text = (f"{narrow} where a token's rows span {HEADS_ON_N_MIN_TILES}+ key tiles or the launch needs no key "
                 f"split, else {wide}")
-    if config.pair_tokens != 0 and num_heads <= PAIR_MAX_HEADS and comp_mode != K.COMP_C4A_LOCAL:
-        when = "always" if config.pair_tokens == 1 else f"in steps of {PAIR_AUTO_MIN_TOKENS}+ tokens per request"
+    forced = config.pair_tokens == 1 and comp_mode != K.COMP_C4A_LOCAL
+    if num_heads <= PAIR_MAX_HEADS and config.pair_tokens != 0 and (forced or comp_mode == K.COMP_GLOBAL):
+        when = "always" if forced else \
+            f"in steps of {PAIR_AUTO_MIN_TOKENS}+ tokens per request and {PAIR_AUTO_MIN_PAIRS}+ pairs"
         text += f"; token pairs (hopper_heads.py PAIR, two tokens x 8 heads on wgmma N) {when}"
     return text
 
@@ -503,7 +512,7 @@ def layer_launches(
     tile = config.tile(device_arch(q.device), H, records)
     bn = config.g_block_n if gluon else tile.block_n
     max_tiles = _cdiv(swa_rows.shape[1], bn) + (_cdiv(b_width, bn) if comp_mode else 0)
-    pair = pair_tokens(config, gluon, H, comp_mode, tokens_per_request, q.device)
+    pair = pair_tokens(config, gluon, H, comp_mode, tokens_per_request, T, q.device)
     if pair:  # two tokens per program, 8 columns each; their key list is at most both tokens' rows
         heads_n, n_hb, max_tiles = 16, 1, 2 * max_tiles
         programs = _cdiv(T, 2)
