@@ -188,6 +188,7 @@ def test_when_token_pairs_run(monkeypatch, setting, gluon, heads, comp, per_requ
     from dsv4_attn.portable.kernels import build
 
     monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")  # as where it compiles
+    monkeypatch.setattr(ops, "_triton_version", lambda: "3.6.0")  # the Triton auto was measured with
     config = ops.KernelConfig(pair_tokens=setting)
     assert ops.pair_tokens(config, gluon, heads, comp, per_request, tokens, CPU) is expected
 
@@ -196,6 +197,7 @@ def test_token_pairs_where_they_do_not_compile(monkeypatch):
     from dsv4_attn.portable.kernels import build
 
     monkeypatch.setattr(build, "compile_error", lambda *a, **k: "the Gluon Hopper kernel does not compile: X")
+    monkeypatch.setattr(ops, "_triton_version", lambda: "3.6.0")
     assert not ops.pair_tokens(ops.KernelConfig(), True, 8, ops.K.COMP_GLOBAL, 2, 256, CPU)  # auto: one per program
     with pytest.raises(ValueError, match="config.pair_tokens: got 1; allowed only where the token-pair kernel "
                                          "compiles; here: the Gluon Hopper kernel does not compile: X"):
@@ -237,3 +239,13 @@ def test_tokens_per_request_hint(decode, tokens, requests, expected):
     plan = SimpleNamespace(batch=SimpleNamespace(query_start_loc=torch.zeros(requests + 1)), num_decode_tokens=decode,
                            num_tokens=tokens)
     assert triton_backend._decode_tokens_per_request(plan) == expected
+
+
+@pytest.mark.parametrize("version,expected", [("3.6.0", True), ("3.8.0", False), ("3.9.0", False)])
+def test_token_pairs_auto_only_under_the_measured_triton(monkeypatch, version, expected):
+    from dsv4_attn.portable.kernels import build
+
+    monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")
+    monkeypatch.setattr(ops, "_triton_version", lambda: version)
+    assert ops.pair_tokens(ops.KernelConfig(), True, 8, ops.K.COMP_GLOBAL, 2, 256, CPU) is expected
+    assert ops.pair_tokens(ops.KernelConfig(pair_tokens=1), True, 8, ops.K.COMP_GLOBAL, 2, 256, CPU)  # forced

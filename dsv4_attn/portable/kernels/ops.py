@@ -334,10 +334,19 @@ def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int
 # key tiles: the pair's longer fixed chain, its overlap check and a merge of two tokens, costs
 # more than the halved rows save); window-only layers 20-25 % slower at 64-128 pairs (3 key tiles
 # for 129 shared rows against 2 per token). Auto takes it on C128A layers in steps of
-# PAIR_AUTO_MIN_TOKENS+ tokens per request with PAIR_AUTO_MIN_PAIRS+ pairs.
+# PAIR_AUTO_MIN_TOKENS+ tokens per request with PAIR_AUTO_MIN_PAIRS+ pairs, under the Tritons it was
+# measured with (PAIR_AUTO_TRITONS: 3.6, where its variants spill 0-32 B; 3.8 spills 644-668 B and
+# 3.9 256 B in them, unmeasured on a GPU).
 PAIR_MAX_HEADS = 8
 PAIR_AUTO_MIN_TOKENS = 2
 PAIR_AUTO_MIN_PAIRS = 64
+PAIR_AUTO_TRITONS = ("3.6.",)
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 def pair_tokens(config: KernelConfig, gluon: bool, num_heads: int, comp_mode: int, tokens_per_request: int,
@@ -346,13 +355,14 @@ def pair_tokens(config: KernelConfig, gluon: bool, num_heads: int, comp_mode: in
     (the heads-on-N kernel, 16 columns): never on the portable kernel, with ``heads_on_n`` 0 (the
     64-head kernel), above PAIR_MAX_HEADS heads or on a top-k layer; else as ``config.pair_tokens``
     says, auto on C128A layers (COMP_GLOBAL) where a step has ``tokens_per_request`` >=
-    PAIR_AUTO_MIN_TOKENS and PAIR_AUTO_MIN_PAIRS+ pairs, where it compiles with this Triton
-    (forced where it does not: ValueError)."""
+    PAIR_AUTO_MIN_TOKENS and PAIR_AUTO_MIN_PAIRS+ pairs under a Triton of PAIR_AUTO_TRITONS, where it
+    compiles with this Triton (forced where it does not: ValueError)."""
     if not gluon or config.pair_tokens == 0 or config.heads_on_n == 0 or num_heads > PAIR_MAX_HEADS \
             or comp_mode == K.COMP_C4A_LOCAL:
         return False
     if config.pair_tokens != 1 and (comp_mode != K.COMP_GLOBAL or tokens_per_request < PAIR_AUTO_MIN_TOKENS
-                                    or _cdiv(num_tokens, 2) < PAIR_AUTO_MIN_PAIRS):
+                                    or _cdiv(num_tokens, 2) < PAIR_AUTO_MIN_PAIRS
+                                    or not _triton_version().startswith(PAIR_AUTO_TRITONS)):
         return False
     variant = build.hopper_constexprs(comp_mode, write_lse=True, heads_n=16, pair=True)
     error = build.compile_error(device_arch(device), "gluon", tuple(sorted(variant.items())))
@@ -382,7 +392,7 @@ def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int) -> 
     forced = config.pair_tokens == 1 and comp_mode != K.COMP_C4A_LOCAL
     if num_heads <= PAIR_MAX_HEADS and config.pair_tokens != 0 and (forced or comp_mode == K.COMP_GLOBAL):
         when = "always" if forced else \
-            f"in steps of {PAIR_AUTO_MIN_TOKENS}+ tokens per request and {PAIR_AUTO_MIN_PAIRS}+ pairs"
+            f"in steps of {PAIR_AUTO_MIN_TOKENS}+ tokens per request and {PAIR_AUTO_MIN_PAIRS}+ pairs (Triton 3.6)"
         text += f"; token pairs (hopper_heads.py PAIR, two tokens x 8 heads on wgmma N) {when}"
     return text
 
