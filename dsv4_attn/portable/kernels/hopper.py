@@ -233,7 +233,7 @@ def _normalizer(m, lsum, SINK, h, hm, HAS_SINK: gl.constexpr):
 
 @gluon.jit
 def _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, t, t64, hb, n_hb, num_heads, split,
-                   used, n_tok, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, BH: gl.constexpr):
+                   used, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, BH: gl.constexpr, n_tok=1):
     """After this program's partial stores: the last of the token's ``used`` split programs with
     keys to get here merges them (no combine launch; programs past the keys never arrive). One
     acq_rel counter increment per program after a CTA-wide barrier: the release covers every
@@ -254,15 +254,15 @@ def _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, 
 
 @gluon.jit
 def _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb, num_heads,
-                  split, used, n_tok, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, MERGE_IN_KERNEL: gl.constexpr,
-                  BH: gl.constexpr):
+                  split, used, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, MERGE_IN_KERNEL: gl.constexpr,
+                  BH: gl.constexpr, n_tok=1):
     """After a program with keys stored its partial: the merge in the kernel (by the last of the
     token's ``used`` programs), or the token's ``used`` for the combine launch, which reads the
     partials [0, used) (written once, by the token's first program); for tokens t .. t + n_tok - 1
     (a token pair's program: 2)."""
     if MERGE_IN_KERNEL:
         _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, t, t64, hb, n_hb, num_heads, split,
-                       used, n_tok, HAS_SINK, WRITE_LSE, BH)
+                       used, HAS_SINK, WRITE_LSE, BH, n_tok)
     elif sp + hb == 0:
         for k in range(n_tok):
             gl.store(PU + t + k, used)
@@ -610,7 +610,7 @@ def sparse_mla_fwd_hopper(
             gl.store(PML + part * 2, m_o, mask=hmask_o)
             gl.store(PML + part * 2 + 1, l_o, mask=hmask_o)
             _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb,
-                          num_heads, split, used, 1, HAS_SINK, WRITE_LSE, MERGE_IN_KERNEL, BH)
+                          num_heads, split, used, HAS_SINK, WRITE_LSE, MERGE_IN_KERNEL, BH)
     else:
         inv, lse = _normalizer(m_o, l_o, SINK, h_o, hmask_o, HAS_SINK)
         o = acc * gl.expand_dims(inv, 1)

@@ -263,7 +263,7 @@ def sparse_mla_fwd_hopper_heads_n(
             gl.store(PML + part * 2, m_i, mask=hmask_o)
             gl.store(PML + part * 2 + 1, l_i, mask=hmask_o)
             _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb,
-                          num_heads, split, used, n_tok, HAS_SINK, WRITE_LSE, MERGE_IN_KERNEL, bh)
+                          num_heads, split, used, HAS_SINK, WRITE_LSE, MERGE_IN_KERNEL, bh, n_tok)
     else:
         inv, lse = _normalizer(m_i, l_i, SINK, h_o, hmask_o, HAS_SINK)
         # scaled after the layout change, as the split path stores (scaling in the MMA layout first
