@@ -12,7 +12,8 @@
 #   bash ci/vllm-tests.sh              # venv in ~/.cache/dsv4-attn/vllm-venv (reused when present)
 #   VLLM_VENV=/tmp/v bash ci/vllm-tests.sh -k reference   # extra args go to pytest
 #
-# Measured on the 2-core CI-size machine: fresh venv + installs ~1.5 min, tests ~2 min (V4 and V4.1).
+# Measured on the 2-core CI-size machine: fresh venv + installs ~1.5 min, tests ~2 min (V4 and V4.1;
+# 3.4 min in one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/dsv4-attn/vllm-venv}
@@ -31,4 +32,5 @@ echo "import site; site.addsitedir('$caller_site')" > "$venv_site/dsv4-attn-call
 "$py" -m pip install -q --no-warn-conflicts -r <(grep -v '^vllm==' "$reqs")
 "$py" -m pip install -q --no-deps --no-build-isolation -e .
 "$py" -c "import torch; print('torch', torch.__version__)"
-exec "$py" -m pytest -q -m vllm tests/test_vllm_shim.py "$@"
+# two workers: each test builds its own vLLM stack, and the CI machine has two cores
+exec "$py" -m pytest -q -n 2 -m vllm tests/test_vllm_shim.py "$@"

@@ -249,3 +249,10 @@ def test_token_pairs_auto_only_under_the_measured_triton(monkeypatch, version, e
     monkeypatch.setattr(ops, "_triton_version", lambda: version)
     assert ops.pair_tokens(ops.KernelConfig(), True, 8, ops.K.COMP_GLOBAL, 2, 256, CPU) is expected
     assert ops.pair_tokens(ops.KernelConfig(pair_tokens=1), True, 8, ops.K.COMP_GLOBAL, 2, 256, CPU)  # forced
+
+
+def test_explain_names_the_records_kernel_for_v41_records():
+    from dsv4_attn.common.layout import Record
+
+    text = ops.gluon_kernel_names(ops.KernelConfig(), 8, ops.K.COMP_GLOBAL, (Record.MXFP8, Record.NVFP4))
+    assert text.startswith("the V4.1 records' kernel (hopper_records.py") and "token pairs" not in text, text

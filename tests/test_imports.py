@@ -86,3 +86,50 @@ def test_test_modules_import_only_the_kit_the_package_and_third_party_modules():
     wrong = {f"{f.relative_to(TESTS)} imports {sorted(names)}" for f in files
              if (names := _top_level_imports(f) & beside)}
     assert not wrong, sorted(wrong)
+
+
+# engines and vendor libraries that CI's main run does not install: their own jobs (ci/vllm-tests.sh,
+# ci/sglang-tests.sh, a GPU / ROCm machine) import them; dsv41_kv_quant_reference is a file of an
+# SGLang source checkout (tests/data/make_kv_records_golden.py)
+NOT_INSTALLED_HERE = {"vllm", "sglang", "transformers", "aiter", "flashinfer", "flash_mla", "dsv41_kv_quant_reference"}
+HOUSE = ("dsv4_attn", "kit")
+
+
+def _imports(path: Path) -> set[tuple[str, str | None]]:
+    """(module, imported name or None) for every absolute import in a file, lazy ones included."""
+    found: set[tuple[str, str | None]] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {(alias.name, None) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found |= {(node.module, alias.name) for alias in node.names}
+    return found
+
+
+def _resolves(module: str, name: str | None) -> bool:
+    """Whether `import module` / `from module import name` would work here; a GPU script's sibling
+    (sys.path[0] when it runs) counts, so does tests/ (where pytest and the scripts put the kit)."""
+    import importlib
+    import importlib.machinery
+    import importlib.util
+    top = module.split(".")[0]
+    if top not in HOUSE:
+        return (importlib.util.find_spec(top) is not None
+                or importlib.machinery.PathFinder.find_spec(top, [str(TESTS / "gpu_scripts")]) is not None)
+    try:
+        imported = importlib.import_module(module)
+        return name is None or name == "*" or hasattr(imported, name) or \
+            importlib.util.find_spec(f"{module}.{name}") is not None
+    except ImportError:  # a module that is not there, or a name looked up as a submodule of a module
+        return False
+
+
+def test_every_import_in_tests_resolves():
+    """A GPU-only test's lazy import runs on a GPU only: a name the house renamed or removed would
+    fail there first (it did once: `from compare import` after the kit took compare.py in). Every
+    import in tests/ must name a module that exists, and a house module's name must exist in it."""
+    files = [*TESTS.glob("*.py"), *TESTS.glob("*/*.py")]
+    wrong = sorted(f"{f.relative_to(TESTS)}: from {module} import {name}" for f in files
+                   for module, name in _imports(f)
+                   if module.split(".")[0] not in NOT_INSTALLED_HERE and not _resolves(module, name))
+    assert not wrong, wrong

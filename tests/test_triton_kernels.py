@@ -303,8 +303,6 @@ def test_gpu_production_shapes(impl, cfg, batch, mtp, fmt):
     kw = dict(_impls()).get(impl)
     if kw is None:
         pytest.skip(f"{impl} kernel needs an sm_90 GPU")
-    if impl == "gluon" and fmt != "fp8_ds_mla":
-        pytest.skip("the Gluon kernel reads the V4 record only (V4.1 records run the portable kernel)")
     from dsv4_attn import bench
 
     name = _backend(f"triton-{impl}", **kw)
@@ -505,7 +503,8 @@ def test_nvfp4_every_code_and_extreme_scales(device, gen):
 
 def test_kernel_choice_is_visible_in_explain(monkeypatch):
     """Which Triton kernel and tile a layer gets, and why, from the arch alone: the Gluon kernel on
-    sm_90 for V4 records in OCP e4m3 only; V4.1 records and FNUZ caches on the portable kernel; AMD's
+    sm_90 for V4 records in OCP e4m3, the records kernel (hopper_records) for V4.1 records in OCP
+    e4m3; FNUZ caches on the portable kernel; AMD's
     own tiles (16 heads x 64 keys, 4 warps; 16 keys for NVFP4 caches); the choice shows in explain()."""
     from dsv4_attn.common.layout import Fp8Dialect, KVFormat
     from dsv4_attn.common.platform import Platform
@@ -520,11 +519,14 @@ def test_kernel_choice_is_visible_in_explain(monkeypatch):
     v4 = b.choice(h100, spec, KVFormat.MODEL1_FP8, LayerKind.C4A, phase, ocp)
     assert v4.startswith("Gluon Hopper kernel: the 64-head kernel (hopper.py, 64 heads per program on wgmma M); "
                          "64 keys per tile"), v4
-    for fmt, want in ((KVFormat.MXFP8, "not mxfp8"), (KVFormat.NVFP4, "not mxfp8/nvfp4")):
+    for fmt, want in ((KVFormat.MXFP8, "(mxfp8)"), (KVFormat.NVFP4, "(mxfp8/nvfp4)")):
         got = b.choice(h100, spec, fmt, LayerKind.C2A, phase, ocp)
-        assert got.startswith("portable kernel, 64 heads x 64 keys per tile, 8 warps") and want in got, got
+        assert got.startswith("Gluon Hopper kernel: the V4.1 records' kernel (hopper_records.py") \
+            and f"V4.1 records {want}" in got, got
     # an SWA-only layer of nvfp4_ds_mla reads the MXFP8 cache only
-    assert "not mxfp8)" in b.choice(h100, spec, KVFormat.NVFP4, LayerKind.SWA, phase, ocp)
+    assert "V4.1 records (mxfp8) in" in b.choice(h100, spec, KVFormat.NVFP4, LayerKind.SWA, phase, ocp)
+    fnuz_mx = b.choice(h100, spec, KVFormat.MXFP8, LayerKind.C2A, phase, (Fp8Dialect.FNUZ,) * 2)
+    assert fnuz_mx.startswith("portable kernel") and "not FNUZ" in fnuz_mx, fnuz_mx
     assert "not FNUZ" in b.choice(h100, spec, KVFormat.MODEL1_FP8, LayerKind.C4A, phase, fnuz)
     amd = b.choice(mi355, dsv4.ModelSpec(num_heads=32), KVFormat.MODEL1_FP8, LayerKind.C4A, phase, ocp)
     assert amd == "portable kernel, 16 heads x 64 keys per tile, 4 warps (the Gluon kernel is sm_90 only, " \

@@ -14,10 +14,10 @@ Configs: V4 (C4A / C128A layers, ``h64-c4a512`` ...) and V4.1 (C1A / C2A top-k l
 ``h64-c1a512`` ...; ``v41-`` prefill). ``--format`` takes several KV formats; a config runs in
 every format its model stores (V4.1 records: V4.1 configs only), e.g. the V4.1 configs in
 ``fp8_ds_mla`` (vLLM's record for V4.1 on SM90, FlashMLA side by side) and in ``mxfp8_ds_mla`` /
-``nvfp4_ds_mla`` (SM100 records: the Triton kernels' software dequantization vs the floor).
+``nvfp4_ds_mla`` (SM100 records, dequantized in software: on SM90 by the Gluon records kernel).
 
-``--guard-cost`` also times each Triton kernel this GPU runs (Gluon on sm_90 for fp8_ds_mla, the
-portable one everywhere) compiled with and without its index range checks (out-of-range entries
+``--guard-cost`` also times each Triton kernel this GPU runs (Gluon on sm_90 for fp8_ds_mla and the
+V4.1 records, the portable one everywhere) compiled with and without its index range checks (out-of-range entries
 skipped, never read: docs/bad-input.md) on the same case, interleaved A-B-B-A, and prints the
 checks' cost in percent (target < 1 %) and whether both builds gave the same bits.
 

@@ -122,7 +122,8 @@ def guard_variants(fmt: KVFormat) -> dict[str, tuple[str, str]]:
     """{kernel: (backend with range checks, backend without)} for every Triton kernel this GPU
     runs on ``fmt`` (registered as bench variants)."""
     impls = ["triton"]
-    if fmt is KVFormat.MODEL1_FP8 and torch.cuda.get_device_capability() == (9, 0):
+    # the Gluon kernels' formats on sm_90 (hopper.py: the V4 record; hopper_records.py: V4.1's)
+    if fmt in (KVFormat.MODEL1_FP8, KVFormat.MXFP8, KVFormat.NVFP4) and torch.cuda.get_device_capability() == (9, 0):
         impls.insert(0, "gluon")
     return {impl: (register_variant(f"{impl}-checked=impl={impl}"),
                    register_variant(f"{impl}-unchecked=impl={impl},range_checks=0")) for impl in impls}

@@ -100,7 +100,7 @@ class TritonBackend(Backend):
         """The Triton kernel and tile a layer runs with, and why (shown by ``SparseMLA.explain()``)."""
         ops, config, records, comp, (impl, why) = self._kernel(platform, spec, fmt, kind, dialects)
         if impl == "gluon":
-            return (f"Gluon Hopper kernel: {ops.gluon_kernel_names(config, spec.num_heads, comp)}; "
+            return (f"Gluon Hopper kernel: {ops.gluon_kernel_names(config, spec.num_heads, comp, records)}; "
                     f"{config.g_block_n} keys per tile ({why}; 16-byte aligned caches)")
         tile = config.tile(platform.arch, spec.num_heads, records)
         return (f"portable kernel, {tile.block_h} heads x {tile.block_n} keys per tile, {tile.num_warps} warps "

@@ -7,12 +7,15 @@ print registers, spills and scratch per variant. No GPU needed; run it without T
 Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
 
 * ``hopper``: the Gluon Hopper kernels, sm_90a: the top-k walk with its LSE, split, split with the
-  in-kernel merge, SWA alone, the heads-on-N kernel's split merge and its token pairs' (C128A split
-  merge) (``--full``: 18 variants:
+  in-kernel merge, SWA alone, and the heads-on-N kernel's split merge, alone and with token pairs
+  (``--full``: 18 variants:
   SWA / every-entry / top-k, each alone, with the LSE, split, and split merging in the kernel;
   top-k with non-power-of-two cache blocks and without range checks; the heads-on-N kernel's
   top-k split merge (8 heads) and every-entry walk with its LSE (16 heads); its token pairs'
-  every-entry split merge and SWA walk with its LSE);
+  every-entry split merge and SWA walk with its LSE); and the V4.1 records'
+  kernel (``hopper_records``) for every record pair selection gives it (``gluon_record_layers``:
+  MXFP8, MXFP8 SWA + NVFP4 compressed) in the top-k walk with its LSE and the split merged in the
+  kernel (``--full``: SWA alone and the every-entry split too);
 * ``attention``: the portable kernel in every tile ``KernelConfig.tile`` picks for 1 - 128 heads,
   on sm_80 (bf16 caches only: the fp8 formats need sm_89), sm_90, sm_100, gfx942, gfx950, for the
   formats selection runs on it there (``portable_formats``: on sm_90 every format, the V4 record
@@ -56,7 +59,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dsv4_attn.common.layout import KVFormat  # noqa: E402
+from dsv4_attn.common.layout import Fp8Dialect, KVFormat  # noqa: E402
 from dsv4_attn.common.spec import MAX_HEADS  # noqa: E402
 from dsv4_attn.portable.kernels import attention as K  # noqa: E402
 from dsv4_attn.portable.kernels import indices, ops  # noqa: E402
@@ -67,18 +70,36 @@ TARGETS = {"sm80": GPUTarget("cuda", 80, 32), "sm90": GPUTarget("cuda", 90, 32),
 KINDS = {"SWA": K.COMP_NONE, "all": K.COMP_GLOBAL, "top-k": K.COMP_C4A_LOCAL}
 # (COMP, split, write_lse, shifts, range_checks, merge in the kernel, heads on N): what the launcher
 # compiles of the Gluon kernels (heads on N 8 / 16: hopper_heads, 0: the 64-head kernel)
-HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True, False, 0, False) for comp in (0, 1, 2) for lse in (True, False)]
-                   + [(comp, True, False, (6, 6), True, False, 0, False) for comp in (0, 1, 2)]
-                   + [(comp, True, True, (6, 6), True, True, 0, False) for comp in (0, 1, 2)]
-                   + [(2, False, True, (-1, -1), True, False, 0, False),
-                      (2, False, True, (6, 6), False, False, 0, False)]
-                   + [(2, True, True, (6, 6), True, True, 8, False), (1, False, True, (6, 6), True, False, 16, False)]
-                   + [(1, True, True, (6, 6), True, True, 16, True), (0, False, True, (6, 6), True, False, 16, True)])
+HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True, False, 0) for comp in (0, 1, 2) for lse in (True, False)]
+                   + [(comp, True, False, (6, 6), True, False, 0) for comp in (0, 1, 2)]
+                   + [(comp, True, True, (6, 6), True, True, 0) for comp in (0, 1, 2)]
+                   + [(2, False, True, (-1, -1), True, False, 0), (2, False, True, (6, 6), False, False, 0)]
+                   + [(2, True, True, (6, 6), True, True, 8), (1, False, True, (6, 6), True, False, 16)])
+# the heads-on-N kernel with token pairs (``ops.pair_tokens``: window and C128A layers)
+PAIR_VARIANTS = [(1, True, True, (6, 6), True, True, 16), (0, False, True, (6, 6), True, False, 16)]
 # without --full: the top-k walk with its LSE, split and in-kernel merge (every Gluon builtin the
-# kernel calls), SWA alone, the heads-on-N kernel's split merge and its token pairs' (C128A)
-HOPPER_QUICK = [(2, False, True, (6, 6), True, False, 0, False), (2, True, False, (6, 6), True, False, 0, False),
-                (2, True, True, (6, 6), True, True, 0, False), (0, False, True, (6, 6), True, False, 0, False),
-                (2, True, True, (6, 6), True, True, 8, False), (1, True, True, (6, 6), True, True, 16, True)]
+# kernel calls), SWA alone, and the heads-on-N kernel's split merge, alone and with token pairs (C128A)
+HOPPER_QUICK = [(2, False, True, (6, 6), True, False, 0), (2, True, False, (6, 6), True, False, 0),
+                (2, True, True, (6, 6), True, True, 0), (0, False, True, (6, 6), True, False, 0),
+                (2, True, True, (6, 6), True, True, 8)]
+# the V4.1 records' kernel, per record pair: the top-k walk with its LSE and the split merged in the
+# kernel (quick); SWA alone and the every-entry split (full)
+RECORDS_QUICK = [(2, False, True, (6, 6), True, False, 0), (2, True, True, (6, 6), True, True, 0)]
+RECORDS_FULL = RECORDS_QUICK + [(0, False, True, (6, 6), True, False, 0), (1, True, False, (-1, -1), True, False, 0)]
+
+
+def gluon_record_layers() -> list[tuple[int, tuple[int, int]]]:
+    """(COMP, (SWA, compressed) V4.1 record codes) of every layer kind and format for which
+    selection gives a layer on sm_90 a Gluon kernel (``ops.kernel_choice`` in OCP e4m3): what the
+    records kernel is compiled for (an SWA layer of nvfp4_ds_mla reads its MXFP8 cache only)."""
+    layers = set()
+    for fmt in KVFormat:
+        for comp in KINDS.values():
+            records = pb.layer_records(fmt, comp)
+            codes = ops.v41_codes(records)
+            if codes and ops.kernel_choice("sm90", records, (Fp8Dialect.OCP,) * len(records))[0] == "gluon":
+                layers.add((comp, codes))
+    return sorted(layers)
 
 
 @dataclass(frozen=True)
@@ -150,12 +171,26 @@ def jobs_for(targets: list[str], kernels: list[str], full: bool) -> list[Job]:
     for target in targets:
         if "hopper" in kernels and target == "sm90":
             for v in HOPPER_VARIANTS if full else [v for v in HOPPER_VARIANTS if v in HOPPER_QUICK]:
-                comp, split, lse, shifts, checks, merge, heads_n, pair = v
+                comp, split, lse, shifts, checks, merge, heads_n = v
                 label = (f"{list(KINDS)[comp]}{' split' if split else ''}{' merge' if merge else ''}"
                          f"{' lse' if lse else ''}{f' heads-on-N {heads_n}' if heads_n else ''}"
-                         f"{' token pairs' if pair else ''}"
                          f"{' bs!=2^n' if shifts[0] < 0 else ''}{' no range checks' if not checks else ''}")
-                out.append(Job(target, "hopper", label, v))
+                out.append(Job(target, "hopper", label, (*v, None, False)))
+            for v in PAIR_VARIANTS if full else PAIR_VARIANTS[:1]:
+                comp, split, lse, shifts, checks, merge, heads_n = v
+                label = (f"{list(KINDS)[comp]}{' split' if split else ''}{' merge' if merge else ''}"
+                         f"{' lse' if lse else ''} heads-on-N {heads_n} token pairs")
+                out.append(Job(target, "hopper", label, (*v, None, True)))
+            names = {K.FMT_MXFP8: "mxfp8", K.FMT_NVFP4: "nvfp4"}
+            layers = gluon_record_layers()
+            for pair in sorted({codes for _, codes in layers}):
+                for v in RECORDS_FULL if full else RECORDS_QUICK:
+                    comp, split, lse, shifts, checks, merge, _ = v
+                    if (comp, pair) not in layers:
+                        continue
+                    label = (f"records {names[pair[0]]}/{names[pair[1]]} {list(KINDS)[comp]}{' split' if split else ''}"
+                             f"{' merge' if merge else ''}{' lse' if lse else ''}{' bs!=2^n' if shifts[0] < 0 else ''}")
+                    out.append(Job(target, "hopper", label, (*v, pair, False)))
         if "attention" in kernels:
             out += _attention_jobs(target, full)
         if "combine" in kernels:
@@ -184,8 +219,8 @@ def _compile_indices(job: Job, target: GPUTarget):
 def _compile(job: Job):
     target = TARGETS[job.target]
     if job.kernel == "hopper":
-        comp, split, lse, shifts, checks, merge, heads_n, pair = job.args
-        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge, heads_n, pair))
+        comp, split, lse, shifts, checks, merge, heads_n, records, pair = job.args
+        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge, heads_n, pair, records))
     if job.kernel == "attention":
         tile, fmt, kind, split = job.args
         return pb.compile_portable(target, pb.variant(fmt, KINDS[kind], tile, split), ops.launch_options(tile))

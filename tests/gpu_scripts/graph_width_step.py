@@ -18,7 +18,7 @@ import json
 import torch
 import triton
 
-from dsv4_attn.bench.cases import make_step_case
+from dsv4_attn.bench.cases import make_model_step
 from dsv4_attn.bench.configs import STEP_MODELS
 from dsv4_attn.bench.runners import api_step_runner
 from dsv4_attn.bench.timing import L2Flush, time_callable
@@ -32,7 +32,7 @@ SHORT = 4096  # request lengths are drawn in [129, SHORT]
 def step_case(model_name: str, batch: int):
     """Short requests of ``model_name`` (caches sized for them), planned at 1M max_model_len."""
     model = STEP_MODELS[model_name]
-    case = make_step_case(model, batch, 1, "cuda", max_model_len=SHORT)
+    case = make_model_step(model, batch, 1, "cuda", max_model_len=SHORT)
     spec = ModelSpec.from_hf_config(model.config, max_model_len=MAX_MODEL_LEN)
     return dataclasses.replace(case, spec=spec, batch=dataclasses.replace(case.batch, max_model_len=MAX_MODEL_LEN))
 

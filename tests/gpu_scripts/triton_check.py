@@ -1,7 +1,9 @@
 """Device script: parity of the triton backend's kernels (Gluon Hopper path and portable path)
 against the float64 reference on production-shaped random cases; prints one line per case.
 
-    PYTHONPATH=. python tests/gpu_scripts/triton_check.py
+    PYTHONPATH=. python tests/gpu_scripts/triton_check.py [FORMAT ...]
+
+FORMAT (e.g. mxfp8_ds_mla nvfp4_ds_mla): only the cases in these KV formats (default: every case).
 """
 
 from __future__ import annotations
@@ -30,16 +32,20 @@ def main() -> int:
     cases = [
         ("h64-c4a512", 3, 1, v4), ("h64-c4a512", 2, 2, v4), ("h128-c4a1024", 2, 1, v4), ("h64-c128a", 4, 1, v4),
         ("h128-c128a", 2, 2, v4), ("h64-c4a512", 70, 1, v4), ("h128-c4a1024", 40, 1, v4),
-        # V4.1 layers in each record: V4 (SM90's), MXFP8, MXFP8 SWA + NVFP4 compressed (the portable kernel)
+        # V4.1 layers in each record: V4 (SM90's), MXFP8, MXFP8 SWA + NVFP4 compressed (both kernels: the
+        # Gluon one is hopper_records for the V4.1 records)
         *((cfg, b, 1, fmt) for fmt in (v4, KVFormat.MXFP8, KVFormat.NVFP4)
           for cfg, b in (("h64-c1a512", 3), ("h128-c2a1024", 40))),
     ]
+    only = {KVFormat.parse(f) for f in sys.argv[1:]}
     bad = 0
     for cfg, b, sq, fmt in cases:
+        if only and fmt not in only:
+            continue
         case = bench.make_decode_case(bench.DECODE_CONFIGS[cfg], b, sq, dev, fmt, seed=b + sq)
         case.sink[0], case.sink[1] = math.inf, -math.inf
         for impl, name in names.items():
-            if name is None or (impl == "gluon" and fmt is not v4):
+            if name is None:
                 continue
             run, out, plan = bench.runners.api_runner(case, name)
             out.fill_(float("nan"))

@@ -106,7 +106,7 @@ class KernelConfig:
     dot_dtype: str = "auto"  # auto | fp16 | bf16 | fp32
     p_scratch: int | None = None  # 1: P/alpha round-trip through a per-program scratch (see attention.py)
     f32_decode: int | None = None  # 1: e4m3 keys scaled in fp32, rounded to the dot dtype once (Tile.f32_decode)
-    impl: str = "auto"  # auto | gluon (Hopper kernel, V4 record only) | triton (portable kernel)
+    impl: str = "auto"  # auto | gluon (Hopper kernels: V4 record, V4.1 records) | triton (portable kernel)
     g_block_n: int = 64  # Gluon kernel: keys per tile
     # split merge (Gluon kernel): -1 auto (``merge_in_kernel``), 0 the combine launch, 1 inside
     # the attention kernel (the last split program of a token merges)
@@ -218,13 +218,25 @@ def kernel_choice(arch: str, records: tuple[Record, ...], dialects: tuple[Fp8Dia
         return "portable", "Triton's CPU interpreter"
     if arch != "sm90":
         return "portable", f"the Gluon kernel is sm_90 only, this is {arch}"
+    v41 = v41_codes(records) is not None
     other = sorted({r.value for r in records if r is not Record.V4_FP8})
-    if other:
-        return "portable", f"the Gluon kernel reads the V4 record (v4_fp8) only, not {'/'.join(other)}"
+    if other and not v41:
+        return "portable", f"the Gluon kernels read the V4 record (v4_fp8) or the V4.1 records (mxfp8, nvfp4), " \
+                           f"not {'/'.join(other)}"
     if Fp8Dialect.FNUZ in dialects:
         # FNUZ 0x7F / 0xFF (±240) are NaN to its OCP conversion; the portable kernel decodes them
         return "portable", "the Gluon kernel reads OCP e4m3 only, not FNUZ"
+    if v41:
+        return "gluon", f"sm_90, V4.1 records ({'/'.join(other)}) in OCP e4m3: hopper_records"
     return "gluon", "sm_90, V4 records in OCP e4m3"
+
+
+def v41_codes(records: tuple[Record, ...]) -> tuple[int, int] | None:
+    """The (SWA, compressed) record codes (``attention.FMT_*``) of a layer reading only V4.1 records
+    (MXFP8, NVFP4: the Gluon ``hopper_records`` kernel's), else None (the V4 record's kernels)."""
+    if not records or any(r not in (Record.MXFP8, Record.NVFP4) for r in records):
+        return None
+    return RECORD_CODE[records[0]], RECORD_CODE[records[-1]]
 
 
 def comp_mode_of(kind: LayerKind) -> int:
@@ -240,7 +252,7 @@ def compile_reason(arch: str, impl: str, records: tuple[Record, ...], comp_mode:
     ``arch`` with the installed Triton, else the compile error (``build.compile_error``: one
     non-split variant with the LSE and a sink, compiled once per process)."""
     if impl == "gluon":
-        variant = build.hopper_constexprs(comp_mode, write_lse=True)
+        variant = build.hopper_constexprs(comp_mode, write_lse=True, records=v41_codes(records))
         return build.compile_error(arch, "gluon", tuple(sorted(variant.items())))
     tile = config.tile(arch, num_heads, records)
     codes = (RECORD_CODE[records[0]], RECORD_CODE[records[-1]])
@@ -268,8 +280,8 @@ def use_gluon(device: torch.device, records: tuple[Record, ...], dialects: tuple
     ok = impl == "gluon" and all(_aligned(c) for c in caches)
     if config.impl == "gluon" and not ok:
         raise ValueError("config.impl: got 'gluon'; allowed only on an sm_90 GPU with Triton's Gluon (compiling "
-                         "with this Triton), the fp8_ds_mla format in OCP e4m3 and 16-byte aligned cache blocks; "
-                         f"here: {why}")
+                         "with this Triton), the fp8_ds_mla, mxfp8_ds_mla or nvfp4_ds_mla format in OCP e4m3 "
+                         f"and 16-byte aligned cache blocks; here: {why}")
     return ok
 
 
@@ -371,12 +383,15 @@ def pair_tokens(config: KernelConfig, gluon: bool, num_heads: int, comp_mode: in
     return not error
 
 
-def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int) -> str:
-    """Which Gluon kernel a layer of ``num_heads`` heads and COMP ``comp_mode`` launches, as the
-    launch decides (``heads_on_n``, ``pair_tokens``; where a variant does not compile, the 64-head
-    kernel), for ``SparseMLA.explain()``."""
+def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int,
+                       records: tuple[Record, ...] = (Record.V4_FP8,)) -> str:
+    """Which Gluon kernel a layer of ``num_heads`` heads and COMP ``comp_mode`` reading ``records``
+    launches, as the launch decides (``v41_codes``, ``heads_on_n``, ``pair_tokens``; where a variant
+    does not compile, the 64-head kernel), for ``SparseMLA.explain()``."""
     from . import hopper_heads
 
+    if v41_codes(records) is not None:
+        return "the V4.1 records' kernel (hopper_records.py, 64 heads per program on wgmma M)"
     wide = "the 64-head kernel (hopper.py, 64 heads per program on wgmma M)"
     if config.heads_on_n == 0 or num_heads > hopper_heads.MAX_HEADS:
         return wide
@@ -522,12 +537,13 @@ def layer_launches(
     tile = config.tile(device_arch(q.device), H, records)
     bn = config.g_block_n if gluon else tile.block_n
     max_tiles = _cdiv(swa_rows.shape[1], bn) + (_cdiv(b_width, bn) if comp_mode else 0)
-    pair = pair_tokens(config, gluon, H, comp_mode, tokens_per_request, T, q.device)
+    v41 = v41_codes(records)  # V4.1 records: the hopper_records kernel (64 heads per program, no pairs)
+    pair = not v41 and pair_tokens(config, gluon, H, comp_mode, tokens_per_request, T, q.device)
     if pair:  # two tokens per program, 8 columns each; their key list is at most both tokens' rows
         heads_n, n_hb, max_tiles = 16, 1, 2 * max_tiles
         programs = _cdiv(T, 2)
     else:
-        heads_n = heads_on_n(config, gluon, H, max_tiles, T, q.device, comp_mode)
+        heads_n = 0 if v41 else heads_on_n(config, gluon, H, max_tiles, T, q.device, comp_mode)
         n_hb = _cdiv(H, (heads_n or 64) if gluon else tile.block_h)
         programs = T * n_hb
     block_h = (heads_n or 64) if gluon else tile.block_h
@@ -564,6 +580,8 @@ def layer_launches(
                           RANGE_CHECKS=bool(config.range_checks), MERGE_IN_KERNEL=counters is not None)
         if heads_n:
             constexprs.update(NH=heads_n, PAIR=pair)
+        if v41:
+            constexprs["FMT_A"], constexprs["FMT_B"] = v41
         fn, options = build.hopper_kernel(constexprs)
         attention = launch.KernelLaunch(fn, grid, (
             q, q.stride(0), q.stride(1),
