@@ -81,6 +81,7 @@ class SparseMLA:
         self._checks = checks.LayerChecks()  # the per-layer checks, with their memo of passed calls
         self._backends: dict[str, Backend] = {}  # this model's own instances (their buffers are its own)
         self._selection = Selection(self._backend)  # decisions cached per kind, phase, launch-size range
+        self._repeats: dict[tuple, tuple] = {}  # a call's repeat key -> (backend, its Backend.repeat)
         # Refuse at construction (engine start) when the requested backend cannot run a layer.
         for kind in spec.kinds:
             for phase in Phase:
@@ -163,9 +164,9 @@ class SparseMLA:
     def reserve(self, plan: StepPlan, decode_tokens: int | None = None) -> None:
         """Engine start (a memory profile): let each decode backend allocate the buffers steps of
         up to ``decode_tokens`` decode tokens (default ``max_tokens``) will use (``Backend.reserve``),
-        and, for a plan of a StepBatch, compile the index front end's kernels (``FrontEnd.warm``)."""
-        if isinstance(plan.batch, StepBatch):
-            plan.front_end.warm(self._ensure_buffers(plan.device))
+        and compile the index front end's kernels (``FrontEnd.warm``: the top-k rows', and the
+        step rows' for a plan of a StepBatch)."""
+        plan.front_end.warm(self._ensure_buffers(plan.device), step_rows=isinstance(plan.batch, StepBatch))
         for name in dict.fromkeys(self.backend_for(kind, Phase.DECODE) for kind in self.spec.kinds):
             self._backend(name).reserve(plan, self.fmt, self.spec.num_heads, self.dialects,
                                         decode_tokens or self.max_tokens)
@@ -211,16 +212,50 @@ class SparseMLA:
                    selected key or the sink comes out as NaN (docs/bad-input.md).
         Returns out.
         """
-        layer = self._layer_inputs(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, out)
+        kind = self.spec.check_kind(kind)
+        checks.check_plan_current(plan, self, self._generation)
+        signature = None if validate else self._checks.signature(plan, kind, kv_scale, q, swa_cache, comp_cache,
+                                                                   topk, sink, out)
+        repeat_key = None
+        if signature is not None and out is not None:
+            repeat_key = (signature, checks.plan_tensors_key(plan, kind), swa_cache.storage_offset(),
+                          None if comp_cache is None else comp_cache.storage_offset())
+            if self._repeated(plan, kind, repeat_key):
+                return out
+        layer = self._checked(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, out, signature)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         route = self._route(plan, layer.kind)
-        if len(route) == 1 and route[0][2] is None:
-            route[0][0].forward(plan, layer, out)
+        if route[0][2] is None:  # one backend for the whole step
+            backend = route[0][0]
+            backend.forward(plan, layer, out)
+            if repeat_key is not None:
+                self._remember(repeat_key, backend, backend.repeat(plan, layer, out))
             return out
         for backend, sub_plan, tokens in route:
             backend.forward(sub_plan, layer.token_slice(*tokens), out[tokens[0]:tokens[1]])
         return out
+
+    REPEATS_LIMIT = 4096  # repeatable layer calls kept; forgotten when full
+
+    def _repeated(self, plan: StepPlan, kind: LayerKind, key: tuple) -> bool:
+        """Run a layer call again through what its backend bound for an earlier call of the same
+        ``key`` (the call's signature -- every input's type, address, shape, strides, dtype, device,
+        so the checks' verdict is that call's: passed --, the plan's tensors and the caches' storage
+        offsets), when the step's route still sends ``kind`` to that backend; False when none ran."""
+        found = self._repeats.get(key)
+        if found is None:
+            return False
+        backend, repeat = found
+        route = self._route(plan, kind)
+        return route[0][0] is backend and route[0][2] is None and repeat()
+
+    def _remember(self, key: tuple, backend: Backend, repeat) -> None:
+        if repeat is None:
+            return
+        if len(self._repeats) >= self.REPEATS_LIMIT:
+            self._repeats.clear()
+        self._repeats[key] = (backend, repeat)
 
     def _route(self, plan: StepPlan, kind: LayerKind) -> tuple:
         """((backend, plan, token range or None for all), ...) that run ``kind``'s layers of
@@ -251,13 +286,18 @@ class SparseMLA:
 
     def _layer_inputs(self, plan: StepPlan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale: float,
                       validate: bool, out: torch.Tensor | None = None) -> LayerInputs:
-        """Every check of a layer's inputs, once; the backends trust the result (its geometry)."""
         kind = self.spec.check_kind(kind)
         checks.check_plan_current(plan, self, self._generation)
+        return self._checked(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, out, None)
+
+    def _checked(self, plan: StepPlan, kind: LayerKind, q, swa_cache, comp_cache, topk, sink, kv_scale: float,
+                 validate: bool, out: torch.Tensor | None, signature: tuple | None) -> LayerInputs:
+        """Every check of a layer's inputs (``kind`` parsed, ``plan`` current), once; the backends
+        trust the result (its geometry). ``signature``: the call's, when the caller has it."""
         layer = LayerInputs(kind, q, swa_cache, comp_cache, topk, sink, self.fmt, self._scale, kv_scale,
                             self.swa_dialect, self.comp_dialect,
                             swa_geo=None, comp_geo=None)  # type: ignore[arg-type]  # set below, once checked
-        layer.swa_geo, layer.comp_geo, layer.checked_key = self._checks(plan, layer, out, validate)
+        layer.swa_geo, layer.comp_geo, layer.checked_key = self._checks(plan, layer, out, validate, signature)
         if layer.checked_key is not None:
             layer.checked_out = out
         return layer

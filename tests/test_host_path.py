@@ -24,7 +24,9 @@ import pytest
 import torch
 
 import dsv4_attn as dsv4
+from dsv4_attn import api
 from dsv4_attn.common import checks
+from dsv4_attn.common.backend import LayerInputs
 from dsv4_attn.common.spec import LayerKind
 from dsv4_attn.testing.steps import make_step
 
@@ -296,19 +298,60 @@ def test_a_replay_key_reads_only_the_layers_own_tables(gen, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernels)")
 @pytest.mark.parametrize("batch", [[1, 1], [3, 2, 1, 4, 2, 1, 1, 3]])  # few tokens split (+ combine); more do not
-def test_bound_launches_give_the_plain_launchs_bytes_on_the_gpu(gen, batch):
+@pytest.mark.parametrize("heads", [16, 8])  # 8: the split merged inside the Gluon kernel (its counters bound)
+def test_bound_launches_give_the_plain_launchs_bytes_on_the_gpu(gen, batch, heads):
     from dsv4_attn.portable.kernels import launch
 
     seqs = [40 + 37 * i for i in range(len(batch))]
-    case = make_step(gen, batch, seqs, kinds=C4A_ONLY, topk=64, max_model_len=4096, device="cuda")
+    case = make_step(gen, batch, seqs, kinds=C4A_ONLY, heads=heads, topk=64, max_model_len=4096, device="cuda")
     mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton", device="cuda")
     plan = mla.plan(case.batch)
     out = torch.full_like(case.q, float("nan"))
     outs = []
-    for _ in range(3):  # plain, plain + bind, replay
+    for _ in range(5):  # plain, plain + bind, replays
         out.fill_(float("nan"))
         outs.append(_call(mla, plan, case, out=out).clone())
     torch.cuda.synchronize()
-    assert any(isinstance(r, launch.Replay) for r in mla._backend("triton")._replays.values())
+    backend = mla._backend("triton")
+    assert any(isinstance(r, launch.Replay) for r in backend._replays.values())
     assert not outs[0].isnan().any()
-    assert torch.equal(outs[2], outs[0]) and torch.equal(outs[1], outs[0])
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert all(not counters.any() for counters in backend._counters.values())  # every launch leaves them 0
+
+
+@needs_triton
+def test_a_repeated_call_runs_only_its_bound_launches(case, monkeypatch):
+    """From the third call with the same inputs (plain, plain + bind, then bound), a layer call
+    neither checks its inputs again, builds its LayerInputs nor its launches: it hands the bound launchers their
+    arguments, one call each (the attention kernel and the split combine); a changed input then
+    takes the full path and is refused as always. Kernels stubbed, launches bound as on a GPU."""
+    from dsv4_attn.bench import host
+    from dsv4_attn.portable.kernels import launch, ops
+
+    with host.kernels_stubbed():
+        runs = []
+        monkeypatch.setattr(host._StubCompiled, "run", staticmethod(lambda *args: runs.append(args)))
+        mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
+        plan = mla.plan(case.batch)
+        out = torch.empty_like(case.q)
+        for _ in range(3):
+            _call(mla, plan, case, out=out)
+        per_call = len(runs)  # the third call's launches: the first bound ones
+        assert per_call >= 1
+        real_checks = checks.check_layer
+        monkeypatch.setattr(checks, "check_layer", _forbidden)
+        monkeypatch.setattr(ops, "layer_launches", _forbidden)
+        monkeypatch.setattr(launch, "bind_launches", _forbidden)
+        monkeypatch.setattr(api, "LayerInputs", _forbidden)
+        for _ in range(3):
+            _call(mla, plan, case, out=out)
+        assert len(runs) == 4 * per_call
+        assert [len(args) for args in runs[per_call:]] == [len(args) for args in runs[:per_call]] * 3
+        monkeypatch.setattr(checks, "check_layer", real_checks)
+        monkeypatch.setattr(api, "LayerInputs", LayerInputs)
+        with pytest.raises(ValueError, match=r"^q: got torch.bfloat16 \("):
+            _call(mla, plan, case, q=case.q[:-1], out=out)
+
+
+def _forbidden(*args, **kwargs):
+    raise AssertionError("a bound repeat ran the full path")

@@ -135,17 +135,18 @@ def test_graph_width_split_writes_and_merges_only_partials_with_keys(gen, device
 
 
 # ---- compiles ----------------------------------------------------------------------------------------
-def _record_variants(monkeypatch) -> list:
-    """Patch the row kernel's launch to record the cache key Triton's JIT computes for it on an
-    sm_90 target (``JITFunction.run``: specialization of every argument + options) before running
-    it under the interpreter. Distinct keys = compiled variants on a GPU."""
+def _record_variants(monkeypatch, name: str = "_step_rows_kernel") -> list:
+    """Patch a row kernel's launch (``kernels/indices.py``'s ``name``) to record the cache key
+    Triton's JIT computes for it on an sm_90 target (``JITFunction.run``: specialization of every
+    argument + options) before running it under the interpreter. Distinct keys = compiled
+    variants on a GPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
     from dsv4_attn.portable.kernels import indices as triton_indices
 
-    kernel = triton_indices._step_rows_kernel
+    kernel = getattr(triton_indices, name)
     jit = JITFunction(kernel.fn, **kernel.kwargs)  # the interpreted kernel's function and JIT arguments
     binder = create_function_from_signature(jit.signature, jit.params, make_backend(GPUTarget("cuda", 90, 32)))
     keys: list = []
@@ -191,6 +192,75 @@ def test_no_row_kernel_compile_after_engine_start(gen, monkeypatch):
     assert set(keys) <= at_start, "a step compiled a row-kernel variant engine start did not"
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="reads the JIT key under the interpreter")
+def test_no_topk_row_kernel_compile_after_engine_start(gen, monkeypatch):
+    """Engine start compiles the top-k row kernel's variants too (it compiled at the first top-k
+    layer of the first step before this change): steps of 1, 3 and 17 requests, int32 and int64
+    top-k of a wider buffer (its own stride), a block table as wide as the step needs, a cache
+    bound, FlashMLA's padding to 64 columns, a prefill sub-plan (tokens at an offset) compile none."""
+    keys = _record_variants(monkeypatch, "_topk_rows_kernel")
+    mla = _reserved_topk_model("cpu")
+    at_start = set(keys)
+    assert at_start
+    _topk_steps(gen, mla, "cpu")
+    assert len(keys) > len(at_start)
+    assert set(keys) <= at_start, "a step compiled a top-k row kernel variant engine start did not"
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="reads the JIT key under the interpreter")
+def test_engine_start_of_ready_made_rows_warms_the_topk_row_kernel(monkeypatch):
+    """SGLang's engine start plans an empty StepRows (integrations/sglang.py): its top-k layers'
+    rows (a TopkTable) go through the same kernel, so reserve compiles its variants there too (it
+    compiled nothing for a StepRows before this change)."""
+    keys = _record_variants(monkeypatch, "_topk_rows_kernel")
+    _reserved_topk_model("cpu")
+    from_batch = set(keys)
+    keys.clear()
+    mla = mla_for(TOPK_SPEC, "triton", max_tokens=64, max_reqs=32)
+    none = torch.zeros(0, 1, dtype=torch.int32)
+    mla.reserve(mla.plan(dsv4.StepRows(none, none[:, 0], none[:, 0])))
+    assert from_batch and set(keys) == from_batch
+
+
+TOPK_SPEC = dsv4.ModelSpec(num_heads=16, max_model_len=1 << 16, topk=512, layers=("swa", "c4a"))
+
+
+def _reserved_topk_model(device: str):
+    """A V4-like model (window + C4A, top-k 512) whose engine start (``reserve``) has run."""
+    mla = mla_for(TOPK_SPEC, "triton", max_tokens=64, max_reqs=32)
+    mla.reserve(mla.plan(_empty_step(TOPK_SPEC, c128a=False, device=device)))
+    return mla
+
+
+def _topk_steps(gen, mla, device: str) -> None:
+    """The top-k rows of steps of 1, 3 and 17 requests, as each decode backend asks for them."""
+    for query_lens in ([1], [1, 1, 5], [1] * 16 + [7]):
+        case = make_step(gen, query_lens, [900 + 97 * i for i in range(len(query_lens))],
+                         kinds=(LayerKind.SWA, LayerKind.C4A), topk=512, max_model_len=1 << 16, device=device)
+        plan = mla.plan(case.batch)
+        topk = case.topks[LayerKind.C4A]
+        wide = torch.full((topk.shape[0], 520), -1, dtype=torch.int64, device=device)[:, :512].copy_(topk)
+        for local, bound, multiple in ((topk, None, 1), (wide, 1 << 20, 64)):
+            plan.comp_scope(LayerKind.C4A, local, bound, multiple)
+        if plan.num_tokens > plan.num_decode_tokens:
+            plan.phase_plan("prefill").comp_scope(LayerKind.C4A, topk[plan.num_decode_tokens:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+def test_no_topk_row_kernel_compile_after_engine_start_gpu(gen):
+    """The same on a GPU, counted in the kernel's own compile cache."""
+    from dsv4_attn.portable.kernels import indices as triton_indices
+
+    kernel = triton_indices._topk_rows_kernel
+    mla = _reserved_topk_model("cuda")
+    compiled = sum(len(cache[0]) for cache in kernel.device_caches.values())
+    assert compiled
+    _topk_steps(gen, mla, "cuda")
+    torch.cuda.synchronize()
+    assert sum(len(cache[0]) for cache in kernel.device_caches.values()) == compiled
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
 def test_no_row_kernel_compile_after_engine_start_gpu(gen):
@@ -209,3 +279,75 @@ def test_no_row_kernel_compile_after_engine_start_gpu(gen):
     torch.cuda.synchronize()
     assert sum(len(cache[0]) for cache in kernel.device_caches.values()) == compiled
 
+
+
+def _sm90_key(one) -> tuple:
+    """The cache key Triton's JIT computes for a launch (``launch.KernelLaunch``) on an sm_90 target:
+    (kernel, specialization of every argument, options). Nothing is launched or compiled."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    fn = one.fn
+    jit = fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **fn.kwargs)  # Gluon's, or the interpreted one's
+    binder = create_function_from_signature(jit.signature, jit.params, make_backend(GPUTarget("cuda", 90, 32)))
+    _, specialization, options = binder(*one.args, **one.constexprs, **one.options)
+    return fn.__name__, tuple(specialization), str(options)
+
+
+@pytest.mark.parametrize("kernel", ["portable", "gluon"])
+def test_no_attention_kernel_variant_per_split(gen, monkeypatch, kernel):
+    """The split a step's launch size picks (1 .. a token's key tiles) is no part of the attention
+    kernels' nor the combine's cache key: every split launch is one attention variant, and one
+    combine variant per power of two of the split (its SPLIT_P2 lanes), so no step of a new batch
+    size compiles one mid-serving. On the code before this change the attention kernels had a
+    variant for split 16 (Triton specializes ints divisible by 16) and the combine one per split."""
+    pytest.importorskip("triton")
+    from dsv4_attn.portable.kernels import ops
+
+    if kernel == "gluon":
+        if not ops._gluon_importable():
+            pytest.skip("this Triton's Gluon does not import the Hopper kernel")
+        monkeypatch.setattr(ops, "use_gluon", lambda *args, **kwargs: True)
+    kind = LayerKind.C4A
+    case = make_step(gen, [1, 1], [3000, 4000], kinds=(LayerKind.SWA, kind), topk=1024, max_model_len=8192)
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")
+    plan = mla.plan(case.batch)
+    variants: dict[str, set] = {}
+    grids = set()
+    splits = range(2, 19)  # 18 key tiles of 64 (a 128 window + 1024 top-k): every split a launch can take
+    for split in splits:
+        layer = ops.layer_launches(
+            case.q, torch.empty_like(case.q), "fp8_ds_mla", case.caches["swa"], plan.swa_rows, plan.swa_lens,
+            comp_cache=case.caches[kind], comp_rows=case.topks[kind],
+            c4a=(case.batch.comp_block_table(kind), plan.token_to_req, plan.positions), topk_ratio=kind.ratio,
+            sink=case.sink, config=ops.KernelConfig(split=split, merge_in_kernel=0))
+        grids.add(layer.launches[0].grid[0] / split)  # (tokens x head blocks): the split launched, not clamped
+        for one in layer.launches:
+            name, *key = _sm90_key(one)
+            variants.setdefault(name, set()).add(tuple(key))
+    assert len(grids) == 1
+    attention, combine = (variants[name] for name in sorted(variants, key=lambda n: n == "combine_kernel"))
+    assert len(attention) == 1, f"{len(attention)} attention variants over splits {list(splits)}"
+    assert len(combine) == len({triton_next_power_of_2(s) for s in splits})
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def test_every_hopper_kernel_takes_its_split_at_run_time():
+    """The Gluon kernels ops launches on sm_90 (64-head, heads-on-N, V4.1 records) each leave
+    ``split`` unspecialized, as the test above checks through a launch for the first two: a kernel
+    added later without it would compile a variant per split value mid-serving (the records
+    kernel did, until this test)."""
+    from dsv4_attn.portable.kernels import attention, build, ops
+
+    if not ops._gluon_importable():
+        pytest.skip("this Triton's Gluon does not import the Hopper kernels")
+    kernels = {build.hopper_kernel(constexprs)[0] for constexprs in (
+        build.hopper_constexprs(1, split=True), build.hopper_constexprs(1, split=True, heads_n=8),
+        build.hopper_constexprs(1, split=True, records=(attention.FMT_MXFP8, attention.FMT_NVFP4)))}
+    assert len(kernels) == 3
+    for kernel in kernels:
+        assert [p.do_not_specialize for p in kernel.params if p.name == "split"] == [True], kernel.__name__

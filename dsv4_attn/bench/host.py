@@ -5,8 +5,10 @@ GPU's work: ``SparseMLA.forward``'s input checks, then the dispatch (backend dec
 split, the launcher's argument preparation), then the kernel launches themselves. Measured as
 differences of medians, each over many calls of one layer:
 
-* ``checks_us``: ``SparseMLA.layer_inputs`` alone (every check ``forward`` runs, ``out`` included);
-* ``dispatch_us``: ``forward`` with the Triton kernels replaced by a no-op stub, minus checks;
+* ``checks_us``: ``SparseMLA.layer_inputs`` alone (every check ``forward`` runs, ``out`` included;
+  a repeated call whose backend bound its launches skips them: ``SparseMLA._repeated``);
+* ``dispatch_us``: ``forward`` with the Triton kernels replaced by a no-op stub, minus checks
+  (negative where a repeat skips the checks: then read the total);
 * ``launch_us``: ``forward`` as it runs, minus the stubbed forward (GPU only: on the CPU the
   kernels run in Triton's interpreter, so only the stubbed parts are timed there);
 * ``total_us``: ``forward`` as it runs (GPU), or the stubbed forward (CPU).
@@ -42,6 +44,7 @@ CASES = {  # name: (kind of case, config, batch): V4-Flash's C4A layer (64 heads
     "flash-c128a-b64": ("decode", "h64-c128a", 64),
     "flash-swa-b64": ("decode", "h64-swa", 64),
     "flash-prefill-4k": ("prefill", "h64-q4k-kv8k-top640", 0),
+    "flash-tp8-decode-b2": ("decode", "h8-c4a512", 2),  # a V4-Flash -tp 8 rank: the split merged in the kernel
 }
 DEFAULT_CASES = ("flash-decode-b2", "flash-decode-b64", "flash-prefill-4k")
 

@@ -13,7 +13,7 @@ backend with ``getattr`` nor import a vendor module. The registry, selection and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -335,6 +335,12 @@ class Backend:
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
         """Write attention for all ``plan.num_tokens`` tokens into ``out`` [T, H, 512] bf16."""
         raise NotImplementedError
+
+    def repeat(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> Callable[[], bool] | None:
+        """After ``forward(plan, layer, out)``: a callable that runs that call again for a later
+        call with the same ``layer.checked_key`` and the same plan tensors (``SparseMLA`` keeps it,
+        keyed by them), returning False (nothing run) when it cannot; None (the default): none."""
+        return None
 
     # ---- what tools read (the probe, the parity matrix, the bench) -----------------------------
     @property

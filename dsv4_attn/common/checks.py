@@ -19,7 +19,7 @@ from .indices import check_local_topk, validate_local_topk
 from .layout import CacheGeometry, KVFormat, check_cache
 from .plan import StepPlan
 from .rows import StepRows
-from .spec import HEAD_DIM, MAX_HEADS, ModelSpec
+from .spec import HEAD_DIM, MAX_HEADS, LayerKind, ModelSpec
 
 
 # ---- devices ---------------------------------------------------------------------------------
@@ -187,12 +187,15 @@ class LayerChecks:
         self._passed = Interner()  # signature of a call that passed -> its number (the checked key)
         self._geometry: dict[int, tuple[CacheGeometry, CacheGeometry | None]] = {}
 
-    def __call__(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None,
-                 validate: bool) -> tuple[CacheGeometry, CacheGeometry | None, int | None]:
+    def __call__(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None, validate: bool,
+                 signature: tuple | None = None) -> tuple[CacheGeometry, CacheGeometry | None, int | None]:
         """(SWA geometry, compressed geometry, the call's checked key: a number equal for calls of
-        equal signatures, or None when not memoized)."""
-        signature = None if validate else self.signature(plan, layer, out)
-        if signature is None:
+        equal signatures, or None when not memoized). ``signature``: the call's :meth:`signature`
+        when the caller has it already."""
+        if not validate and signature is None:
+            signature = self.signature(plan, layer.kind, layer.kv_scale, layer.q, layer.swa_cache, layer.comp_cache,
+                                       layer.topk, layer.sink, out)
+        if validate or signature is None:
             return (*check_layer(plan, layer, out, validate), None)
         key = self._passed.get(signature)
         found = self._geometry.get(key) if key is not None else None
@@ -204,19 +207,39 @@ class LayerChecks:
             self._geometry[key] = found
         return found[0], found[1], key
 
-    def signature(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None) -> tuple | None:
-        """The call's signature, or None when an input is not a tensor (or None) or kv_scale not a
-        plain number (the full checks then say what is wrong)."""
-        kv_scale = layer.kv_scale
+    def signature(self, plan: StepPlan, kind: LayerKind, kv_scale, q, swa_cache, comp_cache, topk, sink,
+                  out) -> tuple | None:
+        """The call's signature (the plan's facts, ``kind`` parsed, kv_scale, every tensor's
+        :func:`tensor_signature`), or None when an input is not a tensor (or None) or kv_scale not
+        a plain number (the full checks then say what is wrong)."""
         if type(kv_scale) not in (float, int):
             return None
         try:
-            return (plan.cached("check_facts", lambda: self._plan_facts(_plan_facts(plan))),
-                    layer.kind, type(kv_scale), kv_scale, tensor_signature(layer.q),
-                    tensor_signature(layer.swa_cache), tensor_signature(layer.comp_cache),
-                    tensor_signature(layer.topk), tensor_signature(layer.sink), tensor_signature(out))
+            return (plan.cached("check_facts", lambda: self._plan_facts(_plan_facts(plan))), kind, type(kv_scale),
+                    kv_scale, tensor_signature(q), tensor_signature(swa_cache), tensor_signature(comp_cache),
+                    tensor_signature(topk), tensor_signature(sink), tensor_signature(out))
         except (AttributeError, RuntimeError):  # not a tensor, or one without an address (FakeTensor)
             return None
+
+
+_PLAN_TENSORS = Interner()
+
+
+def plan_tensors_key(plan: StepPlan, kind: LayerKind) -> int:
+    """A number for the signatures of every plan tensor a ``kind`` layer's launches read (once per
+    plan and kind; equal numbers, equal tensors up to their values): with a call's signature, what
+    fixes every argument of its kernel launches."""
+    return plan.cached(("plan_tensors", kind), lambda: _PLAN_TENSORS(_plan_tensors(plan, kind)))
+
+
+def _plan_tensors(plan: StepPlan, kind: LayerKind) -> tuple:
+    """What ``plan_tensors_key`` numbers: every plan tensor's signature, and the step's shape a kernel
+    choice may read (tokens, decode tokens, the requests' start offsets)."""
+    table = tensor_signature(plan.batch.comp_block_table(kind)) if plan.translates_topk(kind) else None
+    rows = tuple((ratio, tensor_signature(r), tensor_signature(n)) for ratio, (r, n) in plan.comp_rows.items())
+    starts = tensor_signature(getattr(plan.batch, "query_start_loc", None))
+    return (plan.num_tokens, plan.num_decode_tokens, plan.batch_invariant, starts,
+            *map(tensor_signature, (plan.positions, plan.token_to_req, plan.swa_rows, plan.swa_lens)), rows, table)
 
 
 def _plan_facts(plan: StepPlan) -> tuple:

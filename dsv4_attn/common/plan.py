@@ -118,7 +118,7 @@ def active_width(spec: ModelSpec, batch: StepBatch, kind: LayerKind) -> int:
     each)."""
     full = spec.all_width(kind.ratio)
     bound = batch.max_seq_len
-    if bound is None or _capturing(batch.device):
+    if bound is None or capturing(batch.device):
         return full
     entries = max(bound // kind.ratio, 1)
     return min(max(1 << (entries - 1).bit_length(), ALL_WIDTH_MULTIPLE), full)
@@ -136,7 +136,7 @@ def torch_all_rows(tokens: Tokens, kind: LayerKind, batch: StepBatch, buffers: P
         whole[:T, rows.shape[1]:].fill_(-1)
 
 
-def _capturing(device: torch.device) -> bool:
+def capturing(device: torch.device) -> bool:
     """A CUDA / HIP graph capture is in progress on ``device``'s current stream."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -150,9 +150,10 @@ class FrontEnd(Protocol):
         """Write positions, token_to_req, token_valid, the SWA rows and the rows of every kind of
         ``buffers.all_kinds(batch)`` for tokens [0, num_tokens) into ``buffers``."""
 
-    def warm(self, buffers: PlanBuffers) -> None:
-        """Engine start: compile whatever ``step_rows`` launches for ``buffers``' model (a no-op
-        where nothing compiles), so that no step compiles."""
+    def warm(self, buffers: PlanBuffers, step_rows: bool = True) -> None:
+        """Engine start: compile whatever ``topk_rows`` and (with ``step_rows``: steps given as a
+        StepBatch) ``step_rows`` launch for ``buffers``' model (a no-op where nothing compiles),
+        so that no step compiles."""
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,
                   local_topk: torch.Tensor, num_slots: int | None = None, multiple: int = 1) -> IndexPair:
@@ -180,7 +181,7 @@ class TorchFrontEnd:
         for kind in buffers.all_kinds(batch):
             torch_all_rows(tokens, kind, batch, buffers)
 
-    def warm(self, buffers: PlanBuffers) -> None:
+    def warm(self, buffers: PlanBuffers, step_rows: bool = True) -> None:
         pass  # torch ops: nothing to compile
 
     def topk_rows(self, tokens: Tokens, kind: LayerKind, table: torch.Tensor, comp_block_size: int,

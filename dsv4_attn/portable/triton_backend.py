@@ -22,9 +22,9 @@ import importlib.util
 import torch
 
 from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
-from ..common.checks import Interner, tensor_signature
+from ..common.checks import plan_tensors_key, tensor_signature
 from ..common.layout import Fp8Dialect, KVFormat, Record
-from ..common.plan import StepPlan
+from ..common.plan import StepPlan, capturing
 from ..common.platform import Platform, triton_interpreting
 from ..common.spec import LayerKind, ModelSpec
 
@@ -47,7 +47,8 @@ class TritonBackend(Backend):
     def __init__(self, config=None) -> None:
         self._config = config  # kernels.ops.KernelConfig or None (defaults)
         self._replays: dict[tuple, object] = {}  # replay key -> kernels.launch.Replay, or _SEEN (once)
-        self._plan_facts = Interner()
+        self._counters: dict[torch.device, torch.Tensor] = {}  # in-kernel merge counters (_merge_counters)
+        self._kept: list[torch.Tensor] = []
 
     def platform_reasons(self, platform: Platform) -> list[str]:
         if platform.vendor == "cpu":  # the CPU interpreter (tests) is the one non-GPU platform
@@ -108,6 +109,7 @@ class TritonBackend(Backend):
 
     # ---- forward ----------------------------------------------------------------------------
     REPLAYS_LIMIT = 4096  # bound layer calls kept (a few per layer and step shape); cleared when full
+    COUNTERS_MIN = 8192  # in-kernel merge counters allocated at least (int32: 32 KiB)
 
     def forward(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> None:
         launch = _kernels()[1]
@@ -118,9 +120,8 @@ class TritonBackend(Backend):
         if isinstance(known, launch.Replay) and known():
             return
         launches = self._launches(plan, layer, out)
-        if any(k.constexprs.get("MERGE_IN_KERNEL") for k in launches.launches):
-            # never bound: its arrival counters live on the plan (``merge_counters``), which a
-            # replay keyed by the plan's buffers would outlive
+        if any(k.constexprs.get("MERGE_IN_KERNEL") for k in launches.launches) and capturing(out.device):
+            # its arrival counters are then the plan's (``_merge_counters``), which a replay would outlive
             launches.plain()
             return
         if known is None:  # bound at the second call with these inputs: a call never repeated pays no binding
@@ -132,20 +133,26 @@ class TritonBackend(Backend):
                 self._replays.clear()
             self._replays[key] = known or _SEEN
 
+    def repeat(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor):
+        """The Replay bound for this call's inputs (``forward`` binds at the second call with
+        them), or None."""
+        key = self._replay_key(plan, layer, out)
+        known = self._replays.get(key) if key is not None else None
+        return known if isinstance(known, _kernels()[1].Replay) else None
+
     def _replay_key(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> tuple | None:
         """What fixes every argument of this call's launches (``kernels/launch.py``): the checked
         layer inputs (``layer.checked_key``), the plan's tensors, ``out`` and the caches' storage
         offsets (read by ``_check_v4_stride``); None when the layer was not checked by a
-        SparseMLA (launched plainly). The current GPU too: a bound kernel is loaded on one."""
+        SparseMLA (launched plainly). (The GPU a replay's kernels were loaded on: the Replay
+        itself checks it.)"""
         launch = _kernels()[1]
         if layer.checked_key is None or not launch.bindable(out.device):
             return None
         comp_offset = layer.comp_cache.storage_offset() if layer.comp_cache is not None else None
-        kind = layer.kind
-        facts = plan.cached(("triton_launch_facts", kind), lambda: self._plan_facts(_launch_facts(plan, kind)))
         out_signature = None if layer.checked_out is out else tensor_signature(out)  # else in checked_key
-        return (layer.checked_key, facts, out_signature, layer.swa_cache.storage_offset(), comp_offset,
-                launch.current_gpu(out.device))
+        return (layer.checked_key, plan_tensors_key(plan, layer.kind), out_signature,
+                layer.swa_cache.storage_offset(), comp_offset)
 
     def _launches(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor):
         """The layer call's kernel launches (``ops.layer_launches``), after the backend's own checks."""
@@ -173,9 +180,7 @@ class TritonBackend(Backend):
             kwargs["config"] = self._config
         if plan.batch_invariant:  # one key range per program: the split no longer follows the grid size
             kwargs["config"] = dataclasses.replace(self._config or ops.DEFAULT_CONFIG, split=1)
-        # the in-kernel split merge's counters: zeros made once per plan, shared by its layers
-        kwargs["merge_counters"] = lambda n: plan.cached(("merge_counters", n), lambda: torch.zeros(
-            n, dtype=torch.int32, device=layer.q.device))
+        kwargs["merge_counters"] = lambda n: self._merge_counters(plan, layer.q.device, n)
         kwargs["tokens_per_request"] = _decode_tokens_per_request(plan)
         return ops.layer_launches(
             layer.q, out, fmt, layer.swa_cache, plan.swa_rows, plan.swa_lens,
@@ -184,6 +189,21 @@ class TritonBackend(Backend):
             swa_fnuz=layer.swa_dialect is Fp8Dialect.FNUZ, comp_fnuz=layer.comp_dialect is Fp8Dialect.FNUZ,
             **kwargs,
         )
+
+    def _merge_counters(self, plan: StepPlan, device: torch.device, n: int) -> torch.Tensor:
+        """int32 zeros [n]: the arrival counters of a launch that merges its splits in the kernel,
+        which leaves them zero again (``ops.layer_launches``). Outside a CUDA-graph capture, this
+        backend's own (kept for its lifetime, so a bound replay's address stays valid; launches on
+        one stream run one after another). Inside a capture, zeros made once per plan (their
+        zeroing a node of the graph: nothing allocated inside a capture outlives its graph's pool)."""
+        if capturing(device):
+            return plan.cached(("merge_counters", n), lambda: torch.zeros(n, dtype=torch.int32, device=device))
+        counters = self._counters.get(device)
+        if counters is None or counters.numel() < n:
+            counters = torch.zeros(max(n, self.COUNTERS_MIN), dtype=torch.int32, device=device)
+            self._counters[device] = counters
+            self._kept.append(counters)  # a larger one replaces it: replays bound to this one keep it alive
+        return counters[:n]
 
     @staticmethod
     def _check_v4_stride(name: str, cache: torch.Tensor, record: Record, stride0: int) -> None:
@@ -214,13 +234,3 @@ def _decode_tokens_per_request(plan: StepPlan) -> int:
     if requests <= 0 or plan.num_decode_tokens != plan.num_tokens:
         return 1
     return max(1, plan.num_tokens // requests)
-
-
-def _launch_facts(plan: StepPlan, kind: LayerKind) -> tuple:
-    """Every plan tensor a launch of a ``kind`` layer reads, as signatures (once per plan and kind):
-    with the layer's checked key, what fixes the launches' arguments."""
-    table = tensor_signature(plan.batch.comp_block_table(kind)) if plan.translates_topk(kind) else None
-    rows = tuple((ratio, tensor_signature(r), tensor_signature(n)) for ratio, (r, n) in plan.comp_rows.items())
-    return (plan.num_tokens, plan.batch_invariant, *map(tensor_signature, (plan.positions, plan.token_to_req,
-                                                                            plan.swa_rows, plan.swa_lens)),
-            rows, table)

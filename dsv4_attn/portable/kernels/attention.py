@@ -410,7 +410,7 @@ def _store_rows(row_ptrs, k: tl.constexpr, val, hmask, PAIRED: tl.constexpr):
     tl.store(row_ptrs[:, None] + d[None, :], val, mask=hmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("split",))  # per step: no variant per split value (== 1, % 16 == 0)
 def sparse_mla_fwd_kernel(
     Q, stride_qt, stride_qh,
     O, stride_ot, stride_oh,
@@ -550,13 +550,13 @@ def split_ranges(tiles, split):
     return per, tl.maximum(tl.cdiv(tiles, per), 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("split",))  # per step: one variant per SPLIT_P2, not per split value
 def combine_kernel(
-    PO, PML, PU, O, stride_ot, stride_oh, LSE, stride_lt, SINK, num_heads,
-    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
+    PO, PML, PU, O, stride_ot, stride_oh, LSE, stride_lt, SINK, num_heads, split,
+    SPLIT_P2: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Merge the PU[t] <= SPLIT partials (acc, m, l) a token wrote: o = Σ w_s acc_s / (Σ w_s l_s +
+    """Merge the PU[t] <= split partials (acc, m, l) a token wrote: o = Σ w_s acc_s / (Σ w_s l_s +
     exp2(sink2 - M)), w_s = exp2(m_s - M). Grid: (T, cdiv(H, BLOCK_H), 512 // BLOCK_D)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -565,7 +565,7 @@ def combine_kernel(
     used = tl.load(PU + t)
     s = tl.arange(0, SPLIT_P2)
     smask = s < used
-    part = (t * SPLIT + s[None, :]) * num_heads + h[:, None].to(tl.int64)  # [BH, SP]
+    part = (t * split + s[None, :]) * num_heads + h[:, None].to(tl.int64)  # [BH, SP]
     pm = hmask[:, None] & smask[None, :]
     m = tl.load(PML + part * 2, mask=pm, other=-1.0e30)
     l = tl.load(PML + part * 2 + 1, mask=pm, other=0.0)
@@ -580,7 +580,7 @@ def combine_kernel(
     inv = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for i in range(used):
-        p_i = (t * SPLIT + i) * num_heads + h.to(tl.int64)
+        p_i = (t * split + i) * num_heads + h.to(tl.int64)
         m_s = tl.load(PML + p_i * 2, mask=hmask, other=-1.0e30)
         w_s = tl.exp2(m_s - m_max)
         a = tl.load(PO + p_i[:, None] * 512 + d[None, :], mask=hmask[:, None], other=0.0)

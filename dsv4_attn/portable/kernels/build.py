@@ -74,7 +74,7 @@ def compile_combine(gpu: GPUTarget, split: int = 304, block_h: int = 16):
     compiles it; 304 splits: one token on an MI300X's 304 CUs, the most ``ops.choose_split`` gives."""
     _require_compiler()
     fn = K.combine_kernel
-    constexprs = dict(SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), HAS_SINK=True, WRITE_LSE=True,
+    constexprs = dict(SPLIT_P2=triton.next_power_of_2(split), HAS_SINK=True, WRITE_LSE=True,
                       BLOCK_H=block_h, BLOCK_D=128)
     pointers = {"PO": "*fp32", "PML": "*fp32", "PU": "*i32", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32"}
     sig = {p.name: pointers.get(p.name) or ("constexpr" if p.name in constexprs else "i32") for p in fn.params}

@@ -196,13 +196,13 @@ def _prefetch_lines_l2(ptrs, mask):
 
 @gluon.jit
 def _prefetch_index_rows(a_rows, a_width, b_rows, b_width, COMP: gl.constexpr):
-    """L2 prefetch of a token's whole index rows (SWA slots, compressed entries), one line per
-    thread, issued before the lengths that pick this program's tiles are known."""
+    """L2 prefetch of a token's whole index rows (SWA slots, top-k entries), one line per thread,
+    issued before the lengths that pick this program's tiles are known."""
     L1d: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     j = gl.arange(0, 256, layout=L1d)  # 256 lines: one per lane (8 warps) or two (4 warps)
     ja = gl.minimum(j * 32, a_width - 1)  # 32 int32 entries per line; the last line's tail too
     _prefetch_lines_l2(a_rows + gl.maximum(ja, 0), (j < 128) & (j * 32 < a_width + 31) & (a_width > 0))
-    if COMP != 0:
+    if COMP == 2:  # (an "all" kind's rows, max_model_len / 128 wide: after their length, _token_tiles)
         jb = gl.minimum((j - 128) * 32, b_width - 1)
         _prefetch_lines_l2(b_rows + gl.maximum(jb, 0), (j >= 128) & ((j - 128) * 32 < b_width + 31) & (b_width > 0))
 
@@ -527,6 +527,7 @@ def _token_tiles(split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride
     req = 0
     if COMP == 1:
         len_b = gl.load(B_LENS + t)
+        _prefetch_index_rows(b_rows, gl.minimum(len_b, b_width), b_rows, 0, 0)  # its entries, not the row's width
     if COMP == 2:
         req = gl.load(TOK2REQ + t)
         pos = gl.load(POS + t)
@@ -544,7 +545,7 @@ def _token_tiles(split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride
     return t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi, used
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=("split",))  # per step: no variant per split value
 def sparse_mla_fwd_hopper(
     Q, stride_qt, stride_qh,
     O, stride_ot, stride_oh,

@@ -131,7 +131,7 @@ def _pair_offset(rows0, rows1, n0, n1, width, WINDOW: gl.constexpr):
     else:
         off = n0 * 0
     differs = ((off < 0) | (off > 1)).to(gl.int32)
-    for c0 in range(0, width, 512):
+    for c0 in range(0, gl.minimum(n0, width), 512):  # past n0 nothing overlaps
         j = c0 + j0
         both = (j < n0) & (j - off >= 0) & (j - off < n1)
         e0 = gl.load(rows0 + j, mask=both, other=0)
@@ -172,6 +172,9 @@ def _pair_tiles(split, num_tokens, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, s
         len_a1 = gl.minimum(gl.maximum(len_a1, 0), a_width)
         len_b = gl.minimum(gl.maximum(len_b, 0), b_width)
         len_b1 = gl.minimum(gl.maximum(len_b1, 0), b_width)
+    if COMP == 1:  # the C128A rows (max_model_len / 128 wide) to their lengths, as _token_tiles
+        _prefetch_index_rows(b_rows, gl.minimum(len_b, b_width), b_rows, 0, 0)
+        _prefetch_index_rows(b_rows1, gl.minimum(len_b1, b_width), b_rows1, 0, 0)
     off_a = _pair_offset(a_rows, a_rows1, len_a, len_a1, a_width, True)
     off_b = 0
     if COMP == 1:
@@ -182,7 +185,7 @@ def _pair_tiles(split, num_tokens, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, s
             off_b, 1 + has1.to(gl.int32))
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=("split", "num_tokens"))  # per step: no variant per split value or token count
 def sparse_mla_fwd_hopper_heads_n(
     Q, stride_qt, stride_qh,
     O, stride_ot, stride_oh,

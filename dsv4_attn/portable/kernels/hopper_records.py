@@ -267,7 +267,7 @@ def _producer_records(k_smem, vflag, kready, kempty, A_U8, a_stride0, a_bs, a_sl
                  A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS, 2, FMT_B)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=("split",))  # per step: no variant per split value
 def sparse_mla_fwd_hopper_records(
     Q, stride_qt, stride_qh,
     O, stride_ot, stride_oh,

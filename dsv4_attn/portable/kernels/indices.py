@@ -164,11 +164,18 @@ def build_step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
     )
 
 
-@triton.jit
+# Likewise for the top-k rows: everything but the model's ratio and top-k tile (the engine's tables
+# and top-k tensors, the cache's size, a phase sub-plan's token offset) is left unspecialized, so the
+# variants ``TritonFrontEnd.warm`` compiles at engine start serve every step.
+_TOPK_VALUES = ("stride_l", "stride_t", "bs", "table_cols", "K", "width", "last_slot")
+_TOPK_POINTERS = ("LOCAL", "POS", "TOK2REQ", "VALID", "TABLE")
+
+
+@triton.jit(do_not_specialize=_TOPK_VALUES, do_not_specialize_on_alignment=_TOPK_POINTERS)
 def _topk_rows_kernel(
     LOCAL, stride_l, POS, TOK2REQ, VALID,
     TABLE, stride_t, bs, table_cols,
-    ROWS, LENS, K, width, slot_limit,
+    ROWS, LENS, K, width, last_slot,
     RATIO: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -185,7 +192,7 @@ def _topk_rows_kernel(
         ok = ok & (col < table_cols)
         blk = tl.load(TABLE + req * stride_t + col, mask=ok, other=0).to(tl.int64)
         slot = blk * bs + (local - col * bs)
-        ok = ok & (blk >= 0) & (slot < slot_limit)
+        ok = ok & (blk >= 0) & (slot <= last_slot)
         tl.store(ROWS + t.to(tl.int64) * width + c, tl.where(ok, slot, -1).to(tl.int32), mask=c < width)
     tl.store(LENS + t, n.to(tl.int32))
 
@@ -202,11 +209,12 @@ def topk_rows(tokens: Tokens, ratio: int, table: torch.Tensor, comp_block_size: 
     width = -(-K // multiple) * multiple
     rows = torch.empty((T, width), dtype=torch.int32, device=local_topk.device)
     lens = torch.empty(T, dtype=torch.int32, device=local_topk.device)
-    limit = INT32_SLOTS if num_slots is None else min(num_slots, INT32_SLOTS)
+    # the last slot allowed (< 2**31: an int32 argument whether or not the cache bounds it, so one variant)
+    last_slot = (INT32_SLOTS if num_slots is None else min(num_slots, INT32_SLOTS)) - 1
     if T:
         _topk_rows_kernel[(T,)](
             local_topk, local_topk.stride(0), tokens.positions, tokens.token_to_req, tokens.valid,
-            table, table.stride(0), comp_block_size, table.shape[1], rows, lens, K, width, limit,
+            table, table.stride(0), comp_block_size, table.shape[1], rows, lens, K, width, last_slot,
             RATIO=ratio, BLOCK_K=_block(width), num_warps=4,
         )
     return rows, lens
@@ -237,26 +245,34 @@ class TritonFrontEnd:
         for kind in kinds[1:]:
             torch_all_rows(tokens, kind, batch, buffers)
 
-    def warm(self, buffers) -> None:
-        """Compile every variant of the step-row kernel this model's steps launch (with and
-        without a window start, with and without its "all" kind's rows), by launching each on a
+    def warm(self, buffers, step_rows: bool = True) -> None:
+        """Compile every variant of the top-k row kernel (per top-k kind, int32 and int64 top-k)
+        and, with ``step_rows``, of the step-row kernel (with and without a window start, with and
+        without its "all" kind's rows) this model's steps launch, by launching each on a
         one-token step into scratch tensors shaped as ``buffers``' rows: engine start, outside
         any graph capture, so no step compiles (the values that vary per step are not
-        specialized: ``_STEP_VALUES``)."""
+        specialized: ``_STEP_VALUES``, ``_TOPK_VALUES``)."""
         spec, dev = buffers.spec, buffers.positions.device
         i32 = dict(dtype=torch.int32, device=dev)
-        one = torch.ones(1, **i32)
-        qsl, table = torch.tensor([0, 1], **i32), torch.zeros(1, 1, **i32)
+        table = torch.zeros(1, 1, **i32)
         facts = (torch.zeros(1, dtype=torch.int64, device=dev), torch.zeros(1, **i32),
                  torch.zeros(1, dtype=torch.bool, device=dev))
+        for kind in spec.kinds:
+            if kind.uses_topk:
+                for dtype in (torch.int32, torch.int64):
+                    local = torch.full((1, spec.comp_width(kind)), -1, dtype=dtype, device=dev)
+                    topk_rows(Tokens(*facts), kind.ratio, table, 64, local)
+        if not step_rows:
+            return
+        one, qsl = torch.ones(1, **i32), torch.tensor([0, 1], **i32)
         swa = (torch.full((1, spec.window), -1, **i32), torch.zeros(1, **i32))
         all_kinds = [k for k in spec.kinds if k.attends_all][:1]
-        for kind in [None, *all_kinds]:
+        for all_kind in [None, *all_kinds]:
             rows = {}
-            if kind is not None:
-                width = spec.all_width(kind.ratio)
+            if all_kind is not None:
+                width = spec.all_width(all_kind.ratio)
                 rows = dict(c128_table=table, c128_rows=torch.full((1, width), -1, **i32),
-                            c128_lens=torch.zeros(1, **i32), all_ratio=kind.ratio, c128_capacity=width)
+                            c128_lens=torch.zeros(1, **i32), all_ratio=all_kind.ratio, c128_capacity=width)
             for start in (None, torch.zeros(1, **i32)):
                 build_step_rows(qsl, one, 1, table, 64, spec.window, *facts, *swa, swa_start=start, **rows)
 

@@ -74,8 +74,8 @@ class _Bound:
     function: Any
     packed_metadata: Any
     grid: tuple[int, int, int]
-    args: tuple  # every parameter in order; tensors as addresses, temporaries as _Temp
-    temp_positions: tuple[int, ...]  # where in args the _Temp entries are
+    args: tuple  # every parameter in order; tensors as addresses (a temporary's: filled per call)
+    fills: tuple[tuple[int, int, int], ...]  # (position in args, temporary, byte offset in it)
 
 
 class Replay:
@@ -84,28 +84,30 @@ class Replay:
 
     def __init__(self, bound: list[_Bound], temps: list[tuple[int, torch.dtype, int]], device: torch.device) -> None:
         self._bound = bound
-        self._temps = temps  # (numel, dtype, address % 16 at binding)
+        self._temps = [(n, dtype) for n, dtype, _ in temps]  # (numel, dtype)
+        self._aligns = [align for _, _, align in temps]  # address % 16 at binding
         self._device = device
+        self._gpu = current_gpu(device)  # the kernels were loaded on it (the current GPU at binding)
 
     def __call__(self) -> bool:
-        """Launch again; False (nothing launched) when a launch hook is installed now or a
-        temporary came at an alignment other than the bound one: the caller launches plainly."""
+        """Launch again; False (nothing launched) when a launch hook is installed now, another GPU
+        is current or a temporary came at an alignment other than the bound one: the caller
+        launches plainly."""
         hooks = knobs.runtime
-        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+        device = self._device
+        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls or current_gpu(device) != self._gpu:
             return False
-        temps = [torch.empty(n, dtype=dtype, device=self._device) for n, dtype, _ in self._temps]
+        temps = [torch.empty(n, dtype=dtype, device=device) for n, dtype in self._temps]  # alive until launched
         addresses = [t.data_ptr() for t in temps]
-        if any(a % 16 != align for a, (_, _, align) in zip(addresses, self._temps)):
+        if [a % 16 for a in addresses] != self._aligns:
             return False
-        stream = current_stream(self._device)
+        stream = current_stream(device)
         for b in self._bound:
-            args = b.args
-            if b.temp_positions:
-                filled = list(args)
-                for i in b.temp_positions:
-                    temp = filled[i]
-                    filled[i] = addresses[temp.index] + temp.offset
-                args = tuple(filled)
+            args: tuple | list = b.args
+            if b.fills:
+                args = filled = list(b.args)
+                for i, temp, offset in b.fills:
+                    filled[i] = addresses[temp] + offset
             b.run(*b.grid, stream, b.function, b.packed_metadata, None, None, None, *args)
         return True
 
@@ -162,10 +164,10 @@ def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device) ->
         if args is None:
             return None
         args = tuple(_as_address(a, layer.temporaries, storages) for a in args)
+        fills = tuple((i, a.index, a.offset) for i, a in enumerate(args) if isinstance(a, _Temp))
         gx, gy, gz = (tuple(launch.grid) + (1, 1))[:3]
         run_fn = kernel.run  # a property: loads the kernel (CompiledKernel._init_handles) if needed
-        bound.append(_Bound(run_fn, kernel.function, kernel.packed_metadata, (gx, gy, gz), args,
-                            tuple(i for i, a in enumerate(args) if isinstance(a, _Temp))))
+        bound.append(_Bound(run_fn, kernel.function, kernel.packed_metadata, (gx, gy, gz), args, fills))
     return Replay(bound, temps, device)
 
 

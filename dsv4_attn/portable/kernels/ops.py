@@ -567,7 +567,7 @@ def layer_launches(
     counters = None
     if merge_in_kernel(config, gluon, split, H):
         # zeros that must stay the caller's (``temporaries`` are re-allocated, not zeroed, by a
-        # bound replay: the backend never binds a launch that merges in the kernel)
+        # bound replay, which reuses the caller's counters: the launch leaves them zero)
         counters = merge_counters(T * n_hb) if merge_counters is not None else \
             torch.zeros(T * n_hb, dtype=torch.int32, device=q.device)
     lse_t = lse if lse is not None else out
@@ -620,7 +620,7 @@ def layer_launches(
         bh_c = min(bh_c, block_h)
         launches.append(launch.KernelLaunch(
             K.combine_kernel, (T, _cdiv(H, bh_c), 512 // bd),
-            (po, pml, pu, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H),
-            dict(SPLIT=split, SPLIT_P2=_next_power_of_2(split), HAS_SINK=sink is not None, WRITE_LSE=write_lse,
+            (po, pml, pu, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H, split),
+            dict(SPLIT_P2=_next_power_of_2(split), HAS_SINK=sink is not None, WRITE_LSE=write_lse,
                  BLOCK_H=bh_c, BLOCK_D=bd), dict(num_warps=4)))
     return launch.LayerLaunches(launches, temporaries)
