@@ -44,34 +44,26 @@ def test_heads_on_n_setting_is_checked():
         ops.KernelConfig(heads_on_n=2)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_SM90, reason="the Gluon kernels need an sm_90 GPU")
-@pytest.mark.parametrize("cfg,heads,batch,mtp,merge", [
-    ("h8-c4a512", 8, 2, 1, -1),      # split, merged in the kernel (auto at 8 heads)
-    ("h8-c4a512", 8, 70, 1, -1),     # 70 programs: split 3 (two per SM)
-    ("h8-swa", 8, 1, 1, -1),
-    ("h16-c128a", 16, 3, 1, -1),     # split, the combine launch
-    ("h16-c4a1024", 16, 40, 2, 1),   # MTP, split merged in the kernel (forced)
-    ("h16-c4a512", 16, 5, 1, 0),
-    ("h16-c128a", 16, 300, 1, -1),   # 300 programs: no split
-    ("h8-c4a512", 4, 3, 1, -1),      # 4 of a program's 8 heads
-    ("h16-c128a", 12, 2, 1, 1),      # 12 of 16
-    ("h16-swa", 10, 4, 1, 0),        # 10 of 16
-])
-def test_gpu_heads_on_n_matches_the_reference_across_graph_replays(cfg, heads, batch, mtp, merge):
+def _check_against_the_reference(config: ops.KernelConfig, name: str, cfg: str, heads: int, batch: int, mtp: int,
+                                 edit=None):
+    """The `triton` backend under ``config`` on a fresh decode case of ``cfg`` (``heads`` heads,
+    ``batch`` requests of ``mtp`` tokens) against the float64 reference, eagerly and across three
+    NaN-poisoned graph replays; ``edit(plan)`` may change the plan's rows and lengths in place first
+    (the reference reads the same rows)."""
     from dsv4_attn import SparseMLA, bench
     from dsv4_attn.common.registry import register_backend
     from dsv4_attn.portable.triton_backend import TritonBackend
 
     from kit.compare import assert_close, metrics
 
-    name = f"triton-heads-n-test-{merge}"
-    register_backend(name, TritonBackend(ops.KernelConfig(impl="gluon", heads_on_n=1, merge_in_kernel=merge)))
-    config = dataclasses.replace(bench.DECODE_CONFIGS[cfg], heads=heads)
-    case = bench.make_decode_case(config, batch, mtp, torch.device("cuda"), seed=batch * 3 + heads)
+    register_backend(name, TritonBackend(config))
+    case_config = dataclasses.replace(bench.DECODE_CONFIGS[cfg], heads=heads)
+    case = bench.make_decode_case(case_config, batch, mtp, torch.device("cuda"), seed=batch * 3 + heads)
     case.sink[0], case.sink[1] = math.inf, -math.inf  # head 0: all the weight on the sink, output 0
     mla = SparseMLA(case.spec, case.fmt, backend=name, max_tokens=case.q.shape[0])
     plan = mla.plan(case.batch)
+    if edit is not None:
+        edit(plan)
     out = torch.empty_like(case.q)
 
     def run():
@@ -98,6 +90,56 @@ def test_gpu_heads_on_n_matches_the_reference_across_graph_replays(cfg, heads, b
         check(f"replay {replay}")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SM90, reason="the Gluon kernels need an sm_90 GPU")
+@pytest.mark.parametrize("cfg,heads,batch,mtp,merge", [
+    ("h8-c4a512", 8, 2, 1, -1),      # split, merged in the kernel (auto at 8 heads)
+    ("h8-c4a512", 8, 70, 1, -1),     # 70 programs: split 3 (two per SM)
+    ("h8-swa", 8, 1, 1, -1),
+    ("h16-c128a", 16, 3, 1, -1),     # split, the combine launch
+    ("h16-c4a1024", 16, 40, 2, 1),   # MTP, split merged in the kernel (forced)
+    ("h16-c4a512", 16, 5, 1, 0),
+    ("h16-c128a", 16, 300, 1, -1),   # 300 programs: no split
+    ("h8-c4a512", 4, 3, 1, -1),      # 4 of a program's 8 heads
+    ("h16-c128a", 12, 2, 1, 1),      # 12 of 16
+    ("h16-swa", 10, 4, 1, 0),        # 10 of 16
+])
+def test_gpu_heads_on_n_matches_the_reference_across_graph_replays(cfg, heads, batch, mtp, merge):
+    _check_against_the_reference(ops.KernelConfig(impl="gluon", heads_on_n=1, pair_tokens=0, merge_in_kernel=merge),
+                                 f"triton-heads-n-test-{merge}", cfg, heads, batch, mtp)
+
+
+def _edge_rows(plan):
+    """Lengths and rows a token pair's program must get right: an empty window (token 0), windows of
+    1 and 65 keys (not a multiple of the 64-key tile), a C128A row of 1 and of 0 entries, and a
+    window / C128A row of the second token of an MTP pair that no longer shares its neighbour's
+    entries (one entry repeated: the prologue's check must read both lists)."""
+    swa_lens = plan.swa_lens
+    swa_lens[0], swa_lens[2], swa_lens[3] = 0, 1, 65
+    plan.swa_rows[5, 7] = plan.swa_rows[5, 9]
+    if 128 in plan.comp_rows:
+        rows, lens = plan.comp_rows[128]
+        lens[0], lens[4] = 1, 0
+        rows[7, 0] = rows[7, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SM90, reason="the Gluon kernels need an sm_90 GPU")
+@pytest.mark.parametrize("cfg,heads,batch,mtp,merge,edges", [
+    ("h8-swa", 8, 1, 2, -1, False),     # one pair, split, merged in the kernel
+    ("h8-c128a", 8, 3, 2, 0, False),    # split, the combine launch
+    ("h8-c128a", 8, 150, 2, -1, False),  # 150 pairs: no split
+    ("h8-swa", 5, 7, 1, -1, False),     # pairs of different requests (nothing shared), an odd token alone
+    ("h8-c128a", 8, 4, 3, 1, False),    # 3 tokens per request: pairs within and across requests
+    ("h8-c128a", 8, 4, 2, -1, True),    # _edge_rows
+    ("h8-swa", 4, 4, 2, 0, True),
+    ("h8-c128a", 8, 200, 2, -1, True),  # _edge_rows, no split
+])
+def test_gpu_token_pairs_match_the_reference_across_graph_replays(cfg, heads, batch, mtp, merge, edges):
+    _check_against_the_reference(ops.KernelConfig(impl="gluon", pair_tokens=1, merge_in_kernel=merge),
+                                 f"triton-pairs-test-{merge}", cfg, heads, batch, mtp, _edge_rows if edges else None)
+
+
 @pytest.mark.parametrize("setting,heads,tiles,tokens,expected", [
     (-1, 8, 18, 2, 8),     # V4-Flash TP8 rank, C4A 1024 / C128A 1024, split
     (-1, 16, 16, 2, 16),   # V4-Pro TP8 rank
@@ -121,3 +163,96 @@ def test_heads_on_n_where_it_does_not_compile(monkeypatch):
     with pytest.raises(ValueError, match="config.heads_on_n: got 1; allowed only where the heads-on-N kernel "
                                          "compiles; here: the Gluon Hopper kernel does not compile: X"):
         ops.heads_on_n(ops.KernelConfig(heads_on_n=1), True, 8, 18, 2, CPU)
+
+
+def test_pair_tokens_setting_is_checked():
+    with pytest.raises(ValueError, match=r"pair_tokens: got 3; allowed: -1 \(auto\), 0 or 1"):
+        ops.KernelConfig(pair_tokens=3)
+
+
+@pytest.mark.parametrize("setting,gluon,heads,comp,per_request,tokens,expected", [
+    (-1, True, 8, ops.K.COMP_GLOBAL, 2, 128, True),     # C128A, 64 pairs (measured faster from 64)
+    (-1, True, 8, ops.K.COMP_GLOBAL, 3, 192, True),     # 3 tokens per request
+    (-1, True, 8, ops.K.COMP_GLOBAL, 2, 64, False),     # 32 pairs: measured slower
+    (-1, True, 8, ops.K.COMP_NONE, 2, 256, False),      # window only: measured slower
+    (-1, True, 8, ops.K.COMP_GLOBAL, 1, 256, False),    # one token per request: nothing shared
+    (-1, True, 8, ops.K.COMP_C4A_LOCAL, 2, 256, False),  # top-k: each token's entries differ
+    (-1, True, 16, ops.K.COMP_GLOBAL, 2, 256, False),   # 2 x 16 heads: past wgmma N = 16
+    (-1, False, 8, ops.K.COMP_GLOBAL, 2, 256, False),   # the portable kernel
+    (0, True, 8, ops.K.COMP_GLOBAL, 2, 256, False),     # forced off
+    (1, True, 4, ops.K.COMP_NONE, 1, 3, True),          # forced on: any step of a window / C128A layer
+    (1, True, 8, ops.K.COMP_C4A_LOCAL, 2, 256, False),  # forced, but a top-k layer
+    (1, True, 16, ops.K.COMP_GLOBAL, 1, 256, False),    # forced, but the head count does not fit
+])
+def test_when_token_pairs_run(monkeypatch, setting, gluon, heads, comp, per_request, tokens, expected):
+    from dsv4_attn.portable.kernels import build
+
+    monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")  # as where it compiles
+    monkeypatch.setattr(ops, "_triton_version", lambda: "3.6.0")  # the Triton auto was measured with
+    config = ops.KernelConfig(pair_tokens=setting)
+    assert ops.pair_tokens(config, gluon, heads, comp, per_request, tokens, CPU) is expected
+
+
+def test_token_pairs_where_they_do_not_compile(monkeypatch):
+    from dsv4_attn.portable.kernels import build
+
+    monkeypatch.setattr(build, "compile_error", lambda *a, **k: "the Gluon Hopper kernel does not compile: X")
+    monkeypatch.setattr(ops, "_triton_version", lambda: "3.6.0")
+    assert not ops.pair_tokens(ops.KernelConfig(), True, 8, ops.K.COMP_GLOBAL, 2, 256, CPU)  # auto: one per program
+    with pytest.raises(ValueError, match="config.pair_tokens: got 1; allowed only where the token-pair kernel "
+                                         "compiles; here: the Gluon Hopper kernel does not compile: X"):
+        ops.pair_tokens(ops.KernelConfig(pair_tokens=1), True, 8, ops.K.COMP_NONE, 2, 4, CPU)
+
+
+@pytest.mark.parametrize("config,heads,comp,names", [
+    (ops.KernelConfig(), 64, ops.K.COMP_C4A_LOCAL, ["the 64-head kernel"]),
+    (ops.KernelConfig(), 32, ops.K.COMP_GLOBAL, ["the 64-head kernel"]),
+    (ops.KernelConfig(), 16, ops.K.COMP_C4A_LOCAL, ["heads-on-N kernel (hopper_heads.py, 16 heads",
+                                                     "else the 64-head"]),
+    (ops.KernelConfig(), 8, ops.K.COMP_GLOBAL, ["heads-on-N kernel (hopper_heads.py, 8 heads", "token pairs",
+                                                "2+ tokens per request and 64+ pairs"]),
+    (ops.KernelConfig(pair_tokens=1), 8, ops.K.COMP_NONE, ["token pairs", "always"]),
+    (ops.KernelConfig(heads_on_n=1, pair_tokens=0), 8, ops.K.COMP_NONE, ["heads-on-N"]),
+    (ops.KernelConfig(heads_on_n=0, pair_tokens=0), 8, ops.K.COMP_NONE, ["the 64-head kernel"]),
+])
+def test_explain_names_the_gluon_kernel(config, heads, comp, names):
+    text = ops.gluon_kernel_names(config, heads, comp)
+    assert all(name in text for name in names), text
+    if config.pair_tokens == 0 or comp == ops.K.COMP_C4A_LOCAL or heads > ops.PAIR_MAX_HEADS \
+            or (config.pair_tokens == -1 and comp == ops.K.COMP_NONE):
+        assert "token pairs" not in text, text
+    if config.heads_on_n == 0:
+        assert "heads-on-N" not in text, text
+
+
+@pytest.mark.parametrize("decode,tokens,requests,expected", [
+    (128, 128, 64, 2),   # MTP: 2 tokens per request
+    (64, 64, 64, 1),
+    (100, 128, 64, 1),   # prefill tokens in the step: no hint
+    (192, 192, 64, 3),
+])
+def test_tokens_per_request_hint(decode, tokens, requests, expected):
+    from types import SimpleNamespace
+
+    from dsv4_attn.portable import triton_backend
+
+    plan = SimpleNamespace(batch=SimpleNamespace(query_start_loc=torch.zeros(requests + 1)), num_decode_tokens=decode,
+                           num_tokens=tokens)
+    assert triton_backend._decode_tokens_per_request(plan) == expected
+
+
+@pytest.mark.parametrize("version,expected", [("3.6.0", True), ("3.8.0", False), ("3.9.0", False)])
+def test_token_pairs_auto_only_under_the_measured_triton(monkeypatch, version, expected):
+    from dsv4_attn.portable.kernels import build
+
+    monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")
+    monkeypatch.setattr(ops, "_triton_version", lambda: version)
+    assert ops.pair_tokens(ops.KernelConfig(), True, 8, ops.K.COMP_GLOBAL, 2, 256, CPU) is expected
+    assert ops.pair_tokens(ops.KernelConfig(pair_tokens=1), True, 8, ops.K.COMP_GLOBAL, 2, 256, CPU)  # forced
+
+
+def test_explain_names_the_records_kernel_for_v41_records():
+    from dsv4_attn.common.layout import Record
+
+    text = ops.gluon_kernel_names(ops.KernelConfig(), 8, ops.K.COMP_GLOBAL, (Record.MXFP8, Record.NVFP4))
+    assert text.startswith("the V4.1 records' kernel (hopper_records.py") and "token pairs" not in text, text

@@ -517,10 +517,12 @@ def test_kernel_choice_is_visible_in_explain(monkeypatch):
     spec = dsv4.ModelSpec(num_heads=128)
     phase = Phase.DECODE
     v4 = b.choice(h100, spec, KVFormat.MODEL1_FP8, LayerKind.C4A, phase, ocp)
-    assert v4.startswith("Gluon Hopper kernel, 64 heads x 64 keys"), v4
+    assert v4.startswith("Gluon Hopper kernel: the 64-head kernel (hopper.py, 64 heads per program on wgmma M); "
+                         "64 keys per tile"), v4
     for fmt, want in ((KVFormat.MXFP8, "(mxfp8)"), (KVFormat.NVFP4, "(mxfp8/nvfp4)")):
         got = b.choice(h100, spec, fmt, LayerKind.C2A, phase, ocp)
-        assert got.startswith("Gluon Hopper kernel, 64 heads x 64 keys") and f"V4.1 records {want}" in got, got
+        assert got.startswith("Gluon Hopper kernel: the V4.1 records' kernel (hopper_records.py") \
+            and f"V4.1 records {want}" in got, got
     # an SWA-only layer of nvfp4_ds_mla reads the MXFP8 cache only
     assert "V4.1 records (mxfp8) in" in b.choice(h100, spec, KVFormat.NVFP4, LayerKind.SWA, phase, ocp)
     fnuz_mx = b.choice(h100, spec, KVFormat.MXFP8, LayerKind.C2A, phase, (Fp8Dialect.FNUZ,) * 2)

@@ -99,9 +99,10 @@ class TritonBackend(Backend):
     def choice(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
                dialects) -> str:
         """The Triton kernel and tile a layer runs with, and why (shown by ``SparseMLA.explain()``)."""
-        _, config, records, _, (impl, why) = self._kernel(platform, spec, fmt, kind, dialects)
+        ops, config, records, comp, (impl, why) = self._kernel(platform, spec, fmt, kind, dialects)
         if impl == "gluon":
-            return f"Gluon Hopper kernel, 64 heads x {config.g_block_n} keys per tile ({why}; 16-byte aligned caches)"
+            return (f"Gluon Hopper kernel: {ops.gluon_kernel_names(config, spec.num_heads, comp, records)}; "
+                    f"{config.g_block_n} keys per tile ({why}; 16-byte aligned caches)")
         tile = config.tile(platform.arch, spec.num_heads, records)
         return (f"portable kernel, {tile.block_h} heads x {tile.block_n} keys per tile, {tile.num_warps} warps "
                 f"({why})")
@@ -180,6 +181,7 @@ class TritonBackend(Backend):
         if plan.batch_invariant:  # one key range per program: the split no longer follows the grid size
             kwargs["config"] = dataclasses.replace(self._config or ops.DEFAULT_CONFIG, split=1)
         kwargs["merge_counters"] = lambda n: self._merge_counters(plan, layer.q.device, n)
+        kwargs["tokens_per_request"] = _decode_tokens_per_request(plan)
         return ops.layer_launches(
             layer.q, out, fmt, layer.swa_cache, plan.swa_rows, plan.swa_lens,
             comp_cache=comp_cache, comp_rows=comp_rows, comp_lens=comp_lens, c4a=c4a, topk_ratio=layer.kind.ratio,
@@ -223,3 +225,12 @@ def _kernels():
 
 _SEEN = "seen once"  # a replay key launched once: the next call with it binds
 
+
+def _decode_tokens_per_request(plan: StepPlan) -> int:
+    """Query tokens per request of an all-decode step of a StepBatch (MTP / verify steps: 2+), else
+    1: the kernel choice's hint (``ops.pair_tokens``; results are exact either way)."""
+    loc = getattr(plan.batch, "query_start_loc", None)
+    requests = loc.shape[0] - 1 if loc is not None else 0
+    if requests <= 0 or plan.num_decode_tokens != plan.num_tokens:
+        return 1
+    return max(1, plan.num_tokens // requests)

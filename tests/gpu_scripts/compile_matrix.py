@@ -7,10 +7,12 @@ print registers, spills and scratch per variant. No GPU needed; run it without T
 Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
 
 * ``hopper``: the Gluon Hopper kernels, sm_90a: the top-k walk with its LSE, split, split with the
-  in-kernel merge, SWA alone, and the heads-on-N kernel's split merge (``--full``: 16 variants:
+  in-kernel merge, SWA alone, and the heads-on-N kernel's split merge, alone and with token pairs
+  (``--full``: 18 variants:
   SWA / every-entry / top-k, each alone, with the LSE, split, and split merging in the kernel;
   top-k with non-power-of-two cache blocks and without range checks; the heads-on-N kernel's
-  top-k split merge (8 heads) and every-entry walk with its LSE (16 heads)); and the V4.1 records'
+  top-k split merge (8 heads) and every-entry walk with its LSE (16 heads); its token pairs'
+  every-entry split merge and SWA walk with its LSE); and the V4.1 records'
   kernel (``hopper_records``) for every record pair selection gives it (``gluon_record_layers``:
   MXFP8, MXFP8 SWA + NVFP4 compressed) in the top-k walk with its LSE and the split merged in the
   kernel (``--full``: SWA alone and the every-entry split too);
@@ -73,8 +75,10 @@ HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True, False, 0) for comp in (0, 1
                    + [(comp, True, True, (6, 6), True, True, 0) for comp in (0, 1, 2)]
                    + [(2, False, True, (-1, -1), True, False, 0), (2, False, True, (6, 6), False, False, 0)]
                    + [(2, True, True, (6, 6), True, True, 8), (1, False, True, (6, 6), True, False, 16)])
+# the heads-on-N kernel with token pairs (``ops.pair_tokens``: window and C128A layers)
+PAIR_VARIANTS = [(1, True, True, (6, 6), True, True, 16), (0, False, True, (6, 6), True, False, 16)]
 # without --full: the top-k walk with its LSE, split and in-kernel merge (every Gluon builtin the
-# kernel calls), SWA alone, and the heads-on-N kernel's split merge
+# kernel calls), SWA alone, and the heads-on-N kernel's split merge, alone and with token pairs (C128A)
 HOPPER_QUICK = [(2, False, True, (6, 6), True, False, 0), (2, True, False, (6, 6), True, False, 0),
                 (2, True, True, (6, 6), True, True, 0), (0, False, True, (6, 6), True, False, 0),
                 (2, True, True, (6, 6), True, True, 8)]
@@ -171,7 +175,12 @@ def jobs_for(targets: list[str], kernels: list[str], full: bool) -> list[Job]:
                 label = (f"{list(KINDS)[comp]}{' split' if split else ''}{' merge' if merge else ''}"
                          f"{' lse' if lse else ''}{f' heads-on-N {heads_n}' if heads_n else ''}"
                          f"{' bs!=2^n' if shifts[0] < 0 else ''}{' no range checks' if not checks else ''}")
-                out.append(Job(target, "hopper", label, (*v, None)))
+                out.append(Job(target, "hopper", label, (*v, None, False)))
+            for v in PAIR_VARIANTS if full else PAIR_VARIANTS[:1]:
+                comp, split, lse, shifts, checks, merge, heads_n = v
+                label = (f"{list(KINDS)[comp]}{' split' if split else ''}{' merge' if merge else ''}"
+                         f"{' lse' if lse else ''} heads-on-N {heads_n} token pairs")
+                out.append(Job(target, "hopper", label, (*v, None, True)))
             names = {K.FMT_MXFP8: "mxfp8", K.FMT_NVFP4: "nvfp4"}
             layers = gluon_record_layers()
             for pair in sorted({codes for _, codes in layers}):
@@ -181,7 +190,7 @@ def jobs_for(targets: list[str], kernels: list[str], full: bool) -> list[Job]:
                         continue
                     label = (f"records {names[pair[0]]}/{names[pair[1]]} {list(KINDS)[comp]}{' split' if split else ''}"
                              f"{' merge' if merge else ''}{' lse' if lse else ''}{' bs!=2^n' if shifts[0] < 0 else ''}")
-                    out.append(Job(target, "hopper", label, (*v, pair)))
+                    out.append(Job(target, "hopper", label, (*v, pair, False)))
         if "attention" in kernels:
             out += _attention_jobs(target, full)
         if "combine" in kernels:
@@ -210,8 +219,8 @@ def _compile_indices(job: Job, target: GPUTarget):
 def _compile(job: Job):
     target = TARGETS[job.target]
     if job.kernel == "hopper":
-        comp, split, lse, shifts, checks, merge, heads_n, records = job.args
-        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge, heads_n, records))
+        comp, split, lse, shifts, checks, merge, heads_n, records, pair = job.args
+        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge, heads_n, pair, records))
     if job.kernel == "attention":
         tile, fmt, kind, split = job.args
         return pb.compile_portable(target, pb.variant(fmt, KINDS[kind], tile, split), ops.launch_options(tile))

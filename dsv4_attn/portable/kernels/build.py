@@ -82,18 +82,20 @@ def compile_combine(gpu: GPUTarget, split: int = 304, block_h: int = 16):
 
 
 def hopper_constexprs(comp: int, split: bool = False, write_lse: bool = False, shifts: tuple[int, int] = (6, 6),
-                      range_checks: bool = True, merge: bool = False, heads_n: int = 0,
+                      range_checks: bool = True, merge: bool = False, heads_n: int = 0, pair: bool = False,
                       records: tuple[int, int] | None = None) -> dict:
     """The Gluon Hopper kernel's constexprs of one launch (``ops.sparse_mla_fwd``), with a sink;
     ``merge``: a split launch merging its partials itself (``ops.merge_in_kernel``); ``heads_n``
     8 / 16: the heads-on-N kernel (``hopper_heads``) with that many heads per program, 0 the
-    64-head one; ``records``: the (SWA, compressed) record codes of a layer of V4.1 records
+    64-head one; ``pair``: the heads-on-N kernel with a token pair per program (``ops.pair_tokens``,
+    heads_n 16); ``records``: the (SWA, compressed) record codes of a layer of V4.1 records
     (``attention.FMT_MXFP8`` / ``FMT_NVFP4``: the ``hopper_records`` kernel), None the V4 record."""
     merge = merge and split
     const = dict(COMP=comp, C4A_RATIO=4, HAS_SINK=True, WRITE_LSE=write_lse and (not split or merge), IS_SPLIT=split,
                  BN=64, A_SHIFT=shifts[0], B_SHIFT=shifts[1], RANGE_CHECKS=range_checks, MERGE_IN_KERNEL=merge)
     if heads_n:
         const["NH"] = heads_n
+        const["PAIR"] = pair
     if records is not None:
         const["FMT_A"], const["FMT_B"] = records
     return const

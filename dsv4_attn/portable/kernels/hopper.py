@@ -122,6 +122,43 @@ def _idx_resolve(g, lo_b, val, inr, a_slots, b_slots, visible, bt_row, bt_cols, 
 
 
 @gluon.jit
+def _pair_scope(rows0, rows1, n0, n1, off1, jj, live, cap, RANGE_CHECKS: gl.constexpr):
+    """One scope of a token pair's key list (``hopper_heads`` PAIR): at list position ``jj`` token 0
+    names ``rows0[jj]`` (jj < n0), token 1 ``rows1[jj - off1]``; the row read is token 0's entry
+    where it has one, else token 1's; validity bits: 1 token 0, 2 token 1 (where its entry is the
+    row read: the prologue's check makes every overlap equal)."""
+    in0 = (jj < n0) & live
+    j1 = jj - off1
+    in1 = (j1 >= 0) & (j1 < n1) & live
+    e0 = gl.load(rows0 + jj, mask=in0, other=-1)
+    e1 = gl.load(rows1 + j1, mask=in1, other=-1)
+    val = gl.where(in0, e0, e1)
+    if RANGE_CHECKS:
+        ok = val.to(gl.uint32, bitcast=True) < cap.to(gl.uint32)
+    else:
+        ok = val >= 0
+    code = (in0 & ok).to(gl.int32) | ((in1 & ok & (e1 == val)).to(gl.int32) << 1)
+    return val, code
+
+
+@gluon.jit
+def _pair_idx(g, tiles_a, hi, a_rows, a_rows1, len_a, len_a1, off_a, a_slots, b_rows, b_rows1, len_b, len_b1, off_b,
+              b_slots, COMP: gl.constexpr, RANGE_CHECKS: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
+    """Index stage of a token pair (SWA and global compressed rows only: no block table): global
+    tile ``g``'s slots and validity bits (``_pair_scope``); tiles >= hi are empty."""
+    live = g < hi
+    j = gl.arange(0, BN, layout=layout)
+    val, code = _pair_scope(a_rows, a_rows1, len_a, len_a1, off_a, g * BN + j, live & (g < tiles_a), a_slots,
+                            RANGE_CHECKS)
+    if COMP != 0:
+        vb, cb = _pair_scope(b_rows, b_rows1, len_b, len_b1, off_b, (g - tiles_a) * BN + j, live & (g >= tiles_a),
+                             b_slots, RANGE_CHECKS)
+        val = gl.where(g < tiles_a, val, vb)
+        code = gl.where(g < tiles_a, code, cb)
+    return gl.where(code != 0, val, 0), code
+
+
+@gluon.jit
 def _row_ptrs(g, slots, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs, A_SHIFT: gl.constexpr,
               B_SHIFT: gl.constexpr):
     """Pointers (u8) to tile ``g``'s rows' 576-byte data and to their 8 scale bytes; slot ->
@@ -196,35 +233,39 @@ def _normalizer(m, lsum, SINK, h, hm, HAS_SINK: gl.constexpr):
 
 @gluon.jit
 def _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, t, t64, hb, n_hb, num_heads, split,
-                   used, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, BH: gl.constexpr):
+                   used, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, BH: gl.constexpr, n_tok=1):
     """After this program's partial stores: the last of the token's ``used`` split programs with
     keys to get here merges them (no combine launch; programs past the keys never arrive). One
     acq_rel counter increment per program after a CTA-wide barrier: the release covers every
     thread's stores; the acquire, broadcast through the atomic's own barrier, orders the merge's
     L1-bypassing loads after the other programs' stores (the split-K semaphore pattern). CNT is
     zero before the launch and left zero after it: the last program resets its entry once it has
-    merged."""
+    merged. A program of ``n_tok`` tokens (a token pair: 2) counts on its first token's entry and
+    merges each token."""
     compat.barrier()
     cnt = CNT + t * n_hb + hb
     arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
     if arrived == used - 1:
-        _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64, hb, num_heads, split, used,
-                      HAS_SINK, WRITE_LSE, BH)
+        for k in range(n_tok):
+            _merge_splits(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, t64 + k, hb, num_heads, split,
+                          used, HAS_SINK, WRITE_LSE, BH)
         gl.store(cnt, 0)
 
 
 @gluon.jit
 def _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb, num_heads,
                   split, used, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, MERGE_IN_KERNEL: gl.constexpr,
-                  BH: gl.constexpr):
+                  BH: gl.constexpr, n_tok=1):
     """After a program with keys stored its partial: the merge in the kernel (by the last of the
     token's ``used`` programs), or the token's ``used`` for the combine launch, which reads the
-    partials [0, used) (written once, by the token's first program)."""
+    partials [0, used) (written once, by the token's first program); for tokens t .. t + n_tok - 1
+    (a token pair's program: 2)."""
     if MERGE_IN_KERNEL:
         _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, t, t64, hb, n_hb, num_heads, split,
-                       used, HAS_SINK, WRITE_LSE, BH)
+                       used, HAS_SINK, WRITE_LSE, BH, n_tok)
     elif sp + hb == 0:
-        gl.store(PU + t, used)
+        for k in range(n_tok):
+            gl.store(PU + t + k, used)
 
 
 @gluon.jit
@@ -313,27 +354,39 @@ def _dequant(x, e, B0: gl.constexpr, BN: gl.constexpr):
 def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_rows, len_a, B_U8, b_stride0,
               b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a,
               A_SHIFT: gl.constexpr, B_SHIFT: gl.constexpr, COMP: gl.constexpr, BN: gl.constexpr,
-              RANGE_CHECKS: gl.constexpr, NS: gl.constexpr):
+              RANGE_CHECKS: gl.constexpr, NS: gl.constexpr, a_rows1, len_a1, off_a, b_rows1, len_b1, off_b,
+              PAIR: gl.constexpr):
     """Producer warpgroup: for each key tile (tile lo + i into K stage i % NS, of NS = 1 or 2),
     load its rows (e4m3 bytes and scale words into registers, RoPE values with cp.async into the
     stage's RoPE buffer), wait until the consumers have released K[stage], dequantize into it and
     signal ``kready``. The index pipeline and an L2 prefetch of the rows run one tile ahead (tile
     g+1 goes through the block table and into L2 while tile g's rows load; two tiles ahead
     measured slower); its row pointers are resolved once, for the prefetch and the next
-    iteration's loads."""
+    iteration's loads. With PAIR the tiles are a token pair's shared key list (``_pair_idx``: no
+    block table) and the validity flags hold each token's bit."""
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0])  # [BN, n, 64] e4m3 bytes
     Lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [BN, 64] bf16
     Lrow: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
-    v, r = _idx_load(lo, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
-    slots_c, valid_c = _idx_resolve(lo, tiles_a, v, r, a_slots, b_slots, visible, bt_row, bt_cols, b_bs, b_blocks,
-                                    B_SHIFT, COMP, RANGE_CHECKS)
+    if PAIR:
+        slots_c, valid_c = _pair_idx(lo, tiles_a, hi, a_rows, a_rows1, len_a, len_a1, off_a, a_slots, b_rows,
+                                     b_rows1, len_b, len_b1, off_b, b_slots, COMP, RANGE_CHECKS, BN, Lrow)
+        v_c, r_c = _pair_idx(lo + 1, tiles_a, hi, a_rows, a_rows1, len_a, len_a1, off_a, a_slots, b_rows, b_rows1,
+                             len_b, len_b1, off_b, b_slots, COMP, RANGE_CHECKS, BN, Lrow)
+    else:
+        v, r = _idx_load(lo, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
+        slots_c, valid_c = _idx_resolve(lo, tiles_a, v, r, a_slots, b_slots, visible, bt_row, bt_cols, b_bs, b_blocks,
+                                        B_SHIFT, COMP, RANGE_CHECKS)
+        v_c, r_c = _idx_load(lo + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
     row_c, srow_c = _row_ptrs(lo, slots_c, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs, A_SHIFT, B_SHIFT)
-    v_c, r_c = _idx_load(lo + 1, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
     for g in range(lo, hi):
         i = g - lo
         stage = i % NS
         row = row_c
-        valid = valid_c
+        flags = valid_c
+        if PAIR:
+            valid = flags != 0
+        else:
+            valid = flags
         ptrs, m = _chunk_ptrs(row, valid, 0, 2, L3)
         x01 = gl.load(ptrs, mask=m, other=0)
         ptrs, m = _chunk_ptrs(row, valid, 2, 2, L3)
@@ -353,9 +406,14 @@ def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slot
         compat.async_load(rope.index(stage), rptr, mask=valid_r)
         async_copy.commit_group()
         # next tile's rows through the block table (and into L2) while this tile's bytes are in flight
-        slots_c, valid_c = _idx_resolve(g + 1, tiles_a, v_c, r_c, a_slots, b_slots, visible, bt_row, bt_cols, b_bs,
-                                        b_blocks, B_SHIFT, COMP, RANGE_CHECKS)
-        v_c, r_c = _idx_load(g + 2, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
+        if PAIR:
+            slots_c, valid_c = v_c, r_c
+            v_c, r_c = _pair_idx(g + 2, tiles_a, hi, a_rows, a_rows1, len_a, len_a1, off_a, a_slots, b_rows, b_rows1,
+                                 len_b, len_b1, off_b, b_slots, COMP, RANGE_CHECKS, BN, Lrow)
+        else:
+            slots_c, valid_c = _idx_resolve(g + 1, tiles_a, v_c, r_c, a_slots, b_slots, visible, bt_row, bt_cols,
+                                            b_bs, b_blocks, B_SHIFT, COMP, RANGE_CHECKS)
+            v_c, r_c = _idx_load(g + 2, tiles_a, hi, a_rows, len_a, b_rows, len_b, COMP, BN, Lrow)
         row_c, srow_c = _row_ptrs(g + 1, slots_c, tiles_a, A_U8, B_U8, a_stride0, b_stride0, a_bs, b_bs,
                                   A_SHIFT, B_SHIFT)
         _prefetch_l2(row_c, srow_c)
@@ -367,7 +425,7 @@ def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slot
         k_buf.slice(384, 64, dim=1).store(_dequant(x6, e1, 2, BN))
         async_copy.wait_group(0)
         k_buf.slice(448, 64, dim=1).store(rope.index(stage).load(Lr).to(gl.float16))
-        vflag.index(stage).store(valid.to(gl.int8))
+        vflag.index(stage).store(flags.to(gl.int8))
         fence_async_shared()
         compat.barrier()
         mbarrier.arrive(kready.index(stage), count=1)
@@ -431,6 +489,22 @@ def _consumer(q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, strid
 
 
 @gluon.jit
+def _split_range(tiles, sp, split, IS_SPLIT: gl.constexpr):
+    """Split ``sp``'s key tiles [lo, hi) of ``tiles``, and ``used``: how many of the ``split``
+    programs have keys (only they write partials; attention.split_ranges)."""
+    used = 1
+    if IS_SPLIT:
+        per = gl.maximum(gl.cdiv(tiles, split), 1)
+        used = gl.maximum(gl.cdiv(tiles, per), 1)
+        lo = sp * per
+        hi = gl.minimum(lo + per, tiles)
+    else:
+        lo = 0
+        hi = tiles
+    return lo, hi, used
+
+
+@gluon.jit
 def _token_tiles(split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride_br, B_LENS, BT, stride_bt, bt_cols,
                  b_bs, TOK2REQ, POS, b_width, COMP: gl.constexpr, C4A_RATIO: gl.constexpr, IS_SPLIT: gl.constexpr,
                  RANGE_CHECKS: gl.constexpr, BN: gl.constexpr):
@@ -464,16 +538,7 @@ def _token_tiles(split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride
         len_a = gl.minimum(gl.maximum(len_a, 0), a_width)
         len_b = gl.minimum(gl.maximum(len_b, 0), b_width)
     tiles_a = gl.cdiv(len_a, BN)
-    tiles = tiles_a + gl.cdiv(len_b, BN)
-    used = 1  # programs of this token with keys: only they write partials (attention.split_ranges)
-    if IS_SPLIT:
-        per = gl.maximum(gl.cdiv(tiles, split), 1)
-        used = gl.maximum(gl.cdiv(tiles, per), 1)
-        lo = sp * per
-        hi = gl.minimum(lo + per, tiles)
-    else:
-        lo = 0
-        hi = tiles
+    lo, hi, used = _split_range(tiles_a + gl.cdiv(len_b, BN), sp, split, IS_SPLIT)
     bt_row = BT + req.to(gl.int64) * stride_bt  # type: ignore[attr-defined]  # req starts as the Python 0 the JIT turns into a scalar tensor
     if COMP == 2:
         _prefetch_table_row(bt_row, visible, b_bs, bt_cols)
@@ -529,7 +594,7 @@ def sparse_mla_fwd_hopper(
                      qk_scale, lo, hi, BH, BN)),
         (_producer, (k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_rows, len_a, B_U8,
                      b_stride0, b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a,
-                     A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS, 2)),
+                     A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS, 2, a_rows, len_a, 0, b_rows, len_b, 0, False)),
     ], [4], [PRODUCER_REGS])
 
     # ---- epilogue ------------------------------------------------------------------------------

@@ -118,6 +118,9 @@ class KernelConfig:
     # Gluon kernel with few heads: -1 auto (``heads_on_n``), 0 the 64-head kernel (heads on wgmma's M),
     # 1 the heads-on-N kernel (hopper_heads) wherever the head count allows it (<= 16)
     heads_on_n: int = -1
+    # Gluon kernel, MTP / verify steps: -1 auto (``pair_tokens``), 0 one token per program, 1 two
+    # consecutive tokens per program (the heads-on-N kernel; window and C128A layers of <= 8 heads)
+    pair_tokens: int = -1
     # 0 compiles the kernels WITHOUT their index range checks, so out-of-range entries are read
     # out of bounds: only for measuring the checks' cost (dsv4-attn bench --guard-cost)
     range_checks: int = 1
@@ -127,6 +130,8 @@ class KernelConfig:
             raise ValueError(f"block_h: got {self.block_h!r}; allowed: None (the arch's), 16, 32 or 64")
         if self.heads_on_n not in (-1, 0, 1):
             raise ValueError(f"heads_on_n: got {self.heads_on_n!r}; allowed: -1 (auto), 0 or 1")
+        if self.pair_tokens not in (-1, 0, 1):
+            raise ValueError(f"pair_tokens: got {self.pair_tokens!r}; allowed: -1 (auto), 0 or 1")
         if self.merge_in_kernel not in (-1, 0, 1):
             raise ValueError(f"merge_in_kernel: got {self.merge_in_kernel!r}; allowed: -1 (auto), 0 or 1")
         if self.combine_heads not in (None, 4, 8, 16) or self.combine_dims not in (None, 32, 64, 128):
@@ -331,6 +336,82 @@ def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int
     return 0 if error else nh
 
 
+# Token pairs (hopper_heads PAIR): a request's MTP / verify tokens read the same window (shifted by
+# one position) and the same C128A rows, so one program serves two consecutive tokens (columns
+# 0-7 and 8-15 of wgmma N = 16) and reads each shared row once; the prologue checks that the
+# rows overlap as such, else the program reads both lists (exact either way). Window-only and C128A
+# layers (no top-k: each token's top-k differs), up to PAIR_MAX_HEADS heads per token. Measured on
+# the H100 (notes/perf-wave6.md, 8 heads, 2 tokens per request): C128A 7 % / 11 % / 22 % faster
+# at 64 / 128 / 256 pairs, but 14-45 % slower at 1-16 pairs (each split program then has one or two
+# key tiles: the pair's longer fixed chain, its overlap check and a merge of two tokens, costs
+# more than the halved rows save); window-only layers 20-25 % slower at 64-128 pairs (3 key tiles
+# for 129 shared rows against 2 per token). Auto takes it on C128A layers in steps of
+# PAIR_AUTO_MIN_TOKENS+ tokens per request with PAIR_AUTO_MIN_PAIRS+ pairs, under the Tritons it was
+# measured with (PAIR_AUTO_TRITONS: 3.6, where its variants spill 0-32 B; 3.8 spills 644-668 B and
+# 3.9 256 B in them, unmeasured on a GPU).
+PAIR_MAX_HEADS = 8
+PAIR_AUTO_MIN_TOKENS = 2
+PAIR_AUTO_MIN_PAIRS = 64
+PAIR_AUTO_TRITONS = ("3.6.",)
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def pair_tokens(config: KernelConfig, gluon: bool, num_heads: int, comp_mode: int, tokens_per_request: int,
+                num_tokens: int, device: torch.device) -> bool:
+    """Whether the Gluon launch of ``num_tokens`` tokens runs two consecutive tokens per program
+    (the heads-on-N kernel, 16 columns): never on the portable kernel, with ``heads_on_n`` 0 (the
+    64-head kernel), above PAIR_MAX_HEADS heads or on a top-k layer; else as ``config.pair_tokens``
+    says, auto on C128A layers (COMP_GLOBAL) where a step has ``tokens_per_request`` >=
+    PAIR_AUTO_MIN_TOKENS and PAIR_AUTO_MIN_PAIRS+ pairs under a Triton of PAIR_AUTO_TRITONS, where it
+    compiles with this Triton (forced where it does not: ValueError)."""
+    if not gluon or config.pair_tokens == 0 or config.heads_on_n == 0 or num_heads > PAIR_MAX_HEADS \
+            or comp_mode == K.COMP_C4A_LOCAL:
+        return False
+    if config.pair_tokens != 1 and (comp_mode != K.COMP_GLOBAL or tokens_per_request < PAIR_AUTO_MIN_TOKENS
+                                    or _cdiv(num_tokens, 2) < PAIR_AUTO_MIN_PAIRS
+                                    or not _triton_version().startswith(PAIR_AUTO_TRITONS)):
+        return False
+    variant = build.hopper_constexprs(comp_mode, write_lse=True, heads_n=16, pair=True)
+    error = build.compile_error(device_arch(device), "gluon", tuple(sorted(variant.items())))
+    if error and config.pair_tokens == 1:
+        raise ValueError(f"config.pair_tokens: got 1; allowed only where the token-pair kernel compiles; here: {error}")
+    return not error
+
+
+def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int,
+                       records: tuple[Record, ...] = (Record.V4_FP8,)) -> str:
+    """Which Gluon kernel a layer of ``num_heads`` heads and COMP ``comp_mode`` reading ``records``
+    launches, as the launch decides (``v41_codes``, ``heads_on_n``, ``pair_tokens``; where a variant
+    does not compile, the 64-head kernel), for ``SparseMLA.explain()``."""
+    from . import hopper_heads
+
+    if v41_codes(records) is not None:
+        return "the V4.1 records' kernel (hopper_records.py, 64 heads per program on wgmma M)"
+    wide = "the 64-head kernel (hopper.py, 64 heads per program on wgmma M)"
+    if config.heads_on_n == 0 or num_heads > hopper_heads.MAX_HEADS:
+        return wide
+    nh = hopper_heads.heads_per_program(num_heads)
+    narrow = f"the heads-on-N kernel (hopper_heads.py, {nh} heads on wgmma N, 2 CTAs per SM)"
+    if config.heads_on_n == 1:
+        text = narrow
+    elif num_heads > HEADS_ON_N_MAX_HEADS:
+        text = wide
+    else:
+        text = (f"{narrow} where a token's rows span {HEADS_ON_N_MIN_TILES}+ key tiles or the launch needs no key "
+                f"split, else {wide}")
+    forced = config.pair_tokens == 1 and comp_mode != K.COMP_C4A_LOCAL
+    if num_heads <= PAIR_MAX_HEADS and config.pair_tokens != 0 and (forced or comp_mode == K.COMP_GLOBAL):
+        when = "always" if forced else \
+            f"in steps of {PAIR_AUTO_MIN_TOKENS}+ tokens per request and {PAIR_AUTO_MIN_PAIRS}+ pairs (Triton 3.6)"
+        text += f"; token pairs (hopper_heads.py PAIR, two tokens x 8 heads on wgmma N) {when}"
+    return text
+
+
 # The in-kernel merge is one program's serial walk over the partials, 8 heads at a time
 # (hopper._merge_splits). Measured on the H100 (notes/perf-wave4.md): 4-12 % faster than the
 # combine launch for 8 heads (V4-Flash under tensor parallelism 8) at every batch and layer kind,
@@ -402,6 +483,7 @@ def layer_launches(
     config: KernelConfig = DEFAULT_CONFIG,
     workspace: torch.Tensor | None = None,
     merge_counters: Callable[[int], torch.Tensor] | None = None,
+    tokens_per_request: int = 1,
 ) -> launch.LayerLaunches:
     """The launches of two-scope sparse attention into ``out`` [T, H, 512] (bf16, written in
     place) and the temporaries they use (``launch.LayerLaunches``; nothing launched yet).
@@ -416,7 +498,9 @@ def layer_launches(
     ``merge_counters(n)`` optional: int32 zeros of at least n entries for a split launch that
     merges in the kernel (``merge_in_kernel``), its programs' arrival counters; the launch leaves
     them zero again, so one buffer serves launches that run one after another (a step's layers,
-    graph replays), never two at once. None: zeros made for the call.
+    graph replays), never two at once. None: zeros made for the call. ``tokens_per_request``: query
+    tokens of each request, consecutive (an MTP / verify step: 2+); a hint for ``pair_tokens``
+    (the result is exact whatever the rows).
 
     Any entry naming no row of its cache is skipped like -1 without being read: a slot outside
     ``[0, num_blocks * block_size)``, a local top-k entry outside ``[0, (pos+1)//topk_ratio)``,
@@ -453,11 +537,17 @@ def layer_launches(
     tile = config.tile(device_arch(q.device), H, records)
     bn = config.g_block_n if gluon else tile.block_n
     max_tiles = _cdiv(swa_rows.shape[1], bn) + (_cdiv(b_width, bn) if comp_mode else 0)
-    v41 = v41_codes(records)
-    heads_n = 0 if v41 else heads_on_n(config, gluon, H, max_tiles, T, q.device, comp_mode)
+    v41 = v41_codes(records)  # V4.1 records: the hopper_records kernel (64 heads per program, no pairs)
+    pair = not v41 and pair_tokens(config, gluon, H, comp_mode, tokens_per_request, T, q.device)
+    if pair:  # two tokens per program, 8 columns each; their key list is at most both tokens' rows
+        heads_n, n_hb, max_tiles = 16, 1, 2 * max_tiles
+        programs = _cdiv(T, 2)
+    else:
+        heads_n = 0 if v41 else heads_on_n(config, gluon, H, max_tiles, T, q.device, comp_mode)
+        n_hb = _cdiv(H, (heads_n or 64) if gluon else tile.block_h)
+        programs = T * n_hb
     block_h = (heads_n or 64) if gluon else tile.block_h
-    n_hb = _cdiv(H, block_h)
-    split = choose_split(T * n_hb, max_tiles, q.device, config.split, build.ctas_per_sm(heads_n))
+    split = choose_split(programs, max_tiles, q.device, config.split, build.ctas_per_sm(heads_n))
     temporaries = []
     if split > 1:
         # partials (acc fp32 [T, split, H, 512], m / l fp32 [T, split, H, 2]) and the count of
@@ -472,7 +562,7 @@ def layer_launches(
         pu = workspace[need - T: need].view(torch.int32)
     else:
         po = pml = pu = out  # unused
-    grid = (T * n_hb * split,)
+    grid = (programs * split,)
     write_lse = lse is not None
     counters = None
     if merge_in_kernel(config, gluon, split, H):
@@ -489,7 +579,7 @@ def layer_launches(
                           A_SHIFT=_log2_or_minus1(a_bs), B_SHIFT=_log2_or_minus1(b_bs),
                           RANGE_CHECKS=bool(config.range_checks), MERGE_IN_KERNEL=counters is not None)
         if heads_n:
-            constexprs["NH"] = heads_n
+            constexprs.update(NH=heads_n, PAIR=pair)
         if v41:
             constexprs["FMT_A"], constexprs["FMT_B"] = v41
         fn, options = build.hopper_kernel(constexprs)
@@ -501,7 +591,7 @@ def layer_launches(
             b_u8, b_s0, b_bs, ranges[2], comp_rows, comp_rows.stride(0), comp_lens,
             bt, bt.stride(0), ranges[3], ranges[4], tok2req, pos, b_width,
             po, pml, counters if counters is not None else pml, pu,
-            H, scale * LOG2E, split,
+            H, scale * LOG2E, split, *((T,) if heads_n else ()),
         ), constexprs, options)
     else:
         dt = config.dt()
