@@ -28,7 +28,6 @@ import triton
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton.backends.amd") is None,
                                 reason="this Triton has no AMD backend")
 
-from dsv4_attn.common.layout import Record  # noqa: E402
 from dsv4_attn.common.spec import MAX_HEADS  # noqa: E402
 from dsv4_attn.portable.kernels import ops  # noqa: E402
 
@@ -44,8 +43,6 @@ LDS_LIMIT = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
 # (PyPI Triton 3.8.0 / 3.9.0; under 3.6.0 vLLM's kernel does not compile: tl.cat(dim=)).
 VLLM_INSTRUCTIONS_PER_KEY = {("3.8", "gfx942"): 44.8, ("3.8", "gfx950"): 26.2,
                              ("3.9", "gfx942"): 44.8, ("3.9", "gfx950"): 26.2}
-# what a layer reads, as the tile choice sees it: V4, and nvfp4_ds_mla's two records
-RECORDS = ((Record.V4_FP8, Record.V4_FP8), (Record.MXFP8, Record.NVFP4))
 # K of the bf16 MFMA Triton picks (16x16xK): gfx950 has 16x16x32, gfx942 16x16x16
 MFMA_K = {"gfx942": 16, "gfx950": 32}
 
@@ -76,7 +73,7 @@ def picked() -> list[dict]:
 def test_every_picked_amd_tile_compiles_without_spills(picked):
     for arch in ARCHS:
         rows = [r for r in picked if r["arch"] == arch]
-        tiles = {ops.DEFAULT_CONFIG.tile(arch, h, records) for h in range(1, MAX_HEADS + 1) for records in RECORDS}
+        tiles = {ops.DEFAULT_CONFIG.tile(arch, h) for h in range(1, MAX_HEADS + 1)}
         assert {_tile(r) for r in rows if r["kernel"] == "attention"} == tiles
         assert any(r["kernel"] == "combine" for r in rows)
         for r in rows:
@@ -95,8 +92,7 @@ def test_a_spilling_tile_is_never_picked_on_amd(picked):
     failing = {(r["arch"], _tile(r)) for r in nvidia + picked if r["kernel"] == "attention" and not _meets_bar(r)}
     for arch in ARCHS:
         for heads in range(1, MAX_HEADS + 1):
-            for records in RECORDS:
-                assert (arch, ops.DEFAULT_CONFIG.tile(arch, heads, records)) not in failing
+            assert (arch, ops.DEFAULT_CONFIG.tile(arch, heads)) not in failing
 
 
 def _nonredundant_mfma(tile: ops.Tile, arch: str) -> int:

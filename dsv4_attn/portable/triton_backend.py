@@ -98,10 +98,10 @@ class TritonBackend(Backend):
     def choice(self, platform: Platform, spec: ModelSpec, fmt: KVFormat, kind: LayerKind, phase: Phase,
                dialects) -> str:
         """The Triton kernel and tile a layer runs with, and why (shown by ``SparseMLA.explain()``)."""
-        _, config, records, _, (impl, why) = self._kernel(platform, spec, fmt, kind, dialects)
+        _, config, _, _, (impl, why) = self._kernel(platform, spec, fmt, kind, dialects)
         if impl == "gluon":
             return f"Gluon Hopper kernel, 64 heads x {config.g_block_n} keys per tile ({why}; 16-byte aligned caches)"
-        tile = config.tile(platform.arch, spec.num_heads, records)
+        tile = config.tile(platform.arch, spec.num_heads)
         return (f"portable kernel, {tile.block_h} heads x {tile.block_n} keys per tile, {tile.num_warps} warps "
                 f"({why})")
 
