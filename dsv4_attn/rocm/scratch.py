@@ -184,13 +184,21 @@ class AiterScratch:
             scr.rows_rope = torch.zeros(max_rows, 64, dtype=torch.bfloat16, device=dev)
         return scr
 
-    def pointers(self) -> list[int]:
-        """Data pointers of every buffer (graph tests check they never move)."""
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer this scratch holds (the staging buffers its path does not use left out)."""
         ts = [self.qo_indptr, self.last_page, self.splits_indptr, self.q_scale, *self.out, *self.lse]
         ts += [t for t in (self.q, self.q_rope, self.sink, self.rows, self.rows_rope) if t.numel()]
         for s in self.scopes.values():
             ts += [s.kv_indptr, s.kv_indices, s.slots, s.pos, s.counts, s.kv_scale, *s.meta]
-        return [t.data_ptr() for t in ts]
+        return ts
+
+    def pointers(self) -> list[int]:
+        """Data pointers of every buffer (graph tests check they never move)."""
+        return [t.data_ptr() for t in self.buffers()]
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer (what the scratch holds for its whole life)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
 
 def compact(parts: list[tuple[torch.Tensor, torch.Tensor, int]], width: int) -> tuple[torch.Tensor, torch.Tensor,
