@@ -253,11 +253,29 @@ def write_indices(scope: ScopeBuffers, keep: torch.Tensor, pos: torch.Tensor, co
     torch.cumsum(lengths, 0, dtype=torch.int32, out=scope.kv_indptr[1 : T + 1])
 
 
+def pow2_scale_(scale_out: torch.Tensor, amax: torch.Tensor, fp8: torch.dtype) -> None:
+    """``scale_out`` [1] = ``2^ceil(log2(amax / fp8_max))``: the power-of-two per-tensor scale of
+    values whose largest magnitude is ``amax`` (a 0-d tensor). A power of two keeps every value
+    that already has <= 3 mantissa bits (MODEL1's NoPE bytes) exact. Device ops only."""
+    fmax = torch.finfo(fp8).max
+    scale_out.copy_(torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(1e-30) / fmax))).reshape(1))
+
+
+def amax(src: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in ``src`` (0-d, its dtype), without an ``abs`` copy of it."""
+    low, high = torch.aminmax(src)
+    return torch.maximum(high, -low)
+
+
+def to_fp8(src: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """``src / scale`` (a power of two: exact in ``src``'s dtype, bf16 or fp32) saturated to
+    ``fp8``'s range, in ``fp8``."""
+    fmax = torch.finfo(fp8).max
+    return src.div(scale.to(src.dtype)).clamp_(-fmax, fmax).to(fp8)
+
+
 def quantize_pow2_(dst: torch.Tensor, src: torch.Tensor, scale_out: torch.Tensor) -> None:
-    """``dst`` (fp8) = ``src / s`` with one power-of-two per-tensor scale ``s`` written to
-    ``scale_out`` [1] (``2^ceil(log2(amax / fp8_max))``). A power of two keeps every value that
-    already has <= 3 mantissa bits (MODEL1's NoPE bytes) exact. Device ops only."""
-    fmax = torch.finfo(dst.dtype).max
-    amax = src.abs().amax().float().clamp_min(1e-30)
-    scale_out.copy_(torch.exp2(torch.ceil(torch.log2(amax / fmax))).reshape(1))
-    dst.copy_((src.float() / scale_out).clamp(-fmax, fmax))
+    """``dst`` (fp8) = ``src / s`` with one power-of-two per-tensor scale ``s`` (:func:`pow2_scale_`)
+    written to ``scale_out`` [1]. Device ops only."""
+    pow2_scale_(scale_out, amax(src), dst.dtype)
+    dst.copy_(to_fp8(src, scale_out, dst.dtype))
