@@ -127,3 +127,18 @@ def test_instructions_per_key_within_twice_vllms():
         assert 0 < r["per_key"] <= 2 * vllm, f"{r['label']}: {r['per_key']} instructions per key, vLLM {vllm}"
         assert r["scratch"] == 0 and r["vgpr_spills"] == 0, r  # no scratch: no SGPR spilled to memory
         assert math.isclose(r["per_key"], r["loop_instructions"] / _tile(r).block_n, abs_tol=0.05)
+
+
+def test_every_record_within_twice_vllms(picked):
+    # every record's top-k walk (and V4's split epilogue) against vLLM's figure for V4 records under
+    # the same Triton and arch; nvfp4_ds_mla on gfx942 is the one known gap (2.3x, docs/rocm.md
+    # "Left": gfx942 rounds each decoded value to bf16 in software), held at what it measures
+    version = ".".join(triton.__version__.split(".")[:2])
+    if not any(v == version for v, _ in VLLM_INSTRUCTIONS_PER_KEY):
+        pytest.skip(f"no vLLM figure recorded for Triton {version}")
+    rows = [r for r in picked if r["kernel"] == "attention"]
+    assert {r["fmt"] for r in rows} == {"fp8_ds_mla", "bfloat16", "mxfp8_ds_mla", "nvfp4_ds_mla"}
+    for r in rows:
+        ratio = r["per_key"] / VLLM_INSTRUCTIONS_PER_KEY[(version, r["arch"])]
+        bound = 2.4 if (r["arch"], r["fmt"]) == ("gfx942", "nvfp4_ds_mla") else 2.0
+        assert 0 < ratio <= bound, f"{r['label']}: {r['per_key']} instructions per key, {ratio:.2f}x vLLM's"
