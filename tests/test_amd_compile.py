@@ -132,7 +132,7 @@ def test_instructions_per_key_within_twice_vllms():
 def test_every_record_within_twice_vllms(picked):
     # every record's top-k walk (and V4's split epilogue) against vLLM's figure for V4 records under
     # the same Triton and arch; nvfp4_ds_mla on gfx942 is the one known gap (2.3x, docs/rocm.md
-    # "Left": gfx942 rounds each decoded value to bf16 in software), held at what it measures
+    # "Triton kernels on AMD": gfx942 rounds each decoded value to bf16 in software), held at what it measures
     version = ".".join(triton.__version__.split(".")[:2])
     if not any(v == version for v, _ in VLLM_INSTRUCTIONS_PER_KEY):
         pytest.skip(f"no vLLM figure recorded for Triton {version}")
