@@ -19,7 +19,7 @@ import torch
 from ..common.layout import CacheGeometry, Fp8Dialect, KVFormat, Record, record_parts
 from ..common.spec import HEAD_DIM, NOPE_DIM, NUM_QUANT_TILES, QUANT_TILE
 
-ROWS_PER_CHUNK = 1 << 16  # 64 MiB of fp32 rows at most (bf16 split mode: 32 MiB) per temporary
+ROWS_PER_CHUNK = 1 << 16  # a chunk of rows is 64 MiB in bf16, 128 MiB in fp32 (fp8 per-tensor caches)
 
 
 def chunks(n: int, chunk_rows: int) -> Iterator[slice]:
