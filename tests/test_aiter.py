@@ -525,12 +525,11 @@ def test_packaged_parity_matrix_through_emulator(arch, flavor, monkeypatch):
     skips only for prefill-only cases, the V4.1 records (vLLM has no ROCm path for them) and,
     without sparse_mla_fwd, V4.1's top-k kinds.
 
-    The scratch holds 64 decode tokens, as in the other tests here (``_backend``; the cases have
-    at most 6): at the default 1024 every cell zero-filled ~0.75 GB of gathered rows for tokens
-    no case has, about 90 % of this test's time (minutes per path set on CI's 2 cores)."""
+    Each cell reserves the scratch for its own decode tokens, as the CLI does
+    (test_parity_cell_reserves_aiter_scratch_for_its_decode_tokens)."""
     from dsv4_attn import parity
 
-    monkeypatch.setenv("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", "64")
+    monkeypatch.delenv("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", raising=False)
     emulation.enable(arch, flavor)
     matrix = parity.load_matrix()
     cases = [c for c in matrix.cases if c.sweep not in ("core", "v41") or c.heads == 64]
@@ -558,3 +557,29 @@ def test_packaged_parity_matrix_through_emulator(arch, flavor, monkeypatch):
     v41_topk = [n for n in cells if n.split(".")[1] in ("c1a", "c2a") and ".fp8_ds_mla." in n
                 and n.split(".")[4] != "prefill"]
     assert v41_topk and all(cells[n]["status"] == ("pass" if flavor == "sparse" else "skip") for n in v41_topk)
+
+
+def test_parity_cell_reserves_aiter_scratch_for_its_decode_tokens(monkeypatch):
+    """`dsv4-attn parity --emulate-aiter`: a cell reserves the decode backend's buffers for the
+    case's decode tokens, as an engine start does; before, the AITER scratch kept its 1024-token
+    default and each cell zero-filled ~0.75 GB of gathered rows for a few decode tokens."""
+    from dsv4_attn import parity
+
+    monkeypatch.delenv("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", raising=False)
+    emulation.enable("gfx950", "0.1.20")
+    backend = AiterBackend(name="aiter-test")
+    register_backend("aiter-test", backend)
+    try:
+        matrix = parity.load_matrix()
+        case = next(c for c in matrix.cases if c.kind is LayerKind.C4A and c.fmt is layout.KVFormat.MODEL1_FP8
+                    and c.num_decode_tokens == c.num_tokens and c.heads == 64)
+        report = parity.run(matrix, ["aiter-test"], "cpu", cases=[case], progress=False)
+    finally:
+        unregister_backend("aiter-test")
+    cell = report["cases"][0]["cells"]["aiter-test"]
+    assert cell["status"] == "pass", cell
+    assert backend.max_decode_tokens == case.num_decode_tokens
+    scratch = sum(s.nbytes() for s in backend._scratch.values())
+    print(f"{case.name}: {case.num_decode_tokens} decode tokens, AITER scratch {scratch / 2**20:.2f} MiB")
+    # gathered rows, index lists, staged q / out for the case's tokens: ~4 MiB (0.75 GB at 1024)
+    assert scratch < 16 * 2**20, scratch

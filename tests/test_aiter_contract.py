@@ -9,10 +9,13 @@ names the defect (N1-N8) it holds and fails against the adapter before its fix.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import dsv4_attn as dsv4
 from dsv4_attn import emulation
@@ -24,7 +27,7 @@ from dsv4_attn.rocm import aiter_api, aiter_features
 from dsv4_attn.rocm.aiter import AiterBackend
 from dsv4_attn.rocm.aiter_features import describe_aiter
 
-from kit.compare import BF16, assert_close, compare
+from kit.compare import BF16, FP8_Q, assert_close, compare
 from kit.layers import assert_layer_close, forward_poisoned, reference_out
 from kit.steps import aiter_step
 
@@ -140,6 +143,81 @@ def test_tile_overreads_never_reach_another_requests_row(gen):
     assert torch.isnan(ref[0]).all() and torch.isfinite(ref[1:]).all()
     assert torch.isfinite(out[1:]).all(), "request 0's NaN key leaked into another request's output"
     assert_close(compare(out[1:], ref[1:]), BF16, max_abs=False, what="other requests")
+
+
+# ---- N5: the gathered paths' temporaries, bounded by a chunk of rows ---------------------------------
+class _Allocations(TorchDispatchMode):
+    """Bytes of every tensor a torch op allocates (an output whose storage is none of the op's
+    inputs': in-place ops, ``out=`` and views allocate nothing), total and largest, outside the
+    emulated AITER calls (``paused``: the emulator's own arithmetic is not the adapter's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = self.largest = 0
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.paused:
+            given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                    self.total += t.untyped_storage().nbytes()
+                    self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+    @staticmethod
+    def pausing_all(counts: list, fn):
+        """``fn`` with the last of ``counts`` paused while it runs."""
+        @functools.wraps(fn)  # keeps the signature call_by_keyword reads
+        def run(*args, **kwargs):
+            counts[-1].paused = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counts[-1].paused = False
+        return run
+
+
+ROW_BUDGET = 5632  # temporaries per gathered row and step (bytes); b30fbf8's gathers took 7,005-18,077
+CHUNK = 128  # rows per staging chunk in this test (the default is 65,536)
+
+
+@pytest.mark.parametrize("fmt,kwargs", [("fp8_ds_mla", {}), ("bfloat16", {}), ("fp8_e4m3", {}),
+                                        ("fp8_ds_mla", {"path": "mla_decode_fwd", "fp8_compute": True}),
+                                        ("fp8_ds_mla", {"fp8_compute": True})],
+                         ids=["split-v4", "split-bf16", "split-fp8-tensor", "persistent", "v4-nm"])
+def test_gathered_rows_staged_in_bounded_chunks(gen, fmt, kwargs):
+    """N5 (second half): the gathered paths decoded a step's T·W selected rows into fp32 [T·W, 512]
+    temporaries, then copied them in the kernel's dtype: 6-16x the bytes split mode then reads
+    (1,152 B a row), GBs per call at 1024 tokens. Now rows are decoded a chunk at a time in bf16
+    where exact: per gathered row at most ROW_BUDGET bytes of temporaries (q-sized ones included),
+    no temporary above one chunk of fp32 rows or one fp32 copy of the staged q, and the output
+    equals the one-chunk output bit for bit and the float64 reference within the path's tolerance
+    (EMULATED, 16 decode tokens x (128 window + 512 top-k) rows)."""
+    em = emulation.enable("gfx950", "0.1.20")
+    case = aiter_step(gen, fmt, 16, query_lens=(1,) * 16, seq_lens=tuple(range(3000, 3016)), num_pad=0, topk=512)
+    mla = _mla(case, fmt, **kwargs)
+    backend = mla._backend("aiter-test")
+    forward_poisoned(mla, mla.plan(case.batch), case, LayerKind.C4A)  # warm-up: kernels, scratch
+    counts = []
+    for name in ("mla_decode_fwd", "mla_decode_fwd_v4_nm", "get_mla_metadata_v1"):
+        setattr(em, name, _Allocations.pausing_all(counts, getattr(em, name)))
+    outs = []
+    for chunk in (backend.gather_chunk_rows, CHUNK):  # the default (one chunk here), then many
+        backend.gather_chunk_rows = chunk
+        counts.append(_Allocations())
+        plan = mla.plan(case.batch)
+        with counts[-1]:
+            outs.append(forward_poisoned(mla, plan, case, LayerKind.C4A))
+    assert torch.equal(outs[0], outs[1])
+    assert_layer_close(outs[1], plan, case, LayerKind.C4A, BF16 if not kwargs else FP8_Q)
+    T, rows = case.q.shape[0], plan.swa_rows.numel() + case.topk_for(LayerKind.C4A).numel()
+    print(f"EMULATED {fmt} {kwargs}: {counts[0].total / rows:.0f} B of temporaries per gathered row, largest "
+          f"{counts[0].largest / 2**20:.2f} MiB; in chunks of {CHUNK} rows {counts[1].largest / 2**20:.2f} MiB")
+    assert counts[0].total <= ROW_BUDGET * rows, counts[0].total / rows
+    assert counts[1].largest <= max(CHUNK * 512 * 4, T * 16 * 576 * 4), counts[1].largest
 
 
 # ---- N6 / N8: sparse_mla_fwd's keywords and warm-up --------------------------------------------------
@@ -280,18 +358,28 @@ def test_a_launch_limit_is_decided_per_launch_size_and_again_after_reserve(gen):
 
 # ---- pip install ".[rocm]" and the probe ---------------------------------------------------------------
 def test_rocm_extra_installs_an_aiter_the_backend_serves():
-    """The `rocm` extra resolves (pyproject metadata as setuptools reads it) to AITER at a
-    release every path's version gate accepts, the release the emulator models."""
+    """The `rocm` extra (pyproject metadata as setuptools reads it) asks for an AITER every default
+    path serves, never PyPI's amd-aiter 0.1.7, and holds no direct reference (PyPI refuses a
+    wheel whose metadata has one); requirements-rocm.txt builds the release the emulator models
+    from its git tag, a version the extra accepts, so pip resolves the two together."""
     from pathlib import Path
 
     from packaging.requirements import Requirement
+    from packaging.version import Version
     from setuptools.config.pyprojecttoml import read_configuration
 
-    config = read_configuration(Path(__file__).parents[1] / "pyproject.toml")
-    (req,) = [Requirement(r) for r in config["project"]["optional-dependencies"]["rocm"]]
-    assert req.name == "amd-aiter" and req.url == aiter_api.AITER_SOURCE
-    tag = req.url.rsplit("@v", 1)[1]
-    assert all(aiter_features.parse_version(tag) >= minimum for minimum, _ in aiter_features.MIN_VERSION.values())
+    root = Path(__file__).parents[1]
+    extras = read_configuration(root / "pyproject.toml")["project"]["optional-dependencies"]
+    assert all(Requirement(r).url is None for reqs in extras.values() for r in reqs)
+    (extra,) = [Requirement(r) for r in extras["rocm"]]
+    lines = [ln for ln in (root / "requirements-rocm.txt").read_text().splitlines() if ln and not ln.startswith("#")]
+    (source,) = [Requirement(ln) for ln in lines]
+    assert extra.name == source.name == "amd-aiter" and source.url.startswith("git+https://github.com/ROCm/aiter.git@v")
+    tag = source.url.rsplit("@v", 1)[1]
+    assert Version(tag) in extra.specifier and Version("0.1.7.post2.dev18") not in extra.specifier
+    oldest = Version(str(extra.specifier).removeprefix(">="))
+    assert all(aiter_features.parse_version(str(oldest)) >= minimum for minimum, _ in
+               aiter_features.MIN_VERSION.values())
     assert emulation.AiterEmulator("gfx950", "0.1.20").version == tag
     emulation.enable("gfx950", "0.1.20")
     paths = describe_aiter()["paths"]
@@ -310,7 +398,7 @@ def test_probe_on_rocm_names_what_is_missing(monkeypatch):
     rocm = Platform("rocm", "gfx950", "AMD Instinct MI355X", torch.__version__, hip_version="7.0")
     info = describe_vendor("aiter", rocm)["info"]
     assert not info["found"] and info["error"].startswith("cannot import aiter")
-    assert "pip install --no-build-isolation -e '.[rocm]'" in info["error"], info["error"]
+    assert "pip install --no-build-isolation -r requirements-rocm.txt -e '.[rocm]'" in info["error"], info["error"]
     aiter_api.load_real.cache_clear()
     emulation.enable("gfx950", "0.1.18")
     paths = describe_vendor("aiter", rocm)["info"]["paths"]

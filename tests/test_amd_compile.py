@@ -28,7 +28,6 @@ import triton
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton.backends.amd") is None,
                                 reason="this Triton has no AMD backend")
 
-from dsv4_attn.common.layout import Record  # noqa: E402
 from dsv4_attn.common.spec import MAX_HEADS  # noqa: E402
 from dsv4_attn.portable.kernels import ops  # noqa: E402
 
@@ -44,8 +43,6 @@ LDS_LIMIT = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
 # (PyPI Triton 3.8.0 / 3.9.0; under 3.6.0 vLLM's kernel does not compile: tl.cat(dim=)).
 VLLM_INSTRUCTIONS_PER_KEY = {("3.8", "gfx942"): 44.8, ("3.8", "gfx950"): 26.2,
                              ("3.9", "gfx942"): 44.8, ("3.9", "gfx950"): 26.2}
-# what a layer reads, as the tile choice sees it: V4, and nvfp4_ds_mla's two records
-RECORDS = ((Record.V4_FP8, Record.V4_FP8), (Record.MXFP8, Record.NVFP4))
 # K of the bf16 MFMA Triton picks (16x16xK): gfx950 has 16x16x32, gfx942 16x16x16
 MFMA_K = {"gfx942": 16, "gfx950": 32}
 
@@ -76,7 +73,7 @@ def picked() -> list[dict]:
 def test_every_picked_amd_tile_compiles_without_spills(picked):
     for arch in ARCHS:
         rows = [r for r in picked if r["arch"] == arch]
-        tiles = {ops.DEFAULT_CONFIG.tile(arch, h, records) for h in range(1, MAX_HEADS + 1) for records in RECORDS}
+        tiles = {ops.DEFAULT_CONFIG.tile(arch, h) for h in range(1, MAX_HEADS + 1)}
         assert {_tile(r) for r in rows if r["kernel"] == "attention"} == tiles
         assert any(r["kernel"] == "combine" for r in rows)
         for r in rows:
@@ -95,8 +92,7 @@ def test_a_spilling_tile_is_never_picked_on_amd(picked):
     failing = {(r["arch"], _tile(r)) for r in nvidia + picked if r["kernel"] == "attention" and not _meets_bar(r)}
     for arch in ARCHS:
         for heads in range(1, MAX_HEADS + 1):
-            for records in RECORDS:
-                assert (arch, ops.DEFAULT_CONFIG.tile(arch, heads, records)) not in failing
+            assert (arch, ops.DEFAULT_CONFIG.tile(arch, heads)) not in failing
 
 
 def _nonredundant_mfma(tile: ops.Tile, arch: str) -> int:
@@ -131,3 +127,18 @@ def test_instructions_per_key_within_twice_vllms():
         assert 0 < r["per_key"] <= 2 * vllm, f"{r['label']}: {r['per_key']} instructions per key, vLLM {vllm}"
         assert r["scratch"] == 0 and r["vgpr_spills"] == 0, r  # no scratch: no SGPR spilled to memory
         assert math.isclose(r["per_key"], r["loop_instructions"] / _tile(r).block_n, abs_tol=0.05)
+
+
+def test_every_record_within_twice_vllms(picked):
+    # every record's top-k walk (and V4's split epilogue) against vLLM's figure for V4 records under
+    # the same Triton and arch; nvfp4_ds_mla on gfx942 is the one known gap (2.3x, docs/rocm.md
+    # "Triton kernels on AMD": gfx942 rounds each decoded value to bf16 in software), held at what it measures
+    version = ".".join(triton.__version__.split(".")[:2])
+    if not any(v == version for v, _ in VLLM_INSTRUCTIONS_PER_KEY):
+        pytest.skip(f"no vLLM figure recorded for Triton {version}")
+    rows = [r for r in picked if r["kernel"] == "attention"]
+    assert {r["fmt"] for r in rows} == {"fp8_ds_mla", "bfloat16", "mxfp8_ds_mla", "nvfp4_ds_mla"}
+    for r in rows:
+        ratio = r["per_key"] / VLLM_INSTRUCTIONS_PER_KEY[(version, r["arch"])]
+        bound = 2.4 if (r["arch"], r["fmt"]) == ("gfx942", "nvfp4_ds_mla") else 2.0
+        assert 0 < ratio <= bound, f"{r['label']}: {r['per_key']} instructions per key, {ratio:.2f}x vLLM's"

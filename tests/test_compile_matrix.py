@@ -88,12 +88,10 @@ def test_quick_matrix_holds_every_tile_and_format_selection_launches():
     for target in ("sm90", "gfx942", "gfx950"):
         labels = {r["label"] for r in rows if r["target"] == target}
         for fmt in KVFormat:
-            records = (fmt.swa_record, fmt.comp_record)
             for heads in range(1, MAX_HEADS + 1):
-                t = ops.DEFAULT_CONFIG.tile(target, heads, records)
+                t = ops.DEFAULT_CONFIG.tile(target, heads)
                 assert f"{t.block_h}h x {t.block_n}k {t.num_warps}w {fmt.value} top-k" in labels, (target, fmt, heads)
-        tiles = {ops.DEFAULT_CONFIG.tile(target, h, (fmt.swa_record, fmt.comp_record))
-                 for h in range(1, MAX_HEADS + 1) for fmt in KVFormat}
+        tiles = {ops.DEFAULT_CONFIG.tile(target, h) for h in range(1, MAX_HEADS + 1)}
         splits = [label for label in labels if label.endswith(" split")]
         assert len(splits) == len(tiles), (target, splits)
     assert {r["target"] for r in rows} == {"sm80", "sm90", "sm100", "gfx942", "gfx950"}

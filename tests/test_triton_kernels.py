@@ -156,16 +156,15 @@ def test_kernel_lse_and_all_invalid_rows(device, fmt, swa_dialect, gen):
 @pytest.mark.parametrize("heads", [16, 24, 40])
 @pytest.mark.parametrize("fmt,swa_dialect", [("nvfp4_ds_mla", "ocp"), ("fp8_ds_mla", "fnuz")])
 def test_amd_tiles(device, heads, fmt, swa_dialect, gen):
-    """AMD's tiles, one launch and split (some splits empty), with 1-3 head blocks: in the V4
-    record as gfx942 writes it (FNUZ SWA cache), 16 heads x 64 keys, 4 waves, P through the
-    scratch; in the two-record walk (MXFP8 SWA + NVFP4 compressed), the NVFP4 tile (16 keys, P in
-    registers). gfx950's keys scaled in fp32 (one launch), gfx942's in the dot dtype (split)."""
+    """AMD's tile (16 heads x 64 keys, 4 waves, P through the scratch), one launch and split
+    (some splits empty), with 1-3 head blocks: in the V4 record as gfx942 writes it (FNUZ SWA
+    cache) and in the two-record walk (MXFP8 SWA + NVFP4 compressed, pair order). gfx950's keys
+    scaled in fp32 (one launch), gfx942's in the dot dtype (split)."""
     from dsv4_attn.portable.kernels.ops import KernelConfig
 
-    recs = layout.KVFormat.parse(fmt)
     want = (16, 64, 4, True)
     for arch in ("gfx942", "gfx950"):
-        tile = KernelConfig().tile(arch, heads, (recs.swa_record, recs.comp_record))
+        tile = KernelConfig().tile(arch, heads)
         assert (tile.block_h, tile.block_n, tile.num_warps, tile.p_scratch) == want, tile
         assert tile.f32_decode == (arch == "gfx950"), tile
     configs = [KernelConfig(block_h=16, block_n=want[1], num_warps=4, p_scratch=int(want[3]), split=split,

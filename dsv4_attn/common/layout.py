@@ -46,7 +46,7 @@ from .spec import HEAD_DIM, round_up
 # the records and the codec are imported from here too (``from .layout import KVFormat``)
 __all__ = ["CacheGeometry", "Fp8Dialect", "KVFormat", "Record", "RecordLayout", "check_cache", "decode",
            "default_block_stride", "dequantize_model1", "encode", "gather", "gather_rows", "insert",
-           "model1_page_bytes", "new_cache", "packed_records", "parse_record", "quantize_model1"]
+           "model1_page_bytes", "new_cache", "packed_records", "parse_record", "quantize_model1", "record_parts"]
 
 
 @dataclass(frozen=True)
@@ -262,15 +262,22 @@ def gather_rows(
     return rows.reshape(*slots.shape, HEAD_DIM)
 
 
-def packed_records(cache: torch.Tensor, record: Record, geo: CacheGeometry, slots: torch.Tensor) -> torch.Tensor:
-    """Unvalidated: the raw records of a packed cache at int slots ``[N]`` as uint8 ``[N,
-    data_bytes + scale_bytes]`` (the token's data bytes, then its scale bytes, as :func:`encode`
-    writes them); a slot outside ``[0, num_slots)`` gives zeros. Reads only the selected tokens."""
+def record_parts(cache: torch.Tensor, record: Record, geo: CacheGeometry,
+                 slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unvalidated: the raw records of a packed cache at int slots ``[N]`` as (data uint8 ``[N,
+    data_bytes]``, scales uint8 ``[N, scale_bytes]``); a slot outside ``[0, num_slots)`` gives
+    zeros. Reads only the selected tokens."""
     valid = (slots >= 0) & (slots < geo.num_slots)
     safe = torch.where(valid, slots, torch.zeros_like(slots)).long()
     data, scales = _token_views(cache, record.layout, geo)
     block, offset = safe // geo.block_size, safe % geo.block_size
-    return torch.cat([data[block, offset], scales[block, offset]], dim=1).masked_fill(~valid[:, None], 0)
+    return data[block, offset].masked_fill_(~valid[:, None], 0), scales[block, offset].masked_fill_(~valid[:, None], 0)
+
+
+def packed_records(cache: torch.Tensor, record: Record, geo: CacheGeometry, slots: torch.Tensor) -> torch.Tensor:
+    """Unvalidated: :func:`record_parts` joined, uint8 ``[N, data_bytes + scale_bytes]`` (the
+    token's data bytes, then its scale bytes, as :func:`encode` writes them)."""
+    return torch.cat(record_parts(cache, record, geo, slots), dim=1)
 
 
 def gather(

@@ -93,7 +93,7 @@ def run_cell(name: str, inputs: CaseInputs, ref: CaseReference, tolerance: Toler
     ran: dict[str, str] = {}
     out = torch.full(inputs.q.shape, math.nan, dtype=torch.bfloat16, device=device)
     try:
-        mla = _sparse_mla(name, case, device)
+        mla = _sparse_mla(name, inputs, device)
         ran = {p.value: mla.backend_for(case.kind, p) for p in case.phases}
         _forward(mla, inputs, out)
     except BackendUnavailableError as exc:
@@ -110,12 +110,18 @@ def run_cell(name: str, inputs: CaseInputs, ref: CaseReference, tolerance: Toler
     return cell
 
 
-def _sparse_mla(name: str, case: Case, device: torch.device):
+def _sparse_mla(name: str, inputs: CaseInputs, device: torch.device):
+    """The layer for one cell, reserved as an engine start would for this case's decode launch:
+    decode backends size their buffers from it (AITER's gathered rows: the case's few decode
+    tokens, not the 1024-token default, ~0.75 GB zero-filled per cell)."""
     from ..api import SparseMLA  # api imports the registry; keep `import dsv4_attn.parity` light
 
-    return SparseMLA(case.spec, case.fmt, backend=name, device=device, max_tokens=max(case.num_tokens, 1),
-                     max_reqs=max(len(case.query_lens), 1), swa_dialect=case.swa_dialect,
-                     comp_dialect=case.comp_dialect)
+    case = inputs.case
+    mla = SparseMLA(case.spec, case.fmt, backend=name, device=device, max_tokens=max(case.num_tokens, 1),
+                    max_reqs=max(len(case.query_lens), 1), swa_dialect=case.swa_dialect,
+                    comp_dialect=case.comp_dialect)
+    mla.reserve(mla.plan(inputs.batch, validate=True), max(case.num_decode_tokens, 1))
+    return mla
 
 
 def _forward(mla, inputs: CaseInputs, out: torch.Tensor) -> None:

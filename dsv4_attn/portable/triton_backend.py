@@ -103,7 +103,7 @@ class TritonBackend(Backend):
         if impl == "gluon":
             return (f"Gluon Hopper kernel: {ops.gluon_kernel_names(config, spec.num_heads, comp, records)}; "
                     f"{config.g_block_n} keys per tile ({why}; 16-byte aligned caches)")
-        tile = config.tile(platform.arch, spec.num_heads, records)
+        tile = config.tile(platform.arch, spec.num_heads)
         return (f"portable kernel, {tile.block_h} heads x {tile.block_n} keys per tile, {tile.num_warps} warps "
                 f"({why})")
 

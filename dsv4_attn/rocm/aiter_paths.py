@@ -13,7 +13,7 @@ import torch
 from ..common.backend import (
     LayerInputs,
 )
-from ..common.layout import KVFormat, Record, gather_rows, new_cache, packed_records, quantize_model1
+from ..common.layout import CacheGeometry, Fp8Dialect, KVFormat, Record, new_cache, packed_records, quantize_model1
 from ..common.merge import apply_sink, merge_lse
 from ..common.plan import StepPlan
 from ..common.spec import HEAD_DIM, NOPE_DIM, NUM_QUANT_TILES
@@ -30,7 +30,8 @@ from .aiter_features import (
     split_mgc,
 )
 from .aiter_steps import AiterMeta, AiterSteps
-from .scratch import AiterScratch, ScratchKey, quantize_pow2_
+from .scratch import AiterScratch, ScopeBuffers, ScratchKey, amax, pow2_scale_, quantize_pow2_, to_fp8
+from .staging import ROWS_PER_CHUNK, chunks, decode_rows
 
 
 def nm_pack(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +46,11 @@ def nm_pack(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class AiterPaths(AiterSteps):
-    """``sparse_mla_fwd``, ``mla_decode_fwd_v4_nm`` and ``mla_decode_fwd`` (split or persistent)."""
+    """``sparse_mla_fwd``, ``mla_decode_fwd_v4_nm`` and ``mla_decode_fwd`` (split or persistent).
+
+    ``gather_chunk_rows``: the most rows the gathered paths stage at once (:mod:`.staging`)."""
+
+    gather_chunk_rows = ROWS_PER_CHUNK
 
     # ---- path 1: sparse_mla_fwd ---------------------------------------------------------------
     def _sparse_scratch(self, api: AiterAPI, plan: StepPlan, fmt: KVFormat, heads: int) -> AiterScratch:
@@ -123,9 +128,10 @@ class AiterPaths(AiterSteps):
             K = rows.shape[1]
             slots = sb.slots[: T * sb.width].view(T, sb.width)[:, col : col + K].reshape(-1)
             pos = sb.pos[: T * sb.width].view(T, sb.width)[:, col : col + K].reshape(-1)
-            packed, rope = nm_pack(packed_records(cache, Record.V4_FP8, geo, slots))
-            scr.rows.index_copy_(0, pos, packed)
-            scr.rows_rope.index_copy_(0, pos, rope)
+            for part in chunks(T * K, self.gather_chunk_rows):
+                packed, rope = nm_pack(packed_records(cache, Record.V4_FP8, geo, slots[part]))
+                scr.rows.index_copy_(0, pos[part], packed)
+                scr.rows_rope.index_copy_(0, pos[part], rope)
             col += K
         # the kernel's softmax scale is fixed at 1/sqrt(512): fold the layer's into q
         q = layer.q.float() * (layer.softmax_scale * NM_ROW**0.5)
@@ -211,15 +217,7 @@ class AiterPaths(AiterSteps):
             sb = self._indices(plan, meta, name, [(rows, lens, geo.num_slots)], layer.kind.uses_topk and name != "swa",
                                api)
             n = T * (sb.width + key.pad_slack)
-            values = gather_rows(cache, layer.fmt, geo, sb.slots[: T * rows.shape[1]], layer.kv_scale, dialect)
-            staged = torch.empty_like(values, dtype=key.kv_dtype)
-            if key.persistent:
-                quantize_pow2_(staged, values, sb.kv_scale)
-            else:
-                staged.copy_(values)
-            # by bytes: index_copy_ has no fp8 kernel on every device
-            scr.rows.view(torch.uint8 if key.persistent else key.kv_dtype)[:, :HEAD_DIM].index_copy_(
-                0, sb.pos[: T * rows.shape[1]], staged.view(torch.uint8) if key.persistent else staged)
+            self._stage_rows(scr, sb, T * rows.shape[1], cache, layer.fmt, geo, layer.kv_scale, dialect)
             o = scr.out[i][:T]
             work_plan = dict(zip(("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr",
                                   "reduce_final_map", "reduce_partial_map"), sb.meta)) if key.persistent else {}
@@ -239,6 +237,32 @@ class AiterPaths(AiterSteps):
             results.append((o, lse_buf))
         merged, lse = results[0] if len(results) == 1 else merge_lse(*results[0], *results[1])
         out.copy_(apply_sink(merged[:, :H], lse[:, :H], layer.sink))
+
+    def _stage_rows(self, scr: AiterScratch, sb: ScopeBuffers, n: int, cache: torch.Tensor, fmt: KVFormat,
+                    geo: CacheGeometry, kv_scale: float, dialect: Fp8Dialect) -> None:
+        """A scope's ``n`` selected rows (``sb.slots`` -> ``sb.pos``) decoded into ``scr.rows`` a
+        chunk at a time (:mod:`.staging`): bf16 (split mode), or fp8 with one power-of-two scale
+        for the step (persistent mode, ``sb.kv_scale``: its amax is found in a first pass)."""
+        key = scr.key
+        parts = list(chunks(n, self.gather_chunk_rows))
+        if not parts:  # a scope of no columns
+            return
+        first = decode_rows(cache, fmt, geo, sb.slots[parts[0]], kv_scale, dialect)
+
+        def values(i: int) -> torch.Tensor:
+            return first if i == 0 else decode_rows(cache, fmt, geo, sb.slots[parts[i]], kv_scale, dialect)
+
+        if key.persistent:
+            peak = amax(first)
+            for i in range(1, len(parts)):
+                peak = torch.maximum(peak, amax(values(i)))
+            pow2_scale_(sb.kv_scale, peak, key.kv_dtype)
+        # by bytes: index_copy_ has no fp8 kernel on every device
+        rows = scr.rows.view(torch.uint8 if key.persistent else key.kv_dtype)[:, :HEAD_DIM]
+        for i, part in enumerate(parts):
+            staged = (to_fp8(values(i), sb.kv_scale, key.kv_dtype).view(torch.uint8) if key.persistent
+                      else values(i).to(key.kv_dtype))
+            rows.index_copy_(0, sb.pos[part], staged)
 
     def _decode_dummy(self, api: AiterAPI, key: ScratchKey) -> None:
         """One token, one zero key: every kernel of a mode (stage 1, stage 2 or reduce, metadata)."""

@@ -184,13 +184,21 @@ class AiterScratch:
             scr.rows_rope = torch.zeros(max_rows, 64, dtype=torch.bfloat16, device=dev)
         return scr
 
-    def pointers(self) -> list[int]:
-        """Data pointers of every buffer (graph tests check they never move)."""
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer this scratch holds (the staging buffers its path does not use left out)."""
         ts = [self.qo_indptr, self.last_page, self.splits_indptr, self.q_scale, *self.out, *self.lse]
         ts += [t for t in (self.q, self.q_rope, self.sink, self.rows, self.rows_rope) if t.numel()]
         for s in self.scopes.values():
             ts += [s.kv_indptr, s.kv_indices, s.slots, s.pos, s.counts, s.kv_scale, *s.meta]
-        return [t.data_ptr() for t in ts]
+        return ts
+
+    def pointers(self) -> list[int]:
+        """Data pointers of every buffer (graph tests check they never move)."""
+        return [t.data_ptr() for t in self.buffers()]
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer (what the scratch holds for its whole life)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
 
 def compact(parts: list[tuple[torch.Tensor, torch.Tensor, int]], width: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -245,11 +253,29 @@ def write_indices(scope: ScopeBuffers, keep: torch.Tensor, pos: torch.Tensor, co
     torch.cumsum(lengths, 0, dtype=torch.int32, out=scope.kv_indptr[1 : T + 1])
 
 
+def pow2_scale_(scale_out: torch.Tensor, amax: torch.Tensor, fp8: torch.dtype) -> None:
+    """``scale_out`` [1] = ``2^ceil(log2(amax / fp8_max))``: the power-of-two per-tensor scale of
+    values whose largest magnitude is ``amax`` (a 0-d tensor). A power of two keeps every value
+    that already has <= 3 mantissa bits (MODEL1's NoPE bytes) exact. Device ops only."""
+    fmax = torch.finfo(fp8).max
+    scale_out.copy_(torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(1e-30) / fmax))).reshape(1))
+
+
+def amax(src: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in ``src`` (0-d, its dtype), without an ``abs`` copy of it."""
+    low, high = torch.aminmax(src)
+    return torch.maximum(high, -low)
+
+
+def to_fp8(src: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """``src / scale`` (a power of two: exact in ``src``'s dtype, bf16 or fp32) saturated to
+    ``fp8``'s range, in ``fp8``."""
+    fmax = torch.finfo(fp8).max
+    return src.div(scale.to(src.dtype)).clamp_(-fmax, fmax).to(fp8)
+
+
 def quantize_pow2_(dst: torch.Tensor, src: torch.Tensor, scale_out: torch.Tensor) -> None:
-    """``dst`` (fp8) = ``src / s`` with one power-of-two per-tensor scale ``s`` written to
-    ``scale_out`` [1] (``2^ceil(log2(amax / fp8_max))``). A power of two keeps every value that
-    already has <= 3 mantissa bits (MODEL1's NoPE bytes) exact. Device ops only."""
-    fmax = torch.finfo(dst.dtype).max
-    amax = src.abs().amax().float().clamp_min(1e-30)
-    scale_out.copy_(torch.exp2(torch.ceil(torch.log2(amax / fmax))).reshape(1))
-    dst.copy_((src.float() / scale_out).clamp(-fmax, fmax))
+    """``dst`` (fp8) = ``src / s`` with one power-of-two per-tensor scale ``s`` (:func:`pow2_scale_`)
+    written to ``scale_out`` [1]. Device ops only."""
+    pow2_scale_(scale_out, amax(src), dst.dtype)
+    dst.copy_(to_fp8(src, scale_out, dst.dtype))

@@ -135,28 +135,21 @@ def portable_formats(target: str) -> list[KVFormat]:
 def _attention_jobs(target: str, full: bool) -> list[Job]:
     fmts = portable_formats(target)
     arch = target if target.startswith("gfx") else "sm90"  # NVIDIA archs share the tile choice
-    recs = {pb.layer_records(fmt, comp) for fmt in fmts for comp in KINDS.values()}
-    tiles = sorted({ops.DEFAULT_CONFIG.tile(arch, h, r) for h in range(1, MAX_HEADS + 1) for r in recs},
+    tiles = sorted({ops.DEFAULT_CONFIG.tile(arch, h) for h in range(1, MAX_HEADS + 1)},
                    key=lambda t: (t.block_h, t.block_n))
     jobs = []
     for tile in tiles:
         name = f"{tile.block_h}h x {tile.block_n}k {tile.num_warps}w"
-        # the formats selection runs in this tile (AMD: NVFP4 caches have their own)
-        here = [fmt for fmt in fmts if any(ops.DEFAULT_CONFIG.tile(arch, h, pb.layer_records(fmt, KINDS["top-k"]))
-                                           == tile for h in range(1, MAX_HEADS + 1))]
         if full:
             cases = [(fmt, kind, split) for fmt in fmts for kind in KINDS for split in (1, 2)]
         elif target in SERVED:
             # every format of this tile in the top-k walk (its code holds the other kinds': the SWA
             # scope, the compressed scope and the block-table translation), and the split epilogue
-            cases = [(fmt, "top-k", 1) for fmt in here] + [(here[0], "top-k", 2)] if here else []
+            cases = [(fmt, "top-k", 1) for fmt in fmts] + [(fmts[0], "top-k", 2)] if fmts else []
         else:
             cases = [(fmts[0], "top-k", 1), (fmts[0], "top-k", 2)]  # the V4 walk and its split (bf16 on sm_80)
         seen = set()
         for fmt, kind, split in cases:
-            records = pb.layer_records(fmt, KINDS[kind])
-            if all(ops.DEFAULT_CONFIG.tile(arch, h, records) != tile for h in range(1, MAX_HEADS + 1)):
-                continue  # this layer runs in another tile (AMD: NVFP4 caches)
             const = pb.variant(fmt, KINDS[kind], tile, split)
             key = (const["FMT_A"], const["FMT_B"], KINDS[kind], split)
             if key not in seen:  # an SWA layer of nvfp4_ds_mla is mxfp8_ds_mla's

@@ -7,7 +7,7 @@ no scratch (so no SGPR spilled to memory either).
     python tests/gpu_scripts/triton_amd.py                   # every variant, markdown table
     python tests/gpu_scripts/triton_amd.py --quick --json    # the CI subset (tests/test_amd_compile.py)
 
-The variants are what ``ops.sparse_mla_fwd`` launches: the tile ``KernelConfig.tile(arch, heads, records)``
+The variants are what ``ops.sparse_mla_fwd`` launches: the tile ``KernelConfig.tile(arch, heads)``
 picks for any head count 1..MAX_HEADS, each KV format x layer kind (SWA, every-entry, top-k) it
 serves (on gfx942 with OCP and FNUZ caches), one launch and split launches, and the split's
 combine kernel. No GPU needed; run it without TRITON_INTERPRET. ``--quick`` keeps, per tile, the
@@ -59,10 +59,9 @@ class Variant:
                 + (f" {self.kind}{' split' if self.split > 1 else ''}" if kind else ""))
 
 
-def picked_tiles(arch: str, heads: range = range(1, MAX_HEADS + 1), records: tuple = ()) -> list[ops.Tile]:
-    """Every tile the default config picks on ``arch`` for these head counts, for a layer reading
-    ``records``."""
-    return sorted({ops.DEFAULT_CONFIG.tile(arch, h, records) for h in heads}, key=lambda t: (t.block_h, t.block_n))
+def picked_tiles(arch: str, heads: range = range(1, MAX_HEADS + 1)) -> list[ops.Tile]:
+    """Every tile the default config picks on ``arch`` for these head counts."""
+    return sorted({ops.DEFAULT_CONFIG.tile(arch, h) for h in heads}, key=lambda t: (t.block_h, t.block_n))
 
 
 def variants(arch: str, quick: bool, tiles_of: str | None = None,
@@ -73,12 +72,10 @@ def variants(arch: str, quick: bool, tiles_of: str | None = None,
     on gfx942 an FNUZ SWA cache as vLLM's there; tests/gpu_scripts/vllm_amd_isa.py): global slots
     in both scopes (vLLM's kernel), and local top-k entries translated in the loop (which vLLM
     does in a kernel of its own)."""
-    def tiles(fmt: KVFormat, kind: str) -> list[ops.Tile]:
-        return picked_tiles(tiles_of or arch, heads, pb.layer_records(fmt, KINDS[kind]))
-
+    tiles = picked_tiles(tiles_of or arch, heads)
     if like_vllm:
         return [Variant(arch, "attention", t, KVFormat.MODEL1_FP8, kind, fnuz=arch == "gfx942")
-                for kind in ("all", "top-k") for t in tiles(KVFormat.MODEL1_FP8, kind)]
+                for kind in ("all", "top-k") for t in tiles]
     fnuz = arch == "gfx942"  # gfx942's caches hold FNUZ bytes: their fix-up compiled too
     if quick:
         cases = [(fmt, "top-k", split, f) for fmt, split, f in (
@@ -90,7 +87,7 @@ def variants(arch: str, quick: bool, tiles_of: str | None = None,
     out = [Variant(arch, "combine")]
     seen = set()
     for fmt, kind, split, f in cases:
-        for tile in tiles(fmt, kind):
+        for tile in tiles:
             const = pb.variant(fmt, KINDS[kind], tile, split, fnuz=f)
             key = (tile, const["FMT_A"], const["FMT_B"], KINDS[kind], split, f)
             if key not in seen:  # an SWA layer of nvfp4_ds_mla is mxfp8_ds_mla's

@@ -1,7 +1,8 @@
 """Python launchers of the Triton kernels (no validation here: the backend validates first).
 
 Which kernel runs (``kernel_choice``: the Gluon Hopper kernel or the portable one) and with which
-tile (``KernelConfig.tile``) follow from the GPU's arch, the caches' records and the config alone,
+tile (``KernelConfig.tile``) follow from the GPU's arch, the caches' records, the head count and the
+config alone,
 so ``TritonBackend.choice`` (``SparseMLA.explain()``) and the offline compile checks
 (tests/test_amd_compile.py, docs/rocm.md) see exactly what a launch does.
 """
@@ -144,12 +145,10 @@ class KernelConfig:
             name = "fp32" if triton_interpreting() else "bf16"
         return {"fp16": K.tl.float16, "bf16": K.tl.bfloat16, "fp32": K.tl.float32}[name]
 
-    def tile(self, arch: str, num_heads: int, records: tuple[Record, ...] = ()) -> Tile:
+    def tile(self, arch: str, num_heads: int) -> Tile:
         """The portable kernel's tile for ``num_heads`` query heads on ``arch`` ('cpu': the
-        interpreter) for a layer reading caches in ``records``, this config's fields overriding
-        the arch's choice. No tile depends on the records today (AMD's NVFP4 layers had their own
-        until the pair-order decode); callers still name them, so a record-specific tile stays a
-        one-line change."""
+        interpreter), this config's fields overriding the arch's choice. Every record runs in the
+        arch's one tile (V4.1 records in pair order, ``attention._chunk_dims``)."""
         if arch.startswith("gfx"):
             # gfx950 converts e4m3 -> fp32 -> bf16 in hardware (gfx942 in software: there the
             # bf16 product is shorter): V4 top-k 51.0 -> 36.4 instructions per key on gfx950
@@ -254,7 +253,7 @@ def compile_reason(arch: str, impl: str, records: tuple[Record, ...], comp_mode:
     if impl == "gluon":
         variant = build.hopper_constexprs(comp_mode, write_lse=True, records=v41_codes(records))
         return build.compile_error(arch, "gluon", tuple(sorted(variant.items())))
-    tile = config.tile(arch, num_heads, records)
+    tile = config.tile(arch, num_heads)
     codes = (RECORD_CODE[records[0]], RECORD_CODE[records[-1]])
     const = portable_constexprs(codes, comp_mode, 4, True, True, 1, tile, config.dt(), bool(config.range_checks))
     return build.compile_error(arch, "portable", tuple(sorted(const.items())),
@@ -534,7 +533,7 @@ def layer_launches(
     ranges = (a_nb * a_bs, swa_rows.shape[1], b_nb * b_bs, bt.shape[1], b_nb)  # the range checks' bounds
     dialects = tuple(Fp8Dialect.FNUZ if fnuz else Fp8Dialect.OCP for fnuz in (swa_fnuz, comp_fnuz))[:len(records)]
     gluon = use_gluon(q.device, records, dialects, config, (swa_cache, comp_cache), comp_mode, H)
-    tile = config.tile(device_arch(q.device), H, records)
+    tile = config.tile(device_arch(q.device), H)
     bn = config.g_block_n if gluon else tile.block_n
     max_tiles = _cdiv(swa_rows.shape[1], bn) + (_cdiv(b_width, bn) if comp_mode else 0)
     v41 = v41_codes(records)  # V4.1 records: the hopper_records kernel (64 heads per program, no pairs)
