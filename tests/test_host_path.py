@@ -212,8 +212,8 @@ def test_a_replay_hands_the_launcher_the_plain_launchs_arguments(case, monkeypat
     layer = _launches(case, split=2)
     assert len(layer.temporaries) == 3  # split partials, P scratch, alpha scratch
     kernels = [_Recording() for _ in layer.launches]
-    replay = launch.bind_launches(layer, kernels, torch.device("cpu"))
     monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
+    replay = launch.bind_launches(layer, kernels, torch.device("cpu"))
     assert replay() is True
     for one, kernel in zip(layer.launches, kernels):
         (call,) = kernel.calls
@@ -241,14 +241,31 @@ def test_a_replay_steps_aside_for_a_launch_hook(case, monkeypatch):
 
     layer = _launches(case, split=2)
     kernels = [_Recording() for _ in layer.launches]
-    replay = launch.bind_launches(layer, kernels, torch.device("cpu"))
     monkeypatch.setattr(launch, "current_stream", lambda device: 0)
+    replay = launch.bind_launches(layer, kernels, torch.device("cpu"))
     hook = lambda metadata: None  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
     try:
         assert replay() is False and not any(k.calls for k in kernels)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
+
+
+@needs_triton
+def test_a_replay_bound_on_one_stream_steps_aside_on_another(case, monkeypatch):
+    """What a launch shares between its calls (the in-kernel merge's arrival counters) is its
+    stream's: a replay bound on one stream never launches on another (two streams running layers
+    at once, as vLLM's dual-batch overlap does, would race on them); the caller launches plainly."""
+    from dsv4_attn.portable.kernels import launch
+
+    layer = _launches(case, split=2)
+    kernels = [_Recording() for _ in layer.launches]
+    monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
+    replay = launch.bind_launches(layer, kernels, torch.device("cpu"))
+    monkeypatch.setattr(launch, "current_stream", lambda device: 99)
+    assert replay() is False and not any(k.calls for k in kernels)
+    monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
+    assert replay() is True and all(len(k.calls) == 1 for k in kernels)
 
 
 @needs_triton

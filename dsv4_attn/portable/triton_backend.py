@@ -47,7 +47,7 @@ class TritonBackend(Backend):
     def __init__(self, config=None) -> None:
         self._config = config  # kernels.ops.KernelConfig or None (defaults)
         self._replays: dict[tuple, object] = {}  # replay key -> kernels.launch.Replay, or _SEEN (once)
-        self._counters: dict[torch.device, torch.Tensor] = {}  # in-kernel merge counters (_merge_counters)
+        self._counters: dict[tuple, torch.Tensor] = {}  # (device, stream) -> in-kernel merge counters
         self._kept: list[torch.Tensor] = []
 
     def platform_reasons(self, platform: Platform) -> list[str]:
@@ -193,15 +193,18 @@ class TritonBackend(Backend):
     def _merge_counters(self, plan: StepPlan, device: torch.device, n: int) -> torch.Tensor:
         """int32 zeros [n]: the arrival counters of a launch that merges its splits in the kernel,
         which leaves them zero again (``ops.layer_launches``). Outside a CUDA-graph capture, this
-        backend's own (kept for its lifetime, so a bound replay's address stays valid; launches on
-        one stream run one after another). Inside a capture, zeros made once per plan (their
-        zeroing a node of the graph: nothing allocated inside a capture outlives its graph's pool)."""
+        backend's own per stream (kept for its lifetime, so a bound replay's address stays valid;
+        launches on one stream run one after another, and a replay bound on one stream does not
+        run on another: two streams running layers at once, as vLLM's dual-batch overlap does,
+        never share counters). Inside a capture, zeros made once per plan (their zeroing a node of
+        the graph: nothing allocated inside a capture outlives its graph's pool)."""
         if capturing(device):
             return plan.cached(("merge_counters", n), lambda: torch.zeros(n, dtype=torch.int32, device=device))
-        counters = self._counters.get(device)
+        key = (device, _kernels()[1].current_stream(device) if device.type == "cuda" else None)
+        counters = self._counters.get(key)
         if counters is None or counters.numel() < n:
             counters = torch.zeros(max(n, self.COUNTERS_MIN), dtype=torch.int32, device=device)
-            self._counters[device] = counters
+            self._counters[key] = counters
             self._kept.append(counters)  # a larger one replaces it: replays bound to this one keep it alive
         return counters[:n]
 

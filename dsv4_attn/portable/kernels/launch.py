@@ -88,20 +88,25 @@ class Replay:
         self._aligns = [align for _, _, align in temps]  # address % 16 at binding
         self._device = device
         self._gpu = current_gpu(device)  # the kernels were loaded on it (the current GPU at binding)
+        # the stream at binding: buffers a launch shares between its calls (the in-kernel merge's
+        # arrival counters) are its stream's, so a call on another stream launches plainly
+        self._stream = current_stream(device)
 
     def __call__(self) -> bool:
         """Launch again; False (nothing launched) when a launch hook is installed now, another GPU
-        is current or a temporary came at an alignment other than the bound one: the caller
-        launches plainly."""
+        or stream is current or a temporary came at an alignment other than the bound one: the
+        caller launches plainly."""
         hooks = knobs.runtime
         device = self._device
         if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls or current_gpu(device) != self._gpu:
+            return False
+        stream = current_stream(device)
+        if stream != self._stream:
             return False
         temps = [torch.empty(n, dtype=dtype, device=device) for n, dtype in self._temps]  # alive until launched
         addresses = [t.data_ptr() for t in temps]
         if [a % 16 for a in addresses] != self._aligns:
             return False
-        stream = current_stream(device)
         for b in self._bound:
             args: tuple | list = b.args
             if b.fills:
