@@ -358,28 +358,18 @@ def test_a_launch_limit_is_decided_per_launch_size_and_again_after_reserve(gen):
 
 # ---- pip install ".[rocm]" and the probe ---------------------------------------------------------------
 def test_rocm_extra_installs_an_aiter_the_backend_serves():
-    """The `rocm` extra (pyproject metadata as setuptools reads it) asks for an AITER every default
-    path serves, never PyPI's amd-aiter 0.1.7, and holds no direct reference (PyPI refuses a
-    wheel whose metadata has one); requirements-rocm.txt builds the release the emulator models
-    from its git tag, a version the extra accepts, so pip resolves the two together."""
+    """The `rocm` extra resolves (pyproject metadata as setuptools reads it) to AITER at a
+    release every path's version gate accepts, the release the emulator models."""
     from pathlib import Path
 
     from packaging.requirements import Requirement
-    from packaging.version import Version
     from setuptools.config.pyprojecttoml import read_configuration
 
-    root = Path(__file__).parents[1]
-    extras = read_configuration(root / "pyproject.toml")["project"]["optional-dependencies"]
-    assert all(Requirement(r).url is None for reqs in extras.values() for r in reqs)
-    (extra,) = [Requirement(r) for r in extras["rocm"]]
-    lines = [ln for ln in (root / "requirements-rocm.txt").read_text().splitlines() if ln and not ln.startswith("#")]
-    (source,) = [Requirement(ln) for ln in lines]
-    assert extra.name == source.name == "amd-aiter" and source.url.startswith("git+https://github.com/ROCm/aiter.git@v")
-    tag = source.url.rsplit("@v", 1)[1]
-    assert Version(tag) in extra.specifier and Version("0.1.7.post2.dev18") not in extra.specifier
-    oldest = Version(str(extra.specifier).removeprefix(">="))
-    assert all(aiter_features.parse_version(str(oldest)) >= minimum for minimum, _ in
-               aiter_features.MIN_VERSION.values())
+    config = read_configuration(Path(__file__).parents[1] / "pyproject.toml")
+    (req,) = [Requirement(r) for r in config["project"]["optional-dependencies"]["rocm"]]
+    assert req.name == "amd-aiter" and req.url == aiter_api.AITER_SOURCE
+    tag = req.url.rsplit("@v", 1)[1]
+    assert all(aiter_features.parse_version(tag) >= minimum for minimum, _ in aiter_features.MIN_VERSION.values())
     assert emulation.AiterEmulator("gfx950", "0.1.20").version == tag
     emulation.enable("gfx950", "0.1.20")
     paths = describe_aiter()["paths"]
@@ -398,7 +388,7 @@ def test_probe_on_rocm_names_what_is_missing(monkeypatch):
     rocm = Platform("rocm", "gfx950", "AMD Instinct MI355X", torch.__version__, hip_version="7.0")
     info = describe_vendor("aiter", rocm)["info"]
     assert not info["found"] and info["error"].startswith("cannot import aiter")
-    assert "pip install --no-build-isolation -r requirements-rocm.txt -e '.[rocm]'" in info["error"], info["error"]
+    assert "pip install --no-build-isolation -e '.[rocm]'" in info["error"], info["error"]
     aiter_api.load_real.cache_clear()
     emulation.enable("gfx950", "0.1.18")
     paths = describe_vendor("aiter", rocm)["info"]["paths"]

@@ -17,9 +17,10 @@ import torch
 from .. import emulation, envs
 from ..common.platform import Platform, probe
 
+AITER_SOURCE = "git+https://github.com/ROCm/aiter.git@v0.1.20.post1"  # pyproject's `rocm` extra
 INSTALL_HINT = ("Install AITER v0.1.20.post1 from a clone of dsv4-attn: AITER_USE_SYSTEM_TRITON=1 pip install "
-                "--no-build-isolation -r requirements-rocm.txt -e '.[rocm]' (needs ROCm with hipcc and a ROCm torch; "
-                "PyPI's amd-aiter 0.1.7 is too old: docs/rocm.md \"Install AITER\")")
+                "--no-build-isolation -e '.[rocm]' (needs ROCm with hipcc and a ROCm torch; PyPI's amd-aiter 0.1.7 "
+                "is too old: docs/rocm.md \"Install AITER\")")
 # keyword aliases across AITER revisions (0.1.7 names the work plan ``work_info``)
 _ALIASES = {"work_info_set": ("work_info_set", "work_info")}
 # keywords older revisions lack; dropped when the installed signature has no such parameter
