@@ -1,8 +1,8 @@
 """Hopper (sm_90) fast path of the `triton` backend, written in Gluon (Triton's explicit-layout dialect).
 
 Same math and the same argument contract as ``attention.sparse_mla_fwd_kernel`` (V4 records in
-OCP e4m3 only: ``ops.kernel_choice`` sends every other record, and FNUZ caches, to the portable
-kernel), but with explicit shared memory, layouts, mbarriers and warp specialization,
+OCP e4m3 only: ``ops.kernel_choice`` sends the V4.1 records to ``hopper_records`` and FNUZ caches
+to the portable kernel), but with explicit shared memory, layouts, mbarriers and warp specialization,
 which the portable kernel cannot express. One program = one token x 64 heads (x key split):
 
 * a PRODUCER warpgroup (``_producer``, 120 registers) walks the key tiles: resolves their rows
