@@ -69,11 +69,12 @@ def test_config_groups_and_which_formats_run_them():
 
 
 def test_tensor_parallel_shards_are_timed_only_when_asked_for():
-    """h8 / h16 / h32 decode configs and the TP8 step models: in the 'tp' group, not in the default
-    set nor in 'v4' (the choices table counts their heads as 64)."""
-    shards = [f"h{h}-{t}" for h in (8, 16, 32) for t in ("c4a512", "c4a1024", "c128a", "swa")]
+    """h8 / h16 / h32 decode configs (V4's kinds and V4.1's top-k kinds) and the TP8 step models: in
+    the 'tp' group, not in the default set nor in 'v4' / 'v41' (the choices table counts their heads
+    as 64)."""
+    shards = [f"h{h}-{t}" for h in (8, 16, 32) for t in ("c4a512", "c4a1024", "c128a", "swa", "c1a512", "c2a1024")]
     assert bench.select_configs(bench.DECODE_CONFIGS, ["tp"]) == shards
-    for names in (None, ["v4"]):
+    for names in (None, ["v4"], ["v41"]):
         assert not set(shards) & set(bench.select_configs(bench.DECODE_CONFIGS, names))
     assert bench.select_configs(bench.STEP_MODELS, None) == ["v4-flash", "v4-pro"]
     assert bench.select_configs(bench.STEP_MODELS, ["tp"]) == ["v4-flash-tp8", "v4-pro-tp8"]

@@ -36,10 +36,12 @@ DECODE_CONFIGS = {
     "h64-c2a512": DecodeConfig("h64-c2a512", 64, LayerKind.C2A, 512),
     "h128-c2a1024": DecodeConfig("h128-c2a1024", 128, LayerKind.C2A, 1024),
     # tensor-parallel shards (``--configs tp``, not in the default set): what a rank of V4-Flash (8
-    # heads at -tp 8) or V4-Pro (16 at -tp 8, 32 at -tp 4) runs; FlashMLA pads them to 64 heads
+    # heads at -tp 8) or V4-Pro (16 at -tp 8, 32 at -tp 4) runs, and V4.1's top-k layers at those
+    # head counts; FlashMLA pads them to 64 heads
     **{f"h{h}-{tag}": DecodeConfig(f"h{h}-{tag}", h, kind, width) for h in (8, 16, 32)
        for tag, kind, width in (("c4a512", LayerKind.C4A, 512), ("c4a1024", LayerKind.C4A, 1024),
-                                ("c128a", LayerKind.C128A, 1024), ("swa", LayerKind.SWA, 0))},
+                                ("c128a", LayerKind.C128A, 1024), ("swa", LayerKind.SWA, 0),
+                                ("c1a512", LayerKind.C1A, 512), ("c2a1024", LayerKind.C2A, 1024))},
 }
 
 
@@ -86,9 +88,9 @@ def is_shard(cfg) -> bool:
 
 
 # --configs groups: which configs each takes
-# (a whole-step model has no single kind: the V4 models are 'v4'; the shards are 'tp' only)
+# (a whole-step model has no single kind: the V4 models are 'v4'; the shards, V4.1's too, are 'tp' only)
 CONFIG_GROUPS = {"v4": lambda cfg: getattr(cfg, "kind", None) not in V41_KINDS and not is_shard(cfg),
-                 "v41": lambda cfg: getattr(cfg, "kind", None) in V41_KINDS,
+                 "v41": lambda cfg: getattr(cfg, "kind", None) in V41_KINDS and not is_shard(cfg),
                  "tp": is_shard}
 
 
