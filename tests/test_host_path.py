@@ -255,7 +255,7 @@ def test_a_replay_steps_aside_for_a_launch_hook(case, monkeypatch):
 def test_a_replay_bound_on_one_stream_steps_aside_on_another(case, monkeypatch):
     """What a launch shares between its calls (the in-kernel merge's arrival counters) is its
     stream's: a replay bound on one stream never launches on another (two streams running layers
-    at once, as vLLM's dual-batch overlap does, would race on them); the caller launches plainly."""
+    at once would race on them); the caller launches plainly."""
     from dsv4_attn.portable.kernels import launch
 
     layer = _launches(case, split=2)

@@ -195,9 +195,9 @@ class TritonBackend(Backend):
         which leaves them zero again (``ops.layer_launches``). Outside a CUDA-graph capture, this
         backend's own per stream (kept for its lifetime, so a bound replay's address stays valid;
         launches on one stream run one after another, and a replay bound on one stream does not
-        run on another: two streams running layers at once, as vLLM's dual-batch overlap does,
-        never share counters). Inside a capture, zeros made once per plan (their zeroing a node of
-        the graph: nothing allocated inside a capture outlives its graph's pool)."""
+        run on another: layers running at once on two streams never share counters). Inside a
+        capture, zeros made once per plan (their zeroing a node of the graph: nothing allocated
+        inside a capture outlives its graph's pool)."""
         if capturing(device):
             return plan.cached(("merge_counters", n), lambda: torch.zeros(n, dtype=torch.int32, device=device))
         key = (device, _kernels()[1].current_stream(device) if device.type == "cuda" else None)
