@@ -545,6 +545,45 @@ def _token_tiles(split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride
     return t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi, used
 
 
+@gluon.jit
+def _epilogue(acc, m_i, l_i, O, stride_ot, stride_oh, LSE, stride_lt, SINK, PO, PML, CNT, PU, t, t64, sp, hb, n_hb,
+              num_heads, split, used, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, IS_SPLIT: gl.constexpr,
+              MERGE_IN_KERNEL: gl.constexpr, BH: gl.constexpr):
+    """A 64-head program's end (this kernel's and ``hopper_records``'): the consumers' ``acc`` [BH, 512]
+    fp32 and row max / sum ``m_i`` / ``l_i`` [BH] become this split's partial (then ``_finish_split``),
+    or, unsplit, the normalized bf16 output rows and their LSE."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, 256, 16])
+    Lq: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # [BH, 512] output rows
+    Lor: gl.constexpr = gl.SliceLayout(1, o_layout)
+    Loc: gl.constexpr = gl.SliceLayout(0, o_layout)
+    h_o = hb * BH + gl.arange(0, BH, layout=Lor)
+    d_o = gl.arange(0, 512, layout=Loc)
+    hmask_o = h_o < num_heads
+    m_o = gl.convert_layout(m_i, Lor)
+    l_o = gl.convert_layout(l_i, Lor)
+    if IS_SPLIT:
+        if sp < used:  # a program past the token's keys writes nothing and does not arrive
+            part = (t64 * split + sp) * num_heads + h_o.to(gl.int64)
+            gl.store(PO + gl.expand_dims(part * 512, 1) + gl.expand_dims(d_o, 0), acc,
+                     mask=gl.expand_dims(hmask_o, 1))
+            gl.store(PML + part * 2, m_o, mask=hmask_o)
+            gl.store(PML + part * 2 + 1, l_o, mask=hmask_o)
+            _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb,
+                          num_heads, split, used, HAS_SINK, WRITE_LSE, MERGE_IN_KERNEL, BH)
+    else:
+        inv, lse = _normalizer(m_o, l_o, SINK, h_o, hmask_o, HAS_SINK)
+        o = acc * gl.expand_dims(inv, 1)
+        # 16-byte coalesced stores (the MMA layout would give 4-byte ones)
+        ob = gl.convert_layout(o.to(gl.bfloat16), Lq)
+        h_s = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, Lq))
+        d_s = gl.arange(0, 512, layout=gl.SliceLayout(0, Lq))
+        o_ptr = O + t64 * stride_ot + gl.expand_dims(h_s.to(gl.int64) * stride_oh, 1) + gl.expand_dims(d_s, 0)
+        gl.store(o_ptr, ob, mask=gl.expand_dims(h_s < num_heads, 1))
+        if WRITE_LSE:
+            gl.store(LSE + t64 * stride_lt + h_o, lse, mask=hmask_o)
+
+
 @gluon.jit(do_not_specialize=("split",))  # per step: no variant per split value
 def sparse_mla_fwd_hopper(
     Q, stride_qt, stride_qh,
@@ -561,11 +600,6 @@ def sparse_mla_fwd_hopper(
     RANGE_CHECKS: gl.constexpr = True, MERGE_IN_KERNEL: gl.constexpr = False,
 ):
     BH: gl.constexpr = BLOCK_H
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, 256, 16])
-    Lq: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # [BH, 512] output rows
-    Lor: gl.constexpr = gl.SliceLayout(1, o_layout)
-    Loc: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     # ---- shared memory: q, two K tiles (the producer fills one while the consumers read the
     #      other), P, the producer's RoPE ring, tile validity, and the two mbarrier pairs --------
@@ -597,29 +631,5 @@ def sparse_mla_fwd_hopper(
                      A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS, 2, a_rows, len_a, 0, b_rows, len_b, 0, False)),
     ], [4], [PRODUCER_REGS])
 
-    # ---- epilogue ------------------------------------------------------------------------------
-    h_o = hb * BH + gl.arange(0, BH, layout=Lor)
-    d_o = gl.arange(0, 512, layout=Loc)
-    hmask_o = h_o < num_heads
-    m_o = gl.convert_layout(m_i, Lor)
-    l_o = gl.convert_layout(l_i, Lor)
-    if IS_SPLIT:
-        if sp < used:  # a program past the token's keys writes nothing and does not arrive
-            part = (t64 * split + sp) * num_heads + h_o.to(gl.int64)
-            gl.store(PO + gl.expand_dims(part * 512, 1) + gl.expand_dims(d_o, 0), acc,
-                     mask=gl.expand_dims(hmask_o, 1))
-            gl.store(PML + part * 2, m_o, mask=hmask_o)
-            gl.store(PML + part * 2 + 1, l_o, mask=hmask_o)
-            _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb,
-                          num_heads, split, used, HAS_SINK, WRITE_LSE, MERGE_IN_KERNEL, BH)
-    else:
-        inv, lse = _normalizer(m_o, l_o, SINK, h_o, hmask_o, HAS_SINK)
-        o = acc * gl.expand_dims(inv, 1)
-        # 16-byte coalesced stores (the MMA layout would give 4-byte ones)
-        ob = gl.convert_layout(o.to(gl.bfloat16), Lq)
-        h_s = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, Lq))
-        d_s = gl.arange(0, 512, layout=gl.SliceLayout(0, Lq))
-        o_ptr = O + t64 * stride_ot + gl.expand_dims(h_s.to(gl.int64) * stride_oh, 1) + gl.expand_dims(d_s, 0)
-        gl.store(o_ptr, ob, mask=gl.expand_dims(h_s < num_heads, 1))
-        if WRITE_LSE:
-            gl.store(LSE + t64 * stride_lt + h_o, lse, mask=hmask_o)
+    _epilogue(acc, m_i, l_i, O, stride_ot, stride_oh, LSE, stride_lt, SINK, PO, PML, CNT, PU, t, t64, sp, hb, n_hb,
+              num_heads, split, used, HAS_SINK, WRITE_LSE, IS_SPLIT, MERGE_IN_KERNEL, BH)

@@ -39,10 +39,9 @@ from .hopper import (
     NUM_WARPS,
     PRODUCER_REGS,
     _consumer,
-    _finish_split,
+    _epilogue,
     _idx_load,
     _idx_resolve,
-    _normalizer,
     _split_slot,
     _token_tiles,
 )
@@ -284,11 +283,6 @@ def sparse_mla_fwd_hopper_records(
     FMT_A: gl.constexpr = FMT_MXFP8, FMT_B: gl.constexpr = FMT_MXFP8,
 ):
     BH: gl.constexpr = BLOCK_H
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, 256, 16])
-    Lq: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # [BH, 512] output rows
-    Lor: gl.constexpr = gl.SliceLayout(1, o_layout)
-    Loc: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     # ---- shared memory: q, two fp16 K tiles, P, tile validity, the two mbarrier pairs (no RoPE ring:
     #      V4.1 records quantize all 512 dims alike)
@@ -318,28 +312,5 @@ def sparse_mla_fwd_hopper_records(
                              tiles_a, A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS, FMT_A, FMT_B)),
     ], [4], [PRODUCER_REGS])
 
-    # ---- epilogue (as hopper.sparse_mla_fwd_hopper's) -------------------------------------------
-    h_o = hb * BH + gl.arange(0, BH, layout=Lor)
-    d_o = gl.arange(0, 512, layout=Loc)
-    hmask_o = h_o < num_heads
-    m_o = gl.convert_layout(m_i, Lor)
-    l_o = gl.convert_layout(l_i, Lor)
-    if IS_SPLIT:
-        if sp < used:  # a program past the token's keys writes nothing and does not arrive
-            part = (t64 * split + sp) * num_heads + h_o.to(gl.int64)
-            gl.store(PO + gl.expand_dims(part * 512, 1) + gl.expand_dims(d_o, 0), acc,
-                     mask=gl.expand_dims(hmask_o, 1))
-            gl.store(PML + part * 2, m_o, mask=hmask_o)
-            gl.store(PML + part * 2 + 1, l_o, mask=hmask_o)
-            _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb,
-                          num_heads, split, used, HAS_SINK, WRITE_LSE, MERGE_IN_KERNEL, BH)
-    else:
-        inv, lse = _normalizer(m_o, l_o, SINK, h_o, hmask_o, HAS_SINK)
-        o = acc * gl.expand_dims(inv, 1)
-        ob = gl.convert_layout(o.to(gl.bfloat16), Lq)  # 16-byte coalesced stores
-        h_s = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, Lq))
-        d_s = gl.arange(0, 512, layout=gl.SliceLayout(0, Lq))
-        o_ptr = O + t64 * stride_ot + gl.expand_dims(h_s.to(gl.int64) * stride_oh, 1) + gl.expand_dims(d_s, 0)
-        gl.store(o_ptr, ob, mask=gl.expand_dims(h_s < num_heads, 1))
-        if WRITE_LSE:
-            gl.store(LSE + t64 * stride_lt + h_o, lse, mask=hmask_o)
+    _epilogue(acc, m_i, l_i, O, stride_ot, stride_oh, LSE, stride_lt, SINK, PO, PML, CNT, PU, t, t64, sp, hb, n_hb,
+              num_heads, split, used, HAS_SINK, WRITE_LSE, IS_SPLIT, MERGE_IN_KERNEL, BH)
