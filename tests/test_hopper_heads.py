@@ -55,6 +55,7 @@ def _check_against_the_reference(config: ops.KernelConfig, name: str, cfg: str, 
     from dsv4_attn.portable.triton_backend import TritonBackend
 
     from kit.compare import assert_close, metrics
+    from kit.layers import eager_then_replays
 
     register_backend(name, TritonBackend(config))
     case_config = dataclasses.replace(bench.DECODE_CONFIGS[cfg], heads=heads)
@@ -80,14 +81,7 @@ def _check_against_the_reference(config: ops.KernelConfig, name: str, cfg: str, 
         assert err["max_abs"] <= 1e-2 + 2**-7 * float(want.abs().max()), err
         assert float(out[:, 0].abs().max()) == 0.0
 
-    out.fill_(float("nan"))
-    run()
-    check("eager")
-    graph = bench.timing.capture_graph(run)
-    for replay in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        check(f"replay {replay}")
+    eager_then_replays(run, out, check)
 
 
 @pytest.mark.gpu

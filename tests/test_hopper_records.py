@@ -169,6 +169,7 @@ def test_gpu_top_k_layers_match_the_reference_across_graph_replays(cfg, fmt, hea
     from dsv4_attn.portable.triton_backend import TritonBackend
 
     from kit.compare import assert_close, metrics
+    from kit.layers import eager_then_replays
 
     register_backend("triton-records-test", TritonBackend(ops.KernelConfig()))
     config = dataclasses.replace(bench.DECODE_CONFIGS[cfg], heads=heads)
@@ -191,11 +192,4 @@ def test_gpu_top_k_layers_match_the_reference_across_graph_replays(cfg, fmt, hea
         assert_close(err, max_abs=False, what=f"{what} {cfg} {fmt} H={heads} b={batch}")
         assert float(out[:, 0].abs().max()) == 0.0
 
-    out.fill_(float("nan"))
-    run()
-    check("eager")
-    graph = bench.timing.capture_graph(run)
-    for replay in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        check(f"replay {replay}")
+    eager_then_replays(run, out, check)

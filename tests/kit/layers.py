@@ -57,3 +57,19 @@ def assert_layer_close(out: torch.Tensor, plan, case: StepCase, kind: LayerKind,
     err = compare(out, reference_out(plan, case, kind))
     assert_close(err, tol, max_abs=False, what=kind.name)
     return err
+
+
+def eager_then_replays(run, out: torch.Tensor, check, replays: int = 3) -> None:
+    """``run()`` once eagerly, then captured in a CUDA graph (``bench.timing.capture_graph``) and
+    replayed ``replays`` times; ``out`` is NaN-poisoned before each, ``check(what)`` runs after each
+    ("eager", "replay 0", ...). GPU only."""
+    from dsv4_attn.bench.timing import capture_graph
+
+    out.fill_(float("nan"))
+    run()
+    check("eager")
+    graph = capture_graph(run)
+    for replay in range(replays):
+        out.fill_(float("nan"))
+        graph.replay()
+        check(f"replay {replay}")
