@@ -213,24 +213,55 @@ def test_a_replay_hands_the_launcher_the_plain_launchs_arguments(case, monkeypat
     assert len(layer.temporaries) == 3  # split partials, P scratch, alpha scratch
     kernels = [_Recording() for _ in layer.launches]
     monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
-    replay = launch.bind_launches(layer, kernels, torch.device("cpu"))
-    assert replay() is True
+    workspace = launch.Workspace(torch.device("cpu"))
+    replay = launch.bind_launches(layer, kernels, torch.device("cpu"), workspace)
+    assert replay() is True and replay() is True
     for one, kernel in zip(layer.launches, kernels):
-        (call,) = kernel.calls
+        first, again = kernel.calls
+        assert again == first  # the same arguments every call: the temporaries stay in the workspace
         grid = (tuple(one.grid) + (1, 1))[:3]
-        assert call[:9] == (*grid, 1234, "function", "packed", None, None, None)
+        assert first[:9] == (*grid, 1234, "function", "packed", None, None, None)
         params = launch.ordered_parameters(one)
-        assert len(call) == 9 + len(params)
-        for sent, given in zip(call[9:], params):
+        assert len(first) == 9 + len(params)
+        for sent, given in zip(first[9:], params):
             if not isinstance(given, torch.Tensor):
                 assert sent == given or (sent is given)
                 continue
             storage = given.untyped_storage().data_ptr()
-            if not any(t.untyped_storage().data_ptr() == storage for t in layer.temporaries):
+            temps = [t for t in layer.temporaries if t.untyped_storage().data_ptr() == storage]
+            if not temps:
                 assert sent == given.data_ptr()
-            else:
-                assert sent != given.data_ptr()  # a new temporary (the old one is still alive here)
-                assert (sent - given.data_ptr()) % 16 == 0
+                continue
+            (temp,) = temps  # in the workspace, at the temporary's place, same offset and alignment
+            lo = workspace.address
+            assert lo <= sent and sent + given.numel() * given.element_size() <= lo + workspace.size
+            assert (sent - given.data_ptr()) % 16 == 0
+    # the temporaries' places in the workspace do not overlap
+    offsets, size = launch.temporaries_layout(layer.temporaries)
+    spans = sorted((o, o + t.numel() * t.element_size()) for o, t in zip(offsets, layer.temporaries))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= size <= workspace.size
+
+
+@needs_triton
+def test_a_workspace_grown_by_a_later_binding_moves_every_replay_of_its_stream(case, monkeypatch):
+    """Replays share their stream's workspace; a binding that needs more grows it (never a replay),
+    and an earlier replay then hands its launchers the temporaries' places in the new buffer."""
+    from dsv4_attn.portable.kernels import launch
+
+    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
+    workspace = launch.Workspace(torch.device("cpu"))
+    small = _launches(case, split=2)
+    small_kernels = [_Recording() for _ in small.launches]
+    replay = launch.bind_launches(small, small_kernels, torch.device("cpu"), workspace)
+    assert replay()
+    before = workspace.address
+    small.temporaries.append(torch.empty(workspace.size + 4096, dtype=torch.uint8))  # a larger call's need
+    launch.bind_launches(small, [_Recording() for _ in small.launches], torch.device("cpu"), workspace)
+    assert workspace.address != before
+    assert replay()
+    old, new = (call[9:] for call in small_kernels[0].calls)
+    moved = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
+    assert moved and all(new[i] - workspace.address == old[i] - before for i in moved)
 
 
 @needs_triton
@@ -242,7 +273,7 @@ def test_a_replay_steps_aside_for_a_launch_hook(case, monkeypatch):
     layer = _launches(case, split=2)
     kernels = [_Recording() for _ in layer.launches]
     monkeypatch.setattr(launch, "current_stream", lambda device: 0)
-    replay = launch.bind_launches(layer, kernels, torch.device("cpu"))
+    replay = launch.bind_launches(layer, kernels, torch.device("cpu"), launch.Workspace(torch.device("cpu")))
     hook = lambda metadata: None  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
     try:
@@ -261,7 +292,7 @@ def test_a_replay_bound_on_one_stream_steps_aside_on_another(case, monkeypatch):
     layer = _launches(case, split=2)
     kernels = [_Recording() for _ in layer.launches]
     monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
-    replay = launch.bind_launches(layer, kernels, torch.device("cpu"))
+    replay = launch.bind_launches(layer, kernels, torch.device("cpu"), launch.Workspace(torch.device("cpu")))
     monkeypatch.setattr(launch, "current_stream", lambda device: 99)
     assert replay() is False and not any(k.calls for k in kernels)
     monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
@@ -300,6 +331,7 @@ def test_a_replay_key_reads_only_the_layers_own_tables(gen, monkeypatch):
     batch = dsv4.StepBatch.from_lists([1, 2], [300, 700], b.swa_block_table, b.swa_block_size,
                                       {128: b.comp_block_tables[128]}, b.block_size, b.max_model_len)
     monkeypatch.setattr(launch, "bindable", lambda device: True)
+    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
     mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
     plan = mla.plan(batch)
     out = torch.empty_like(case.q)
