@@ -404,3 +404,80 @@ def test_a_repeated_call_runs_only_its_bound_launches(case, monkeypatch):
 
 def _forbidden(*args, **kwargs):
     raise AssertionError("a bound repeat ran the full path")
+
+
+# ---- the split combine's variants, compiled at engine start -----------------------------------
+def _variant(one) -> tuple:
+    """What Triton compiles one variant of a launch for: the kernel, its constexprs and options,
+    and the specialization of each runtime argument (tensors: dtype and 16-byte alignment; ints:
+    == 1 and divisibility by 16), ``do_not_specialize`` arguments (the combine's ``split``) left out."""
+    names = one.fn.arg_names
+    special = []
+    for name, arg in zip(names, one.args):
+        if name in ("split",):
+            continue
+        if isinstance(arg, torch.Tensor):
+            special.append((name, arg.dtype, arg.data_ptr() % 16 == 0))
+        elif isinstance(arg, int):
+            special.append((name, arg == 1, arg % 16 == 0))
+        else:
+            special.append((name, type(arg)))
+    return one.fn.__name__, tuple(sorted(one.constexprs.items())), tuple(sorted(one.options.items())), tuple(special)
+
+
+@needs_triton
+@pytest.mark.parametrize("heads", [64, 16])
+def test_after_reserve_no_step_launches_a_combine_variant_it_did_not_compile(gen, monkeypatch, heads):
+    """SparseMLA.reserve (engine start) compiles every split combine variant (one per power of two
+    of the split) that decode steps of 1 .. 48 tokens launch on every layer kind: each step's
+    combine launches are variants reserve launched. Launches recorded, never run; the GPU is a
+    16-SM one (more splits than the interpreter's 4); as compiled code would (not the interpreter)."""
+    from dsv4_attn.portable.kernels import launch, ops
+
+    launched: list = []
+    monkeypatch.setattr(launch.KernelLaunch, "plain", lambda one: launched.append(_variant(one)))
+    monkeypatch.setattr(ops, "num_sms", lambda device: 16)
+    monkeypatch.setattr(ops, "triton_interpreting", lambda: False)
+    kinds = (LayerKind.SWA, LayerKind.C4A, LayerKind.C128A)
+    first = make_step(gen, [1], [500], kinds=kinds, heads=heads, topk=512, max_model_len=8192)
+    mla = dsv4.SparseMLA(first.spec, "fp8_ds_mla", backend="triton")
+    mla.reserve(mla.plan(first.batch), 48)
+    warmed = {v for v in launched if v[0] == "combine_kernel"}
+    launched.clear()
+    for b in range(1, 49, 3):
+        case = make_step(gen, [1] * b, [300 + 41 * i for i in range(b)], kinds=kinds, heads=heads, topk=512,
+                         max_model_len=8192)
+        plan = mla.plan(case.batch)
+        for kind in kinds[1:]:
+            mla.forward(plan, kind, case.q, case.caches["swa"], case.caches[kind], topk=case.topks.get(kind),
+                        sink=case.sink, out=torch.empty_like(case.q))
+        mla.forward(plan, LayerKind.SWA, case.q, case.caches["swa"], sink=case.sink, out=torch.empty_like(case.q))
+    stepped = {v for v in launched if v[0] == "combine_kernel"}
+    split_p2s = {dict(v[1])["SPLIT_P2"] for v in stepped}
+    assert len(split_p2s) >= 3, split_p2s  # the steps reach several variants
+    assert stepped <= warmed, sorted(stepped - warmed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernels)")
+def test_after_reserve_decode_steps_at_every_split_compile_no_combine(gen):
+    """On the GPU: after SparseMLA.reserve, decode steps of 1 .. 2 x the SMs tokens (every split
+    the launches reach, down to none) add no compiled combine kernel to Triton's cache."""
+    from dsv4_attn.portable.kernels import attention
+
+    kinds = (LayerKind.SWA, LayerKind.C4A, LayerKind.C128A)
+    first = make_step(gen, [1], [500], kinds=kinds, heads=64, topk=512, max_model_len=65536, device="cuda")
+    mla = dsv4.SparseMLA(first.spec, "fp8_ds_mla", backend="triton", device="cuda")
+    mla.reserve(mla.plan(first.batch), 512)
+    compiled = attention.combine_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(compiled)
+    assert before >= 2  # reserve compiled the variants
+    for b in range(1, 2 * torch.cuda.get_device_properties(0).multi_processor_count + 1, 5):
+        case = make_step(gen, [1] * b, [300 + 41 * i for i in range(b)], kinds=kinds, heads=64, topk=512,
+                         max_model_len=65536, device="cuda")
+        plan = mla.plan(case.batch)
+        for kind in kinds[1:]:
+            mla.forward(plan, kind, case.q, case.caches["swa"], case.caches[kind], topk=case.topks.get(kind),
+                        sink=case.sink, out=torch.empty_like(case.q))
+    torch.cuda.synchronize()
+    assert len(compiled) == before

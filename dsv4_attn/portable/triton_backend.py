@@ -143,6 +143,22 @@ class TritonBackend(Backend):
         known = self._replays.get(key) if key is not None else None
         return known if isinstance(known, _kernels()[1].Replay) else None
 
+    def reserve(self, plan: StepPlan, fmt: KVFormat, num_heads: int, dialects, decode_tokens: int) -> None:
+        """Engine start: compile every split combine variant (one per power of two of the split,
+        ``ops.warm_combines``) the model's layers can launch on this device, so no step compiles
+        one mid-serving (the attention kernels take the split unspecialized)."""
+        ops = _kernels()[0]
+        if plan.batch_invariant:  # its launches never split
+            return
+        fmt = KVFormat.parse(fmt)
+        for kind in plan.spec.kinds:
+            scopes = 2 if kind.has_comp_scope else 1
+            # a top-k kind whose rows the plan holds (a StepRows' GlobalRows) launches as global rows
+            comp = ops.comp_mode_of(kind) if not kind.uses_topk or plan.translates_topk(kind) else ops.K.COMP_GLOBAL
+            ops.warm_combines(plan.device, (fmt.swa_record, fmt.comp_record)[:scopes], tuple(dialects)[:scopes],
+                              comp, num_heads, plan.swa_rows.shape[1], plan.spec.comp_width(kind),
+                              self._config or ops.DEFAULT_CONFIG)
+
     def _replay_key(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> tuple | None:
         """What fixes every argument of this call's launches (``kernels/launch.py``): the checked
         layer inputs (``layer.checked_key``), the plan's tensors, ``out`` and the caches' storage
