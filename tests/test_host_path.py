@@ -402,6 +402,70 @@ def test_a_repeated_call_runs_only_its_bound_launches(case, monkeypatch):
             _call(mla, plan, case, q=case.q[:-1], out=out)
 
 
+def _in_place_changes():
+    """name -> a change of one input of a bound call, made on that very tensor object (resized,
+    restrided, moved to other memory) or by handing another tensor (of equal metadata at another
+    address; the same bytes as another dtype): each must take the full path (the repeat's proof
+    reads every attribute)."""
+    def restride(t):  # same address, shape and memory; the last two dims laid out the other way
+        if t.dim() == 1:
+            return t.as_strided_(t.shape, (0,))
+        return t.as_strided_(t.shape, (*t.stride()[:-2], 1, t.shape[-2]))
+
+    def moved(t):  # the same shape and strides in other memory
+        return t.set_(t.clone().untyped_storage(), 0, t.shape, t.stride())
+
+    return {
+        "q resized in place": lambda a: a["q"].resize_(a["q"].shape[0] - 1, *a["q"].shape[1:]),
+        "q restrided in place": lambda a: restride(a["q"]),
+        "q moved in place": lambda a: moved(a["q"]),
+        "out restrided in place": lambda a: restride(a["out"]),
+        "out moved in place": lambda a: moved(a["out"]),
+        "out viewed as float16 (same bytes, shape, strides)": lambda a: a.update(out=a["out"].view(torch.float16)),
+        "topk restrided in place": lambda a: restride(a["topk"]),
+        "topk resized in place": lambda a: a["topk"].resize_(a["topk"].shape[0], a["topk"].shape[1] - 1),
+        "sink moved in place": lambda a: moved(a["sink"]),
+        "sink resized in place": lambda a: a["sink"].resize_(a["sink"].shape[0] - 1),
+        "swa_cache moved in place": lambda a: moved(a["swa_cache"]),
+        "sink restrided in place": lambda a: restride(a["sink"]),
+        "swa_cache restrided in place": lambda a: restride(a["swa_cache"]),
+        "comp_cache resized in place": lambda a: a["comp_cache"].resize_(
+            a["comp_cache"].shape[0] - 1, *a["comp_cache"].shape[1:]),
+        "another q, equal metadata": lambda a: a.update(q=a["q"].clone()),
+        "another out, equal metadata": lambda a: a.update(out=torch.empty_like(a["out"])),
+    }
+
+
+@needs_triton
+@pytest.mark.parametrize("change", list(_in_place_changes()))
+def test_a_changed_input_of_a_bound_call_takes_the_full_path(case, monkeypatch, change):
+    """After a call's launches are bound (kernels stubbed, bound as on a GPU), changing one input
+    -- on the same tensor object in place, or by handing another tensor -- runs the checks again
+    (refused where they refuse, as always) instead of the bound launches."""
+    from dsv4_attn.bench import host
+
+    with host.kernels_stubbed():
+        mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
+        plan = mla.plan(case.batch)
+        args = dict(q=case.q.clone(), swa_cache=case.caches["swa"].clone(),
+                    comp_cache=case.caches[LayerKind.C4A].clone(), topk=case.topks[LayerKind.C4A].clone(),
+                    sink=case.sink.clone(), out=torch.empty_like(case.q))
+        for _ in range(3):  # plain, plain + bind, bound
+            mla.forward(plan, LayerKind.C4A, **args)
+        assert mla._repeats  # bound
+        checked = []
+        real = checks.check_layer
+        monkeypatch.setattr(checks, "check_layer", lambda *a: checked.append(1) or real(*a))
+        mla.forward(plan, LayerKind.C4A, **args)
+        assert not checked  # the unchanged call repeats its bound launches
+        _in_place_changes()[change](args)
+        try:
+            mla.forward(plan, LayerKind.C4A, **args)
+        except ValueError:
+            pass
+        assert checked, f"{change}: the bound launches ran without the checks"
+
+
 def _forbidden(*args, **kwargs):
     raise AssertionError("a bound repeat ran the full path")
 
