@@ -525,23 +525,28 @@ def test_after_reserve_no_step_launches_a_combine_variant_it_did_not_compile(gen
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernels)")
 def test_after_reserve_decode_steps_at_every_split_compile_no_combine(gen):
-    """On the GPU: after SparseMLA.reserve, decode steps of 1 .. 2 x the SMs tokens (every split
-    the launches reach, down to none) add no compiled combine kernel to Triton's cache."""
+    """On the GPU: after SparseMLA.reserve, decode steps of 1 .. SMs + 1 tokens (every split a
+    64-head launch reaches, down to none) add no compiled combine kernel to Triton's cache."""
     from dsv4_attn.portable.kernels import attention
 
     kinds = (LayerKind.SWA, LayerKind.C4A, LayerKind.C128A)
-    first = make_step(gen, [1], [500], kinds=kinds, heads=64, topk=512, max_model_len=65536, device="cuda")
-    mla = dsv4.SparseMLA(first.spec, "fp8_ds_mla", backend="triton", device="cuda")
-    mla.reserve(mla.plan(first.batch), 512)
+    most = torch.cuda.get_device_properties(0).multi_processor_count + 1
+    seqs = [300 + 7 * i for i in range(most)]
+    case = make_step(gen, [1] * most, seqs, kinds=kinds, heads=64, topk=512, max_model_len=8192, device="cuda")
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton", device="cuda")
+    mla.reserve(mla.plan(case.batch), 512)
     compiled = attention.combine_kernel.device_caches[torch.cuda.current_device()][0]
     before = len(compiled)
     assert before >= 2  # reserve compiled the variants
-    for b in range(1, 2 * torch.cuda.get_device_properties(0).multi_processor_count + 1, 5):
-        case = make_step(gen, [1] * b, [300 + 41 * i for i in range(b)], kinds=kinds, heads=64, topk=512,
-                         max_model_len=65536, device="cuda")
-        plan = mla.plan(case.batch)
+    b = case.batch
+    for n in sorted({1, 2, 5, 9, 14, 17, 23, 27, 34, 45, 67, most}):  # 132 SMs: splits 10 .. 2, then none
+        batch = dsv4.StepBatch.from_lists([1] * n, seqs[:n], b.swa_block_table[:n], b.swa_block_size,
+                                          {r: t[:n] for r, t in b.comp_block_tables.items()}, b.block_size,
+                                          b.max_model_len)
+        plan = mla.plan(batch)
         for kind in kinds[1:]:
-            mla.forward(plan, kind, case.q, case.caches["swa"], case.caches[kind], topk=case.topks.get(kind),
-                        sink=case.sink, out=torch.empty_like(case.q))
+            topk = case.topks[kind][:n] if kind in case.topks else None
+            mla.forward(plan, kind, case.q[:n], case.caches["swa"], case.caches[kind], topk=topk, sink=case.sink,
+                        out=torch.empty_like(case.q[:n]))
     torch.cuda.synchronize()
     assert len(compiled) == before
