@@ -265,6 +265,24 @@ def test_a_workspace_grown_by_a_later_binding_moves_every_replay_of_its_stream(c
 
 
 @needs_triton
+def test_temporaries_above_the_workspace_limit_are_not_bound(case, monkeypatch):
+    """A call whose temporaries exceed WORKSPACE_LIMIT (a large prefill's P scratch) stays plain:
+    no replay, the workspace not grown."""
+    from dsv4_attn.portable.kernels import launch
+
+    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
+    layer = _launches(case, split=2)
+    size = launch.temporaries_layout(layer.temporaries)[1]
+    workspace = launch.Workspace(torch.device("cpu"))
+    monkeypatch.setattr(launch, "WORKSPACE_LIMIT", size - 1)
+    assert launch.bind_launches(layer, [_Recording() for _ in layer.launches], torch.device("cpu"), workspace) is None
+    assert workspace.buffer is None
+    monkeypatch.setattr(launch, "WORKSPACE_LIMIT", size)
+    assert launch.bind_launches(layer, [_Recording() for _ in layer.launches], torch.device("cpu"), workspace)
+    assert workspace.size == size
+
+
+@needs_triton
 def test_a_replay_steps_aside_for_a_launch_hook(case, monkeypatch):
     from triton import knobs
 

@@ -205,10 +205,22 @@ def run(layer: LayerLaunches, device: torch.device, workspace: Workspace | None)
     return bind_launches(layer, compiled, device, workspace)
 
 
+# The most bytes of temporaries a bound call may place in its stream's workspace, which stays
+# allocated. A split launch has at most one partial ([heads per program, 514] fp32) per program
+# slot (``ops.choose_split``): <= 17 MiB on an H100 (132 slots x 64 heads), <= 40 MiB on an MI300X
+# (304 x 64); larger temporaries (a forced ``config.split`` on many tokens, the portable kernel's P
+# scratch of a prefill chunk: 100+ MiB) belong to launches whose GPU time dwarfs the host path's,
+# and stay per call (the plain launch), allocated and freed as before.
+WORKSPACE_LIMIT = 128 << 20
+
+
 def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device, workspace: Workspace) -> Replay | None:
     """The Replay of ``layer`` whose launches returned ``compiled`` (CompiledKernels), its
     temporaries placed in ``workspace`` (grown to hold them: at binding, never per call), or None
-    when one cannot be bound."""
+    when one cannot be bound (temporaries above WORKSPACE_LIMIT among the reasons)."""
+    offsets, size = temporaries_layout(layer.temporaries)
+    if size > WORKSPACE_LIMIT:
+        return None
     storages = [t.untyped_storage().data_ptr() for t in layer.temporaries]
     bound = []
     for launch, kernel in zip(layer.launches, compiled):
@@ -222,7 +234,6 @@ def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device, wo
         gx, gy, gz = (tuple(launch.grid) + (1, 1))[:3]
         run_fn = kernel.run  # a property: loads the kernel (CompiledKernel._init_handles) if needed
         bound.append(_Bound(run_fn, kernel.function, kernel.packed_metadata, (gx, gy, gz), args, fills))
-    offsets, size = temporaries_layout(layer.temporaries)
     workspace.ensure(size)
     return Replay(bound, offsets, workspace, device)
 
