@@ -283,6 +283,46 @@ def test_temporaries_above_the_workspace_limit_are_not_bound(case, monkeypatch):
 
 
 @needs_triton
+def test_in_a_graph_capture_replays_step_aside_and_nothing_is_bound(case, monkeypatch):
+    """Inside a capture (as ``common.plan.capturing`` reports it) a bound call launches plainly --
+    its temporaries then come from the capture's pool, not the workspace a graph could outlive --
+    and the backend binds nothing (no workspace grows there); after it, the replay runs again.
+    Kernels stubbed, launches bound as on a GPU."""
+    from dsv4_attn.bench import host
+    from dsv4_attn.portable import triton_backend
+    from dsv4_attn.portable.kernels import launch
+
+    with host.kernels_stubbed():
+        runs, plain = [], []
+        monkeypatch.setattr(host._StubCompiled, "run", staticmethod(lambda *args: runs.append(args)))
+        real_plain = launch.KernelLaunch.plain
+        monkeypatch.setattr(launch.KernelLaunch, "plain", lambda one: plain.append(one) or real_plain(one))
+        mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
+        plan = mla.plan(case.batch)
+        out = torch.empty_like(case.q)
+        for _ in range(3):  # plain, plain + bind, bound
+            _call(mla, plan, case, out=out)
+        backend = mla._backend("triton")
+        bound = dict(backend._replays)
+        sizes = {key: w.size for key, w in backend._workspaces.items()}
+        launches, runs_before = len(plain), len(runs)
+        for module in (launch, triton_backend):
+            monkeypatch.setattr(module, "capturing", lambda device: True)
+        _call(mla, plan, case, out=out)  # a capture: the plain launches, nothing bound
+        fresh_q = case.q.clone()
+        _call(mla, plan, case, q=fresh_q, out=out)  # a call never seen, twice (outside: bound): nothing bound
+        _call(mla, plan, case, q=fresh_q, out=out)
+        assert len(plain) > launches and len(runs) == runs_before
+        assert backend._replays.keys() == bound.keys() and all(backend._replays[k] is v for k, v in bound.items())
+        assert {key: w.size for key, w in backend._workspaces.items()} == sizes
+        for module in (launch, triton_backend):
+            monkeypatch.setattr(module, "capturing", lambda device: False)
+        launches = len(plain)
+        _call(mla, plan, case, out=out)  # after the capture: the bound launches again
+        assert len(plain) == launches and len(runs) > runs_before
+
+
+@needs_triton
 def test_a_replay_steps_aside_for_a_launch_hook(case, monkeypatch):
     from triton import knobs
 
