@@ -323,6 +323,37 @@ def test_in_a_graph_capture_replays_step_aside_and_nothing_is_bound(case, monkey
 
 
 @needs_triton
+def test_two_streams_bind_into_workspaces_of_their_own(case, monkeypatch):
+    """The same layer call bound on two streams: each stream's launches get temporaries in that
+    stream's workspace (two buffers), so layers running at once on two streams never share them."""
+    from dsv4_attn.bench import host
+    from dsv4_attn.portable.kernels import launch
+
+    with host.kernels_stubbed():
+        runs = []
+        monkeypatch.setattr(host._StubCompiled, "run", staticmethod(lambda *args: runs.append(args)))
+        mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
+        plan = mla.plan(case.batch)
+        out = torch.empty_like(case.q)
+        sent = {}
+        for stream in (1, 2):
+            monkeypatch.setattr(launch, "current_stream", lambda device, stream=stream: stream)
+            for _ in range(3):  # plain, plain + bind, bound
+                _call(mla, plan, case, out=out)
+            sent[stream] = runs[-1]
+        workspaces = mla._backend("triton")._workspaces
+        assert {key[1] for key in workspaces} == {1, 2}
+        spans = {key[1]: (w.address, w.address + w.size) for key, w in workspaces.items()}
+        assert spans[1][1] <= spans[2][0] or spans[2][1] <= spans[1][0]  # two buffers
+        for stream, args in sent.items():
+            assert args[3] == stream
+            lo, hi = spans[stream]
+            other_lo, other_hi = spans[3 - stream]
+            inside = [a for a in args[9:] if isinstance(a, int) and lo <= a < hi]
+            assert inside and not [a for a in args[9:] if isinstance(a, int) and other_lo <= a < other_hi]
+
+
+@needs_triton
 def test_a_replay_steps_aside_for_a_launch_hook(case, monkeypatch):
     from triton import knobs
 
