@@ -218,9 +218,11 @@ class SparseMLA:
                                                                    topk, sink, out)
         repeat_key = None
         if signature is not None and out is not None:
-            repeat_key = (signature, checks.plan_tensors_key(plan, kind), swa_cache.storage_offset(),
+            tensors, route = plan.cached(("repeat", kind, registry.context_backend()),
+                                         lambda: (checks.plan_tensors_key(plan, kind), self._route(plan, kind)))
+            repeat_key = (signature, tensors, swa_cache.storage_offset(),
                           None if comp_cache is None else comp_cache.storage_offset())
-            if self._repeated(plan, kind, repeat_key):
+            if self._repeated(route, repeat_key):
                 return out
         layer = self._checked(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, out, signature)
         if out is None:
@@ -238,16 +240,16 @@ class SparseMLA:
 
     REPEATS_LIMIT = 4096  # repeatable layer calls kept; forgotten when full
 
-    def _repeated(self, plan: StepPlan, kind: LayerKind, key: tuple) -> bool:
+    def _repeated(self, route: tuple, key: tuple) -> bool:
         """Run a layer call again through what its backend bound for an earlier call of the same
         ``key`` (the call's signature -- every input's type, address, shape, strides, dtype, device,
         so the checks' verdict is that call's: passed --, the plan's tensors and the caches' storage
-        offsets), when the step's route still sends ``kind`` to that backend; False when none ran."""
+        offsets), when the step's ``route`` for the layer's kind (``_route``) still sends it to that
+        backend; False when none ran."""
         found = self._repeats.get(key)
         if found is None:
             return False
         backend, repeat = found
-        route = self._route(plan, kind)
         return route[0][0] is backend and route[0][2] is None and repeat()
 
     def _remember(self, key: tuple, backend: Backend, repeat) -> None:

@@ -213,24 +213,144 @@ def test_a_replay_hands_the_launcher_the_plain_launchs_arguments(case, monkeypat
     assert len(layer.temporaries) == 3  # split partials, P scratch, alpha scratch
     kernels = [_Recording() for _ in layer.launches]
     monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
-    replay = launch.bind_launches(layer, kernels, torch.device("cpu"))
-    assert replay() is True
+    workspace = launch.Workspace(torch.device("cpu"))
+    replay = launch.bind_launches(layer, kernels, torch.device("cpu"), workspace)
+    assert replay() is True and replay() is True
     for one, kernel in zip(layer.launches, kernels):
-        (call,) = kernel.calls
+        first, again = kernel.calls
+        assert again == first  # the same arguments every call: the temporaries stay in the workspace
         grid = (tuple(one.grid) + (1, 1))[:3]
-        assert call[:9] == (*grid, 1234, "function", "packed", None, None, None)
+        assert first[:9] == (*grid, 1234, "function", "packed", None, None, None)
         params = launch.ordered_parameters(one)
-        assert len(call) == 9 + len(params)
-        for sent, given in zip(call[9:], params):
+        assert len(first) == 9 + len(params)
+        for sent, given in zip(first[9:], params):
             if not isinstance(given, torch.Tensor):
                 assert sent == given or (sent is given)
                 continue
             storage = given.untyped_storage().data_ptr()
-            if not any(t.untyped_storage().data_ptr() == storage for t in layer.temporaries):
+            temps = [t for t in layer.temporaries if t.untyped_storage().data_ptr() == storage]
+            if not temps:
                 assert sent == given.data_ptr()
-            else:
-                assert sent != given.data_ptr()  # a new temporary (the old one is still alive here)
-                assert (sent - given.data_ptr()) % 16 == 0
+                continue
+            (temp,) = temps  # in the workspace, at the temporary's place, same offset and alignment
+            lo = workspace.address
+            assert lo <= sent and sent + given.numel() * given.element_size() <= lo + workspace.size
+            assert (sent - given.data_ptr()) % 16 == 0
+    # the temporaries' places in the workspace do not overlap
+    offsets, size = launch.temporaries_layout(layer.temporaries)
+    spans = sorted((o, o + t.numel() * t.element_size()) for o, t in zip(offsets, layer.temporaries))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= size <= workspace.size
+
+
+@needs_triton
+def test_a_workspace_grown_by_a_later_binding_moves_every_replay_of_its_stream(case, monkeypatch):
+    """Replays share their stream's workspace; a binding that needs more grows it (never a replay),
+    and an earlier replay then hands its launchers the temporaries' places in the new buffer."""
+    from dsv4_attn.portable.kernels import launch
+
+    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
+    workspace = launch.Workspace(torch.device("cpu"))
+    small = _launches(case, split=2)
+    small_kernels = [_Recording() for _ in small.launches]
+    replay = launch.bind_launches(small, small_kernels, torch.device("cpu"), workspace)
+    assert replay()
+    before = workspace.address
+    small.temporaries.append(torch.empty(workspace.size + 4096, dtype=torch.uint8))  # a larger call's need
+    launch.bind_launches(small, [_Recording() for _ in small.launches], torch.device("cpu"), workspace)
+    assert workspace.address != before
+    assert replay()
+    old, new = (call[9:] for call in small_kernels[0].calls)
+    moved = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
+    assert moved and all(new[i] - workspace.address == old[i] - before for i in moved)
+
+
+@needs_triton
+def test_temporaries_above_the_workspace_limit_are_not_bound(case, monkeypatch):
+    """A call whose temporaries exceed WORKSPACE_LIMIT (a large prefill's P scratch) stays plain:
+    no replay, the workspace not grown."""
+    from dsv4_attn.portable.kernels import launch
+
+    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
+    layer = _launches(case, split=2)
+    size = launch.temporaries_layout(layer.temporaries)[1]
+    workspace = launch.Workspace(torch.device("cpu"))
+    monkeypatch.setattr(launch, "WORKSPACE_LIMIT", size - 1)
+    assert launch.bind_launches(layer, [_Recording() for _ in layer.launches], torch.device("cpu"), workspace) is None
+    assert workspace.buffer is None
+    monkeypatch.setattr(launch, "WORKSPACE_LIMIT", size)
+    assert launch.bind_launches(layer, [_Recording() for _ in layer.launches], torch.device("cpu"), workspace)
+    assert workspace.size == size
+
+
+@needs_triton
+def test_in_a_graph_capture_replays_step_aside_and_nothing_is_bound(case, monkeypatch):
+    """Inside a capture (as ``common.plan.capturing`` reports it) a bound call launches plainly --
+    its temporaries then come from the capture's pool, not the workspace a graph could outlive --
+    and the backend binds nothing (no workspace grows there); after it, the replay runs again.
+    Kernels stubbed, launches bound as on a GPU."""
+    from dsv4_attn.bench import host
+    from dsv4_attn.portable import triton_backend
+    from dsv4_attn.portable.kernels import launch
+
+    with host.kernels_stubbed():
+        runs, plain = [], []
+        monkeypatch.setattr(host._StubCompiled, "run", staticmethod(lambda *args: runs.append(args)))
+        real_plain = launch.KernelLaunch.plain
+        monkeypatch.setattr(launch.KernelLaunch, "plain", lambda one: plain.append(one) or real_plain(one))
+        mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
+        plan = mla.plan(case.batch)
+        out = torch.empty_like(case.q)
+        for _ in range(3):  # plain, plain + bind, bound
+            _call(mla, plan, case, out=out)
+        backend = mla._backend("triton")
+        bound = dict(backend._replays)
+        sizes = {key: w.size for key, w in backend._workspaces.items()}
+        launches, runs_before = len(plain), len(runs)
+        for module in (launch, triton_backend):
+            monkeypatch.setattr(module, "capturing", lambda device: True)
+        _call(mla, plan, case, out=out)  # a capture: the plain launches, nothing bound
+        fresh_q = case.q.clone()
+        _call(mla, plan, case, q=fresh_q, out=out)  # a call never seen, twice (outside: bound): nothing bound
+        _call(mla, plan, case, q=fresh_q, out=out)
+        assert len(plain) > launches and len(runs) == runs_before
+        assert backend._replays.keys() == bound.keys() and all(backend._replays[k] is v for k, v in bound.items())
+        assert {key: w.size for key, w in backend._workspaces.items()} == sizes
+        for module in (launch, triton_backend):
+            monkeypatch.setattr(module, "capturing", lambda device: False)
+        launches = len(plain)
+        _call(mla, plan, case, out=out)  # after the capture: the bound launches again
+        assert len(plain) == launches and len(runs) > runs_before
+
+
+@needs_triton
+def test_two_streams_bind_into_workspaces_of_their_own(case, monkeypatch):
+    """The same layer call bound on two streams: each stream's launches get temporaries in that
+    stream's workspace (two buffers), so layers running at once on two streams never share them."""
+    from dsv4_attn.bench import host
+    from dsv4_attn.portable.kernels import launch
+
+    with host.kernels_stubbed():
+        runs = []
+        monkeypatch.setattr(host._StubCompiled, "run", staticmethod(lambda *args: runs.append(args)))
+        mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
+        plan = mla.plan(case.batch)
+        out = torch.empty_like(case.q)
+        sent = {}
+        for stream in (1, 2):
+            monkeypatch.setattr(launch, "current_stream", lambda device, stream=stream: stream)
+            for _ in range(3):  # plain, plain + bind, bound
+                _call(mla, plan, case, out=out)
+            sent[stream] = runs[-1]
+        workspaces = mla._backend("triton")._workspaces
+        assert {key[1] for key in workspaces} == {1, 2}
+        spans = {key[1]: (w.address, w.address + w.size) for key, w in workspaces.items()}
+        assert spans[1][1] <= spans[2][0] or spans[2][1] <= spans[1][0]  # two buffers
+        for stream, args in sent.items():
+            assert args[3] == stream
+            lo, hi = spans[stream]
+            other_lo, other_hi = spans[3 - stream]
+            inside = [a for a in args[9:] if isinstance(a, int) and lo <= a < hi]
+            assert inside and not [a for a in args[9:] if isinstance(a, int) and other_lo <= a < other_hi]
 
 
 @needs_triton
@@ -242,7 +362,7 @@ def test_a_replay_steps_aside_for_a_launch_hook(case, monkeypatch):
     layer = _launches(case, split=2)
     kernels = [_Recording() for _ in layer.launches]
     monkeypatch.setattr(launch, "current_stream", lambda device: 0)
-    replay = launch.bind_launches(layer, kernels, torch.device("cpu"))
+    replay = launch.bind_launches(layer, kernels, torch.device("cpu"), launch.Workspace(torch.device("cpu")))
     hook = lambda metadata: None  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
     try:
@@ -261,7 +381,7 @@ def test_a_replay_bound_on_one_stream_steps_aside_on_another(case, monkeypatch):
     layer = _launches(case, split=2)
     kernels = [_Recording() for _ in layer.launches]
     monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
-    replay = launch.bind_launches(layer, kernels, torch.device("cpu"))
+    replay = launch.bind_launches(layer, kernels, torch.device("cpu"), launch.Workspace(torch.device("cpu")))
     monkeypatch.setattr(launch, "current_stream", lambda device: 99)
     assert replay() is False and not any(k.calls for k in kernels)
     monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
@@ -300,6 +420,7 @@ def test_a_replay_key_reads_only_the_layers_own_tables(gen, monkeypatch):
     batch = dsv4.StepBatch.from_lists([1, 2], [300, 700], b.swa_block_table, b.swa_block_size,
                                       {128: b.comp_block_tables[128]}, b.block_size, b.max_model_len)
     monkeypatch.setattr(launch, "bindable", lambda device: True)
+    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
     mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
     plan = mla.plan(batch)
     out = torch.empty_like(case.q)
@@ -370,5 +491,151 @@ def test_a_repeated_call_runs_only_its_bound_launches(case, monkeypatch):
             _call(mla, plan, case, q=case.q[:-1], out=out)
 
 
+def _in_place_changes():
+    """name -> a change of one input of a bound call, made on that very tensor object (resized,
+    restrided, moved to other memory) or by handing another tensor (of equal metadata at another
+    address; the same bytes as another dtype): each must take the full path (the repeat's proof
+    reads every attribute)."""
+    def restride(t):  # same address, shape and memory; the last two dims laid out the other way
+        if t.dim() == 1:
+            return t.as_strided_(t.shape, (0,))
+        return t.as_strided_(t.shape, (*t.stride()[:-2], 1, t.shape[-2]))
+
+    def moved(t):  # the same shape and strides in other memory
+        return t.set_(t.clone().untyped_storage(), 0, t.shape, t.stride())
+
+    return {
+        "q resized in place": lambda a: a["q"].resize_(a["q"].shape[0] - 1, *a["q"].shape[1:]),
+        "q restrided in place": lambda a: restride(a["q"]),
+        "q moved in place": lambda a: moved(a["q"]),
+        "out restrided in place": lambda a: restride(a["out"]),
+        "out moved in place": lambda a: moved(a["out"]),
+        "out viewed as float16 (same bytes, shape, strides)": lambda a: a.update(out=a["out"].view(torch.float16)),
+        "topk restrided in place": lambda a: restride(a["topk"]),
+        "topk resized in place": lambda a: a["topk"].resize_(a["topk"].shape[0], a["topk"].shape[1] - 1),
+        "sink moved in place": lambda a: moved(a["sink"]),
+        "sink resized in place": lambda a: a["sink"].resize_(a["sink"].shape[0] - 1),
+        "swa_cache moved in place": lambda a: moved(a["swa_cache"]),
+        "sink restrided in place": lambda a: restride(a["sink"]),
+        "swa_cache restrided in place": lambda a: restride(a["swa_cache"]),
+        "comp_cache resized in place": lambda a: a["comp_cache"].resize_(
+            a["comp_cache"].shape[0] - 1, *a["comp_cache"].shape[1:]),
+        "another q, equal metadata": lambda a: a.update(q=a["q"].clone()),
+        "another out, equal metadata": lambda a: a.update(out=torch.empty_like(a["out"])),
+    }
+
+
+@needs_triton
+@pytest.mark.parametrize("change", list(_in_place_changes()))
+def test_a_changed_input_of_a_bound_call_takes_the_full_path(case, monkeypatch, change):
+    """After a call's launches are bound (kernels stubbed, bound as on a GPU), changing one input
+    -- on the same tensor object in place, or by handing another tensor -- runs the checks again
+    (refused where they refuse, as always) instead of the bound launches."""
+    from dsv4_attn.bench import host
+
+    with host.kernels_stubbed():
+        mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
+        plan = mla.plan(case.batch)
+        args = dict(q=case.q.clone(), swa_cache=case.caches["swa"].clone(),
+                    comp_cache=case.caches[LayerKind.C4A].clone(), topk=case.topks[LayerKind.C4A].clone(),
+                    sink=case.sink.clone(), out=torch.empty_like(case.q))
+        for _ in range(3):  # plain, plain + bind, bound
+            mla.forward(plan, LayerKind.C4A, **args)
+        assert mla._repeats  # bound
+        checked = []
+        real = checks.check_layer
+        monkeypatch.setattr(checks, "check_layer", lambda *a: checked.append(1) or real(*a))
+        mla.forward(plan, LayerKind.C4A, **args)
+        assert not checked  # the unchanged call repeats its bound launches
+        _in_place_changes()[change](args)
+        try:
+            mla.forward(plan, LayerKind.C4A, **args)
+        except ValueError:
+            pass
+        assert checked, f"{change}: the bound launches ran without the checks"
+
+
 def _forbidden(*args, **kwargs):
     raise AssertionError("a bound repeat ran the full path")
+
+
+# ---- the split combine's variants, compiled at engine start -----------------------------------
+def _variant(one) -> tuple:
+    """What Triton compiles one variant of a launch for: the kernel, its constexprs and options,
+    and the specialization of each runtime argument (tensors: dtype and 16-byte alignment; ints:
+    == 1 and divisibility by 16), ``do_not_specialize`` arguments (the combine's ``split``) left out."""
+    names = one.fn.arg_names
+    special = []
+    for name, arg in zip(names, one.args):
+        if name in ("split",):
+            continue
+        if isinstance(arg, torch.Tensor):
+            special.append((name, arg.dtype, arg.data_ptr() % 16 == 0))
+        elif isinstance(arg, int):
+            special.append((name, arg == 1, arg % 16 == 0))
+        else:
+            special.append((name, type(arg)))
+    return one.fn.__name__, tuple(sorted(one.constexprs.items())), tuple(sorted(one.options.items())), tuple(special)
+
+
+@needs_triton
+@pytest.mark.parametrize("heads", [64, 16])
+def test_after_reserve_no_step_launches_a_combine_variant_it_did_not_compile(gen, monkeypatch, heads):
+    """SparseMLA.reserve (engine start) compiles every split combine variant (one per power of two
+    of the split) that decode steps of 1 .. 48 tokens launch on every layer kind: each step's
+    combine launches are variants reserve launched. Launches recorded, never run; the GPU is a
+    16-SM one (more splits than the interpreter's 4); as compiled code would (not the interpreter)."""
+    from dsv4_attn.portable.kernels import launch, ops
+
+    launched: list = []
+    monkeypatch.setattr(launch.KernelLaunch, "plain", lambda one: launched.append(_variant(one)))
+    monkeypatch.setattr(ops, "num_sms", lambda device: 16)
+    monkeypatch.setattr(ops, "triton_interpreting", lambda: False)
+    kinds = (LayerKind.SWA, LayerKind.C4A, LayerKind.C128A)
+    first = make_step(gen, [1], [500], kinds=kinds, heads=heads, topk=512, max_model_len=8192)
+    mla = dsv4.SparseMLA(first.spec, "fp8_ds_mla", backend="triton")
+    mla.reserve(mla.plan(first.batch), 48)
+    warmed = {v for v in launched if v[0] == "combine_kernel"}
+    launched.clear()
+    for b in range(1, 49, 3):
+        case = make_step(gen, [1] * b, [300 + 41 * i for i in range(b)], kinds=kinds, heads=heads, topk=512,
+                         max_model_len=8192)
+        plan = mla.plan(case.batch)
+        for kind in kinds[1:]:
+            mla.forward(plan, kind, case.q, case.caches["swa"], case.caches[kind], topk=case.topks.get(kind),
+                        sink=case.sink, out=torch.empty_like(case.q))
+        mla.forward(plan, LayerKind.SWA, case.q, case.caches["swa"], sink=case.sink, out=torch.empty_like(case.q))
+    stepped = {v for v in launched if v[0] == "combine_kernel"}
+    split_p2s = {dict(v[1])["SPLIT_P2"] for v in stepped}
+    assert len(split_p2s) >= 3, split_p2s  # the steps reach several variants
+    assert stepped <= warmed, sorted(stepped - warmed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernels)")
+def test_after_reserve_decode_steps_at_every_split_compile_no_combine(gen):
+    """On the GPU: after SparseMLA.reserve, decode steps of 1 .. SMs + 1 tokens (every split a
+    64-head launch reaches, down to none) add no compiled combine kernel to Triton's cache."""
+    from dsv4_attn.portable.kernels import attention
+
+    kinds = (LayerKind.SWA, LayerKind.C4A, LayerKind.C128A)
+    most = torch.cuda.get_device_properties(0).multi_processor_count + 1
+    seqs = [300 + 7 * i for i in range(most)]
+    case = make_step(gen, [1] * most, seqs, kinds=kinds, heads=64, topk=512, max_model_len=8192, device="cuda")
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton", device="cuda")
+    mla.reserve(mla.plan(case.batch), 512)
+    compiled = attention.combine_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(compiled)
+    assert before >= 2  # reserve compiled the variants
+    b = case.batch
+    for n in sorted({1, 2, 5, 9, 14, 17, 23, 27, 34, 45, 67, most}):  # 132 SMs: splits 10 .. 2, then none
+        batch = dsv4.StepBatch.from_lists([1] * n, seqs[:n], b.swa_block_table[:n], b.swa_block_size,
+                                          {r: t[:n] for r, t in b.comp_block_tables.items()}, b.block_size,
+                                          b.max_model_len)
+        plan = mla.plan(batch)
+        for kind in kinds[1:]:
+            topk = case.topks[kind][:n] if kind in case.topks else None
+            mla.forward(plan, kind, case.q[:n], case.caches["swa"], case.caches[kind], topk=topk, sink=case.sink,
+                        out=torch.empty_like(case.q[:n]))
+    torch.cuda.synchronize()
+    assert len(compiled) == before

@@ -141,6 +141,9 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+_MISSING = object()
+
+
 class FrontEnd(Protocol):
     """Builds a step's index rows (same values as ``dsv4_attn.common.indices``)."""
 
@@ -235,9 +238,10 @@ class StepPlan:
 
     def cached(self, key, builder: Callable[[], Any]) -> Any:
         """``builder()`` once per plan and key (per-step metadata shared by all layers)."""
-        if key not in self._cache:
-            self._cache[key] = builder()
-        return self._cache[key]
+        found = self._cache.get(key, _MISSING)  # one lookup: every layer call of a step asks
+        if found is _MISSING:
+            found = self._cache[key] = builder()
+        return found
 
     def translates_topk(self, kind: LayerKind) -> bool:
         """True when ``kind``'s compressed scope comes from the layer's local top-k (through a

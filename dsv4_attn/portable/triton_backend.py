@@ -48,6 +48,7 @@ class TritonBackend(Backend):
         self._config = config  # kernels.ops.KernelConfig or None (defaults)
         self._replays: dict[tuple, object] = {}  # replay key -> kernels.launch.Replay, or _SEEN (once)
         self._counters: dict[tuple, torch.Tensor] = {}  # (device, stream) -> in-kernel merge counters
+        self._workspaces: dict[tuple, object] = {}  # (device, stream) -> kernels.launch.Workspace of its replays
         self._kept: list[torch.Tensor] = []
 
     def platform_reasons(self, platform: Platform) -> list[str]:
@@ -120,14 +121,16 @@ class TritonBackend(Backend):
         if isinstance(known, launch.Replay) and known():
             return
         launches = self._launches(plan, layer, out)
-        if any(k.constexprs.get("MERGE_IN_KERNEL") for k in launches.launches) and capturing(out.device):
-            # its arrival counters are then the plan's (``_merge_counters``), which a replay would outlive
+        if capturing(out.device):
+            # nothing bound in a capture: a replay's workspace (and the in-kernel merge's counters,
+            # then the plan's: ``_merge_counters``) must not come from the capture's pool, which a
+            # replay would outlive; the launches' own temporaries do, as the graph needs
             launches.plain()
             return
         if known is None:  # bound at the second call with these inputs: a call never repeated pays no binding
             launches.plain()
         else:
-            known = launch.run(launches, out.device, bind=True)
+            known = launch.run(launches, out.device, self._workspace(out.device))
         if key is not None:
             if len(self._replays) >= self.REPLAYS_LIMIT:
                 self._replays.clear()
@@ -139,6 +142,22 @@ class TritonBackend(Backend):
         key = self._replay_key(plan, layer, out)
         known = self._replays.get(key) if key is not None else None
         return known if isinstance(known, _kernels()[1].Replay) else None
+
+    def reserve(self, plan: StepPlan, fmt: KVFormat, num_heads: int, dialects, decode_tokens: int) -> None:
+        """Engine start: compile every split combine variant (one per power of two of the split,
+        ``ops.warm_combines``) the model's layers can launch on this device, so no step compiles
+        one mid-serving (the attention kernels take the split unspecialized)."""
+        ops = _kernels()[0]
+        if plan.batch_invariant:  # its launches never split
+            return
+        fmt = KVFormat.parse(fmt)
+        for kind in plan.spec.kinds:
+            scopes = 2 if kind.has_comp_scope else 1
+            # a top-k kind whose rows the plan holds (a StepRows' GlobalRows) launches as global rows
+            comp = ops.comp_mode_of(kind) if not kind.uses_topk or plan.translates_topk(kind) else ops.K.COMP_GLOBAL
+            ops.warm_combines(plan.device, (fmt.swa_record, fmt.comp_record)[:scopes], tuple(dialects)[:scopes],
+                              comp, num_heads, plan.swa_rows.shape[1], plan.spec.comp_width(kind),
+                              self._config or ops.DEFAULT_CONFIG)
 
     def _replay_key(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> tuple | None:
         """What fixes every argument of this call's launches (``kernels/launch.py``): the checked
@@ -207,6 +226,17 @@ class TritonBackend(Backend):
             self._counters[key] = counters
             self._kept.append(counters)  # a larger one replaces it: replays bound to this one keep it alive
         return counters[:n]
+
+    def _workspace(self, device: torch.device):
+        """The current stream's ``launch.Workspace`` (the temporaries of the replays bound on it),
+        or None where nothing is bound (``launch.bindable``)."""
+        launch = _kernels()[1]
+        if not launch.bindable(device):
+            return None
+        key = (device, launch.current_stream(device))
+        if key not in self._workspaces:
+            self._workspaces[key] = launch.Workspace(device)
+        return self._workspaces[key]
 
     @staticmethod
     def _check_v4_stride(name: str, cache: torch.Tensor, record: Record, stride0: int) -> None:

@@ -12,13 +12,16 @@ would read from it -- and calls the launcher directly:
 ``kernel.run(gx, gy, gz, stream, kernel.function, kernel.packed_metadata, metadata, enter_hook,
 exit_hook, *every_parameter)``, the call ``JITFunction.run`` ends with in Triton 3.6, 3.8 and
 3.9 alike (``triton/runtime/jit.py``; ``CompiledKernel.run`` / ``function`` /
-``packed_metadata`` in ``triton/compiler/compiler.py``). Only the call's temporaries (split
-partials, P scratch) are new at each call: allocated as the first call allocated them (the same
-sizes; an address of other alignment than the bound one falls back to the plain launch).
+``packed_metadata`` in ``triton/compiler/compiler.py``). The call's temporaries (split partials,
+P scratch) are not allocated per call: they lie in the stream's :class:`Workspace`, sized when a
+replay is bound, so a replay's arguments are fixed and the call only hands them to the launchers.
 
 Not bound (always the plain launch): Triton's CPU interpreter (no compiled kernel), ROCm (its
 buffer-op specialization also reads the tensors' sizes), a launch hook installed (a profiler
-sees every launch through Triton's own path), a kernel that compiled to nothing.
+sees every launch through Triton's own path), a kernel that compiled to nothing; a replay steps
+aside (the plain launch runs) on another GPU or stream than its binding's and in a graph capture.
+(Triton's ``CudaLauncher.__call__`` still runs per launch: its C ``launch`` takes other leading
+arguments in 3.6 and 3.8, e.g. 3.8's ``arg_annotations`` / ``kernel_signature``.)
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 from triton import knobs
 
+from ...common.plan import capturing
 from ...common.platform import triton_interpreting
 
 
@@ -74,47 +78,92 @@ class _Bound:
     function: Any
     packed_metadata: Any
     grid: tuple[int, int, int]
-    args: tuple  # every parameter in order; tensors as addresses (a temporary's: filled per call)
+    args: tuple  # every parameter in order; tensors as addresses (a temporary's: filled from the workspace)
     fills: tuple[tuple[int, int, int], ...]  # (position in args, temporary, byte offset in it)
+
+
+class Workspace:
+    """The temporaries of the replays bound on one (device, stream): one byte buffer, grown at
+    binding to the largest layer call's temporaries bound there, never by a replay, and shared
+    by every replay of that stream. Launches on one stream run one after another and a layer
+    call's temporaries live within its own launches only (the split partials the attention kernel
+    writes and the combine reads right after; P scratch inside one kernel), so the next call on
+    the stream may take the same bytes. Allocated while its stream is current (the caching
+    allocator then frees a replaced buffer in that stream's order); replays never run on another
+    stream nor inside a graph capture (``Replay.__call__``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffer: torch.Tensor | None = None
+        self.address = 0  # the buffer's first 16-byte aligned address
+        self.size = 0  # bytes usable from ``address``
+
+    def ensure(self, size: int) -> None:
+        """At least ``size`` bytes from a 16-byte aligned ``address`` (a new buffer when smaller)."""
+        if self.buffer is None or self.size < size:
+            self.buffer = torch.empty(size + 16, dtype=torch.uint8, device=self.device)
+            start = self.buffer.data_ptr()
+            self.address, self.size = start + (-start) % 16, size
+
+
+_TEMP_ALIGN = 256  # each temporary's place in a workspace starts at a multiple of this (+ its own % 16)
+
+
+def temporaries_layout(temporaries: list[torch.Tensor]) -> tuple[list[int], int]:
+    """(byte offset of each temporary in a workspace, bytes in all): each at the address % 16 it
+    had when its launches were bound, so every pointer the kernels were specialized for (Triton's
+    16-byte divisibility) keeps that property."""
+    offsets, end = [], 0
+    for t in temporaries:
+        start = -(-end // _TEMP_ALIGN) * _TEMP_ALIGN + t.data_ptr() % 16
+        offsets.append(start)
+        end = start + t.numel() * t.element_size()
+    return offsets, end
 
 
 class Replay:
     """The launches of one layer call, bound: ``__call__`` repeats them for a call with the same
-    inputs (same ``checked_key``), allocating only the temporaries."""
+    inputs (same ``checked_key``), their temporaries in the stream's :class:`Workspace`."""
 
-    def __init__(self, bound: list[_Bound], temps: list[tuple[int, torch.dtype, int]], device: torch.device) -> None:
+    def __init__(self, bound: list[_Bound], offsets: list[int], workspace: Workspace, device: torch.device) -> None:
         self._bound = bound
-        self._temps = [(n, dtype) for n, dtype, _ in temps]  # (numel, dtype)
-        self._aligns = [align for _, _, align in temps]  # address % 16 at binding
+        self._offsets = offsets  # each temporary's byte offset in the workspace
+        self._workspace = workspace
         self._device = device
         self._gpu = current_gpu(device)  # the kernels were loaded on it (the current GPU at binding)
-        # the stream at binding: buffers a launch shares between its calls (the in-kernel merge's
-        # arrival counters) are its stream's, so a call on another stream launches plainly
+        # the stream at binding: the workspace and the buffers a launch shares between its calls
+        # (the in-kernel merge's arrival counters) are its stream's, so a call on another stream
+        # launches plainly
         self._stream = current_stream(device)
+        self._filled_for = -1  # the workspace address ``_ready`` holds
+        self._ready: list[tuple[Any, tuple]] = []  # (launcher, every argument of its call)
 
     def __call__(self) -> bool:
         """Launch again; False (nothing launched) when a launch hook is installed now, another GPU
-        or stream is current or a temporary came at an alignment other than the bound one: the
-        caller launches plainly."""
+        or stream is current or a graph capture is in progress: the caller launches plainly (its
+        temporaries then come from the capture's pool, which outlives no graph)."""
         hooks = knobs.runtime
         device = self._device
-        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls or current_gpu(device) != self._gpu:
+        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls or current_gpu(device) != self._gpu \
+                or current_stream(device) != self._stream or capturing(device):
             return False
-        stream = current_stream(device)
-        if stream != self._stream:
-            return False
-        temps = [torch.empty(n, dtype=dtype, device=device) for n, dtype in self._temps]  # alive until launched
-        addresses = [t.data_ptr() for t in temps]
-        if [a % 16 for a in addresses] != self._aligns:
-            return False
-        for b in self._bound:
-            args: tuple | list = b.args
-            if b.fills:
-                args = filled = list(b.args)
-                for i, temp, offset in b.fills:
-                    filled[i] = addresses[temp] + offset
-            b.run(*b.grid, stream, b.function, b.packed_metadata, None, None, None, *args)
+        if self._workspace.address != self._filled_for:  # the first call, or the workspace grew since
+            self._fill()
+        for run, args in self._ready:
+            run(*args)
         return True
+
+    def _fill(self) -> None:
+        """Every launch's arguments with the temporaries at their places in the workspace now."""
+        base = self._workspace.address
+        self._ready = []
+        for b in self._bound:
+            args = list(b.args)
+            for i, temp, offset in b.fills:
+                args[i] = base + self._offsets[temp] + offset
+            self._ready.append((b.run, (*b.grid, self._stream, b.function, b.packed_metadata, None, None, None,
+                                        *args)))
+        self._filled_for = base
 
 
 def bindable(device: torch.device) -> bool:
@@ -147,20 +196,32 @@ def _stream_of():
     return driver.active.get_current_stream
 
 
-def run(layer: LayerLaunches, device: torch.device, bind: bool) -> Replay | None:
-    """Launch ``layer``'s kernels through Triton's JIT path; with ``bind`` (and where
-    :func:`bindable`), return their Replay for the next call with the same inputs."""
+def run(layer: LayerLaunches, device: torch.device, workspace: Workspace | None) -> Replay | None:
+    """Launch ``layer``'s kernels through Triton's JIT path; with a ``workspace`` (the current
+    stream's, where :func:`bindable`), return their Replay for the next call with the same inputs."""
     compiled = layer.plain()
-    if not (bind and bindable(device)):
+    if workspace is None or not bindable(device):
         return None
-    return bind_launches(layer, compiled, device)
+    return bind_launches(layer, compiled, device, workspace)
 
 
-def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device) -> Replay | None:
-    """The Replay of ``layer`` whose launches returned ``compiled`` (CompiledKernels), or None
-    when one cannot be bound."""
+# The most bytes of temporaries a bound call may place in its stream's workspace, which stays
+# allocated. A split launch has at most one partial ([heads per program, 514] fp32) per program
+# slot (``ops.choose_split``): <= 17 MiB on an H100 (132 slots x 64 heads), <= 40 MiB on an MI300X
+# (304 x 64); larger temporaries (a forced ``config.split`` on many tokens, the portable kernel's P
+# scratch of a prefill chunk: 100+ MiB) belong to launches whose GPU time dwarfs the host path's,
+# and stay per call (the plain launch), allocated and freed as before.
+WORKSPACE_LIMIT = 128 << 20
+
+
+def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device, workspace: Workspace) -> Replay | None:
+    """The Replay of ``layer`` whose launches returned ``compiled`` (CompiledKernels), its
+    temporaries placed in ``workspace`` (grown to hold them: at binding, never per call), or None
+    when one cannot be bound (temporaries above WORKSPACE_LIMIT among the reasons)."""
+    offsets, size = temporaries_layout(layer.temporaries)
+    if size > WORKSPACE_LIMIT:
+        return None
     storages = [t.untyped_storage().data_ptr() for t in layer.temporaries]
-    temps = [(t.numel(), t.dtype, t.data_ptr() % 16) for t in layer.temporaries]
     bound = []
     for launch, kernel in zip(layer.launches, compiled):
         if kernel is None or not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
@@ -173,7 +234,8 @@ def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device) ->
         gx, gy, gz = (tuple(launch.grid) + (1, 1))[:3]
         run_fn = kernel.run  # a property: loads the kernel (CompiledKernel._init_handles) if needed
         bound.append(_Bound(run_fn, kernel.function, kernel.packed_metadata, (gx, gy, gz), args, fills))
-    return Replay(bound, temps, device)
+    workspace.ensure(size)
+    return Replay(bound, offsets, workspace, device)
 
 
 def ordered_parameters(launch: KernelLaunch) -> tuple | None:

@@ -534,19 +534,10 @@ def layer_launches(
     dialects = tuple(Fp8Dialect.FNUZ if fnuz else Fp8Dialect.OCP for fnuz in (swa_fnuz, comp_fnuz))[:len(records)]
     gluon = use_gluon(q.device, records, dialects, config, (swa_cache, comp_cache), comp_mode, H)
     tile = config.tile(device_arch(q.device), H)
-    bn = config.g_block_n if gluon else tile.block_n
-    max_tiles = _cdiv(swa_rows.shape[1], bn) + (_cdiv(b_width, bn) if comp_mode else 0)
     v41 = v41_codes(records)  # V4.1 records: the hopper_records kernel (64 heads per program, no pairs)
-    pair = not v41 and pair_tokens(config, gluon, H, comp_mode, tokens_per_request, T, q.device)
-    if pair:  # two tokens per program, 8 columns each; their key list is at most both tokens' rows
-        heads_n, n_hb, max_tiles = 16, 1, 2 * max_tiles
-        programs = _cdiv(T, 2)
-    else:
-        heads_n = 0 if v41 else heads_on_n(config, gluon, H, max_tiles, T, q.device, comp_mode)
-        n_hb = _cdiv(H, (heads_n or 64) if gluon else tile.block_h)
-        programs = T * n_hb
-    block_h = (heads_n or 64) if gluon else tile.block_h
-    split = choose_split(programs, max_tiles, q.device, config.split, build.ctas_per_sm(heads_n))
+    bn, pair, heads_n, n_hb, programs, block_h, split = launch_grid(
+        config, gluon, tile, v41 is not None, H, T, q.device, comp_mode, swa_rows.shape[1], b_width,
+        tokens_per_request)
     temporaries = []
     if split > 1:
         # partials (acc fp32 [T, split, H, 512], m / l fp32 [T, split, H, 2]) and the count of
@@ -615,11 +606,79 @@ def layer_launches(
             launch_options(tile))
     launches = [attention]
     if split > 1 and counters is None:
-        bh_c, bd = combine_tile(config, gluon)
-        bh_c = min(bh_c, block_h)
-        launches.append(launch.KernelLaunch(
-            K.combine_kernel, (T, _cdiv(H, bh_c), 512 // bd),
-            (po, pml, pu, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H, split),
-            dict(SPLIT_P2=_next_power_of_2(split), HAS_SINK=sink is not None, WRITE_LSE=write_lse,
-                 BLOCK_H=bh_c, BLOCK_D=bd), dict(num_warps=4)))
+        launches.append(_combine_launch(po, pml, pu, out, lse, sink, split, combine_tile(config, gluon), block_h))
     return launch.LayerLaunches(launches, temporaries)
+
+
+def _combine_launch(po, pml, pu, out: torch.Tensor, lse: torch.Tensor | None, sink: torch.Tensor | None, split: int,
+                    tile: tuple[int, int], block_h: int) -> launch.KernelLaunch:
+    """The split merge of ``split`` partials (``po`` / ``pml`` / ``pu``) into ``out`` [T, H, 512]
+    (and ``lse``), ``tile`` = ``combine_tile``'s (heads, dims), at most ``block_h`` heads (the
+    attention program's) per program."""
+    T, H, _ = out.shape
+    bh_c, bd = min(tile[0], block_h), tile[1]
+    return launch.KernelLaunch(
+        K.combine_kernel, (T, _cdiv(H, bh_c), 512 // bd),
+        (po, pml, pu, out, out.stride(0), out.stride(1), lse if lse is not None else out,
+         lse.stride(0) if lse is not None else 0, sink if sink is not None else out, H, split),
+        dict(SPLIT_P2=_next_power_of_2(split), HAS_SINK=sink is not None, WRITE_LSE=lse is not None,
+             BLOCK_H=bh_c, BLOCK_D=bd), dict(num_warps=4))
+
+
+def launch_grid(config: KernelConfig, gluon: bool, tile: Tile, v41: bool, num_heads: int, num_tokens: int,
+                device: torch.device, comp_mode: int, swa_width: int, comp_width: int,
+                tokens_per_request: int = 1) -> tuple[int, bool, int, int, int, int, int]:
+    """How a launch of ``num_tokens`` tokens x ``num_heads`` heads over rows of ``swa_width`` +
+    ``comp_width`` keys is cut: (keys per tile, token pairs, heads-on-N NH or 0, head blocks per
+    token, programs before the split, heads per program, key splits). ``v41``: V4.1 records (the
+    hopper_records kernel: 64 heads per program, no pairs)."""
+    bn = config.g_block_n if gluon else tile.block_n
+    max_tiles = _cdiv(swa_width, bn) + (_cdiv(comp_width, bn) if comp_mode else 0)
+    pair = not v41 and pair_tokens(config, gluon, num_heads, comp_mode, tokens_per_request, num_tokens, device)
+    if pair:  # two tokens per program, 8 columns each; their key list is at most both tokens' rows
+        heads_n, n_hb, max_tiles = 16, 1, 2 * max_tiles
+        programs = _cdiv(num_tokens, 2)
+    else:
+        heads_n = 0 if v41 else heads_on_n(config, gluon, num_heads, max_tiles, num_tokens, device, comp_mode)
+        n_hb = _cdiv(num_heads, (heads_n or 64) if gluon else tile.block_h)
+        programs = num_tokens * n_hb
+    block_h = (heads_n or 64) if gluon else tile.block_h
+    split = choose_split(programs, max_tiles, device, config.split, build.ctas_per_sm(heads_n))
+    return bn, pair, heads_n, n_hb, programs, block_h, split
+
+
+def warm_combines(device: torch.device, records: tuple[Record, ...], dialects: tuple[Fp8Dialect, ...],
+                  comp_mode: int, num_heads: int, swa_width: int, comp_width: int,
+                  config: KernelConfig = DEFAULT_CONFIG) -> list[launch.KernelLaunch]:
+    """Compile every split combine a launch of 1+ tokens (rows ``swa_width`` + ``comp_width``
+    keys wide, or narrower) can make, as ``layer_launches`` makes it with a sink and no LSE (a
+    layer's call): one variant per ``SPLIT_P2`` (power of two >= the split), so none compiles
+    mid-serving. Each is launched once on one token whose partials are empty (nothing read; its
+    output row is written as the empty row: zeros). Returns the launches (for tests); nothing on
+    Triton's CPU interpreter, where nothing compiles. Narrower rows cut the key range into fewer
+    tiles, so their splits' powers of two are among those of the widest rows."""
+    if triton_interpreting():
+        return []
+    arch = device_arch(device)
+    gluon = resolved_kernel(arch, records, dialects, comp_mode, num_heads, config)[0] == "gluon"
+    tile, v41 = config.tile(arch, num_heads), v41_codes(records) is not None
+    variants: dict[int, int] = {}  # SPLIT_P2 -> heads per attention program
+    most = 4 * num_sms(device) * build.ctas_per_sm(16) + 2  # from here on every launch fills the GPU unsplit
+    for tokens_per_request in (1, PAIR_AUTO_MIN_TOKENS):
+        for T in range(1, most + 1):
+            *_, block_h, split = launch_grid(config, gluon, tile, v41, num_heads, T, device, comp_mode, swa_width,
+                                             comp_width, tokens_per_request)
+            if split > 1 and not merge_in_kernel(config, gluon, split, num_heads):
+                variants.setdefault(_next_power_of_2(split), block_h)
+    launches = []
+    for split_p2, block_h in sorted(variants.items()):
+        partials = torch.zeros(split_p2 * num_heads * (512 + 2) + 1, dtype=torch.float32, device=device)
+        po, pml = partials[:split_p2 * num_heads * 512], partials[split_p2 * num_heads * 512:-1]
+        pu = partials[-1:].view(torch.int32)  # 0 partials written: nothing read
+        out = torch.empty(1, num_heads, 512, dtype=torch.bfloat16, device=device)
+        sink = torch.zeros(num_heads, dtype=torch.float32, device=device)
+        launches.append(_combine_launch(po, pml, pu, out, None, sink, split_p2, combine_tile(config, gluon),
+                                        block_h))
+    for one in launches:
+        one.plain()
+    return launches
