@@ -203,7 +203,7 @@ class SparseMLA:
         topk       int32 [T, K] the indexer's LOCAL top-k (compressed entry numbers of the
                    token's request, -1 unused) for top-k kinds (C4A, C1A, C2A); None otherwise,
                    and None when the plan holds the kind's global rows (a StepRows' GlobalRows).
-        sink       float32 [H] (None = no sink)
+        sink       float32 [H], contiguous (None = no sink)
         out        bf16 [T, H, 512] contiguous, written in place (allocated when None)
         validate   also check the step's values against the caches (reads device tensors: a
                    sync): every used block id inside its cache, topk entries inside each

@@ -209,6 +209,26 @@ def test_choices_file_that_is_not_json_names_the_variable_and_the_file(monkeypat
         choices.table_for("sm90")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_strided_sink_view_is_refused_before_the_work(gen, backend):
+    """sink = every other element of a [2H] tensor (stride 2): the kernels read head h's sink at
+    sink + h, so the Triton backend took the wrong heads' sinks; refused for every backend, the
+    output left as it was."""
+    case, rows = _rows_step(gen)
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend=backend, front_end="torch")
+    plan = mla.plan(rows)
+    H = case.q.shape[1]
+    wide = torch.stack([case.sink, torch.randn(H, generator=gen)], dim=1).reshape(-1)
+    sink = wide[::2]
+    assert torch.equal(sink, case.sink) and sink.stride() == (2,)
+    out = torch.full_like(case.q, float("nan"))
+    with pytest.raises(ValueError, match=rf"^sink: got torch.float32 \({H},\) stride \(2,\) on cpu; "
+                                         rf"allowed: contiguous torch.float32 \[{H}\]"):
+        mla.forward(plan, LayerKind.C4A, case.q, case.caches["swa"], case.caches[LayerKind.C4A],
+                    topk=case.topks[LayerKind.C4A], sink=sink, out=out)
+    assert out.isnan().all()
+
+
 @pytest.mark.parametrize("value", ["bogus", "gfx950:0.2", "gfx90a", "on:sparse"])
 def test_aiter_emulator_variable_is_validated_and_probe_exits_2(monkeypatch, capsys, value):
     from dsv4_attn import probe_cli

@@ -319,10 +319,12 @@ def _check_topk(plan: StepPlan, layer: LayerInputs) -> None:
 def _check_sink_and_scale(layer: LayerInputs) -> None:
     H, device = layer.q.shape[1], layer.q.device
     s = layer.sink
+    # contiguous: the kernels read head h's sink at sink + h (a strided view would be read wrongly)
     if s is not None and (not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.shape != (H,)
-                          or s.device != device):
-        got = f"{s.dtype} {tuple(s.shape)} on {s.device}" if isinstance(s, torch.Tensor) else type(s).__name__
-        raise ValueError(f"sink: got {got}; allowed: torch.float32 [{H}] on {device}")
+                          or s.device != device or not s.is_contiguous()):
+        got = (f"{s.dtype} {tuple(s.shape)} stride {tuple(s.stride())} on {s.device}" if isinstance(s, torch.Tensor)
+               else type(s).__name__)
+        raise ValueError(f"sink: got {got}; allowed: contiguous torch.float32 [{H}] on {device}")
     kv_scale = layer.kv_scale
     if not (isinstance(kv_scale, (int, float)) and not isinstance(kv_scale, bool)
             and math.isfinite(kv_scale) and kv_scale > 0):
