@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # records of a cache as the kernels name them (constexpr FMT_A / FMT_B)
 FMT_MODEL1 = 0  # V4 record (584 B): 448 e4m3 + 64 bf16, UE8M0 scale per 64 dims, split pages
@@ -554,10 +555,16 @@ def split_ranges(tiles, split):
 def combine_kernel(
     PO, PML, PU, O, stride_ot, stride_oh, LSE, stride_lt, SINK, num_heads, split,
     SPLIT_P2: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge the PU[t] <= split partials (acc, m, l) a token wrote: o = Σ w_s acc_s / (Σ w_s l_s +
-    exp2(sink2 - M)), w_s = exp2(m_s - M). Grid: (T, cdiv(H, BLOCK_H), 512 // BLOCK_D)."""
+    exp2(sink2 - M)), w_s = exp2(m_s - M). Grid: (T, cdiv(H, BLOCK_H), 512 // BLOCK_D). With PDL
+    (a programmatic dependent launch after the attention kernel, ``ops.pdl_launches``) it may start
+    before the partials are written: it waits for the previous kernel before any load or store,
+    and lets the next kernel launch early (that one waits for this one the same way)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)

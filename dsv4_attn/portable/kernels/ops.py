@@ -122,6 +122,9 @@ class KernelConfig:
     # Gluon kernel, MTP / verify steps: -1 auto (``pair_tokens``), 0 one token per program, 1 two
     # consecutive tokens per program (the heads-on-N kernel; window and C128A layers of <= 8 heads)
     pair_tokens: int = -1
+    # programmatic dependent launch (Hopper, ``pdl_launches``): -1 auto, 0 off, 1 the combine launch
+    # after the Gluon kernel, 2 that and the Gluon kernel's own launch
+    pdl: int = -1
     # 0 compiles the kernels WITHOUT their index range checks, so out-of-range entries are read
     # out of bounds: only for measuring the checks' cost (dsv4-attn bench --guard-cost)
     range_checks: int = 1
@@ -133,6 +136,9 @@ class KernelConfig:
             raise ValueError(f"heads_on_n: got {self.heads_on_n!r}; allowed: -1 (auto), 0 or 1")
         if self.pair_tokens not in (-1, 0, 1):
             raise ValueError(f"pair_tokens: got {self.pair_tokens!r}; allowed: -1 (auto), 0 or 1")
+        if self.pdl not in (-1, 0, 1, 2):
+            raise ValueError(f"pdl: got {self.pdl!r}; allowed: -1 (auto), 0 (off), 1 (the combine launch) or 2 "
+                             "(the combine and the Gluon kernel's launch)")
         if self.merge_in_kernel not in (-1, 0, 1):
             raise ValueError(f"merge_in_kernel: got {self.merge_in_kernel!r}; allowed: -1 (auto), 0 or 1")
         if self.combine_heads not in (None, 4, 8, 16) or self.combine_dims not in (None, 32, 64, 128):
@@ -428,6 +434,26 @@ def merge_in_kernel(config: KernelConfig, gluon: bool, split: int, num_heads: in
     return config.merge_in_kernel == 1 or num_heads <= MERGE_IN_KERNEL_MAX_HEADS
 
 
+# Programmatic dependent launch (PDL, sm_90+): a kernel launched with it may start before the
+# previous kernel in the stream completes; it waits for that one (griddepcontrol.wait) before its
+# first load or store, so what overlaps is its launch, block scheduling and address setup with the
+# previous kernel's tail; the previous kernel lets it launch early (griddepcontrol.launch_dependents).
+# Level 1: the combine launch after the Gluon kernel; 2: also the Gluon kernel's own launch (after
+# whatever an engine ran before the layer). V4 records' kernels only (hopper.py, hopper_heads.py).
+PDL_AUTO = 0
+
+
+def pdl_launches(config: KernelConfig, gluon: bool, v41: bool, combine: bool) -> tuple[bool, bool]:
+    """(the Gluon kernel's launch, the combine launch) with programmatic dependent launch, for a
+    layer whose launch is ``gluon`` (the Hopper kernels: sm_90, compiled, never under Triton's
+    interpreter) reading V4.1 records or not (``v41``: never) and followed by a combine launch or
+    not: as ``config.pdl`` says, auto PDL_AUTO."""
+    level = PDL_AUTO if config.pdl == -1 else config.pdl
+    if not gluon or v41:
+        return False, False
+    return level >= 2, combine and level >= 1
+
+
 def combine_tile(config: KernelConfig, gluon: bool) -> tuple[int, int]:
     """(heads, dims) per program of the combine launch. After the Gluon kernel 8 x 64: four times
     the programs of 16 x 128, which took 6-15 % off b <= 4 at 16-128 heads on the H100 (the merge
@@ -569,6 +595,8 @@ def layer_launches(
         # bound replay, which reuses the caller's counters: the launch leaves them zero)
         counters = merge_counters(T * n_hb) if merge_counters is not None else \
             torch.zeros(T * n_hb, dtype=torch.int32, device=q.device)
+    combine = split > 1 and counters is None
+    pdl_attention, pdl_combine = pdl_launches(config, gluon, v41 is not None, combine)
     lse_t = lse if lse is not None else out
     sink_t = sink if sink is not None else out
     stride_lt = lse.stride(0) if lse is not None else 0
@@ -581,7 +609,11 @@ def layer_launches(
             constexprs.update(NH=heads_n, PAIR=pair)
         if v41:
             constexprs["FMT_A"], constexprs["FMT_B"] = v41
+        else:  # griddepcontrol in the kernel where its launch or the combine's is programmatic
+            constexprs["PDL"] = pdl_attention or pdl_combine
         fn, options = build.hopper_kernel(constexprs)
+        if pdl_attention:
+            options = dict(options, launch_pdl=True)
         attention = launch.KernelLaunch(fn, grid, (
             q, q.stride(0), q.stride(1),
             out, out.stride(0), out.stride(1),
@@ -614,12 +646,13 @@ def layer_launches(
                                Fp8Dialect.FNUZ in dialects),
             launch_options(tile))
     launches = [attention]
-    if split > 1 and counters is None:
+    if combine:
         bh_c, bd = combine_tile(config, gluon)
         bh_c = min(bh_c, block_h)
         launches.append(launch.KernelLaunch(
             K.combine_kernel, (T, _cdiv(H, bh_c), 512 // bd),
             (po, pml, pu, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H, split),
             dict(SPLIT_P2=_next_power_of_2(split), HAS_SINK=sink is not None, WRITE_LSE=write_lse,
-                 BLOCK_H=bh_c, BLOCK_D=bd), dict(num_warps=4)))
+                 BLOCK_H=bh_c, BLOCK_D=bd, PDL=pdl_combine),
+            dict(num_warps=4, **({"launch_pdl": True} if pdl_combine else {}))))
     return launch.LayerLaunches(launches, temporaries)
