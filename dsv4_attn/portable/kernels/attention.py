@@ -555,10 +555,13 @@ def split_ranges(tiles, split):
 def combine_kernel(
     PO, PML, PU, O, stride_ot, stride_oh, LSE, stride_lt, SINK, num_heads, split,
     SPLIT_P2: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge the PU[t] <= split partials (acc, m, l) a token wrote: o = Σ w_s acc_s / (Σ w_s l_s +
-    exp2(sink2 - M)), w_s = exp2(m_s - M). Grid: (T, cdiv(H, BLOCK_H), 512 // BLOCK_D). With PDL
+    exp2(sink2 - M)), w_s = exp2(m_s - M). Grid: (T, cdiv(H, BLOCK_H), 512 // BLOCK_D). At small
+    batches its time is dependent round trips to L2, so the (m, l) of every split are loaded with
+    PU (before ``used`` is known; those past it are then dropped) and the partials CHUNK splits per
+    round trip (``ops.combine_chunk``; 1: one split per trip). With PDL
     (a programmatic dependent launch after the attention kernel, ``ops.pdl_launches``) it may start
     before the partials are written: it waits for the previous kernel before any load or store,
     and lets the next kernel launch early (that one waits for this one the same way)."""
@@ -571,11 +574,11 @@ def combine_kernel(
     hmask = h < num_heads
     used = tl.load(PU + t)
     s = tl.arange(0, SPLIT_P2)
-    smask = s < used
     part = (t * split + s[None, :]) * num_heads + h[:, None].to(tl.int64)  # [BH, SP]
-    pm = hmask[:, None] & smask[None, :]
-    m = tl.load(PML + part * 2, mask=pm, other=-1.0e30)
-    l = tl.load(PML + part * 2 + 1, mask=pm, other=0.0)
+    pm = hmask[:, None] & (s[None, :] < split)  # inside the workspace; splits >= used: dropped below
+    live = s[None, :] < used
+    m = tl.where(live, tl.load(PML + part * 2, mask=pm, other=-1.0e30), -1.0e30)
+    l = tl.where(live, tl.load(PML + part * 2 + 1, mask=pm, other=0.0), 0.0)
     m_max = tl.max(m, 1)
     w = tl.exp2(m - m_max[:, None])
     l_sum = tl.sum(w * l, 1)
@@ -586,12 +589,14 @@ def combine_kernel(
     has = l_sum != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
     inv = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for i in range(used):
-        p_i = (t * split + i) * num_heads + h.to(tl.int64)
-        m_s = tl.load(PML + p_i * 2, mask=hmask, other=-1.0e30)
-        w_s = tl.exp2(m_s - m_max)
-        a = tl.load(PO + p_i[:, None] * 512 + d[None, :], mask=hmask[:, None], other=0.0)
-        acc += a * w_s[:, None]
+    c = tl.arange(0, CHUNK)
+    for s0 in range(0, used, CHUNK):
+        sc = s0 + c
+        live_c = (sc < used)[:, None] & hmask[None, :]  # [CHUNK, BH]
+        p_c = (t * split + sc[:, None]) * num_heads + h[None, :].to(tl.int64)
+        w_c = tl.exp2(tl.load(PML + p_c * 2, mask=live_c, other=-1.0e30) - m_max[None, :])
+        a = tl.load(PO + p_c[:, :, None] * 512 + d[None, None, :], mask=live_c[:, :, None], other=0.0)
+        acc += tl.sum(a * w_c[:, :, None], axis=0)
     o = acc * inv[:, None]
     tl.store(O + t * stride_ot + h[:, None].to(tl.int64) * stride_oh + d[None, :],
              o.to(O.dtype.element_ty), mask=hmask[:, None])

@@ -116,6 +116,8 @@ class KernelConfig:
     # ``combine_tile``'s
     combine_heads: int | None = None
     combine_dims: int | None = None
+    # the combine launch's splits per load round trip (``combine_chunk``); None: auto
+    combine_chunk: int | None = None
     # Gluon kernel with few heads: -1 auto (``heads_on_n``), 0 the 64-head kernel (heads on wgmma's M),
     # 1 the heads-on-N kernel (hopper_heads) wherever the head count allows it (<= 16)
     heads_on_n: int = -1
@@ -141,6 +143,8 @@ class KernelConfig:
                              "(the combine and the Gluon kernel's launch)")
         if self.merge_in_kernel not in (-1, 0, 1):
             raise ValueError(f"merge_in_kernel: got {self.merge_in_kernel!r}; allowed: -1 (auto), 0 or 1")
+        if self.combine_chunk not in (None, 1, 2, 4, 8, 16):
+            raise ValueError(f"combine_chunk: got {self.combine_chunk!r}; allowed: None (auto), 1, 2, 4, 8 or 16")
         if self.combine_heads not in (None, 4, 8, 16) or self.combine_dims not in (None, 32, 64, 128):
             raise ValueError(f"combine_heads / combine_dims: got {self.combine_heads!r} / {self.combine_dims!r}; "
                              "allowed: None, 4, 8 or 16 / None, 32, 64 or 128")
@@ -463,6 +467,17 @@ def combine_tile(config: KernelConfig, gluon: bool) -> tuple[int, int]:
     return config.combine_heads or heads, config.combine_dims or dims
 
 
+def combine_chunk(config: KernelConfig, gluon: bool, split: int, tile: tuple[int, int]) -> int:
+    """Splits whose partials the combine launch loads per round trip (``attention.combine_kernel``
+    CHUNK): after the Gluon kernel as many as keep its [chunk, heads, dims] load at 32 fp32 values
+    per thread (8 for the 8 x 64 tile), at most the split's power of two; after the portable kernel
+    1 (AMD's compile-checked combine, not measured otherwise)."""
+    p2 = _next_power_of_2(split)
+    if config.combine_chunk:
+        return min(config.combine_chunk, p2)
+    return min(p2, max(1, 4096 // (tile[0] * tile[1]))) if gluon else 1
+
+
 def portable_constexprs(fmt_codes: tuple[int, int], comp_mode: int, topk_ratio: int, has_sink: bool,
                         write_lse: bool, split: int, tile: Tile, dt, range_checks: bool,
                         shifts: tuple[int, int] = (6, 6), fnuz: bool = False) -> dict:
@@ -653,6 +668,6 @@ def layer_launches(
             K.combine_kernel, (T, _cdiv(H, bh_c), 512 // bd),
             (po, pml, pu, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H, split),
             dict(SPLIT_P2=_next_power_of_2(split), HAS_SINK=sink is not None, WRITE_LSE=write_lse,
-                 BLOCK_H=bh_c, BLOCK_D=bd, PDL=pdl_combine),
+                 BLOCK_H=bh_c, BLOCK_D=bd, CHUNK=combine_chunk(config, gluon, split, (bh_c, bd)), PDL=pdl_combine),
             dict(num_warps=4, **({"launch_pdl": True} if pdl_combine else {}))))
     return launch.LayerLaunches(launches, temporaries)
