@@ -32,8 +32,8 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 @pytest.mark.parametrize("setting,gluon,v41,combine,expected", [
     (2, True, False, True, (True, True)),
     (2, True, False, False, (True, False)),   # the in-kernel merge or no split: no combine launch
-    (1, True, False, True, (False, True)),
-    (1, True, False, False, (False, False)),
+    (1, True, False, True, (True, False)),
+    (1, True, False, False, (True, False)),
     (0, True, False, True, (False, False)),
     (2, False, False, True, (False, False)),  # the portable kernel (interpreter, CPU, other GPUs, FNUZ)
     (2, True, True, True, (False, False)),    # the V4.1 records' kernel has no griddepcontrol
@@ -45,7 +45,7 @@ def test_which_launches_are_programmatic(setting, gluon, v41, combine, expected)
 
 def test_auto_is_pdl_auto():
     level = ops.PDL_AUTO
-    assert ops.pdl_launches(ops.KernelConfig(), True, False, True) == (level >= 2, level >= 1)
+    assert ops.pdl_launches(ops.KernelConfig(), True, False, True) == (level >= 1, level >= 2)
 
 
 def test_pdl_setting_is_checked():
@@ -80,16 +80,16 @@ def _programmatic(layer) -> list[bool]:
 @needs_triton
 @pytest.mark.parametrize("setting,merge,expected", [
     (2, 0, [True, True]),
-    (1, 0, [False, True]),
+    (1, 0, [True, False]),
     (0, 0, [False, False]),
-    (-1, 0, [ops.PDL_AUTO >= 2, ops.PDL_AUTO >= 1]),
+    (-1, 0, [ops.PDL_AUTO >= 1, ops.PDL_AUTO >= 2]),
     (2, 1, [True]),   # merged in the kernel: no combine launch
-    (1, 1, [False]),
+    (1, 1, [True]),
 ])
 def test_the_option_reaches_the_gluon_launches(case, monkeypatch, setting, merge, expected):
     """The Gluon launch as on an sm_90 GPU (nothing launched): ``launch_pdl`` where ``pdl_launches``
-    says, the kernels' PDL constexpr wherever a launch of the layer is programmatic (the Gluon
-    kernel lets the combine launch early), and the bound launch's parameters still complete."""
+    says, both kernels' PDL constexpr (griddepcontrol) wherever a launch of the layer is
+    programmatic, and the bound launch's parameters still complete."""
     from dsv4_attn.portable.kernels import launch
 
     if not ops._gluon_importable():
@@ -98,7 +98,7 @@ def test_the_option_reaches_the_gluon_launches(case, monkeypatch, setting, merge
     layer = _launches(case, ops.KernelConfig(split=2, pdl=setting, merge_in_kernel=merge))
     assert "hopper" in layer.launches[0].fn.__module__
     assert _programmatic(layer) == expected
-    assert [one.constexprs["PDL"] for one in layer.launches] == [any(expected)] + expected[1:]
+    assert [one.constexprs["PDL"] for one in layer.launches] == [any(expected)] * len(expected)
     assert all(launch.ordered_parameters(one) is not None for one in layer.launches)
 
 

@@ -551,6 +551,19 @@ def split_ranges(tiles, split):
     return per, tl.maximum(tl.cdiv(tiles, per), 1)
 
 
+@triton.jit
+def _partial(PO, t, i, split, used, h, hmask, d, num_heads):
+    """Split ``i``'s partial acc [BH, BD] of heads ``h``, dims ``d`` (0 for i >= used: not written)."""
+    p = (t * split + i) * num_heads + h.to(tl.int64)
+    return tl.load(PO + p[:, None] * 512 + d[None, :], mask=(hmask & (i < used))[:, None], other=0.0)
+
+
+@triton.jit
+def _column(w, s, i):
+    """Column ``i`` of w [BH, SP] (lanes ``s``) as [BH, 1], picked in registers (no reload)."""
+    return tl.sum(tl.where(s[None, :] == i, w, 0.0), 1)[:, None]
+
+
 @triton.jit(do_not_specialize=("split",))  # per step: one variant per SPLIT_P2, not per split value
 def combine_kernel(
     PO, PML, PU, O, stride_ot, stride_oh, LSE, stride_lt, SINK, num_heads, split,
@@ -561,7 +574,7 @@ def combine_kernel(
     exp2(sink2 - M)), w_s = exp2(m_s - M). Grid: (T, cdiv(H, BLOCK_H), 512 // BLOCK_D). At small
     batches its time is dependent round trips to L2, so the (m, l) of every split are loaded with
     PU (before ``used`` is known; those past it are then dropped) and the partials CHUNK splits per
-    round trip (``ops.combine_chunk``; 1: one split per trip). With PDL
+    round trip (``ops.combine_chunk``: 1 or 4), weighted by their column of (m, l)'s weights. With PDL
     (a programmatic dependent launch after the attention kernel, ``ops.pdl_launches``) it may start
     before the partials are written: it waits for the previous kernel before any load or store,
     and lets the next kernel launch early (that one waits for this one the same way)."""
@@ -589,14 +602,17 @@ def combine_kernel(
     has = l_sum != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
     inv = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    c = tl.arange(0, CHUNK)
-    for s0 in range(0, used, CHUNK):
-        sc = s0 + c
-        live_c = (sc < used)[:, None] & hmask[None, :]  # [CHUNK, BH]
-        p_c = (t * split + sc[:, None]) * num_heads + h[None, :].to(tl.int64)
-        w_c = tl.exp2(tl.load(PML + p_c * 2, mask=live_c, other=-1.0e30) - m_max[None, :])
-        a = tl.load(PO + p_c[:, :, None] * 512 + d[None, None, :], mask=live_c[:, :, None], other=0.0)
-        acc += tl.sum(a * w_c[:, :, None], axis=0)
+    for i in range(0, used, CHUNK):
+        a0 = _partial(PO, t, i, split, used, h, hmask, d, num_heads)
+        if CHUNK == 4:  # 4 partials loaded before any is used (one round trip), weights picked from w
+            a1 = _partial(PO, t, i + 1, split, used, h, hmask, d, num_heads)
+            a2 = _partial(PO, t, i + 2, split, used, h, hmask, d, num_heads)
+            a3 = _partial(PO, t, i + 3, split, used, h, hmask, d, num_heads)
+            acc += a0 * _column(w, s, i) + a1 * _column(w, s, i + 1) + a2 * _column(w, s, i + 2) \
+                + a3 * _column(w, s, i + 3)
+        else:  # its weight reloaded (L2), not picked: no pass over w per split (AMD: up to 304 splits)
+            m_i = tl.load(PML + ((t * split + i) * num_heads + h.to(tl.int64)) * 2, mask=hmask, other=-1.0e30)
+            acc += a0 * tl.exp2(m_i - m_max)[:, None]
     o = acc * inv[:, None]
     tl.store(O + t * stride_ot + h[:, None].to(tl.int64) * stride_oh + d[None, :],
              o.to(O.dtype.element_ty), mask=hmask[:, None])

@@ -124,8 +124,8 @@ class KernelConfig:
     # Gluon kernel, MTP / verify steps: -1 auto (``pair_tokens``), 0 one token per program, 1 two
     # consecutive tokens per program (the heads-on-N kernel; window and C128A layers of <= 8 heads)
     pair_tokens: int = -1
-    # programmatic dependent launch (Hopper, ``pdl_launches``): -1 auto, 0 off, 1 the combine launch
-    # after the Gluon kernel, 2 that and the Gluon kernel's own launch
+    # programmatic dependent launch (Hopper, ``pdl_launches``): -1 auto, 0 off, 1 the Gluon kernel's
+    # launch, 2 that and the combine launch after it
     pdl: int = -1
     # 0 compiles the kernels WITHOUT their index range checks, so out-of-range entries are read
     # out of bounds: only for measuring the checks' cost (dsv4-attn bench --guard-cost)
@@ -139,12 +139,12 @@ class KernelConfig:
         if self.pair_tokens not in (-1, 0, 1):
             raise ValueError(f"pair_tokens: got {self.pair_tokens!r}; allowed: -1 (auto), 0 or 1")
         if self.pdl not in (-1, 0, 1, 2):
-            raise ValueError(f"pdl: got {self.pdl!r}; allowed: -1 (auto), 0 (off), 1 (the combine launch) or 2 "
-                             "(the combine and the Gluon kernel's launch)")
+            raise ValueError(f"pdl: got {self.pdl!r}; allowed: -1 (auto), 0 (off), 1 (the Gluon kernel's launch) or "
+                             "2 (the Gluon kernel's and the combine launch)")
         if self.merge_in_kernel not in (-1, 0, 1):
             raise ValueError(f"merge_in_kernel: got {self.merge_in_kernel!r}; allowed: -1 (auto), 0 or 1")
-        if self.combine_chunk not in (None, 1, 2, 4, 8, 16):
-            raise ValueError(f"combine_chunk: got {self.combine_chunk!r}; allowed: None (auto), 1, 2, 4, 8 or 16")
+        if self.combine_chunk not in (None, 1, 4):
+            raise ValueError(f"combine_chunk: got {self.combine_chunk!r}; allowed: None (auto), 1 or 4")
         if self.combine_heads not in (None, 4, 8, 16) or self.combine_dims not in (None, 32, 64, 128):
             raise ValueError(f"combine_heads / combine_dims: got {self.combine_heads!r} / {self.combine_dims!r}; "
                              "allowed: None, 4, 8 or 16 / None, 32, 64 or 128")
@@ -442,8 +442,10 @@ def merge_in_kernel(config: KernelConfig, gluon: bool, split: int, num_heads: in
 # previous kernel in the stream completes; it waits for that one (griddepcontrol.wait) before its
 # first load or store, so what overlaps is its launch, block scheduling and address setup with the
 # previous kernel's tail; the previous kernel lets it launch early (griddepcontrol.launch_dependents).
-# Level 1: the combine launch after the Gluon kernel; 2: also the Gluon kernel's own launch (after
-# whatever an engine ran before the layer). V4 records' kernels only (hopper.py, hopper_heads.py).
+# Level 1: the Gluon kernel's launch (after whatever ran before the layer: the previous layer's
+# combine or Gluon kernel, an engine's kernels), with the Gluon kernel and the combine letting the
+# next launch start early; 2: also the combine launch after the Gluon kernel. V4 records' kernels
+# only (hopper.py, hopper_heads.py).
 PDL_AUTO = 0
 
 
@@ -451,11 +453,12 @@ def pdl_launches(config: KernelConfig, gluon: bool, v41: bool, combine: bool) ->
     """(the Gluon kernel's launch, the combine launch) with programmatic dependent launch, for a
     layer whose launch is ``gluon`` (the Hopper kernels: sm_90, compiled, never under Triton's
     interpreter) reading V4.1 records or not (``v41``: never) and followed by a combine launch or
-    not: as ``config.pdl`` says, auto PDL_AUTO."""
+    not: as ``config.pdl`` says, auto PDL_AUTO. Where either is, both kernels hold their
+    griddepcontrol (the ``PDL`` constexpr)."""
     level = PDL_AUTO if config.pdl == -1 else config.pdl
     if not gluon or v41:
         return False, False
-    return level >= 2, combine and level >= 1
+    return level >= 1, combine and level >= 2
 
 
 def combine_tile(config: KernelConfig, gluon: bool) -> tuple[int, int]:
@@ -467,15 +470,11 @@ def combine_tile(config: KernelConfig, gluon: bool) -> tuple[int, int]:
     return config.combine_heads or heads, config.combine_dims or dims
 
 
-def combine_chunk(config: KernelConfig, gluon: bool, split: int, tile: tuple[int, int]) -> int:
+def combine_chunk(config: KernelConfig, gluon: bool) -> int:
     """Splits whose partials the combine launch loads per round trip (``attention.combine_kernel``
-    CHUNK): after the Gluon kernel as many as keep its [chunk, heads, dims] load at 32 fp32 values
-    per thread (8 for the 8 x 64 tile), at most the split's power of two; after the portable kernel
-    1 (AMD's compile-checked combine, not measured otherwise)."""
-    p2 = _next_power_of_2(split)
-    if config.combine_chunk:
-        return min(config.combine_chunk, p2)
-    return min(p2, max(1, 4096 // (tile[0] * tile[1]))) if gluon else 1
+    CHUNK, 1 or 4): 4 after the Gluon kernel; 1 after the portable kernel (AMD's compile-checked
+    combine, not measured otherwise)."""
+    return config.combine_chunk or (4 if gluon else 1)
 
 
 def portable_constexprs(fmt_codes: tuple[int, int], comp_mode: int, topk_ratio: int, has_sink: bool,
@@ -668,6 +667,6 @@ def layer_launches(
             K.combine_kernel, (T, _cdiv(H, bh_c), 512 // bd),
             (po, pml, pu, out, out.stride(0), out.stride(1), lse_t, stride_lt, sink_t, H, split),
             dict(SPLIT_P2=_next_power_of_2(split), HAS_SINK=sink is not None, WRITE_LSE=write_lse,
-                 BLOCK_H=bh_c, BLOCK_D=bd, CHUNK=combine_chunk(config, gluon, split, (bh_c, bd)), PDL=pdl_combine),
+                 BLOCK_H=bh_c, BLOCK_D=bd, CHUNK=combine_chunk(config, gluon), PDL=pdl_attention or pdl_combine),
             dict(num_warps=4, **({"launch_pdl": True} if pdl_combine else {}))))
     return launch.LayerLaunches(launches, temporaries)
