@@ -43,9 +43,16 @@ def test_which_launches_are_programmatic(setting, gluon, v41, combine, expected)
     assert ops.pdl_launches(ops.KernelConfig(pdl=setting), gluon, v41, combine) == expected
 
 
-def test_auto_is_pdl_auto():
-    level = ops.PDL_AUTO
-    assert ops.pdl_launches(ops.KernelConfig(), True, False, True) == (level >= 1, level >= 2)
+@pytest.mark.parametrize("heads_n,heads,combine,expected", [
+    (0, 64, True, (True, True)),     # the 64-head kernel, one head block: the combine's launch too
+    (0, 16, True, (True, True)),
+    (0, 128, True, (True, False)),   # two head blocks: measured slower with the combine's
+    (16, 16, True, (True, False)),   # heads-on-N (two programs per SM): measured slower with it
+    (8, 8, False, (True, False)),    # merged in the kernel
+])
+def test_auto_takes_what_was_measured_faster(heads_n, heads, combine, expected):
+    assert ops.pdl_launches(ops.KernelConfig(), True, False, combine, heads_n, heads) == expected
+    assert ops.pdl_launches(ops.KernelConfig(), False, False, combine, heads_n, heads) == (False, False)
 
 
 def test_pdl_setting_is_checked():
@@ -82,7 +89,7 @@ def _programmatic(layer) -> list[bool]:
     (2, 0, [True, True]),
     (1, 0, [True, False]),
     (0, 0, [False, False]),
-    (-1, 0, [ops.PDL_AUTO >= 1, ops.PDL_AUTO >= 2]),
+    (-1, 0, [True, True]),  # 16 heads in the 64-head kernel (a split of 2 short rows): one head block
     (2, 1, [True]),   # merged in the kernel: no combine launch
     (1, 1, [True]),
 ])

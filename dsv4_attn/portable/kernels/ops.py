@@ -443,22 +443,31 @@ def merge_in_kernel(config: KernelConfig, gluon: bool, split: int, num_heads: in
 # first load or store, so what overlaps is its launch, block scheduling and address setup with the
 # previous kernel's tail; the previous kernel lets it launch early (griddepcontrol.launch_dependents).
 # Level 1: the Gluon kernel's launch (after whatever ran before the layer: the previous layer's
-# combine or Gluon kernel, an engine's kernels), with the Gluon kernel and the combine letting the
-# next launch start early; 2: also the combine launch after the Gluon kernel. V4 records' kernels
-# only (hopper.py, hopper_heads.py).
-PDL_AUTO = 0
+# combine or Gluon kernel, an engine's kernels); 2: also the combine launch after the Gluon kernel.
+# V4 records' kernels only (hopper.py, hopper_heads.py). Measured on the H100 (notes/perf-small-batch.md,
+# Triton 3.6, whole decode steps in one graph): level 1 took 10 % off the V4-Flash TP8 step at b = 2
+# (447 -> 404 us: ~1 us per layer boundary), 9 % off V4-Pro TP8 and 6 % off V4-Flash (64 heads);
+# the combine launch too took V4-Flash (64-head kernel) a further 6 % at b = 2 and 4 % at b = 64,
+# but cost V4-Pro TP8 14 % (after the heads-on-N kernel, two programs per SM: the combine's waiting
+# programs share its SMs) and one-layer 128-head cases at b = 2-4 1-2 us (two head blocks; not
+# understood). Auto: level 1 on every Gluon V4 launch, the combine's too after the 64-head kernel of
+# up to PDL_COMBINE_MAX_HEADS heads.
+PDL_COMBINE_MAX_HEADS = 64
 
 
-def pdl_launches(config: KernelConfig, gluon: bool, v41: bool, combine: bool) -> tuple[bool, bool]:
+def pdl_launches(config: KernelConfig, gluon: bool, v41: bool, combine: bool, heads_n: int = 0,
+                 num_heads: int = 64) -> tuple[bool, bool]:
     """(the Gluon kernel's launch, the combine launch) with programmatic dependent launch, for a
-    layer whose launch is ``gluon`` (the Hopper kernels: sm_90, compiled, never under Triton's
-    interpreter) reading V4.1 records or not (``v41``: never) and followed by a combine launch or
-    not: as ``config.pdl`` says, auto PDL_AUTO. Where either is, both kernels hold their
+    layer of ``num_heads`` heads whose launch is ``gluon`` (the Hopper kernels: sm_90, compiled,
+    never under Triton's interpreter) with ``heads_n`` heads per program on wgmma N (0: the 64-head
+    kernel), reading V4.1 records or not (``v41``: never) and followed by a combine launch or not:
+    as ``config.pdl`` says, auto as measured (above). Where either is, both kernels hold their
     griddepcontrol (the ``PDL`` constexpr)."""
-    level = PDL_AUTO if config.pdl == -1 else config.pdl
-    if not gluon or v41:
+    if not gluon or v41 or config.pdl == 0:
         return False, False
-    return level >= 1, combine and level >= 2
+    if config.pdl == -1:
+        return True, combine and not heads_n and num_heads <= PDL_COMBINE_MAX_HEADS
+    return True, combine and config.pdl == 2
 
 
 def combine_tile(config: KernelConfig, gluon: bool) -> tuple[int, int]:
@@ -610,7 +619,7 @@ def layer_launches(
         counters = merge_counters(T * n_hb) if merge_counters is not None else \
             torch.zeros(T * n_hb, dtype=torch.int32, device=q.device)
     combine = split > 1 and counters is None
-    pdl_attention, pdl_combine = pdl_launches(config, gluon, v41 is not None, combine)
+    pdl_attention, pdl_combine = pdl_launches(config, gluon, v41 is not None, combine, heads_n, H)
     lse_t = lse if lse is not None else out
     sink_t = sink if sink is not None else out
     stride_lt = lse.stride(0) if lse is not None else 0
