@@ -153,6 +153,18 @@ def test_kernel_lse_and_all_invalid_rows(device, fmt, swa_dialect, gen):
 
 
 @pytest.mark.parametrize("device", _devices())
+def test_combine_loads_several_splits_per_round_trip(device, gen):
+    """The combine launch's partials loaded 1 / 4 splits per round trip (``KernelConfig.combine_chunk``,
+    ``ops.combine_chunk``: 4 after the Gluon kernel, weights picked from the (m, l) loaded first),
+    over 5 splits (a last chunk part past the split), tokens whose keys fill fewer splits and a
+    token without keys."""
+    from dsv4_attn.portable.kernels.ops import KernelConfig
+
+    configs = [KernelConfig(block_n=16, split=5, combine_chunk=chunk) for chunk in (1, 4)]
+    _check_raw_kernel("fp8_ds_mla", "ocp", 16, configs, gen)
+
+
+@pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("heads", [16, 24, 40])
 @pytest.mark.parametrize("fmt,swa_dialect", [("nvfp4_ds_mla", "ocp"), ("fp8_ds_mla", "fnuz")])
 def test_amd_tiles(device, heads, fmt, swa_dialect, gen):

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # records of a cache as the kernels name them (constexpr FMT_A / FMT_B)
 FMT_MODEL1 = 0  # V4 record (584 B): 448 e4m3 + 64 bf16, UE8M0 scale per 64 dims, split pages
@@ -550,25 +551,47 @@ def split_ranges(tiles, split):
     return per, tl.maximum(tl.cdiv(tiles, per), 1)
 
 
+@triton.jit
+def _partial(PO, t, i, split, used, h, hmask, d, num_heads):
+    """Split ``i``'s partial acc [BH, BD] of heads ``h``, dims ``d`` (0 for i >= used: not written)."""
+    p = (t * split + i) * num_heads + h.to(tl.int64)
+    return tl.load(PO + p[:, None] * 512 + d[None, :], mask=(hmask & (i < used))[:, None], other=0.0)
+
+
+@triton.jit
+def _column(w, s, i):
+    """Column ``i`` of w [BH, SP] (lanes ``s``) as [BH, 1], picked in registers (no reload)."""
+    return tl.sum(tl.where(s[None, :] == i, w, 0.0), 1)[:, None]
+
+
 @triton.jit(do_not_specialize=("split",))  # per step: one variant per SPLIT_P2, not per split value
 def combine_kernel(
     PO, PML, PU, O, stride_ot, stride_oh, LSE, stride_lt, SINK, num_heads, split,
     SPLIT_P2: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge the PU[t] <= split partials (acc, m, l) a token wrote: o = Σ w_s acc_s / (Σ w_s l_s +
-    exp2(sink2 - M)), w_s = exp2(m_s - M). Grid: (T, cdiv(H, BLOCK_H), 512 // BLOCK_D)."""
+    exp2(sink2 - M)), w_s = exp2(m_s - M). Grid: (T, cdiv(H, BLOCK_H), 512 // BLOCK_D). At small
+    batches its time is dependent round trips to L2, so the (m, l) of every split are loaded with
+    PU (before ``used`` is known; those past it are then dropped) and the partials CHUNK splits per
+    round trip (``ops.combine_chunk``: 1 or 4), weighted by their column of (m, l)'s weights. With PDL
+    (a programmatic dependent launch after the attention kernel, ``ops.pdl_launches``) it may start
+    before the partials are written: it waits for the previous kernel before any load or store,
+    and lets the next kernel launch early (that one waits for this one the same way)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     hmask = h < num_heads
     used = tl.load(PU + t)
     s = tl.arange(0, SPLIT_P2)
-    smask = s < used
     part = (t * split + s[None, :]) * num_heads + h[:, None].to(tl.int64)  # [BH, SP]
-    pm = hmask[:, None] & smask[None, :]
-    m = tl.load(PML + part * 2, mask=pm, other=-1.0e30)
-    l = tl.load(PML + part * 2 + 1, mask=pm, other=0.0)
+    pm = hmask[:, None] & (s[None, :] < split)  # inside the workspace; splits >= used: dropped below
+    live = s[None, :] < used
+    m = tl.where(live, tl.load(PML + part * 2, mask=pm, other=-1.0e30), -1.0e30)
+    l = tl.where(live, tl.load(PML + part * 2 + 1, mask=pm, other=0.0), 0.0)
     m_max = tl.max(m, 1)
     w = tl.exp2(m - m_max[:, None])
     l_sum = tl.sum(w * l, 1)
@@ -579,12 +602,17 @@ def combine_kernel(
     has = l_sum != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
     inv = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for i in range(used):
-        p_i = (t * split + i) * num_heads + h.to(tl.int64)
-        m_s = tl.load(PML + p_i * 2, mask=hmask, other=-1.0e30)
-        w_s = tl.exp2(m_s - m_max)
-        a = tl.load(PO + p_i[:, None] * 512 + d[None, :], mask=hmask[:, None], other=0.0)
-        acc += a * w_s[:, None]
+    for i in range(0, used, CHUNK):
+        a0 = _partial(PO, t, i, split, used, h, hmask, d, num_heads)
+        if CHUNK == 4:  # 4 partials loaded before any is used (one round trip), weights picked from w
+            a1 = _partial(PO, t, i + 1, split, used, h, hmask, d, num_heads)
+            a2 = _partial(PO, t, i + 2, split, used, h, hmask, d, num_heads)
+            a3 = _partial(PO, t, i + 3, split, used, h, hmask, d, num_heads)
+            acc += a0 * _column(w, s, i) + a1 * _column(w, s, i + 1) + a2 * _column(w, s, i + 2) \
+                + a3 * _column(w, s, i + 3)
+        else:  # its weight reloaded (L2), not picked: no pass over w per split (AMD: up to 304 splits)
+            m_i = tl.load(PML + ((t * split + i) * num_heads + h.to(tl.int64)) * 2, mask=hmask, other=-1.0e30)
+            acc += a0 * tl.exp2(m_i - m_max)[:, None]
     o = acc * inv[:, None]
     tl.store(O + t * stride_ot + h[:, None].to(tl.int64) * stride_oh + d[None, :],
              o.to(O.dtype.element_ty), mask=hmask[:, None])

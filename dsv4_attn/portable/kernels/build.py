@@ -69,16 +69,19 @@ def compile_portable(gpu: GPUTarget, constexprs: dict, options: dict):
     return triton.compile(ASTSource(fn, sig, constexprs, attrs=attrs), target=gpu, options=options)
 
 
-def compile_combine(gpu: GPUTarget, split: int = 304, block_h: int = 16):
+def compile_combine(gpu: GPUTarget, split: int = 304, block_h: int = 16, pdl: bool = False, chunk: int = 1):
     """A CompiledKernel of the split-KV merge (``attention.combine_kernel``) as the launcher
-    compiles it; 304 splits: one token on an MI300X's 304 CUs, the most ``ops.choose_split`` gives."""
+    compiles it; 304 splits: one token on an MI300X's 304 CUs, the most ``ops.choose_split`` gives;
+    ``pdl``: as a programmatic dependent launch after the Gluon kernel (sm_90, ``ops.pdl_launches``);
+    ``chunk``: splits per load round trip (``ops.combine_chunk``)."""
     _require_compiler()
     fn = K.combine_kernel
     constexprs = dict(SPLIT_P2=triton.next_power_of_2(split), HAS_SINK=True, WRITE_LSE=True,
-                      BLOCK_H=block_h, BLOCK_D=128)
+                      BLOCK_H=block_h, BLOCK_D=128, CHUNK=chunk, PDL=pdl)
     pointers = {"PO": "*fp32", "PML": "*fp32", "PU": "*i32", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32"}
     sig = {p.name: pointers.get(p.name) or ("constexpr" if p.name in constexprs else "i32") for p in fn.params}
-    return triton.compile(ASTSource(fn, sig, constexprs), target=gpu, options=dict(num_warps=4))
+    return triton.compile(ASTSource(fn, sig, constexprs), target=gpu,
+                          options=dict(num_warps=4, **({"launch_pdl": True} if pdl else {})))
 
 
 def hopper_constexprs(comp: int, split: bool = False, write_lse: bool = False, shifts: tuple[int, int] = (6, 6),

@@ -55,6 +55,28 @@ MAXNREG = 168  # 12 warps x 32 threads x 168 <= 64K registers: the consumers get
 
 
 @gluon.jit
+def _launch_dependents(PDL: gl.constexpr):
+    """With PDL (the launch of the next kernel in the stream may be programmatic, ``ops.pdl_launches``):
+    let it launch now; it waits for this grid's completion itself (griddepcontrol.wait) before it
+    reads what this grid writes. A no-op where the next launch is an ordinary one."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
+def _wait_prior_grids(PDL: gl.constexpr):
+    """With PDL (this kernel may be launched before the previous kernel in the stream completes):
+    wait until it has completed and its writes are visible. Every global load or store of a
+    program comes after this; before it only address arithmetic, shared-memory setup and L2
+    prefetch hints (no value reaches a register, and L2 is where every SM's stores land, so a
+    line prefetched before the previous kernel writes it is updated in place). Returns at once
+    for an ordinary launch."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _idx_load(g, lo_b, hi, a_rows, len_a, b_rows, len_b, COMP: gl.constexpr, BN: gl.constexpr,
               layout: gl.constexpr):
     """Index pipeline, stage 1: row entries of global tile ``g`` (SWA slots for tiles < lo_b,
@@ -355,7 +377,7 @@ def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slot
               b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a,
               A_SHIFT: gl.constexpr, B_SHIFT: gl.constexpr, COMP: gl.constexpr, BN: gl.constexpr,
               RANGE_CHECKS: gl.constexpr, NS: gl.constexpr, a_rows1, len_a1, off_a, b_rows1, len_b1, off_b,
-              PAIR: gl.constexpr):
+              PAIR: gl.constexpr, PDL: gl.constexpr = False):
     """Producer warpgroup: for each key tile (tile lo + i into K stage i % NS, of NS = 1 or 2),
     load its rows (e4m3 bytes and scale words into registers, RoPE values with cp.async into the
     stage's RoPE buffer), wait until the consumers have released K[stage], dequantize into it and
@@ -363,7 +385,9 @@ def _producer(k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slot
     g+1 goes through the block table and into L2 while tile g's rows load; two tiles ahead
     measured slower); its row pointers are resolved once, for the prefetch and the next
     iteration's loads. With PAIR the tiles are a token pair's shared key list (``_pair_idx``: no
-    block table) and the validity flags hold each token's bit."""
+    block table) and the validity flags hold each token's bit. With PDL its warps wait for the
+    previous kernel themselves (the prologue's wait ran in the default partition's warps)."""
+    _wait_prior_grids(PDL)
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0])  # [BN, n, 64] e4m3 bytes
     Lr: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [BN, 64] bf16
     Lrow: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
@@ -507,12 +531,13 @@ def _split_range(tiles, sp, split, IS_SPLIT: gl.constexpr):
 @gluon.jit
 def _token_tiles(split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride_br, B_LENS, BT, stride_bt, bt_cols,
                  b_bs, TOK2REQ, POS, b_width, COMP: gl.constexpr, C4A_RATIO: gl.constexpr, IS_SPLIT: gl.constexpr,
-                 RANGE_CHECKS: gl.constexpr, BN: gl.constexpr):
+                 RANGE_CHECKS: gl.constexpr, BN: gl.constexpr, PDL: gl.constexpr = False):
     """This program's (token t, key split sp, head block hb) and its key tiles [lo, hi) (SWA tiles
     first, then compressed ones from ``tiles_a``), with the token's index rows, lengths, visible
     compressed entries and block-table row, and ``used``: how many of the token's split programs
     have keys (the rest write no partial); the index rows (and block-table columns) are pulled
-    into L2 before the lengths are known."""
+    into L2 before the lengths are known. With PDL the next kernel may launch at once, and the
+    index rows' prefetch is issued before the wait for the previous kernel (``_wait_prior_grids``)."""
     pid = gl.program_id(0)
     sp = pid % split
     hb = (pid // split) % n_hb
@@ -520,7 +545,9 @@ def _token_tiles(split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride
     t64 = t.to(gl.int64)
     a_rows = A_ROWS + t64 * stride_ar
     b_rows = B_ROWS + t64 * stride_br
+    _launch_dependents(PDL)
     _prefetch_index_rows(a_rows, a_width, b_rows, b_width, COMP)
+    _wait_prior_grids(PDL)
     len_a = gl.load(A_LENS + t)
     len_b = 0
     visible = 0
@@ -597,7 +624,7 @@ def sparse_mla_fwd_hopper(
     num_heads, qk_scale, split,
     COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
     IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64, A_SHIFT: gl.constexpr = -1, B_SHIFT: gl.constexpr = -1,
-    RANGE_CHECKS: gl.constexpr = True, MERGE_IN_KERNEL: gl.constexpr = False,
+    RANGE_CHECKS: gl.constexpr = True, MERGE_IN_KERNEL: gl.constexpr = False, PDL: gl.constexpr = False,
 ):
     BH: gl.constexpr = BLOCK_H
 
@@ -621,14 +648,14 @@ def sparse_mla_fwd_hopper(
     n_hb = gl.cdiv(num_heads, BH)
     t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi, used = _token_tiles(
         split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride_br, B_LENS, BT, stride_bt, bt_cols, b_bs,
-        TOK2REQ, POS, b_width, COMP, C4A_RATIO, IS_SPLIT, RANGE_CHECKS, BN)
+        TOK2REQ, POS, b_width, COMP, C4A_RATIO, IS_SPLIT, RANGE_CHECKS, BN, PDL)
 
     acc, m_i, l_i = gl.warp_specialize([
         (_consumer, (q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_qt, stride_qh, t64, hb, num_heads,
                      qk_scale, lo, hi, BH, BN)),
         (_producer, (k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_rows, len_a, B_U8,
                      b_stride0, b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a,
-                     A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS, 2, a_rows, len_a, 0, b_rows, len_b, 0, False)),
+                     A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS, 2, a_rows, len_a, 0, b_rows, len_b, 0, False, PDL)),
     ], [4], [PRODUCER_REGS])
 
     _epilogue(acc, m_i, l_i, O, stride_ot, stride_oh, LSE, stride_lt, SINK, PO, PML, CNT, PU, t, t64, sp, hb, n_hb,

@@ -35,7 +35,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import compat
-from .hopper import _finish_split, _normalizer, _prefetch_index_rows, _producer, _split_range, _token_tiles
+from .hopper import (
+    _finish_split,
+    _launch_dependents,
+    _normalizer,
+    _prefetch_index_rows,
+    _producer,
+    _split_range,
+    _token_tiles,
+    _wait_prior_grids,
+)
 
 MAX_HEADS = 16  # 32 heads' accumulator (128 registers) does not fit the consumer's 136
 NUM_WARPS = 4  # the consumer (default) partition; the producer adds one warpgroup
@@ -142,7 +151,8 @@ def _pair_offset(rows0, rows1, n0, n1, width, WINDOW: gl.constexpr):
 
 @gluon.jit
 def _pair_tiles(split, num_tokens, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride_br, B_LENS, b_width,
-                COMP: gl.constexpr, IS_SPLIT: gl.constexpr, RANGE_CHECKS: gl.constexpr, BN: gl.constexpr):
+                COMP: gl.constexpr, IS_SPLIT: gl.constexpr, RANGE_CHECKS: gl.constexpr, BN: gl.constexpr,
+                PDL: gl.constexpr):
     """``_token_tiles`` of a token pair's program (tokens t, t + 1; window and global compressed
     rows, COMP 0 / 1): the two tokens' index rows and lengths, where token 1's list starts in the
     shared key list of each scope (``_pair_offset``: a window of the next position starts one
@@ -158,8 +168,10 @@ def _pair_tiles(split, num_tokens, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, s
     b_rows = B_ROWS + t64 * stride_br
     a_rows1 = A_ROWS + t1.to(gl.int64) * stride_ar
     b_rows1 = B_ROWS + t1.to(gl.int64) * stride_br
+    _launch_dependents(PDL)
     _prefetch_index_rows(a_rows, a_width, b_rows, b_width, COMP)
     _prefetch_index_rows(a_rows1, a_width, b_rows1, b_width, COMP)
+    _wait_prior_grids(PDL)  # as _token_tiles: the prefetches before it, every load after it
     len_a = gl.load(A_LENS + t)
     len_a1 = gl.where(has1, gl.load(A_LENS + t1), 0)
     len_b = 0
@@ -199,7 +211,7 @@ def sparse_mla_fwd_hopper_heads_n(
     COMP: gl.constexpr, C4A_RATIO: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr,
     IS_SPLIT: gl.constexpr, BN: gl.constexpr = 64, A_SHIFT: gl.constexpr = -1, B_SHIFT: gl.constexpr = -1,
     RANGE_CHECKS: gl.constexpr = True, MERGE_IN_KERNEL: gl.constexpr = False, NH: gl.constexpr = 16,
-    PAIR: gl.constexpr = False,
+    PAIR: gl.constexpr = False, PDL: gl.constexpr = False,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
     Lh: gl.constexpr = gl.SliceLayout(0, mma)
@@ -229,14 +241,14 @@ def sparse_mla_fwd_hopper_heads_n(
         bt_row = BT
         (t, t64, sp, a_rows, b_rows, len_a, len_b, tiles_a, lo, hi, used, a_rows1, len_a1, off_a, b_rows1, len_b1,
          off_b, n_tok) = _pair_tiles(split, num_tokens, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride_br, B_LENS,
-                                     b_width, COMP, IS_SPLIT, RANGE_CHECKS, BN)
+                                     b_width, COMP, IS_SPLIT, RANGE_CHECKS, BN, PDL)
     else:
         n_hb = gl.cdiv(num_heads, NH)
         bh = NH
         n_tok = 1
         t, t64, sp, hb, a_rows, b_rows, len_a, len_b, visible, bt_row, tiles_a, lo, hi, used = _token_tiles(
             split, n_hb, A_ROWS, stride_ar, A_LENS, a_width, B_ROWS, stride_br, B_LENS, BT, stride_bt, bt_cols, b_bs,
-            TOK2REQ, POS, b_width, COMP, C4A_RATIO, IS_SPLIT, RANGE_CHECKS, BN)
+            TOK2REQ, POS, b_width, COMP, C4A_RATIO, IS_SPLIT, RANGE_CHECKS, BN, PDL)
         a_rows1, len_a1, off_a, b_rows1, len_b1, off_b = a_rows, len_a, 0, b_rows, len_b, 0
 
     acc, m_i, l_i = gl.warp_specialize([
@@ -245,7 +257,7 @@ def sparse_mla_fwd_hopper_heads_n(
         (_producer, (k_smem, vflag, rope, kready, kempty, A_U8, a_stride0, a_bs, a_slots, a_rows, len_a, B_U8,
                      b_stride0, b_bs, b_slots, b_rows, len_b, bt_row, bt_cols, b_blocks, visible, lo, hi, tiles_a,
                      A_SHIFT, B_SHIFT, COMP, BN, RANGE_CHECKS, 1, a_rows1, len_a1, off_a, b_rows1, len_b1, off_b,
-                     PAIR)),
+                     PAIR, PDL)),
     ], [4], [PRODUCER_REGS])
 
     # ---- epilogue: accᵀ [512, NH] -> out [NH, 512] (or the split's fp32 partial) -----------------

@@ -116,12 +116,17 @@ class KernelConfig:
     # ``combine_tile``'s
     combine_heads: int | None = None
     combine_dims: int | None = None
+    # the combine launch's splits per load round trip (``combine_chunk``); None: auto
+    combine_chunk: int | None = None
     # Gluon kernel with few heads: -1 auto (``heads_on_n``), 0 the 64-head kernel (heads on wgmma's M),
     # 1 the heads-on-N kernel (hopper_heads) wherever the head count allows it (<= 16)
     heads_on_n: int = -1
     # Gluon kernel, MTP / verify steps: -1 auto (``pair_tokens``), 0 one token per program, 1 two
     # consecutive tokens per program (the heads-on-N kernel; window and C128A layers of <= 8 heads)
     pair_tokens: int = -1
+    # programmatic dependent launch (Hopper, ``pdl_launches``): -1 auto, 0 off, 1 the Gluon kernel's
+    # launch, 2 that and the combine launch after it
+    pdl: int = -1
     # 0 compiles the kernels WITHOUT their index range checks, so out-of-range entries are read
     # out of bounds: only for measuring the checks' cost (dsv4-attn bench --guard-cost)
     range_checks: int = 1
@@ -133,8 +138,13 @@ class KernelConfig:
             raise ValueError(f"heads_on_n: got {self.heads_on_n!r}; allowed: -1 (auto), 0 or 1")
         if self.pair_tokens not in (-1, 0, 1):
             raise ValueError(f"pair_tokens: got {self.pair_tokens!r}; allowed: -1 (auto), 0 or 1")
+        if self.pdl not in (-1, 0, 1, 2):
+            raise ValueError(f"pdl: got {self.pdl!r}; allowed: -1 (auto), 0 (off), 1 (the Gluon kernel's launch) or "
+                             "2 (the Gluon kernel's and the combine launch)")
         if self.merge_in_kernel not in (-1, 0, 1):
             raise ValueError(f"merge_in_kernel: got {self.merge_in_kernel!r}; allowed: -1 (auto), 0 or 1")
+        if self.combine_chunk not in (None, 1, 4):
+            raise ValueError(f"combine_chunk: got {self.combine_chunk!r}; allowed: None (auto), 1 or 4")
         if self.combine_heads not in (None, 4, 8, 16) or self.combine_dims not in (None, 32, 64, 128):
             raise ValueError(f"combine_heads / combine_dims: got {self.combine_heads!r} / {self.combine_dims!r}; "
                              "allowed: None, 4, 8 or 16 / None, 32, 64 or 128")
@@ -428,6 +438,38 @@ def merge_in_kernel(config: KernelConfig, gluon: bool, split: int, num_heads: in
     return config.merge_in_kernel == 1 or num_heads <= MERGE_IN_KERNEL_MAX_HEADS
 
 
+# Programmatic dependent launch (PDL, sm_90+): a kernel launched with it may start before the
+# previous kernel in the stream completes; it waits for that one (griddepcontrol.wait) before its
+# first load or store, so what overlaps is its launch, block scheduling and address setup with the
+# previous kernel's tail; the previous kernel lets it launch early (griddepcontrol.launch_dependents).
+# Level 1: the Gluon kernel's launch (after whatever ran before the layer: the previous layer's
+# combine or Gluon kernel, an engine's kernels); 2: also the combine launch after the Gluon kernel.
+# V4 records' kernels only (hopper.py, hopper_heads.py). Measured on the H100 (notes/perf-small-batch.md,
+# Triton 3.6, whole decode steps in one graph): level 1 took 10 % off the V4-Flash TP8 step at b = 2
+# (447 -> 404 us: ~1 us per layer boundary), 9 % off V4-Pro TP8 and 6 % off V4-Flash (64 heads);
+# the combine launch too took V4-Flash (64-head kernel) a further 6 % at b = 2 and 4 % at b = 64,
+# but cost V4-Pro TP8 14 % (after the heads-on-N kernel, two programs per SM: the combine's waiting
+# programs share its SMs) and one-layer 128-head cases at b = 2-4 1-2 us (two head blocks; not
+# understood). Auto: level 1 on every Gluon V4 launch, the combine's too after the 64-head kernel of
+# up to PDL_COMBINE_MAX_HEADS heads.
+PDL_COMBINE_MAX_HEADS = 64
+
+
+def pdl_launches(config: KernelConfig, gluon: bool, v41: bool, combine: bool, heads_n: int = 0,
+                 num_heads: int = 64) -> tuple[bool, bool]:
+    """(the Gluon kernel's launch, the combine launch) with programmatic dependent launch, for a
+    layer of ``num_heads`` heads whose launch is ``gluon`` (the Hopper kernels: sm_90, compiled,
+    never under Triton's interpreter) with ``heads_n`` heads per program on wgmma N (0: the 64-head
+    kernel), reading V4.1 records or not (``v41``: never) and followed by a combine launch or not:
+    as ``config.pdl`` says, auto as measured (above). Where either is, both kernels hold their
+    griddepcontrol (the ``PDL`` constexpr)."""
+    if not gluon or v41 or config.pdl == 0:
+        return False, False
+    if config.pdl == -1:
+        return True, combine and not heads_n and num_heads <= PDL_COMBINE_MAX_HEADS
+    return True, combine and config.pdl == 2
+
+
 def combine_tile(config: KernelConfig, gluon: bool) -> tuple[int, int]:
     """(heads, dims) per program of the combine launch. After the Gluon kernel 8 x 64: four times
     the programs of 16 x 128, which took 6-15 % off b <= 4 at 16-128 heads on the H100 (the merge
@@ -435,6 +477,13 @@ def combine_tile(config: KernelConfig, gluon: bool) -> tuple[int, int]:
     portable kernel 16 x 128 (AMD's compile-checked tile; not measured otherwise)."""
     heads, dims = (8, 64) if gluon else (16, 128)
     return config.combine_heads or heads, config.combine_dims or dims
+
+
+def combine_chunk(config: KernelConfig, gluon: bool) -> int:
+    """Splits whose partials the combine launch loads per round trip (``attention.combine_kernel``
+    CHUNK, 1 or 4): 4 after the Gluon kernel; 1 after the portable kernel (AMD's compile-checked
+    combine, not measured otherwise)."""
+    return config.combine_chunk or (4 if gluon else 1)
 
 
 def portable_constexprs(fmt_codes: tuple[int, int], comp_mode: int, topk_ratio: int, has_sink: bool,
@@ -560,6 +609,8 @@ def layer_launches(
         # bound replay, which reuses the caller's counters: the launch leaves them zero)
         counters = merge_counters(T * n_hb) if merge_counters is not None else \
             torch.zeros(T * n_hb, dtype=torch.int32, device=q.device)
+    combine = split > 1 and counters is None
+    pdl_attention, pdl_combine = pdl_launches(config, gluon, v41 is not None, combine, heads_n, H)
     lse_t = lse if lse is not None else out
     sink_t = sink if sink is not None else out
     stride_lt = lse.stride(0) if lse is not None else 0
@@ -572,7 +623,11 @@ def layer_launches(
             constexprs.update(NH=heads_n, PAIR=pair)
         if v41:
             constexprs["FMT_A"], constexprs["FMT_B"] = v41
+        else:  # griddepcontrol in the kernel where its launch or the combine's is programmatic
+            constexprs["PDL"] = pdl_attention or pdl_combine
         fn, options = build.hopper_kernel(constexprs)
+        if pdl_attention:
+            options = dict(options, launch_pdl=True)
         attention = launch.KernelLaunch(fn, grid, (
             q, q.stride(0), q.stride(1),
             out, out.stride(0), out.stride(1),
@@ -605,16 +660,18 @@ def layer_launches(
                                Fp8Dialect.FNUZ in dialects),
             launch_options(tile))
     launches = [attention]
-    if split > 1 and counters is None:
-        launches.append(_combine_launch(po, pml, pu, out, lse, sink, split, combine_tile(config, gluon), block_h))
+    if combine:
+        launches.append(_combine_launch(po, pml, pu, out, lse, sink, split, combine_tile(config, gluon), block_h,
+                                        combine_chunk(config, gluon), (pdl_attention, pdl_combine)))
     return launch.LayerLaunches(launches, temporaries)
 
 
 def _combine_launch(po, pml, pu, out: torch.Tensor, lse: torch.Tensor | None, sink: torch.Tensor | None, split: int,
-                    tile: tuple[int, int], block_h: int) -> launch.KernelLaunch:
+                    tile: tuple[int, int], block_h: int, chunk: int, pdl: tuple[bool, bool]) -> launch.KernelLaunch:
     """The split merge of ``split`` partials (``po`` / ``pml`` / ``pu``) into ``out`` [T, H, 512]
     (and ``lse``), ``tile`` = ``combine_tile``'s (heads, dims), at most ``block_h`` heads (the
-    attention program's) per program."""
+    attention program's) per program, ``chunk`` = ``combine_chunk``'s partials per round trip,
+    ``pdl`` = ``pdl_launches``' (attention, combine) pair."""
     T, H, _ = out.shape
     bh_c, bd = min(tile[0], block_h), tile[1]
     return launch.KernelLaunch(
@@ -622,7 +679,8 @@ def _combine_launch(po, pml, pu, out: torch.Tensor, lse: torch.Tensor | None, si
         (po, pml, pu, out, out.stride(0), out.stride(1), lse if lse is not None else out,
          lse.stride(0) if lse is not None else 0, sink if sink is not None else out, H, split),
         dict(SPLIT_P2=_next_power_of_2(split), HAS_SINK=sink is not None, WRITE_LSE=lse is not None,
-             BLOCK_H=bh_c, BLOCK_D=bd), dict(num_warps=4))
+             BLOCK_H=bh_c, BLOCK_D=bd, CHUNK=chunk, PDL=pdl[0] or pdl[1]),
+        dict(num_warps=4, **({"launch_pdl": True} if pdl[1] else {})))
 
 
 def launch_grid(config: KernelConfig, gluon: bool, tile: Tile, v41: bool, num_heads: int, num_tokens: int,
@@ -662,23 +720,24 @@ def warm_combines(device: torch.device, records: tuple[Record, ...], dialects: t
     arch = device_arch(device)
     gluon = resolved_kernel(arch, records, dialects, comp_mode, num_heads, config)[0] == "gluon"
     tile, v41 = config.tile(arch, num_heads), v41_codes(records) is not None
-    variants: dict[int, int] = {}  # SPLIT_P2 -> heads per attention program
+    variants: dict[tuple[int, bool, bool], int] = {}  # (SPLIT_P2, PDL pair) -> heads per attention program
     most = 4 * num_sms(device) * build.ctas_per_sm(16) + 2  # from here on every launch fills the GPU unsplit
     for tokens_per_request in (1, PAIR_AUTO_MIN_TOKENS):
         for T in range(1, most + 1):
-            *_, block_h, split = launch_grid(config, gluon, tile, v41, num_heads, T, device, comp_mode, swa_width,
-                                             comp_width, tokens_per_request)
+            _, _, heads_n, _, _, block_h, split = launch_grid(config, gluon, tile, v41, num_heads, T, device,
+                                                              comp_mode, swa_width, comp_width, tokens_per_request)
             if split > 1 and not merge_in_kernel(config, gluon, split, num_heads):
-                variants.setdefault(_next_power_of_2(split), block_h)
+                pdl = pdl_launches(config, gluon, v41, True, heads_n, num_heads)
+                variants.setdefault((_next_power_of_2(split), *pdl), block_h)
     launches = []
-    for split_p2, block_h in sorted(variants.items()):
+    for (split_p2, *pdl), block_h in sorted(variants.items()):
         partials = torch.zeros(split_p2 * num_heads * (512 + 2) + 1, dtype=torch.float32, device=device)
         po, pml = partials[:split_p2 * num_heads * 512], partials[split_p2 * num_heads * 512:-1]
         pu = partials[-1:].view(torch.int32)  # 0 partials written: nothing read
         out = torch.empty(1, num_heads, 512, dtype=torch.bfloat16, device=device)
         sink = torch.zeros(num_heads, dtype=torch.float32, device=device)
         launches.append(_combine_launch(po, pml, pu, out, None, sink, split_p2, combine_tile(config, gluon),
-                                        block_h))
+                                        block_h, combine_chunk(config, gluon), (pdl[0], pdl[1])))
     for one in launches:
         one.plain()
     return launches
