@@ -720,7 +720,7 @@ def warm_combines(device: torch.device, records: tuple[Record, ...], dialects: t
     arch = device_arch(device)
     gluon = resolved_kernel(arch, records, dialects, comp_mode, num_heads, config)[0] == "gluon"
     tile, v41 = config.tile(arch, num_heads), v41_codes(records) is not None
-    variants: dict[tuple[int, bool, bool], int] = {}  # (SPLIT_P2, PDL pair) -> heads per attention program
+    variants: dict[tuple[int, tuple[bool, bool]], int] = {}  # (SPLIT_P2, PDL pair) -> heads per attention program
     most = 4 * num_sms(device) * build.ctas_per_sm(16) + 2  # from here on every launch fills the GPU unsplit
     for tokens_per_request in (1, PAIR_AUTO_MIN_TOKENS):
         for T in range(1, most + 1):
@@ -728,16 +728,16 @@ def warm_combines(device: torch.device, records: tuple[Record, ...], dialects: t
                                                               comp_mode, swa_width, comp_width, tokens_per_request)
             if split > 1 and not merge_in_kernel(config, gluon, split, num_heads):
                 pdl = pdl_launches(config, gluon, v41, True, heads_n, num_heads)
-                variants.setdefault((_next_power_of_2(split), *pdl), block_h)
+                variants.setdefault((_next_power_of_2(split), pdl), block_h)
     launches = []
-    for (split_p2, *pdl), block_h in sorted(variants.items()):
+    for (split_p2, pdl), block_h in sorted(variants.items()):
         partials = torch.zeros(split_p2 * num_heads * (512 + 2) + 1, dtype=torch.float32, device=device)
         po, pml = partials[:split_p2 * num_heads * 512], partials[split_p2 * num_heads * 512:-1]
         pu = partials[-1:].view(torch.int32)  # 0 partials written: nothing read
         out = torch.empty(1, num_heads, 512, dtype=torch.bfloat16, device=device)
         sink = torch.zeros(num_heads, dtype=torch.float32, device=device)
         launches.append(_combine_launch(po, pml, pu, out, None, sink, split_p2, combine_tile(config, gluon),
-                                        block_h, combine_chunk(config, gluon), (pdl[0], pdl[1])))
+                                        block_h, combine_chunk(config, gluon), pdl))
     for one in launches:
         one.plain()
     return launches
