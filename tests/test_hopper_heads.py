@@ -6,13 +6,12 @@ that do not fill a program, MTP) eagerly and across CUDA-graph replays."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import pytest
 import torch
 
 from dsv4_attn.portable.kernels import hopper_heads, ops
+
+from kit.layers import check_config_against_reference
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -44,46 +43,6 @@ def test_heads_on_n_setting_is_checked():
         ops.KernelConfig(heads_on_n=2)
 
 
-def _check_against_the_reference(config: ops.KernelConfig, name: str, cfg: str, heads: int, batch: int, mtp: int,
-                                 edit=None):
-    """The `triton` backend under ``config`` on a fresh decode case of ``cfg`` (``heads`` heads,
-    ``batch`` requests of ``mtp`` tokens) against the float64 reference, eagerly and across three
-    NaN-poisoned graph replays; ``edit(plan)`` may change the plan's rows and lengths in place first
-    (the reference reads the same rows)."""
-    from dsv4_attn import SparseMLA, bench
-    from dsv4_attn.common.registry import register_backend
-    from dsv4_attn.portable.triton_backend import TritonBackend
-
-    from kit.compare import assert_close, metrics
-    from kit.layers import eager_then_replays
-
-    register_backend(name, TritonBackend(config))
-    case_config = dataclasses.replace(bench.DECODE_CONFIGS[cfg], heads=heads)
-    case = bench.make_decode_case(case_config, batch, mtp, torch.device("cuda"), seed=batch * 3 + heads)
-    case.sink[0], case.sink[1] = math.inf, -math.inf  # head 0: all the weight on the sink, output 0
-    mla = SparseMLA(case.spec, case.fmt, backend=name, max_tokens=case.q.shape[0])
-    plan = mla.plan(case.batch)
-    if edit is not None:
-        edit(plan)
-    out = torch.empty_like(case.q)
-
-    def run():
-        mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink, out=out)
-
-    want = case.reference(plan)
-
-    def check(what):
-        torch.cuda.synchronize()
-        assert not out.isnan().any(), f"{what}: {int(out.isnan().sum())} output elements not written"
-        err = metrics(out, want)
-        assert_close(err, max_abs=False, what=f"{what} {cfg} H={heads} b={batch}")
-        # bf16 output: one rounding of |out| (2^-8 relative) plus accumulation noise
-        assert err["max_abs"] <= 1e-2 + 2**-7 * float(want.abs().max()), err
-        assert float(out[:, 0].abs().max()) == 0.0
-
-    eager_then_replays(run, out, check)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_SM90, reason="the Gluon kernels need an sm_90 GPU")
 @pytest.mark.parametrize("cfg,heads,batch,mtp,merge", [
@@ -99,8 +58,8 @@ def _check_against_the_reference(config: ops.KernelConfig, name: str, cfg: str, 
     ("h16-swa", 10, 4, 1, 0),        # 10 of 16
 ])
 def test_gpu_heads_on_n_matches_the_reference_across_graph_replays(cfg, heads, batch, mtp, merge):
-    _check_against_the_reference(ops.KernelConfig(impl="gluon", heads_on_n=1, pair_tokens=0, merge_in_kernel=merge),
-                                 f"triton-heads-n-test-{merge}", cfg, heads, batch, mtp)
+    config = ops.KernelConfig(impl="gluon", heads_on_n=1, pair_tokens=0, merge_in_kernel=merge)
+    check_config_against_reference(config, f"triton-heads-n-test-{merge}", cfg, heads, batch, mtp)
 
 
 def _edge_rows(plan):
@@ -130,8 +89,9 @@ def _edge_rows(plan):
     ("h8-c128a", 8, 200, 2, -1, True),  # _edge_rows, no split
 ])
 def test_gpu_token_pairs_match_the_reference_across_graph_replays(cfg, heads, batch, mtp, merge, edges):
-    _check_against_the_reference(ops.KernelConfig(impl="gluon", pair_tokens=1, merge_in_kernel=merge),
-                                 f"triton-pairs-test-{merge}", cfg, heads, batch, mtp, _edge_rows if edges else None)
+    config = ops.KernelConfig(impl="gluon", pair_tokens=1, merge_in_kernel=merge)
+    check_config_against_reference(config, f"triton-pairs-test-{merge}", cfg, heads, batch, mtp,
+                                   _edge_rows if edges else None)
 
 
 @pytest.mark.parametrize("setting,heads,tiles,tokens,expected", [

@@ -639,3 +639,55 @@ def test_after_reserve_decode_steps_at_every_split_compile_no_combine(gen):
                         out=torch.empty_like(case.q[:n]))
     torch.cuda.synchronize()
     assert len(compiled) == before
+
+
+@needs_triton
+@pytest.mark.parametrize("heads", [64, 16])
+def test_reserve_sizes_the_workspace_and_no_decode_step_grows_it(gen, monkeypatch, heads):
+    """SparseMLA.reserve (engine start, inside its memory profile) allocates the stream's workspace
+    for the temporaries of decode steps of up to its ``decode_tokens``; decode steps of 1 .. 24
+    tokens on every layer kind then bind (replays exist) without growing or moving it, and a call
+    whose temporaries exceed it (a 200-token step, whose unsplit P scratch of the portable kernel is
+    larger than the split partials up to 24 tokens) is not bound and leaves it as it was. Kernels
+    stubbed, bound as on a 16-SM GPU. Fails where the workspace first grows at a binding after the
+    profile."""
+    from dsv4_attn.bench import host
+    from dsv4_attn.portable.kernels import launch, ops
+
+    kinds = (LayerKind.SWA, LayerKind.C4A, LayerKind.C128A)
+
+    def step(b):
+        return make_step(gen, [1] * b, [300 + 7 * i for i in range(b)], kinds=kinds, heads=heads, topk=512,
+                         max_model_len=8192)
+
+    def decode(mla, case, times=3):  # plain, plain + bind, bound
+        plan = mla.plan(case.batch)
+        for _ in range(times):
+            for kind in kinds:
+                comp = case.caches[kind] if kind is not LayerKind.SWA else None
+                mla.forward(plan, kind, case.q, case.caches["swa"], comp, topk=case.topks.get(kind), sink=case.sink,
+                            out=case.out)
+
+    with host.kernels_stubbed():
+        monkeypatch.setattr(ops, "num_sms", lambda device: 16)
+        first = step(1)
+        mla = dsv4.SparseMLA(first.spec, "fp8_ds_mla", backend="triton")
+        backend = mla._backend("triton")
+        assert not backend._workspaces
+        mla.reserve(mla.plan(first.batch), 24)
+        (workspace,) = backend._workspaces.values()
+        reserved = (workspace.buffer, workspace.address, workspace.size)
+        assert workspace.buffer is not None and workspace.size == workspace.cap > 0
+        for b in (1, 2, 3, 5, 8, 13, 24):
+            case = step(b)
+            case.out = torch.empty_like(case.q)
+            bound = len(backend._replays)
+            decode(mla, case)
+            assert [r for r in list(backend._replays.values())[bound:] if isinstance(r, launch.Replay)], b
+            assert (workspace.buffer, workspace.address, workspace.size) == reserved, b
+        big = step(200)
+        big.out = torch.empty_like(big.q)
+        bound = len(backend._replays)
+        decode(mla, big)
+        assert (workspace.buffer, workspace.address, workspace.size) == reserved
+        assert not [r for r in list(backend._replays.values())[bound:] if isinstance(r, launch.Replay)]

@@ -25,6 +25,8 @@ import torch
 from dsv4_attn.common.spec import LayerKind
 from dsv4_attn.portable.kernels import ops
 
+from kit.layers import check_config_against_reference
+
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton missing")
 
@@ -192,10 +194,8 @@ def test_compiled_kernels_wait_before_any_global_access():
     ("h64-c4a512", 64, 300, 1, {}),                     # no split: two waves of the 64-head kernel
 ])
 def test_gpu_pdl_matches_the_reference_across_graph_replays(cfg, heads, batch, mtp, extra):
-    from test_hopper_heads import _check_against_the_reference
-
     config = ops.KernelConfig(impl="gluon", pdl=2, **extra)
-    _check_against_the_reference(config, f"triton-pdl-test-{sorted(extra.items())}", cfg, heads, batch, mtp)
+    check_config_against_reference(config, f"triton-pdl-test-{sorted(extra.items())}", cfg, heads, batch, mtp)
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from ..common.layout import Fp8Dialect, KVFormat, Record
 from ..common.plan import StepPlan, capturing
 from ..common.platform import Platform, triton_interpreting
 from ..common.spec import LayerKind, ModelSpec
+
+if TYPE_CHECKING:  # the kernels import Triton: only at the first launch (``_kernels``)
+    from .kernels.launch import Workspace
 
 
 class TritonBackend(Backend):
@@ -48,7 +52,8 @@ class TritonBackend(Backend):
         self._config = config  # kernels.ops.KernelConfig or None (defaults)
         self._replays: dict[tuple, object] = {}  # replay key -> kernels.launch.Replay, or _SEEN (once)
         self._counters: dict[tuple, torch.Tensor] = {}  # (device, stream) -> in-kernel merge counters
-        self._workspaces: dict[tuple, object] = {}  # (device, stream) -> kernels.launch.Workspace of its replays
+        self._workspaces: dict[tuple, Workspace] = {}  # (device, stream) -> kernels.launch.Workspace of its replays
+        self._workspace_caps: dict[torch.device, int] = {}  # device -> bytes reserve sized its workspaces to
         self._kept: list[torch.Tensor] = []
 
     def platform_reasons(self, platform: Platform) -> list[str]:
@@ -144,20 +149,38 @@ class TritonBackend(Backend):
         return known if isinstance(known, _kernels()[1].Replay) else None
 
     def reserve(self, plan: StepPlan, fmt: KVFormat, num_heads: int, dialects, decode_tokens: int) -> None:
-        """Engine start: compile every split combine variant (one per power of two of the split,
-        ``ops.warm_combines``) the model's layers can launch on this device, so no step compiles
-        one mid-serving (the attention kernels take the split unspecialized)."""
-        ops = _kernels()[0]
-        if plan.batch_invariant:  # its launches never split
-            return
+        """Engine start (inside its memory profile):
+
+        * compile every split combine variant (one per power of two of the split,
+          ``ops.warm_combines``) the model's layers can launch on this device, so no step compiles
+          one mid-serving (the attention kernels take the split unspecialized);
+        * allocate the current stream's workspace for bound calls' temporaries, sized for launches
+          of up to ``decode_tokens`` tokens (``ops.temporaries_bytes``), and cap every workspace of
+          the device there, so none grows after the profile: a larger call (a prefill chunk on the
+          portable kernel) is not bound and allocates its temporaries per call."""
+        ops, launch = _kernels()
         fmt = KVFormat.parse(fmt)
+        config = self._config or ops.DEFAULT_CONFIG
+        if plan.batch_invariant:  # one key range per program: no split, no combine to warm
+            config = dataclasses.replace(config, split=1)
+        need = 0
         for kind in plan.spec.kinds:
             scopes = 2 if kind.has_comp_scope else 1
             # a top-k kind whose rows the plan holds (a StepRows' GlobalRows) launches as global rows
             comp = ops.comp_mode_of(kind) if not kind.uses_topk or plan.translates_topk(kind) else ops.K.COMP_GLOBAL
-            ops.warm_combines(plan.device, (fmt.swa_record, fmt.comp_record)[:scopes], tuple(dialects)[:scopes],
-                              comp, num_heads, plan.swa_rows.shape[1], plan.spec.comp_width(kind),
-                              self._config or ops.DEFAULT_CONFIG)
+            layer = ((fmt.swa_record, fmt.comp_record)[:scopes], tuple(dialects)[:scopes], comp, num_heads,
+                     plan.swa_rows.shape[1], plan.spec.comp_width(kind))
+            if not plan.batch_invariant:
+                ops.warm_combines(plan.device, *layer, config)
+            need = max(need, ops.temporaries_bytes(plan.device, *layer, decode_tokens, config))
+        self._workspace_caps[plan.device] = max(need, self._workspace_caps.get(plan.device, 0))
+        cap = min(self._workspace_caps[plan.device], launch.WORKSPACE_LIMIT)
+        for (device, _), workspace in self._workspaces.items():  # other streams': capped, allocated on their own
+            if device == plan.device:
+                workspace.cap = max(workspace.size, cap)
+        workspace = self._workspace(plan.device)
+        if workspace is not None:
+            workspace.reserve(cap)
 
     def _replay_key(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> tuple | None:
         """What fixes every argument of this call's launches (``kernels/launch.py``): the checked
@@ -235,7 +258,9 @@ class TritonBackend(Backend):
             return None
         key = (device, launch.current_stream(device))
         if key not in self._workspaces:
-            self._workspaces[key] = launch.Workspace(device)
+            # a stream first seen after reserve takes the reserved cap (allocated at its first binding)
+            cap = self._workspace_caps.get(device)
+            self._workspaces[key] = launch.Workspace(device, None if cap is None else min(cap, launch.WORKSPACE_LIMIT))
         return self._workspaces[key]
 
     @staticmethod

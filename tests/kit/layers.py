@@ -3,6 +3,7 @@ NaN-poisoned before the call, the reference computed on the plan's own rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -73,3 +74,40 @@ def eager_then_replays(run, out: torch.Tensor, check, replays: int = 3) -> None:
         out.fill_(float("nan"))
         graph.replay()
         check(f"replay {replay}")
+
+
+def check_config_against_reference(config, name: str, cfg: str, heads: int, batch: int, mtp: int, edit=None):
+    """The `triton` backend under ``config`` (a ``KernelConfig``; sm_90 GPU tests), registered as
+    ``name``, on a fresh decode case of ``cfg`` (``heads`` heads, ``batch`` requests of ``mtp``
+    tokens) against the float64 reference, eagerly and across three NaN-poisoned graph replays;
+    ``edit(plan)`` may change the plan's rows and lengths in place first (the reference reads the
+    same rows)."""
+    from dsv4_attn import SparseMLA, bench
+    from dsv4_attn.common.registry import register_backend
+    from dsv4_attn.portable.triton_backend import TritonBackend
+
+    register_backend(name, TritonBackend(config))
+    case_config = dataclasses.replace(bench.DECODE_CONFIGS[cfg], heads=heads)
+    case = bench.make_decode_case(case_config, batch, mtp, torch.device("cuda"), seed=batch * 3 + heads)
+    case.sink[0], case.sink[1] = math.inf, -math.inf  # head 0: all the weight on the sink, output 0
+    mla = SparseMLA(case.spec, case.fmt, backend=name, max_tokens=case.q.shape[0])
+    plan = mla.plan(case.batch)
+    if edit is not None:
+        edit(plan)
+    out = torch.empty_like(case.q)
+
+    def run():
+        mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink, out=out)
+
+    want = case.reference(plan)
+
+    def check(what):
+        torch.cuda.synchronize()
+        assert not out.isnan().any(), f"{what}: {int(out.isnan().sum())} output elements not written"
+        err = metrics(out, want)
+        assert_close(err, max_abs=False, what=f"{what} {cfg} H={heads} b={batch}")
+        # bf16 output: one rounding of |out| (2^-8 relative) plus accumulation noise
+        assert err["max_abs"] <= 1e-2 + 2**-7 * float(want.abs().max()), err
+        assert float(out[:, 0].abs().max()) == 0.0
+
+    eager_then_replays(run, out, check)

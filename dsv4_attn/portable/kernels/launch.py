@@ -84,7 +84,8 @@ class _Bound:
 
 class Workspace:
     """The temporaries of the replays bound on one (device, stream): one byte buffer, grown at
-    binding to the largest layer call's temporaries bound there, never by a replay, and shared
+    binding to the largest layer call's temporaries bound there (or, once reserved at engine
+    start, allocated then and never grown: ``reserve``), never by a replay, and shared
     by every replay of that stream. Launches on one stream run one after another and a layer
     call's temporaries live within its own launches only (the split partials the attention kernel
     writes and the combine reads right after; P scratch inside one kernel), so the next call on
@@ -92,11 +93,12 @@ class Workspace:
     allocator then frees a replaced buffer in that stream's order); replays never run on another
     stream nor inside a graph capture (``Replay.__call__``)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cap: int | None = None) -> None:
         self.device = device
         self.buffer: torch.Tensor | None = None
         self.address = 0  # the buffer's first 16-byte aligned address
         self.size = 0  # bytes usable from ``address``
+        self.cap = cap  # set by ``reserve``: the most it may hold (None: up to WORKSPACE_LIMIT)
 
     def ensure(self, size: int) -> None:
         """At least ``size`` bytes from a 16-byte aligned ``address`` (a new buffer when smaller)."""
@@ -105,8 +107,28 @@ class Workspace:
             start = self.buffer.data_ptr()
             self.address, self.size = start + (-start) % 16, size
 
+    def reserve(self, size: int) -> None:
+        """Engine start: ``size`` bytes (at most WORKSPACE_LIMIT) allocated now, inside the engine's
+        memory profile, and the workspace never grows past them: a call whose temporaries do not
+        fit is not bound (``bind_launches``) and allocates them per call, as an unbound call does."""
+        self.cap = min(max(size, self.cap or 0), WORKSPACE_LIMIT)
+        self.ensure(self.cap)
+
+    def fits(self, size: int) -> bool:
+        """Whether temporaries of ``size`` bytes may be placed here."""
+        return size <= (WORKSPACE_LIMIT if self.cap is None else self.cap)
+
 
 _TEMP_ALIGN = 256  # each temporary's place in a workspace starts at a multiple of this (+ its own % 16)
+
+
+def layout_bytes(sizes: list[int]) -> int:
+    """The most bytes ``temporaries_layout`` can take for temporaries of ``sizes`` bytes (whatever
+    their addresses % 16)."""
+    end = 0
+    for size in sizes:
+        end = -(-end // _TEMP_ALIGN) * _TEMP_ALIGN + 15 + size
+    return end
 
 
 def temporaries_layout(temporaries: list[torch.Tensor]) -> tuple[list[int], int]:
@@ -217,9 +239,10 @@ WORKSPACE_LIMIT = 128 << 20
 def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device, workspace: Workspace) -> Replay | None:
     """The Replay of ``layer`` whose launches returned ``compiled`` (CompiledKernels), its
     temporaries placed in ``workspace`` (grown to hold them: at binding, never per call), or None
-    when one cannot be bound (temporaries above WORKSPACE_LIMIT among the reasons)."""
+    when one cannot be bound (temporaries the workspace may not hold, ``Workspace.fits``, among the
+    reasons)."""
     offsets, size = temporaries_layout(layer.temporaries)
-    if size > WORKSPACE_LIMIT:
+    if not workspace.fits(size):
         return None
     storages = [t.untyped_storage().data_ptr() for t in layer.temporaries]
     bound = []

@@ -592,7 +592,7 @@ def layer_launches(
         # partials (acc fp32 [T, split, H, 512], m / l fp32 [T, split, H, 2]) and the count of
         # partials each token wrote (int32 [T]: a token with fewer key tiles than programs writes
         # fewer; attention.split_ranges)
-        need = T * split * H * (512 + 2) + T
+        need = partials_numel(T, split, H)
         if workspace is None or workspace.numel() < need:
             workspace = torch.empty(need, dtype=torch.float32, device=q.device)
             temporaries.append(workspace)
@@ -641,8 +641,9 @@ def layer_launches(
     else:
         dt = config.dt()
         if tile.p_scratch:
-            scr_p = torch.empty(grid[0] * 2 * block_h * bn, dtype=_TORCH_DT[dt], device=q.device)
-            scr_a = torch.empty(grid[0] * 2 * block_h, dtype=torch.float32, device=q.device)
+            p_numel, a_numel = p_scratch_numels(grid[0], block_h, bn)
+            scr_p = torch.empty(p_numel, dtype=_TORCH_DT[dt], device=q.device)
+            scr_a = torch.empty(a_numel, dtype=torch.float32, device=q.device)
             temporaries += [scr_p, scr_a]
         else:
             scr_p = scr_a = out
@@ -705,6 +706,53 @@ def launch_grid(config: KernelConfig, gluon: bool, tile: Tile, v41: bool, num_he
     return bn, pair, heads_n, n_hb, programs, block_h, split
 
 
+def _launch_grids(config: KernelConfig, gluon: bool, tile: Tile, v41: bool, num_heads: int, device: torch.device,
+                  comp_mode: int, swa_width: int, comp_width: int, max_tokens: int | None = None):
+    """(tokens, ``launch_grid``'s answer) of every launch shape of 1.. tokens, one and two tokens per
+    request: every split launch, which ends where the launches fill the GPU unsplit, and the
+    largest launch, ``max_tokens`` tokens (its unsplit grid the largest), where given."""
+    most = 4 * num_sms(device) * build.ctas_per_sm(16) + 2  # from here on every launch fills the GPU unsplit
+    counts = range(1, most + 1) if max_tokens is None else sorted({*range(1, min(most, max_tokens) + 1), max_tokens})
+    for tokens_per_request in (1, PAIR_AUTO_MIN_TOKENS):
+        for T in counts:
+            yield T, launch_grid(config, gluon, tile, v41, num_heads, T, device, comp_mode, swa_width, comp_width,
+                                 tokens_per_request)
+
+
+def partials_numel(num_tokens: int, split: int, num_heads: int) -> int:
+    """fp32 elements of a split launch's partials: acc [T, split, H, 512], (m, l) [T, split, H, 2]
+    and the count of partials each token wrote (int32 [T]: a token with fewer key tiles than
+    programs writes fewer; ``attention.split_ranges``)."""
+    return num_tokens * split * num_heads * (512 + 2) + num_tokens
+
+
+def p_scratch_numels(programs: int, block_h: int, block_n: int) -> tuple[int, int]:
+    """Elements of the portable kernel's per-program P scratch (dot dtype) and alpha scratch (fp32)."""
+    return programs * 2 * block_h * block_n, programs * 2 * block_h
+
+
+def temporaries_bytes(device: torch.device, records: tuple[Record, ...], dialects: tuple[Fp8Dialect, ...],
+                      comp_mode: int, num_heads: int, swa_width: int, comp_width: int, max_tokens: int,
+                      config: KernelConfig = DEFAULT_CONFIG) -> int:
+    """The most workspace bytes (``launch.layout_bytes``) the temporaries of one launch of 1 to
+    ``max_tokens`` tokens (rows ``swa_width`` + ``comp_width`` keys wide) take, as
+    ``layer_launches`` allocates them on ``device``'s kernel: split partials, the portable kernel's
+    P scratch. What a stream's workspace is reserved to at engine start (``TritonBackend.reserve``)."""
+    arch = device_arch(device)
+    gluon = resolved_kernel(arch, records, dialects, comp_mode, num_heads, config)[0] == "gluon"
+    tile, v41 = config.tile(arch, num_heads), v41_codes(records) is not None
+    dot_bytes = _TORCH_DT[config.dt()].itemsize
+    most = 0
+    for T, (bn, _, _, _, programs, block_h, split) in _launch_grids(config, gluon, tile, v41, num_heads, device,
+                                                                    comp_mode, swa_width, comp_width, max_tokens):
+        sizes = [4 * partials_numel(T, split, num_heads)] if split > 1 else []
+        if not gluon and tile.p_scratch:
+            p_numel, a_numel = p_scratch_numels(programs * split, block_h, bn)
+            sizes += [p_numel * dot_bytes, 4 * a_numel]
+        most = max(most, launch.layout_bytes(sizes))
+    return most
+
+
 def warm_combines(device: torch.device, records: tuple[Record, ...], dialects: tuple[Fp8Dialect, ...],
                   comp_mode: int, num_heads: int, swa_width: int, comp_width: int,
                   config: KernelConfig = DEFAULT_CONFIG) -> list[launch.KernelLaunch]:
@@ -721,14 +769,11 @@ def warm_combines(device: torch.device, records: tuple[Record, ...], dialects: t
     gluon = resolved_kernel(arch, records, dialects, comp_mode, num_heads, config)[0] == "gluon"
     tile, v41 = config.tile(arch, num_heads), v41_codes(records) is not None
     variants: dict[tuple[int, tuple[bool, bool]], int] = {}  # (SPLIT_P2, PDL pair) -> heads per attention program
-    most = 4 * num_sms(device) * build.ctas_per_sm(16) + 2  # from here on every launch fills the GPU unsplit
-    for tokens_per_request in (1, PAIR_AUTO_MIN_TOKENS):
-        for T in range(1, most + 1):
-            _, _, heads_n, _, _, block_h, split = launch_grid(config, gluon, tile, v41, num_heads, T, device,
-                                                              comp_mode, swa_width, comp_width, tokens_per_request)
-            if split > 1 and not merge_in_kernel(config, gluon, split, num_heads):
-                pdl = pdl_launches(config, gluon, v41, True, heads_n, num_heads)
-                variants.setdefault((_next_power_of_2(split), pdl), block_h)
+    for _, (_, _, heads_n, _, _, block_h, split) in _launch_grids(config, gluon, tile, v41, num_heads, device,
+                                                                 comp_mode, swa_width, comp_width):
+        if split > 1 and not merge_in_kernel(config, gluon, split, num_heads):
+            pdl = pdl_launches(config, gluon, v41, True, heads_n, num_heads)
+            variants.setdefault((_next_power_of_2(split), pdl), block_h)
     launches = []
     for (split_p2, pdl), block_h in sorted(variants.items()):
         partials = torch.zeros(split_p2 * num_heads * (512 + 2) + 1, dtype=torch.float32, device=device)
