@@ -122,6 +122,9 @@ class KernelConfig:
     # Gluon kernel, MTP / verify steps: -1 auto (``pair_tokens``), 0 one token per program, 1 two
     # consecutive tokens per program (the heads-on-N kernel; window and C128A layers of <= 8 heads)
     pair_tokens: int = -1
+    # Gluon kernel, unsplit 64-head launches: -1 auto (``pingpong``), 0 the 64-head kernel, 1 the
+    # key-tile ping-pong kernel (hopper_prefill: the two consumer warpgroups on different key tiles)
+    pingpong: int = -1
     # 0 compiles the kernels WITHOUT their index range checks, so out-of-range entries are read
     # out of bounds: only for measuring the checks' cost (dsv4-attn bench --guard-cost)
     range_checks: int = 1
@@ -133,6 +136,8 @@ class KernelConfig:
             raise ValueError(f"heads_on_n: got {self.heads_on_n!r}; allowed: -1 (auto), 0 or 1")
         if self.pair_tokens not in (-1, 0, 1):
             raise ValueError(f"pair_tokens: got {self.pair_tokens!r}; allowed: -1 (auto), 0 or 1")
+        if self.pingpong not in (-1, 0, 1):
+            raise ValueError(f"pingpong: got {self.pingpong!r}; allowed: -1 (auto), 0 or 1")
         if self.merge_in_kernel not in (-1, 0, 1):
             raise ValueError(f"merge_in_kernel: got {self.merge_in_kernel!r}; allowed: -1 (auto), 0 or 1")
         if self.combine_heads not in (None, 4, 8, 16) or self.combine_dims not in (None, 32, 64, 128):
@@ -382,6 +387,28 @@ def pair_tokens(config: KernelConfig, gluon: bool, num_heads: int, comp_mode: in
     return not error
 
 
+# The key-tile ping-pong Gluon kernel (hopper_prefill) against the 64-head one: AUTO_RULE_PENDING
+PINGPONG_AUTO_MIN_TOKENS = 1 << 62
+
+
+def pingpong(config: KernelConfig, gluon: bool, wide: bool, split: int, num_tokens: int, device: torch.device,
+             comp_mode: int = K.COMP_NONE) -> bool:
+    """Whether a Gluon launch of ``num_tokens`` tokens runs the key-tile ping-pong kernel
+    (``hopper_prefill``): only where it would run the 64-head kernel (``wide``: the V4 record, 64
+    heads per program) unsplit (``split`` 1); there as ``config.pingpong`` says, auto from
+    PINGPONG_AUTO_MIN_TOKENS tokens, where it compiles with this Triton (forced where it does not:
+    ValueError)."""
+    if not gluon or not wide or split != 1 or config.pingpong == 0:
+        return False
+    if config.pingpong != 1 and num_tokens < PINGPONG_AUTO_MIN_TOKENS:
+        return False
+    variant = build.hopper_constexprs(comp_mode, write_lse=True, pingpong=True)
+    error = build.compile_error(device_arch(device), "gluon", tuple(sorted(variant.items())))
+    if error and config.pingpong == 1:
+        raise ValueError(f"config.pingpong: got 1; allowed only where the ping-pong kernel compiles; here: {error}")
+    return not error
+
+
 def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int,
                        records: tuple[Record, ...] = (Record.V4_FP8,)) -> str:
     """Which Gluon kernel a layer of ``num_heads`` heads and COMP ``comp_mode`` reading ``records``
@@ -581,6 +608,8 @@ def layer_launches(
             constexprs.update(NH=heads_n, PAIR=pair)
         if v41:
             constexprs["FMT_A"], constexprs["FMT_B"] = v41
+        if pingpong(config, gluon, not heads_n and not v41, split, T, q.device, comp_mode):
+            constexprs["PINGPONG"] = True
         fn, options = build.hopper_kernel(constexprs)
         attention = launch.KernelLaunch(fn, grid, (
             q, q.stride(0), q.stride(1),
