@@ -112,6 +112,20 @@ def test_the_option_reaches_the_gluon_launches(case, monkeypatch, setting, merge
 
 
 @needs_triton
+def test_the_pingpong_kernel_is_never_launched_programmatically(case, monkeypatch):
+    """The key-tile ping-pong kernel (hopper_prefill) holds no griddepcontrol.wait: a programmatic
+    launch of it could read q or the rows before the kernel writing them completed. Where a launch
+    takes it (forced here: its auto needs 4096+ tokens), no ``launch_pdl``, even with PDL forced."""
+    if not ops._gluon_importable():
+        pytest.skip("this Triton's Gluon does not import the Hopper kernel")
+    monkeypatch.setattr(ops, "use_gluon", lambda *args, **kwargs: True)
+    monkeypatch.setattr(ops, "device_arch", lambda device: "sm90")
+    layer = _launches(case, ops.KernelConfig(split=1, pdl=2, pingpong=1, heads_on_n=0))
+    assert [one.fn.__module__.rsplit(".", 1)[-1] for one in layer.launches] == ["hopper_prefill"]
+    assert _programmatic(layer) == [False] and "PDL" not in layer.launches[0].constexprs
+
+
+@needs_triton
 @pytest.mark.parametrize("arch", ["cpu", "sm100", "sm80"])
 def test_no_programmatic_launch_off_sm90(case, monkeypatch, arch):
     """The portable kernel and its combine (Triton's interpreter, CPU, other GPUs) never carry the

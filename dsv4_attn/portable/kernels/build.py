@@ -86,13 +86,14 @@ def compile_combine(gpu: GPUTarget, split: int = 304, block_h: int = 16, pdl: bo
 
 def hopper_constexprs(comp: int, split: bool = False, write_lse: bool = False, shifts: tuple[int, int] = (6, 6),
                       range_checks: bool = True, merge: bool = False, heads_n: int = 0, pair: bool = False,
-                      records: tuple[int, int] | None = None) -> dict:
+                      records: tuple[int, int] | None = None, pingpong: bool = False) -> dict:
     """The Gluon Hopper kernel's constexprs of one launch (``ops.sparse_mla_fwd``), with a sink;
     ``merge``: a split launch merging its partials itself (``ops.merge_in_kernel``); ``heads_n``
     8 / 16: the heads-on-N kernel (``hopper_heads``) with that many heads per program, 0 the
     64-head one; ``pair``: the heads-on-N kernel with a token pair per program (``ops.pair_tokens``,
     heads_n 16); ``records``: the (SWA, compressed) record codes of a layer of V4.1 records
-    (``attention.FMT_MXFP8`` / ``FMT_NVFP4``: the ``hopper_records`` kernel), None the V4 record."""
+    (``attention.FMT_MXFP8`` / ``FMT_NVFP4``: the ``hopper_records`` kernel), None the V4 record;
+    ``pingpong``: the unsplit 64-head launch of the key-tile ping-pong kernel (``hopper_prefill``)."""
     merge = merge and split
     const = dict(COMP=comp, C4A_RATIO=4, HAS_SINK=True, WRITE_LSE=write_lse and (not split or merge), IS_SPLIT=split,
                  BN=64, A_SHIFT=shifts[0], B_SHIFT=shifts[1], RANGE_CHECKS=range_checks, MERGE_IN_KERNEL=merge)
@@ -101,13 +102,16 @@ def hopper_constexprs(comp: int, split: bool = False, write_lse: bool = False, s
         const["PAIR"] = pair
     if records is not None:
         const["FMT_A"], const["FMT_B"] = records
+    if pingpong:
+        const["PINGPONG"] = True
     return const
 
 
 def hopper_kernel(constexprs: dict):
     """(the Gluon kernel, its launch options) of ``constexprs``: the V4.1 records' kernel where they
-    name FMT_A (``hopper_records``), the heads-on-N kernel where they name NH (``hopper_heads``), else
-    the 64-head one (``hopper``)."""
+    name FMT_A (``hopper_records``), the heads-on-N kernel where they name NH (``hopper_heads``), the
+    key-tile ping-pong one where they name PINGPONG (``hopper_prefill``), else the 64-head one
+    (``hopper``)."""
     if "FMT_A" in constexprs:
         from . import hopper_records
 
@@ -118,6 +122,11 @@ def hopper_kernel(constexprs: dict):
 
         return hopper_heads.sparse_mla_fwd_hopper_heads_n, dict(num_warps=hopper_heads.NUM_WARPS,
                                                                 maxnreg=hopper_heads.MAXNREG)
+    if "PINGPONG" in constexprs:
+        from . import hopper_prefill
+
+        return hopper_prefill.sparse_mla_fwd_hopper_prefill, dict(num_warps=hopper_prefill.NUM_WARPS,
+                                                                  maxnreg=hopper_prefill.MAXNREG)
     from . import hopper
 
     return hopper.sparse_mla_fwd_hopper, dict(num_warps=hopper.NUM_WARPS, maxnreg=hopper.MAXNREG)

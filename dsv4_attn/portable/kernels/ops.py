@@ -127,6 +127,9 @@ class KernelConfig:
     # programmatic dependent launch (Hopper, ``pdl_launches``): -1 auto, 0 off, 1 the Gluon kernel's
     # launch, 2 that and the combine launch after it
     pdl: int = -1
+    # Gluon kernel, unsplit 64-head launches: -1 auto (``pingpong``), 0 the 64-head kernel, 1 the
+    # key-tile ping-pong kernel (hopper_prefill: the two consumer warpgroups on different key tiles)
+    pingpong: int = -1
     # 0 compiles the kernels WITHOUT their index range checks, so out-of-range entries are read
     # out of bounds: only for measuring the checks' cost (dsv4-attn bench --guard-cost)
     range_checks: int = 1
@@ -141,6 +144,8 @@ class KernelConfig:
         if self.pdl not in (-1, 0, 1, 2):
             raise ValueError(f"pdl: got {self.pdl!r}; allowed: -1 (auto), 0 (off), 1 (the Gluon kernel's launch) or "
                              "2 (the Gluon kernel's and the combine launch)")
+        if self.pingpong not in (-1, 0, 1):
+            raise ValueError(f"pingpong: got {self.pingpong!r}; allowed: -1 (auto), 0 or 1")
         if self.merge_in_kernel not in (-1, 0, 1):
             raise ValueError(f"merge_in_kernel: got {self.merge_in_kernel!r}; allowed: -1 (auto), 0 or 1")
         if self.combine_chunk not in (None, 1, 4):
@@ -392,6 +397,32 @@ def pair_tokens(config: KernelConfig, gluon: bool, num_heads: int, comp_mode: in
     return not error
 
 
+# The key-tile ping-pong Gluon kernel (hopper_prefill) against the 64-head one, same process (H100,
+# torch 2.11, Triton 3.6, tests/gpu_scripts/prefill_ablate.py, notes/perf-prefill.md): faster on
+# 4096-token prefill launches (h64 kv8k top-640 1122 -> 1101 us, h64 kv32k top-1152 1863 -> 1760,
+# h128 kv32k top-1152 3585 -> 3391: 1.02-1.06x), slower on an unsplit 256-token decode launch
+# (h64 C4A 512: 85.9 -> 102.3 us); between 256 and 4096 tokens unmeasured, so auto from 4096.
+PINGPONG_AUTO_MIN_TOKENS = 4096
+
+
+def pingpong(config: KernelConfig, gluon: bool, wide: bool, split: int, num_tokens: int, device: torch.device,
+             comp_mode: int = K.COMP_NONE) -> bool:
+    """Whether a Gluon launch of ``num_tokens`` tokens runs the key-tile ping-pong kernel
+    (``hopper_prefill``): only where it would run the 64-head kernel (``wide``: the V4 record, 64
+    heads per program) unsplit (``split`` 1); there as ``config.pingpong`` says, auto from
+    PINGPONG_AUTO_MIN_TOKENS tokens, where it compiles with this Triton (forced where it does not:
+    ValueError)."""
+    if not gluon or not wide or split != 1 or config.pingpong == 0:
+        return False
+    if config.pingpong != 1 and num_tokens < PINGPONG_AUTO_MIN_TOKENS:
+        return False
+    variant = build.hopper_constexprs(comp_mode, write_lse=True, pingpong=True)
+    error = build.compile_error(device_arch(device), "gluon", tuple(sorted(variant.items())))
+    if error and config.pingpong == 1:
+        raise ValueError(f"config.pingpong: got 1; allowed only where the ping-pong kernel compiles; here: {error}")
+    return not error
+
+
 def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int,
                        records: tuple[Record, ...] = (Record.V4_FP8,)) -> str:
     """Which Gluon kernel a layer of ``num_heads`` heads and COMP ``comp_mode`` reading ``records``
@@ -402,6 +433,9 @@ def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int,
     if v41_codes(records) is not None:
         return "the V4.1 records' kernel (hopper_records.py, 64 heads per program on wgmma M)"
     wide = "the 64-head kernel (hopper.py, 64 heads per program on wgmma M)"
+    if config.pingpong != 0:
+        when = "unsplit launches" if config.pingpong == 1 else f"unsplit launches of {PINGPONG_AUTO_MIN_TOKENS}+ tokens"
+        wide += f" (its {when}: the key-tile ping-pong kernel, hopper_prefill.py)"
     if config.heads_on_n == 0 or num_heads > hopper_heads.MAX_HEADS:
         return wide
     nh = hopper_heads.heads_per_program(num_heads)
@@ -623,6 +657,11 @@ def layer_launches(
             constexprs.update(NH=heads_n, PAIR=pair)
         if v41:
             constexprs["FMT_A"], constexprs["FMT_B"] = v41
+        elif pingpong(config, gluon, not heads_n, split, T, q.device, comp_mode):
+            # the ping-pong kernel holds no griddepcontrol: launched without PDL (its launches are
+            # prefill chunks, milliseconds long; unsplit, so no combine follows)
+            constexprs["PINGPONG"] = True
+            pdl_attention = False
         else:  # griddepcontrol in the kernel where its launch or the combine's is programmatic
             constexprs["PDL"] = pdl_attention or pdl_combine
         fn, options = build.hopper_kernel(constexprs)
