@@ -6,13 +6,15 @@ print registers, spills and scratch per variant. No GPU needed; run it without T
 
 Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
 
-* ``hopper``: the Gluon Hopper kernels, sm_90a: the top-k walk with its LSE, split, split with the
-  in-kernel merge, SWA alone, and the heads-on-N kernel's split merge, alone and with token pairs
-  (``--full``: 18 variants:
+* ``hopper``: the Gluon Hopper kernels, sm_90a, the V4 ones with the griddepcontrol of their
+  programmatic launches (``ops.pdl_launches``' auto): the top-k walk with its LSE, split, split with
+  the in-kernel merge, SWA alone, the heads-on-N kernel's split merge, alone and with token pairs,
+  and the key-tile ping-pong prefill kernel's top-k walk with its LSE (``--full``: 23 variants:
   SWA / every-entry / top-k, each alone, with the LSE, split, and split merging in the kernel;
   top-k with non-power-of-two cache blocks and without range checks; the heads-on-N kernel's
   top-k split merge (8 heads) and every-entry walk with its LSE (16 heads); its token pairs'
-  every-entry split merge and SWA walk with its LSE); and the V4.1 records'
+  every-entry split merge and SWA walk with its LSE; the ping-pong kernel on every kind, with and
+  without the LSE); and the V4.1 records'
   kernel (``hopper_records``) for every record pair selection gives it (``gluon_record_layers``:
   MXFP8, MXFP8 SWA + NVFP4 compressed) in the top-k walk with its LSE and the split merged in the
   kernel (``--full``: SWA alone and the every-entry split too);
@@ -75,6 +77,9 @@ HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True, False, 0) for comp in (0, 1
                    + [(comp, True, True, (6, 6), True, True, 0) for comp in (0, 1, 2)]
                    + [(2, False, True, (-1, -1), True, False, 0), (2, False, True, (6, 6), False, False, 0)]
                    + [(2, True, True, (6, 6), True, True, 8), (1, False, True, (6, 6), True, False, 16)])
+# the key-tile ping-pong kernel (``ops.pingpong``: unsplit 64-head launches of prefill chunks), per
+# layer kind, with and without the LSE (quick: the top-k walk with its LSE)
+PINGPONG_VARIANTS = [(comp, False, lse, (6, 6), True, False, 0) for comp in (2, 1, 0) for lse in (True, False)]
 # the heads-on-N kernel with token pairs (``ops.pair_tokens``: window and C128A layers)
 PAIR_VARIANTS = [(1, True, True, (6, 6), True, True, 16), (0, False, True, (6, 6), True, False, 16)]
 # without --full: the top-k walk with its LSE, split and in-kernel merge (every Gluon builtin the
@@ -168,12 +173,16 @@ def jobs_for(targets: list[str], kernels: list[str], full: bool) -> list[Job]:
                 label = (f"{list(KINDS)[comp]}{' split' if split else ''}{' merge' if merge else ''}"
                          f"{' lse' if lse else ''}{f' heads-on-N {heads_n}' if heads_n else ''}"
                          f"{' bs!=2^n' if shifts[0] < 0 else ''}{' no range checks' if not checks else ''}")
-                out.append(Job(target, "hopper", label, (*v, None, False)))
+                out.append(Job(target, "hopper", label, (*v, None, False, False)))
+            for v in PINGPONG_VARIANTS if full else PINGPONG_VARIANTS[:1]:
+                comp, lse = v[0], v[2]
+                out.append(Job(target, "hopper", f"{list(KINDS)[comp]}{' lse' if lse else ''} ping-pong (prefill)",
+                               (*v, None, False, True)))
             for v in PAIR_VARIANTS if full else PAIR_VARIANTS[:1]:
                 comp, split, lse, shifts, checks, merge, heads_n = v
                 label = (f"{list(KINDS)[comp]}{' split' if split else ''}{' merge' if merge else ''}"
                          f"{' lse' if lse else ''} heads-on-N {heads_n} token pairs")
-                out.append(Job(target, "hopper", label, (*v, None, True)))
+                out.append(Job(target, "hopper", label, (*v, None, True, False)))
             names = {K.FMT_MXFP8: "mxfp8", K.FMT_NVFP4: "nvfp4"}
             layers = gluon_record_layers()
             for pair in sorted({codes for _, codes in layers}):
@@ -183,7 +192,7 @@ def jobs_for(targets: list[str], kernels: list[str], full: bool) -> list[Job]:
                         continue
                     label = (f"records {names[pair[0]]}/{names[pair[1]]} {list(KINDS)[comp]}{' split' if split else ''}"
                              f"{' merge' if merge else ''}{' lse' if lse else ''}{' bs!=2^n' if shifts[0] < 0 else ''}")
-                    out.append(Job(target, "hopper", label, (*v, pair, False)))
+                    out.append(Job(target, "hopper", label, (*v, pair, False, False)))
         if "attention" in kernels:
             out += _attention_jobs(target, full)
         if "combine" in kernels:
@@ -212,8 +221,10 @@ def _compile_indices(job: Job, target: GPUTarget):
 def _compile(job: Job):
     target = TARGETS[job.target]
     if job.kernel == "hopper":
-        comp, split, lse, shifts, checks, merge, heads_n, records, pair = job.args
-        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge, heads_n, pair, records))
+        comp, split, lse, shifts, checks, merge, heads_n, records, pair, pingpong = job.args
+        # with the griddepcontrol auto launches the V4 kernels with (ops.pdl_launches)
+        return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge, heads_n, pair, records,
+                                                      pingpong, pdl=records is None and not pingpong))
     if job.kernel == "attention":
         tile, fmt, kind, split = job.args
         return pb.compile_portable(target, pb.variant(fmt, KINDS[kind], tile, split), ops.launch_options(tile))

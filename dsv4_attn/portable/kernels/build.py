@@ -86,14 +86,16 @@ def compile_combine(gpu: GPUTarget, split: int = 304, block_h: int = 16, pdl: bo
 
 def hopper_constexprs(comp: int, split: bool = False, write_lse: bool = False, shifts: tuple[int, int] = (6, 6),
                       range_checks: bool = True, merge: bool = False, heads_n: int = 0, pair: bool = False,
-                      records: tuple[int, int] | None = None, pingpong: bool = False) -> dict:
+                      records: tuple[int, int] | None = None, pingpong: bool = False, pdl: bool = False) -> dict:
     """The Gluon Hopper kernel's constexprs of one launch (``ops.sparse_mla_fwd``), with a sink;
     ``merge``: a split launch merging its partials itself (``ops.merge_in_kernel``); ``heads_n``
     8 / 16: the heads-on-N kernel (``hopper_heads``) with that many heads per program, 0 the
     64-head one; ``pair``: the heads-on-N kernel with a token pair per program (``ops.pair_tokens``,
     heads_n 16); ``records``: the (SWA, compressed) record codes of a layer of V4.1 records
     (``attention.FMT_MXFP8`` / ``FMT_NVFP4``: the ``hopper_records`` kernel), None the V4 record;
-    ``pingpong``: the unsplit 64-head launch of the key-tile ping-pong kernel (``hopper_prefill``)."""
+    ``pingpong``: the unsplit 64-head launch of the key-tile ping-pong kernel (``hopper_prefill``);
+    ``pdl``: the V4 kernels' griddepcontrol (``ops.pdl_launches``; the records' and the ping-pong
+    kernels hold none)."""
     merge = merge and split
     const = dict(COMP=comp, C4A_RATIO=4, HAS_SINK=True, WRITE_LSE=write_lse and (not split or merge), IS_SPLIT=split,
                  BN=64, A_SHIFT=shifts[0], B_SHIFT=shifts[1], RANGE_CHECKS=range_checks, MERGE_IN_KERNEL=merge)
@@ -104,6 +106,8 @@ def hopper_constexprs(comp: int, split: bool = False, write_lse: bool = False, s
         const["FMT_A"], const["FMT_B"] = records
     if pingpong:
         const["PINGPONG"] = True
+    if pdl:
+        const["PDL"] = True
     return const
 
 
