@@ -154,7 +154,9 @@ def test_a_replaced_copy_of_checked_inputs_carries_no_key(case):
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton missing")
 
 
-def _launches(case, split: int):
+def _launches(case, split: int, **config):
+    """The case's C4A layer's launches (nothing launched) under a KernelConfig of ``split`` and
+    ``config``'s other fields."""
     from dsv4_attn.portable.kernels import ops
 
     kind = LayerKind.C4A
@@ -165,24 +167,30 @@ def _launches(case, split: int):
         case.q, out, "fp8_ds_mla", case.caches["swa"], plan.swa_rows, plan.swa_lens,
         comp_cache=case.caches[kind], comp_rows=case.topks[kind],
         c4a=(case.batch.comp_block_table(kind), plan.token_to_req, plan.positions), topk_ratio=kind.ratio,
-        sink=case.sink, config=ops.KernelConfig(split=split, p_scratch=1))
+        sink=case.sink, config=ops.KernelConfig(split=split, p_scratch=1, **config))
 
 
 @needs_triton
-@pytest.mark.parametrize("kernel", ["portable", "gluon"])
+@pytest.mark.parametrize("kernel", ["portable", "gluon", "pingpong"])
 def test_bound_parameters_follow_each_kernels_own_signature(case, monkeypatch, kernel):
     """What the launcher gets is what JITFunction.run hands it: every parameter in the signature's
     order (inspect's binding of the kernel's Python function), constexprs where they stand. The
-    Gluon (H100) kernel's launch is described here as on an sm_90 GPU; nothing is launched."""
+    Gluon (H100) kernels' launches (the 64-head kernel and its split combine; the ping-pong prefill
+    kernel, unsplit) are described here as on an sm_90 GPU; nothing is launched."""
     from dsv4_attn.portable.kernels import launch, ops
 
-    if kernel == "gluon":
+    if kernel != "portable":
         if not ops._gluon_importable():
             pytest.skip("this Triton's Gluon does not import the Hopper kernel")
         monkeypatch.setattr(ops, "use_gluon", lambda *args, **kwargs: True)
-    layer = _launches(case, split=2)
-    assert len(layer.launches) == 2  # the attention kernel and the split combine
-    assert ("hopper" in layer.launches[0].fn.__module__) == (kernel == "gluon")
+    if kernel == "pingpong":
+        monkeypatch.setattr(ops, "device_arch", lambda device: "sm90")
+        layer = _launches(case, split=1, heads_on_n=0, pingpong=1)
+        assert [one.fn.__module__.rsplit(".", 1)[-1] for one in layer.launches] == ["hopper_prefill"]
+    else:
+        layer = _launches(case, split=2)
+        assert len(layer.launches) == 2  # the attention kernel and the split combine
+        assert ("hopper" in layer.launches[0].fn.__module__) == (kernel == "gluon")
     for one in layer.launches:
         expected = inspect.signature(one.fn.fn).bind(*one.args, **one.constexprs).arguments
         ordered = launch.ordered_parameters(one)
