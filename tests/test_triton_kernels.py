@@ -528,7 +528,8 @@ def test_kernel_choice_is_visible_in_explain(monkeypatch):
     spec = dsv4.ModelSpec(num_heads=128)
     phase = Phase.DECODE
     v4 = b.choice(h100, spec, KVFormat.MODEL1_FP8, LayerKind.C4A, phase, ocp)
-    assert v4.startswith("Gluon Hopper kernel: the 64-head kernel (hopper.py, 64 heads per program on wgmma M); "
+    assert v4.startswith("Gluon Hopper kernel: the 64-head kernel (hopper.py, 64 heads per program on wgmma M) (its "
+                         "unsplit launches of 4096+ tokens: the key-tile ping-pong kernel, hopper_prefill.py); "
                          "64 keys per tile"), v4
     for fmt, want in ((KVFormat.MXFP8, "(mxfp8)"), (KVFormat.NVFP4, "(mxfp8/nvfp4)")):
         got = b.choice(h100, spec, fmt, LayerKind.C2A, phase, ocp)
