@@ -555,7 +555,10 @@ def split_ranges(tiles, split):
 def _partial(PO, t, i, split, used, h, hmask, d, num_heads):
     """Split ``i``'s partial acc [BH, BD] of heads ``h``, dims ``d`` (0 for i >= used: not written)."""
     p = (t * split + i) * num_heads + h.to(tl.int64)
-    return tl.load(PO + p[:, None] * 512 + d[None, :], mask=(hmask & (i < used))[:, None], other=0.0)
+    # [BH] int1, the split's comparison made per head: Triton 3.9's interpreter refuses the mask
+    # ``(hmask & (i < used))[:, None]`` (a scalar comparison broadcast by ``&``: "unsupported dtype")
+    written = hmask & (h * 0 + i < used)
+    return tl.load(PO + p[:, None] * 512 + d[None, :], mask=written[:, None], other=0.0)
 
 
 @triton.jit
