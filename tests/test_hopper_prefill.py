@@ -5,13 +5,12 @@ program, odd and zero key-tile counts, MTP; output and LSE) eagerly and across C
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import pytest
 import torch
 
 from dsv4_attn.portable.kernels import build, ops
+
+from kit.layers import check_config_against_reference
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 CPU = torch.device("cpu")
@@ -75,39 +74,9 @@ def _edge_lens(plan):
     ("h64-c4a512", 64, 80, 2, True),       # MTP, _edge_lens
 ])
 def test_gpu_pingpong_matches_the_reference_across_graph_replays(cfg, heads, batch, mtp, edges):
-    from dsv4_attn import SparseMLA, bench
-    from dsv4_attn.common.registry import register_backend
-    from dsv4_attn.portable.triton_backend import TritonBackend
-
-    from kit.compare import assert_close, metrics
-    from kit.layers import eager_then_replays
-
-    name = "triton-pingpong-test"
-    register_backend(name, TritonBackend(ops.KernelConfig(impl="gluon", pingpong=1, heads_on_n=0)))
-    case_config = dataclasses.replace(bench.DECODE_CONFIGS[cfg], heads=heads)
-    case = bench.make_decode_case(case_config, batch, mtp, torch.device("cuda"), seed=batch * 5 + heads)
-    case.sink[0], case.sink[1] = math.inf, -math.inf  # head 0: all the weight on the sink, output 0
-    mla = SparseMLA(case.spec, case.fmt, backend=name, max_tokens=case.q.shape[0])
-    plan = mla.plan(case.batch)
-    if edges:
-        _edge_lens(plan)
-    out = torch.empty_like(case.q)
-
-    def run():
-        mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink, out=out)
-
-    want = case.reference(plan)
-
-    def check(what):
-        torch.cuda.synchronize()
-        assert not out.isnan().any(), f"{what}: {int(out.isnan().sum())} output elements not written"
-        err = metrics(out, want)
-        assert_close(err, max_abs=False, what=f"{what} {cfg} H={heads} b={batch}")
-        # bf16 output: one rounding of |out| (2^-8 relative) plus accumulation noise
-        assert err["max_abs"] <= 1e-2 + 2**-7 * float(want.abs().max()), err
-        assert float(out[:, 0].abs().max()) == 0.0
-
-    eager_then_replays(run, out, check)
+    config = ops.KernelConfig(impl="gluon", pingpong=1, heads_on_n=0)
+    check_config_against_reference(config, "triton-pingpong-test", cfg, heads, batch, mtp,
+                                   _edge_lens if edges else None, seed=batch * 5 + heads)
 
 
 @pytest.mark.gpu

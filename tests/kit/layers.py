@@ -76,19 +76,21 @@ def eager_then_replays(run, out: torch.Tensor, check, replays: int = 3) -> None:
         check(f"replay {replay}")
 
 
-def check_config_against_reference(config, name: str, cfg: str, heads: int, batch: int, mtp: int, edit=None):
+def check_config_against_reference(config, name: str, cfg: str, heads: int, batch: int, mtp: int, edit=None,
+                                   seed: int | None = None):
     """The `triton` backend under ``config`` (a ``KernelConfig``; sm_90 GPU tests), registered as
     ``name``, on a fresh decode case of ``cfg`` (``heads`` heads, ``batch`` requests of ``mtp``
     tokens) against the float64 reference, eagerly and across three NaN-poisoned graph replays;
     ``edit(plan)`` may change the plan's rows and lengths in place first (the reference reads the
-    same rows)."""
+    same rows); ``seed`` draws the case (default ``batch * 3 + heads``)."""
     from dsv4_attn import SparseMLA, bench
     from dsv4_attn.common.registry import register_backend
     from dsv4_attn.portable.triton_backend import TritonBackend
 
     register_backend(name, TritonBackend(config))
     case_config = dataclasses.replace(bench.DECODE_CONFIGS[cfg], heads=heads)
-    case = bench.make_decode_case(case_config, batch, mtp, torch.device("cuda"), seed=batch * 3 + heads)
+    case = bench.make_decode_case(case_config, batch, mtp, torch.device("cuda"),
+                                  seed=batch * 3 + heads if seed is None else seed)
     case.sink[0], case.sink[1] = math.inf, -math.inf  # head 0: all the weight on the sink, output 0
     mla = SparseMLA(case.spec, case.fmt, backend=name, max_tokens=case.q.shape[0])
     plan = mla.plan(case.batch)
