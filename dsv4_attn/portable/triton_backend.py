@@ -53,7 +53,7 @@ class TritonBackend(Backend):
         self._replays: dict[tuple, object] = {}  # replay key -> kernels.launch.Replay, or _SEEN (once)
         self._counters: dict[tuple, torch.Tensor] = {}  # (device, stream) -> in-kernel merge counters
         self._workspaces: dict[tuple, Workspace] = {}  # (device, stream) -> kernels.launch.Workspace of its replays
-        self._workspace_caps: dict[torch.device, int] = {}  # device -> bytes reserve sized its workspaces to
+        self._workspace_caps: dict[torch.device, int] = {}  # device -> bytes reserve capped its workspaces at
         self._kept: list[torch.Tensor] = []
 
     def platform_reasons(self, platform: Platform) -> list[str]:
@@ -173,8 +173,8 @@ class TritonBackend(Backend):
             if not plan.batch_invariant:
                 ops.warm_combines(plan.device, *layer, config)
             need = max(need, ops.temporaries_bytes(plan.device, *layer, decode_tokens, config))
-        self._workspace_caps[plan.device] = max(need, self._workspace_caps.get(plan.device, 0))
-        cap = min(self._workspace_caps[plan.device], launch.WORKSPACE_LIMIT)
+        cap = min(max(need, self._workspace_caps.get(plan.device, 0)), launch.WORKSPACE_LIMIT)
+        self._workspace_caps[plan.device] = cap
         for (device, _), workspace in self._workspaces.items():  # other streams': capped, allocated on their own
             if device == plan.device:
                 workspace.cap = max(workspace.size, cap)
@@ -259,8 +259,7 @@ class TritonBackend(Backend):
         key = (device, launch.current_stream(device))
         if key not in self._workspaces:
             # a stream first seen after reserve takes the reserved cap (allocated at its first binding)
-            cap = self._workspace_caps.get(device)
-            self._workspaces[key] = launch.Workspace(device, None if cap is None else min(cap, launch.WORKSPACE_LIMIT))
+            self._workspaces[key] = launch.Workspace(device, self._workspace_caps.get(device))
         return self._workspaces[key]
 
     @staticmethod
