@@ -1,8 +1,10 @@
 """Where a repeated eager layer call's host time goes (issue 24, notes/host-time.md): cProfile of
 ``SparseMLA.forward`` with the same inputs called again and again (every memo of the host path
-hits, the launches bound), on a GPU (kernels run) or the CPU (kernels stubbed, interpreter).
+hits, the launches bound), or with ``--fresh`` q / out / top-k at addresses no earlier call used
+(every memo misses: bench.host's ``fresh`` way), on a GPU (kernels run) or the CPU (kernels
+stubbed, interpreter).
 
-    PYTHONPATH=. python tests/gpu_scripts/host_profile.py [--case flash-decode-b2] [--calls 3000]
+    PYTHONPATH=. python tests/gpu_scripts/host_profile.py [--case flash-decode-b2] [--calls 3000] [--fresh]
 """
 
 from __future__ import annotations
@@ -29,17 +31,19 @@ def main() -> None:
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--fresh", action="store_true", help="every call at new addresses")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     case = host._make_case(args.case, device)
     with host.kernels_stubbed() if device.type == "cpu" else contextlib.nullcontext():
         mla = _case_mla(case, args.backend)
         plan = mla.plan(case.batch)
-        out = torch.empty_like(case.q)
+        triples = host._inputs(case, 100 + 2 * args.calls if args.fresh else 1)
+        numbers = iter(range(len(triples)))
 
         def call() -> None:
-            mla.forward(plan, case.kind, case.q, case.swa_cache, case.comp_cache, topk=case.topk, sink=case.sink,
-                        out=out)
+            q, out, topk = triples[next(numbers) % len(triples)]
+            mla.forward(plan, case.kind, q, case.swa_cache, case.comp_cache, topk=topk, sink=case.sink, out=out)
 
         for _ in range(100):
             call()
@@ -48,7 +52,7 @@ def main() -> None:
         for _ in range(args.calls):
             call()
         print(f"{case.label} {args.backend}: {(time.perf_counter() - start) / args.calls * 1e6:.1f} us per call "
-              f"(wall, {args.calls} calls, unprofiled)")
+              f"(wall, {args.calls} calls, {'fresh' if args.fresh else 'same'} addresses, unprofiled)")
         host._sync(device)
         profile = cProfile.Profile()
         profile.enable()
