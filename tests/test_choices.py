@@ -104,6 +104,39 @@ def test_auto_follows_the_measured_order_in_range_and_the_priority_list_elsewher
                      dsv4.Phase.DECODE, num_tokens=64) == "flashmla"
 
 
+def test_tensor_parallel_shards_are_measured_at_their_own_head_count(tmp_path, monkeypatch, fakes):
+    """A TP shard (8 / 16 / 32 heads per rank) takes its own bucket's entries, not the 64-head ones
+    (FlashMLA pads a shard to 64 heads, triton does not), and the priority list where the table
+    measured no shard of its size."""
+    assert [choices.heads_bucket(h) for h in (1, 4, 8, 9, 16, 17, 32, 33, 48, 64, 65, 128)] == [
+        8, 8, 8, 16, 16, 32, 32, 64, 64, 64, 128, 128]
+    report = {"meta": {"device": "NVIDIA H100"}, "results": [
+        _result("h64 b=64", 64, 64, {"triton": 40.0, "flashmla": 30.0}),
+        _result("h8 b=64", 64, 8, {"triton": 30.0, "flashmla": 70.0}),
+    ]}
+    table = choices.from_bench(report, "sm90")
+    assert {e["heads"]: e["order"] for e in table["entries"]} == {8: ["triton", "flashmla"],
+                                                                  64: ["flashmla", "triton"]}
+    path = tmp_path / "choices.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("DSV4_ATTN_CHOICES", str(path))
+    choices._load.cache_clear()
+    fakes("flashmla", index=1)
+    fakes("triton", index=0)
+    try:
+        def pick(heads):
+            return bm.auto_order(SM90, ModelSpec(num_heads=heads), KVFormat.MODEL1_FP8, LayerKind.C4A,
+                                 dsv4.Phase.DECODE, 64)
+
+        assert pick(64)[0] == pick(48)[0] == ["flashmla", "triton"]
+        order, why = pick(8)
+        assert order == ["triton", "flashmla"] and "h8 b=64: triton 30.0 us, flashmla 70.0 us" in why
+        order, why = pick(16)  # no 16-head measurement: the priority list, not the 64-head order
+        assert order == ["triton", "flashmla"] and "priority list" in why
+    finally:
+        choices._load.cache_clear()
+
+
 def test_a_measured_choice_never_passes_a_refusal(table, fakes):
     fakes("flashmla", index=0)
     fakes("triton", refuse=True, index=1)
@@ -297,17 +330,14 @@ def test_explain_says_when_the_table_is_another_devices(device_tables, monkeypat
     assert "no table measured on NVIDIA H800; the nearest sm90 table is" in text
 
 
-def test_the_shipped_h100_table_is_found_by_its_device():
-    """The packaged sm_90 table was measured on the H100 (its file says so): an H100 reads it
-    with no note, an H200 with the nearest-device note until its own table ships."""
-    entries, where, note = choices.table_for("sm90", "NVIDIA H100 80GB HBM3")
-    assert entries and where == "dsv4_attn/data/choices/sm90-h100-80gb-hbm3.json" and note == ""
-    shipped = {p.name for p in choices._folder().iterdir()}
-    entries, where, note = choices.table_for("sm90", "NVIDIA H200")
-    if "sm90-h200.json" in shipped:
-        assert where.endswith("sm90-h200.json") and note == ""
-    else:
-        assert where.endswith("sm90-h100-80gb-hbm3.json") and note.startswith("no table measured on NVIDIA H200")
+def test_the_shipped_tables_are_found_by_their_devices():
+    """The packaged sm_90 tables were measured on an H100 and an H200 (their files say so): each
+    reads its own with no note, another sm_90 part the nearest with one."""
+    for device, name in (("NVIDIA H100 80GB HBM3", "sm90-h100-80gb-hbm3.json"), ("NVIDIA H200", "sm90-h200.json")):
+        entries, where, note = choices.table_for("sm90", device)
+        assert entries and where == f"dsv4_attn/data/choices/{name}" and note == ""
+    entries, where, note = choices.table_for("sm90", "NVIDIA H20")
+    assert entries and note.startswith("no table measured on NVIDIA H20; the nearest sm90 table is")
 
 
 def test_bench_written_table_ships_under_the_name_it_prints(tmp_path, monkeypatch):

@@ -82,8 +82,8 @@ def config_heads(cfg) -> int:
 
 def is_shard(cfg) -> bool:
     """A tensor-parallel shard's config (fewer than 64 heads): timed only when asked for (``--configs
-    tp`` or by name), since the choices table counts every head count up to 64 as 64 and would mix
-    the shards' measurements into the full models' (``common.choices.heads_bucket``)."""
+    tp`` or by name), which keeps the default run to the full models; ``--write-choices`` files the
+    shards under their own head counts (``common.choices.heads_bucket``)."""
     return config_heads(cfg) < 64
 
 

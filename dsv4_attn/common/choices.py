@@ -12,7 +12,7 @@ one command::
 Selection (``common.registry.select``) tries the measured order first for a step whose tokens fall
 in a measured range, then the platform's priority list; every backend still has to accept the
 layer (a measured choice never bypasses a refusal), and ``SparseMLA.explain()`` prints the
-measurement that chose it. Heads are bucketed as the kernels pad them (<= 64, <= 128).
+measurement that chose it. Heads are bucketed at 8, 16, 32, 64 and 128 (``heads_bucket``).
 
 A backend also has work of its own once per step and layer shape (FlashMLA: its index rows and
 tile scheduler; ``Backend.prepare``), paid once however many layers of that kind the step runs.
@@ -91,9 +91,16 @@ class Choice:
                 and self.tokens[0] <= num_tokens < self.tokens[1])
 
 
+HEADS_BUCKETS = (8, 16, 32, 64, 128)
+
+
 def heads_bucket(heads: int) -> int:
-    """Heads as the kernels schedule them: 64 up to 64 heads, else 128."""
-    return 64 if heads <= 64 else 128
+    """The head count a launch of ``heads`` heads is measured at: the smallest of HEADS_BUCKETS at or
+    above it (128 above that). Tensor-parallel shards (8 / 16 / 32 heads per rank under -tp 8 / 4)
+    have entries of their own rather than the 64-head ones: FlashMLA pads them to 64 heads while
+    triton runs them on other kernels (the heads-on-N kernel up to 16 heads), so the fastest backend
+    can differ. A table without a shard's bucket leaves its launches to the priority list."""
+    return next((bucket for bucket in HEADS_BUCKETS if heads <= bucket), HEADS_BUCKETS[-1])
 
 
 def _parse(doc: dict, where: str) -> tuple[str, tuple[Choice, ...]]:
