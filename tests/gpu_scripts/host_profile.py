@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import itertools
 import os
 import pstats
 import time
@@ -39,7 +40,7 @@ def main() -> None:
         mla = _case_mla(case, args.backend)
         plan = mla.plan(case.batch)
         triples = host._inputs(case, 100 + 2 * args.calls if args.fresh else 1)
-        numbers = iter(range(len(triples)))
+        numbers = itertools.count()
 
         def call() -> None:
             q, out, topk = triples[next(numbers) % len(triples)]
