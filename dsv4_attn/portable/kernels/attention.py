@@ -411,6 +411,27 @@ def _store_rows(row_ptrs, k: tl.constexpr, val, hmask, PAIRED: tl.constexpr):
     tl.store(row_ptrs[:, None] + d[None, :], val, mask=hmask[:, None])
 
 
+@triton.jit
+def _sink_inverse(m, lsum, SINK, h, hmask, HAS_SINK: tl.constexpr):
+    """Per head ``h`` of a finished (m, l) (m in log2 units, fp32 [BLOCK_H] each): 1 / (l +
+    exp2(sink2 - m)), 0 where no key was valid. With :func:`_lse`, the Gluon kernels'
+    ``hopper._normalizer`` in Triton's language (two helpers: each runs where the kernels need it,
+    the LSE only where it is stored)."""
+    denom = lsum
+    if HAS_SINK:
+        sink2 = tl.load(SINK + h, mask=hmask, other=float("-inf")) * 1.4426950408889634
+        denom = lsum + tl.exp2(sink2 - m)
+    has = lsum != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
+    return tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
+
+
+@triton.jit
+def _lse(m, lsum):
+    """The LSE (natural log, sink excluded) of a finished (m, l), -inf where no key was valid."""
+    has = lsum != 0.0
+    return tl.where(has, (m + tl.log2(tl.where(has, lsum, 1.0))) * 0.6931471805599453, float("-inf"))
+
+
 @triton.jit(do_not_specialize=("split",))  # per step: no variant per split value (== 1, % 16 == 0)
 def sparse_mla_fwd_kernel(
     Q, stride_qt, stride_qh,
@@ -515,20 +536,14 @@ def sparse_mla_fwd_kernel(
             FMT_B, COMP, 2, RANGE_CHECKS, BLOCK_N, DT, P_SCRATCH, A_SHIFT, B_SHIFT, FNUZ, F32_DECODE)
 
     if not IS_SPLIT:
-        denom = l_i
-        if HAS_SINK:
-            sink2 = tl.load(SINK + h, mask=hmask, other=float("-inf")) * 1.4426950408889634
-            denom = l_i + tl.exp2(sink2 - m_i)
-        has = l_i != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
-        inv = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
+        inv = _sink_inverse(m_i, l_i, SINK, h, hmask, HAS_SINK)
         o_row = O + t64 * stride_ot + h.to(tl.int64) * stride_oh
         _store_rows(o_row, 0, (acc_a * inv[:, None]).to(O.dtype.element_ty), hmask, PAIRED)
         _store_rows(o_row, 1, (acc_b * inv[:, None]).to(O.dtype.element_ty), hmask, PAIRED)
         _store_rows(o_row, 2, (acc_c * inv[:, None]).to(O.dtype.element_ty), hmask, PAIRED)
         _store_rows(o_row, 3, (acc_r * inv[:, None]).to(O.dtype.element_ty), hmask, PAIRED)
         if WRITE_LSE:
-            lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-            tl.store(LSE + t64 * stride_lt + h, lse, mask=hmask)
+            tl.store(LSE + t64 * stride_lt + h, _lse(m_i, l_i), mask=hmask)
     elif sp < used:  # a program past the token's keys writes nothing (the merge reads [0, used))
         part = (t64 * split + sp) * num_heads + h.to(tl.int64)
         po_row = PO + part * 512
@@ -598,12 +613,7 @@ def combine_kernel(
     m_max = tl.max(m, 1)
     w = tl.exp2(m - m_max[:, None])
     l_sum = tl.sum(w * l, 1)
-    denom = l_sum
-    if HAS_SINK:
-        sink2 = tl.load(SINK + h, mask=hmask, other=float("-inf")) * 1.4426950408889634
-        denom = l_sum + tl.exp2(sink2 - m_max)
-    has = l_sum != 0.0  # no valid key: 0 (a NaN l, from a NaN key, stays visible)
-    inv = tl.where(has, 1.0 / tl.where(has, denom, 1.0), 0.0)
+    inv = _sink_inverse(m_max, l_sum, SINK, h, hmask, HAS_SINK)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for i in range(0, used, CHUNK):
         a0 = _partial(PO, t, i, split, used, h, hmask, d, num_heads)
@@ -621,6 +631,4 @@ def combine_kernel(
              o.to(O.dtype.element_ty), mask=hmask[:, None])
     if WRITE_LSE:
         if tl.program_id(2) == 0:
-            lse = tl.where(has, (m_max + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453,
-                           float("-inf"))
-            tl.store(LSE + t * stride_lt + h, lse, mask=hmask)
+            tl.store(LSE + t * stride_lt + h, _lse(m_max, l_sum), mask=hmask)
