@@ -46,12 +46,17 @@ def test_table_from_a_bench_report_splits_ranges_between_measured_points():
 
 @pytest.fixture
 def table(tmp_path, monkeypatch):
+    yield _use_table(tmp_path, monkeypatch, choices.from_bench(REPORT, "sm90"))
+    choices._load.cache_clear()
+
+
+def _use_table(tmp_path, monkeypatch, table: dict) -> str:
+    """Write ``table`` as the DSV4_ATTN_CHOICES file (loaded afresh); its path."""
     path = tmp_path / "choices.json"
-    path.write_text(json.dumps(choices.from_bench(REPORT, "sm90")))
+    path.write_text(json.dumps(table))
     monkeypatch.setenv("DSV4_ATTN_CHOICES", str(path))
     choices._load.cache_clear()
-    yield str(path)
-    choices._load.cache_clear()
+    return str(path)
 
 
 class _Any(dsv4.Backend):
@@ -117,10 +122,7 @@ def test_tensor_parallel_shards_are_measured_at_their_own_head_count(tmp_path, m
     table = choices.from_bench(report, "sm90")
     assert {e["heads"]: e["order"] for e in table["entries"]} == {8: ["triton", "flashmla"],
                                                                   64: ["flashmla", "triton"]}
-    path = tmp_path / "choices.json"
-    path.write_text(json.dumps(table))
-    monkeypatch.setenv("DSV4_ATTN_CHOICES", str(path))
-    choices._load.cache_clear()
+    _use_table(tmp_path, monkeypatch, table)
     fakes("flashmla", index=1)
     fakes("triton", index=0)
     try:
@@ -207,10 +209,7 @@ def test_per_step_work_is_weighed_by_the_models_layers_of_the_kind(tmp_path, mon
     assert c128a["us"] == {"flashmla": 19.0, "triton": 20.0} and c128a["per_step_us"] == {"flashmla": 21.0,
                                                                                          "triton": 1.0}
     assert "us" not in next(e for e in table["entries"] if e["kind"] == "C4A")
-    path = tmp_path / "choices.json"
-    path.write_text(json.dumps(table))
-    monkeypatch.setenv("DSV4_ATTN_CHOICES", str(path))
-    choices._load.cache_clear()
+    _use_table(tmp_path, monkeypatch, table)
     fakes("flashmla", index=0)
     fakes("triton", index=1)
 
