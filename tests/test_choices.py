@@ -339,6 +339,22 @@ def test_the_shipped_tables_are_found_by_their_devices():
     assert entries and note.startswith("no table measured on NVIDIA H20; the nearest sm90 table is")
 
 
+def test_every_shipped_table_measures_the_shard_head_counts_of_its_decode_layers():
+    """A shard's launches (8 / 16 / 32 heads: -tp 8 / 4 ranks) that a table does not cover fall to
+    the cuda decode priority list, flashmla first, which pads them to 64 heads: 2.2-2.7x slower
+    than triton on whole V4-Flash / V4-Pro TP8 steps on the H200 (notes/perf-h200.md). So every
+    packaged table that measures a decode layer kind and format at full heads measures the shard
+    buckets too."""
+    folder = choices._folder()
+    for path in sorted(folder.glob("*.json")):
+        entries = json.loads(path.read_text())["entries"]
+        decode = {(e["kind"], e["format"], e["heads"]) for e in entries if e["phase"] == "decode"}
+        full = {(kind, fmt) for kind, fmt, heads in decode if heads >= 64}
+        missing = sorted((kind, fmt, heads) for kind, fmt in full for heads in (8, 16, 32)
+                         if (kind, fmt, heads) not in decode)
+        assert not missing, f"{path.name} has no decode entries for {missing}"
+
+
 def test_bench_written_table_ships_under_the_name_it_prints(tmp_path, monkeypatch):
     """--write-choices' table (choices.from_bench) saved under packaged_name is what that device reads."""
     row = {"phase": "decode", "kind": "c4a", "heads": 64, "format": "fp8_ds_mla", "tokens": 8, "case": "h64 b=8",

@@ -99,7 +99,9 @@ def heads_bucket(heads: int) -> int:
     above it (128 above that). Tensor-parallel shards (8 / 16 / 32 heads per rank under -tp 8 / 4)
     have entries of their own rather than the 64-head ones: FlashMLA pads them to 64 heads while
     triton runs them on other kernels (the heads-on-N kernel up to 16 heads), so the fastest backend
-    can differ. A table without a shard's bucket leaves its launches to the priority list."""
+    can differ. A table without a shard's bucket leaves its launches to the priority list, whose cuda
+    decode order puts flashmla (padding to 64 heads) first: every packaged table measures the shard
+    buckets of the decode layers it measures (tests/test_choices.py)."""
     return next((bucket for bucket in HEADS_BUCKETS if heads <= bucket), HEADS_BUCKETS[-1])
 
 
