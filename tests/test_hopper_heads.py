@@ -32,7 +32,7 @@ CPU = torch.device("cpu")  # ops.num_sms: 4 there, so a launch of 8+ programs of
     (-1, True, 32, 18, 2),
     (1, True, 17, 18, 2),
     (-1, True, 8, 10, 2),    # C4A 512 (10 key tiles per token), split: measured a tie or slower
-    (-1, True, 16, 2, 2),    # window only, split
+    (-1, True, 16, 3, 2),    # 3 key tiles, split
 ])
 def test_when_the_64_head_kernel_runs(setting, gluon, heads, tiles, tokens):
     assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), gluon, heads, tiles, tokens, CPU) == 0
@@ -100,6 +100,7 @@ def test_gpu_token_pairs_match_the_reference_across_graph_replays(cfg, heads, ba
     (-1, 12, 18, 2, 16),
     (-1, 8, 10, 100, 8),   # C4A 512, not split (b = 256 on an H100)
     (-1, 16, 2, 8, 16),    # window only, not split
+    (-1, 16, 2, 2, 16),    # window only: never split on this kernel (ops.short_rows_unsplit)
     (1, 8, 2, 2, 8),       # forced: any launch
 ])
 def test_when_the_heads_on_n_kernel_runs(monkeypatch, setting, heads, tiles, tokens, expected):
@@ -107,6 +108,33 @@ def test_when_the_heads_on_n_kernel_runs(monkeypatch, setting, heads, tiles, tok
 
     monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")  # as where it compiles
     assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), True, heads, tiles, tokens, CPU) == expected
+
+
+@pytest.mark.parametrize("heads,tokens,heads_n,split", [
+    (8, 2, 8, 1),      # heads-on-N, unsplit (the split 64-head launch: 13.8 us, this 10.8 on the H200)
+    (16, 64, 16, 1),
+    (32, 4, 0, 2),     # 128 token-heads: the split pays (13.4 / 14.9 us)
+    (64, 2, 0, 2),
+    (128, 2, 0, 2),    # 256 token-heads: a tie, split as before
+    (128, 4, 0, 1),
+    (64, 64, 0, 1),    # the split launch took 23.5 us, unsplit 17.1
+    (32, 64, 0, 1),
+])
+def test_window_only_launches_split_only_while_their_partials_are_small(monkeypatch, heads, tokens, heads_n, split):
+    """Rows of two 64-key tiles (a 128-key window) on a 132-SM GPU: split only up to
+    SHORT_ROWS_SPLIT_MAX_TOKEN_HEADS token-heads, never on the heads-on-N kernel; a row of three
+    tiles and a forced split keep choose_split's answer."""
+    from dsv4_attn.portable.kernels import build
+
+    monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")
+    monkeypatch.setattr(ops, "num_sms", lambda device: 132)
+    tile = ops.KernelConfig().tile("sm90", heads)
+    grid = ops.launch_grid(ops.KernelConfig(), True, tile, False, heads, tokens, CPU, 0, 128, 0)
+    assert (grid[2], grid[6]) == (heads_n, split)
+    three = ops.launch_grid(ops.KernelConfig(), True, tile, False, heads, tokens, CPU, 0, 192, 0)
+    assert three[6] == ops.choose_split(three[4], 3, CPU, 0, build.ctas_per_sm(three[2]))
+    forced = ops.launch_grid(ops.KernelConfig(split=2), True, tile, False, heads, tokens, CPU, 0, 128, 0)
+    assert forced[6] == 2
 
 
 def test_heads_on_n_where_it_does_not_compile(monkeypatch):

@@ -311,6 +311,26 @@ def choose_split(num_programs: int, max_tiles: int, device: torch.device, reques
     return max(1, min(max_tiles, slots // num_programs))
 
 
+# Rows of at most SHORT_ROWS_MAX_TILES key tiles (window-only layers: 128 keys, two 64-key tiles) on the
+# Gluon kernels: a split halves a chain of two tiles but writes and reads back fp32 partials of
+# 2 x T x H x 2 KiB and adds the combine launch. H200, 2026-11-27 (notes/perf-h200.md, `bench
+# --configs h8-swa .. h128-swa --variant nosplit=split=1`): splitting wins 0.7-1.6 us only where a
+# launch holds at most SHORT_ROWS_SPLIT_MAX_TOKEN_HEADS token-heads (2-4 tokens at 32-64 heads; a
+# tie at 128 heads x 2 tokens); at 64 tokens x 64 heads the split launch took 23.5 us against 17.1
+# unsplit (32 heads: 17.2 / 15.8), and up to 16 heads the heads-on-N kernel unsplit beat the split
+# 64-head launch at every batch up to 128 (8 heads: 10.8 / 13.8 us at 2 tokens, 12.2 / 15.4 at 64).
+SHORT_ROWS_MAX_TILES = 2
+SHORT_ROWS_SPLIT_MAX_TOKEN_HEADS = 256
+
+
+def short_rows_unsplit(config: KernelConfig, max_tiles: int, num_tokens: int, num_heads: int, heads_n: int) -> bool:
+    """Whether a Gluon launch over rows of ``max_tiles`` key tiles runs unsplit whatever the SM
+    count: auto split, rows of at most SHORT_ROWS_MAX_TILES tiles, on the heads-on-N kernel
+    (``heads_n`` > 0) or above SHORT_ROWS_SPLIT_MAX_TOKEN_HEADS token-heads."""
+    return (config.split == 0 and max_tiles <= SHORT_ROWS_MAX_TILES
+            and (heads_n > 0 or num_tokens * num_heads > SHORT_ROWS_SPLIT_MAX_TOKEN_HEADS))
+
+
 # The heads-on-N Gluon kernel (hopper_heads: wgmma N = 8 / 16 heads, one K stage, two CTAs per SM)
 # against the 64-head one, same runs on the H100 (notes/perf-wave5.md): 5-23 % faster at b = 64-128 on
 # layers whose tokens read 16+ key tiles (C4A 1024, C128A 1024: 18), and 23-46 % faster on every
@@ -318,7 +338,8 @@ def choose_split(num_programs: int, max_tiles: int, device: torch.device, reques
 # tie or up to 6 % slower on split launches of 10 tiles (C4A 512 at b = 64-128) and 14-36 % slower
 # on split window-only launches at b = 128 (2 tiles: the extra split's merge costs more than the
 # overlap gives); within 0.5 us at b <= 4. Auto takes it for up to HEADS_ON_N_MAX_HEADS heads where
-# a token's rows span at least HEADS_ON_N_MIN_TILES key tiles or its launch is not split.
+# a token's rows span at least HEADS_ON_N_MIN_TILES key tiles or its launch is not split, which rows
+# of at most SHORT_ROWS_MAX_TILES tiles on it never are (short_rows_unsplit: measured on the H200).
 HEADS_ON_N_MAX_HEADS = 16
 HEADS_ON_N_MIN_TILES = 16
 
@@ -340,7 +361,8 @@ def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int
         if num_heads > HEADS_ON_N_MAX_HEADS:
             return 0
         programs = num_tokens * _cdiv(num_heads, nh)
-        unsplit = choose_split(programs, max_tiles, device, config.split, hopper_heads.CTAS_PER_SM) == 1
+        unsplit = (short_rows_unsplit(config, max_tiles, num_tokens, num_heads, nh)
+                   or choose_split(programs, max_tiles, device, config.split, hopper_heads.CTAS_PER_SM) == 1)
         if max_tiles < HEADS_ON_N_MIN_TILES and not unsplit:
             return 0
     variant = build.hopper_constexprs(comp_mode, write_lse=True, heads_n=nh)
@@ -741,7 +763,10 @@ def launch_grid(config: KernelConfig, gluon: bool, tile: Tile, v41: bool, num_he
         n_hb = _cdiv(num_heads, (heads_n or 64) if gluon else tile.block_h)
         programs = num_tokens * n_hb
     block_h = (heads_n or 64) if gluon else tile.block_h
-    split = choose_split(programs, max_tiles, device, config.split, build.ctas_per_sm(heads_n))
+    if gluon and not v41 and short_rows_unsplit(config, max_tiles, num_tokens, num_heads, heads_n):
+        split = 1
+    else:
+        split = choose_split(programs, max_tiles, device, config.split, build.ctas_per_sm(heads_n))
     return bn, pair, heads_n, n_hb, programs, block_h, split
 
 
