@@ -345,8 +345,10 @@ def test_every_shipped_table_measures_the_shard_head_counts_of_its_decode_layers
     than triton on whole V4-Flash / V4-Pro TP8 steps on the H200 (notes/perf-h200.md). So every
     packaged table that measures a decode layer kind and format at full heads measures the shard
     buckets too."""
-    folder = choices._folder()
-    for path in sorted(folder.glob("*.json")):
+    tables = sorted((path for path in choices._folder().iterdir() if path.name.endswith(".json")),
+                    key=lambda path: path.name)
+    assert tables
+    for path in tables:
         entries = json.loads(path.read_text())["entries"]
         decode = {(e["kind"], e["format"], e["heads"]) for e in entries if e["phase"] == "decode"}
         full = {(kind, fmt) for kind, fmt, heads in decode if heads >= 64}
