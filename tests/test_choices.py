@@ -341,7 +341,7 @@ def test_the_shipped_tables_are_found_by_their_devices():
 
 def test_every_shipped_table_measures_the_shard_head_counts_of_its_decode_layers():
     """A shard's launches (8 / 16 / 32 heads: -tp 8 / 4 ranks) that a table does not cover fall to
-    the cuda decode priority list, flashmla first, which pads them to 64 heads: 2.2-2.7x slower
+    the cuda decode priority list, flashmla first, which pads them to 64 heads: 1.8-2.7x slower
     than triton on whole V4-Flash / V4-Pro TP8 steps on the H200 (notes/perf-h200.md). So every
     packaged table that measures a decode layer kind and format at full heads measures the shard
     buckets too."""
