@@ -372,3 +372,20 @@ def test_bench_written_table_ships_under_the_name_it_prints(tmp_path, monkeypatc
     finally:
         choices._packaged.cache_clear()
         choices._load.cache_clear()
+
+
+def test_a_written_table_orders_only_packaged_backends(tmp_path):
+    """A --variant ('t:...', registered in the bench's process only) timed beside the backends does
+    not reach --write-choices' table, even when it was the fastest."""
+    import argparse
+
+    from dsv4_attn.bench import cli
+
+    row = {"phase": "decode", "kind": "swa", "heads": 64, "format": "fp8_ds_mla", "tokens": 64, "case": "h64 b=64",
+           "backends": {"triton": {"us": 23.5}, "flashmla": {"us": 18.2}, "t:nosplit": {"us": 17.0}}}
+    path = tmp_path / "table.json"
+    args = argparse.Namespace(json=None, csv=None, png=None, write_choices=str(path))
+    cli.write_outputs(args, {"device": "NVIDIA H200"}, [row], [row])
+    (entry,) = json.loads(path.read_text())["entries"]
+    assert entry["order"] == ["flashmla", "triton"] and "t:nosplit" not in entry["evidence"]
+

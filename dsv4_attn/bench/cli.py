@@ -272,6 +272,16 @@ def run_cases(cases: list[tuple[str, str, int, int, KVFormat]], args, device: to
     return results
 
 
+def _packaged_only(rows: list[dict]) -> list[dict]:
+    """The one-layer rows with the timings of the packaged backends only: a ``--variant`` ('t:...')
+    is registered in this process alone, so a table ordering it first would name a backend that no
+    later process runs."""
+    from ..common.registry import PACKAGED
+
+    return [dict(r, backends={n: b for n, b in r["backends"].items() if n in PACKAGED}) if r.get("backends") else r
+            for r in rows]
+
+
 def write_outputs(args, meta: dict, results: list[dict], per_layer: list[dict]) -> None:
     """--json, --csv, --write-choices (from the one-layer cases) and --png, as asked."""
     if args.json:
@@ -282,7 +292,7 @@ def write_outputs(args, meta: dict, results: list[dict], per_layer: list[dict]) 
     if args.write_choices:
         from ..common.platform import probe
 
-        table = choices.from_bench({"meta": meta, "results": per_layer}, probe().arch)
+        table = choices.from_bench({"meta": meta, "results": _packaged_only(per_layer)}, probe().arch)
         with open(args.write_choices, "w") as f:
             json.dump(table, f, indent=1)
         print(f"wrote {len(table['entries'])} measured choices for {table['arch']} ({table['device']}) to "
