@@ -374,7 +374,7 @@ def test_bench_written_table_ships_under_the_name_it_prints(tmp_path, monkeypatc
         choices._load.cache_clear()
 
 
-def test_a_written_table_orders_only_packaged_backends(tmp_path):
+def test_a_written_table_orders_no_bench_variant(tmp_path):
     """A --variant ('t:...', registered in the bench's process only) timed beside the backends does
     not reach --write-choices' table, even when it was the fastest."""
     import argparse

@@ -71,7 +71,7 @@ from .configs import (
     select_configs,
 )
 from .layer import guard_cost, guard_variants, run_case
-from .runners import flashmla_lib, register_variant
+from .runners import VARIANT_PREFIX, flashmla_lib, register_variant
 from .step import run_step_case
 from .timing import L2Flush, measure_ceilings, warm_up
 
@@ -272,14 +272,12 @@ def run_cases(cases: list[tuple[str, str, int, int, KVFormat]], args, device: to
     return results
 
 
-def _packaged_only(rows: list[dict]) -> list[dict]:
-    """The one-layer rows with the timings of the packaged backends only: a ``--variant`` ('t:...')
-    is registered in this process alone, so a table ordering it first would name a backend that no
-    later process runs."""
-    from ..common.registry import PACKAGED
-
-    return [dict(r, backends={n: b for n, b in r["backends"].items() if n in PACKAGED}) if r.get("backends") else r
-            for r in rows]
+def _without_variants(rows: list[dict]) -> list[dict]:
+    """The one-layer rows without the ``--variant`` timings: a variant ('t:...') is registered in
+    the bench's process alone, so a table ordering it first would name a backend that no later
+    process runs."""
+    return [dict(r, backends={n: b for n, b in r["backends"].items() if not n.startswith(VARIANT_PREFIX)})
+            if r.get("backends") else r for r in rows]
 
 
 def write_outputs(args, meta: dict, results: list[dict], per_layer: list[dict]) -> None:
@@ -292,7 +290,7 @@ def write_outputs(args, meta: dict, results: list[dict], per_layer: list[dict]) 
     if args.write_choices:
         from ..common.platform import probe
 
-        table = choices.from_bench({"meta": meta, "results": _packaged_only(per_layer)}, probe().arch)
+        table = choices.from_bench({"meta": meta, "results": _without_variants(per_layer)}, probe().arch)
         with open(args.write_choices, "w") as f:
             json.dump(table, f, indent=1)
         print(f"wrote {len(table['entries'])} measured choices for {table['arch']} ({table['device']}) to "

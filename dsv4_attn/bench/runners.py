@@ -189,6 +189,9 @@ def flashmla_raw_runner(case: LayerCase, plan):
     return run_prefill, out, "raw op (kernel only, bf16 workspace ready)"
 
 
+VARIANT_PREFIX = "t:"  # the names of --variant backends, registered in the bench's process only
+
+
 def register_variant(spec_str: str) -> str:
     """Register a TritonBackend with a KernelConfig under 't:<label>'; returns the name."""
     from ..common.registry import register_backend
@@ -200,7 +203,7 @@ def register_variant(spec_str: str) -> str:
     for item in filter(None, body.split(",")):
         key, _, value = item.partition("=")
         kw[key] = value if key in ("dot_dtype", "impl") else int(value)
-    name = f"t:{label}"
+    name = f"{VARIANT_PREFIX}{label}"
     register_backend(name, TritonBackend(KernelConfig(**kw)))
     return name
 
