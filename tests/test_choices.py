@@ -389,3 +389,19 @@ def test_a_written_table_orders_no_bench_variant(tmp_path):
     (entry,) = json.loads(path.read_text())["entries"]
     assert entry["order"] == ["flashmla", "triton"] and "t:nosplit" not in entry["evidence"]
 
+
+@pytest.mark.parametrize("extra,shards", [([], False), (["--write-choices", "t.json"], True),
+                                          (["--write-choices", "t.json", "--configs", "v4"], False)])
+def test_a_table_run_times_the_shard_head_counts_unless_configs_are_named(extra, shards):
+    """bench --write-choices without --configs times the 8 / 16 / 32-head decode configs too, so the
+    table it writes covers a -tp rank's launches (the packaged tables' rule, above); named
+    --configs are taken as given, and a run without a table keeps its default."""
+    from dsv4_attn.bench import cli
+    from dsv4_attn.bench.configs import DECODE_CONFIGS, is_shard
+
+    args = cli._parser().parse_args(["--mode", "decode", *extra])
+    args.batches, args.mtp = [2], [1]
+    names = {name for _, name, *_ in cli.list_cases(args, [KVFormat.parse("fp8_ds_mla")])}
+    assert any(is_shard(DECODE_CONFIGS[n]) for n in names) == shards
+    assert {"h64-c4a512", "h128-c128a", "h64-swa"} <= names
+

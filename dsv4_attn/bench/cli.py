@@ -107,8 +107,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"decode: {', '.join(DECODE_CONFIGS)}; prefill: {', '.join(PREFILL_CONFIGS)}; step: "
                         + "; ".join(f"{m.name} ({m.source})" for m in STEP_MODELS.values())
                         + "; or the groups 'v4' / 'v41' / 'tp' (tensor-parallel shards, fewer than 64 heads: timed "
-                          "only when named or with 'tp') (default: all of --mode but the shards); an unknown name is "
-                          "an error")
+                          "only when named or with 'tp') (default: all of --mode but the shards; with "
+                          "--write-choices the decode shards too); an unknown name is an error")
     p.add_argument("--batches", type=int, nargs="+", default=None,
                    help="requests per decode case (default 2 64 128 256; on the CPU 2)")
     p.add_argument("--mtp", type=int, nargs="+", default=None,
@@ -215,13 +215,23 @@ def _device_facts(device: torch.device) -> dict:
     return {"device": props.name, "sms": props.multi_processor_count}
 
 
+def decode_configs(args) -> list[str]:
+    """The run's decode configs: ``--configs``, else all but the tensor-parallel shards; with
+    ``--write-choices`` and no ``--configs`` the shards too, since a table ``auto`` reads must cover
+    the head counts a rank looks up (a bucket the table lacks falls to the priority list, whose cuda
+    decode order puts flashmla first, padding 8 or 16 heads to 64: notes/perf-h200.md)."""
+    if args.write_choices and not args.configs:
+        return list(DECODE_CONFIGS)
+    return select_configs(DECODE_CONFIGS, args.configs)
+
+
 def list_cases(args, formats: list[KVFormat]) -> list[tuple[str, str, int, int, KVFormat]]:
     """(phase, config name, requests, query tokens per request, format) of every case of the run,
     in the order they run: per format, decode, then prefill, then whole steps."""
     cases: list[tuple[str, str, int, int, KVFormat]] = []
     for fmt in formats:
         if args.mode in ("decode", "all"):
-            for name in select_configs(DECODE_CONFIGS, args.configs):
+            for name in decode_configs(args):
                 if runs_in(DECODE_CONFIGS[name].kind, fmt):
                     cases.extend(("decode", name, b, sq, fmt) for sq in args.mtp for b in args.batches)
         if args.mode in ("prefill", "all"):
