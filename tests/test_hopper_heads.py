@@ -110,20 +110,21 @@ def test_when_the_heads_on_n_kernel_runs(monkeypatch, setting, heads, tiles, tok
     assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), True, heads, tiles, tokens, CPU) == expected
 
 
-@pytest.mark.parametrize("heads,tokens,heads_n,split", [
-    (8, 2, 8, 1),      # heads-on-N, unsplit (the split 64-head launch: 13.8 us, this 10.8 on the H200)
-    (16, 64, 16, 1),
-    (32, 4, 0, 2),     # 128 token-heads: the split pays (13.4 / 14.9 us)
-    (64, 2, 0, 2),
-    (128, 2, 0, 2),    # 256 token-heads: a tie, split as before
-    (128, 4, 0, 1),
-    (64, 64, 0, 1),    # the split launch took 23.5 us, unsplit 17.1
-    (32, 64, 0, 1),
+@pytest.mark.parametrize("heads,tokens,heads_n,split,split_of_three", [
+    (8, 2, 8, 1, 3),      # heads-on-N, unsplit (the split 64-head launch: 13.8 us, this 10.8 on the H200)
+    (16, 64, 16, 1, 2),
+    (32, 4, 0, 2, 3),     # 128 token-heads: the split pays (13.4 / 14.9 us)
+    (64, 2, 0, 2, 3),
+    (128, 2, 0, 2, 3),    # 256 token-heads: a tie, split as before
+    (128, 4, 0, 1, 3),
+    (64, 64, 0, 1, 2),    # the split launch took 23.5 us, unsplit 17.1
+    (32, 64, 0, 1, 2),
 ])
-def test_window_only_launches_split_only_while_their_partials_are_small(monkeypatch, heads, tokens, heads_n, split):
+def test_window_only_launches_split_only_while_their_partials_are_small(monkeypatch, heads, tokens, heads_n, split,
+                                                                       split_of_three):
     """Rows of two 64-key tiles (a 128-key window) on a 132-SM GPU: split only up to
-    SHORT_ROWS_SPLIT_MAX_TOKEN_HEADS token-heads, never on the heads-on-N kernel; a row of three
-    tiles and a forced split keep choose_split's answer."""
+    SHORT_ROWS_SPLIT_MAX_TOKEN_HEADS token-heads, never on the heads-on-N kernel; rows of three
+    tiles keep the split that fills the SMs (min(3, 132 // programs)), and a forced split stays."""
     from dsv4_attn.portable.kernels import build
 
     monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")
@@ -132,7 +133,7 @@ def test_window_only_launches_split_only_while_their_partials_are_small(monkeypa
     grid = ops.launch_grid(ops.KernelConfig(), True, tile, False, heads, tokens, CPU, 0, 128, 0)
     assert (grid[2], grid[6]) == (heads_n, split)
     three = ops.launch_grid(ops.KernelConfig(), True, tile, False, heads, tokens, CPU, 0, 192, 0)
-    assert three[6] == ops.choose_split(three[4], 3, CPU, 0, build.ctas_per_sm(three[2]))
+    assert three[6] == split_of_three
     forced = ops.launch_grid(ops.KernelConfig(split=2), True, tile, False, heads, tokens, CPU, 0, 128, 0)
     assert forced[6] == 2
 
