@@ -384,10 +384,53 @@ def test_a_written_table_orders_no_bench_variant(tmp_path):
     row = {"phase": "decode", "kind": "swa", "heads": 64, "format": "fp8_ds_mla", "tokens": 64, "case": "h64 b=64",
            "backends": {"triton": {"us": 23.5}, "flashmla": {"us": 18.2}, "t:nosplit": {"us": 17.0}}}
     path = tmp_path / "table.json"
-    args = argparse.Namespace(json=None, csv=None, png=None, write_choices=str(path))
+    args = argparse.Namespace(json=None, csv=None, png=None, write_choices=str(path), update_choices=None)
     cli.write_outputs(args, {"device": "NVIDIA H200"}, [row], [row])
     (entry,) = json.loads(path.read_text())["entries"]
     assert entry["order"] == ["flashmla", "triton"] and "t:nosplit" not in entry["evidence"]
+
+
+def _row(kind: str, heads: int, tokens: int, us: dict) -> dict:
+    return {"phase": "decode", "kind": kind, "heads": heads, "format": "fp8_ds_mla", "tokens": tokens,
+            "case": f"h{heads} {kind} {tokens}", "backends": {name: {"us": t} for name, t in us.items()}}
+
+
+def test_update_choices_replaces_what_the_run_measured_and_keeps_the_rest(tmp_path):
+    """bench --update-choices: the (phase, kind, heads, format) shapes the run timed take its
+    entries (all of them: a shape's old token ranges go too), every other entry stays as it was."""
+    import argparse
+
+    from dsv4_attn.bench import cli
+    from dsv4_attn.common.platform import probe
+
+    old = choices.from_bench({"meta": {"device": "NVIDIA H100 80GB HBM3"}, "results": [
+        _row("swa", 64, 64, {"triton": 23.9, "flashmla": 18.3}),
+        _row("swa", 64, 256, {"triton": 34.0, "flashmla": 35.0}),
+        _row("c4a", 64, 64, {"triton": 36.0, "flashmla": 50.0}),
+        _row("swa", 8, 64, {"triton": 12.0, "flashmla": 26.0})]}, probe().arch)  # the arch the run writes
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(old))
+    run = _row("swa", 64, 128, {"triton": 16.9, "flashmla": 18.2})
+    args = argparse.Namespace(json=None, csv=None, png=None, write_choices=None, update_choices=str(path))
+    cli.write_outputs(args, {"device": "NVIDIA H100 80GB HBM3"}, [run], [run])
+    table = json.loads(path.read_text())
+    by_shape = {(e["kind"], e["heads"]): e for e in table["entries"]}
+    assert len(table["entries"]) == 3 and table["device"] == "NVIDIA H100 80GB HBM3"
+    assert by_shape["SWA", 64]["order"] == ["triton", "flashmla"] and by_shape["SWA", 64]["tokens"] == [1, 2**31]
+    assert by_shape["C4A", 64] == next(e for e in old["entries"] if e["kind"] == "C4A")
+    assert by_shape["SWA", 8] == next(e for e in old["entries"] if e["heads"] == 8)
+
+
+def test_update_choices_refuses_another_gpus_table():
+    old = choices.from_bench({"meta": {"device": "NVIDIA H200"}, "results": [_row("swa", 64, 64, {"triton": 1.0})]},
+                             "sm90")
+    new = choices.from_bench({"meta": {"device": "NVIDIA H100 80GB HBM3"},
+                              "results": [_row("swa", 64, 64, {"triton": 1.0})]}, "sm90")
+    with pytest.raises(ValueError, match="--update-choices: got a table of device 'NVIDIA H200' for a run on "
+                                         "'NVIDIA H100 80GB HBM3'"):
+        choices.merged(old, new)
+    with pytest.raises(ValueError, match="--update-choices: got a table of arch 'sm100'"):
+        choices.merged({**new, "arch": "sm100"}, new)
 
 
 @pytest.mark.parametrize("extra,shards", [([], False), (["--write-choices", "t.json"], True),

@@ -232,6 +232,7 @@ def test_bench_png_without_matplotlib_is_exit_2_before_any_work(monkeypatch, cap
     (["--mode", "all"], "--mode: prefill configs are production-sized"),
     (["--guard-cost"], "--guard-cost: it times Triton kernels"),
     (["--write-choices", "c.json"], "--write-choices: CPU timings choose no GPU backend"),
+    (["--update-choices", "c.json"], "--update-choices: CPU timings choose no GPU backend"),
 ])
 def test_bench_on_cpu_refuses_what_only_a_gpu_runs(monkeypatch, capsys, argv, message):
     assert _bench_in_process(monkeypatch, ["--device", "cpu", *argv]) == 2

@@ -141,6 +141,10 @@ def _parser() -> argparse.ArgumentParser:
                         "its own per-step work; common/choices.py) from this run's backends here; use it with "
                         "DSV4_ATTN_CHOICES=PATH or ship it in dsv4_attn/data/choices/<arch>-<device>.json (the "
                         "name it prints)")
+    p.add_argument("--update-choices", metavar="PATH",
+                   help="merge this run into the measured-choices table at PATH (one measured on this GPU): "
+                        "the shapes the run times (phase, kind, heads, format) take its measurements, the "
+                        "table's other entries stay")
     p.add_argument("--png", metavar="PATH", help="plot time vs batch (ours, FlashMLA, floor); needs matplotlib")
     return p
 
@@ -187,7 +191,22 @@ def settle(args) -> torch.device:
     args.batches = args.batches or ([2] if cpu else [2, 64, 128, 256])
     args.mtp = args.mtp or ([1] if cpu else [1, 2])
     args.reps = args.reps or (5 if cpu else 50)
+    if args.update_choices:
+        _check_table_to_update(args.update_choices, device)
     return device
+
+
+def _check_table_to_update(path: str, device: torch.device) -> None:
+    """ValueError unless ``path`` holds a choices table of this GPU's arch and name (what
+    ``--update-choices`` merges into), before any timing."""
+    from ..common.platform import probe
+
+    table = choices.read_table(path, "--update-choices")
+    here = {"arch": probe().arch, "device": _device_facts(device)["device"]}
+    for field, value in here.items():
+        if table.get(field) != value:
+            raise ValueError(f"--update-choices: got {path!r}, a table of {field} {table.get(field)!r}; allowed: "
+                             f"a table measured on this GPU ({field} {value!r})")
 
 
 def _refuse_gpu_only(args) -> None:
@@ -199,7 +218,8 @@ def _refuse_gpu_only(args) -> None:
                f"{args.backends}: only the torch backend runs on CPU ('auto' picks it)",
                "--guard-cost": args.guard_cost and "it times Triton kernels", "--variant": args.variant and
                "it times Triton kernels",
-               "--write-choices": args.write_choices and "CPU timings choose no GPU backend"}
+               "--write-choices": args.write_choices and "CPU timings choose no GPU backend",
+               "--update-choices": args.update_choices and "CPU timings choose no GPU backend"}
     for flag, why in refused.items():
         if why:
             raise ValueError(f"{flag}: {why}; allowed on --device cpu: the torch backend at decode shapes "
@@ -297,15 +317,21 @@ def write_outputs(args, meta: dict, results: list[dict], per_layer: list[dict]) 
             json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
     if args.csv:
         report.write_csv(results, args.csv)
-    if args.write_choices:
+    if args.write_choices or args.update_choices:
         from ..common.platform import probe
 
         table = choices.from_bench({"meta": meta, "results": _without_variants(per_layer)}, probe().arch)
-        with open(args.write_choices, "w") as f:
-            json.dump(table, f, indent=1)
-        print(f"wrote {len(table['entries'])} measured choices for {table['arch']} ({table['device']}) to "
-              f"{args.write_choices}; to ship it: dsv4_attn/data/choices/"
-              f"{choices.packaged_name(table['arch'], str(table['device'] or ''))}")
+        if args.write_choices:
+            with open(args.write_choices, "w") as f:
+                json.dump(table, f, indent=1)
+            print(f"wrote {len(table['entries'])} measured choices for {table['arch']} ({table['device']}) to "
+                  f"{args.write_choices}; to ship it: dsv4_attn/data/choices/"
+                  f"{choices.packaged_name(table['arch'], str(table['device'] or ''))}")
+        if args.update_choices:
+            old = choices.read_table(args.update_choices, "--update-choices")
+            with open(args.update_choices, "w") as f:
+                f.write(json.dumps(choices.merged(old, table), indent=1) + "\n")
+            print(f"merged {len(table['entries'])} measured choices into {args.update_choices}")
     if args.png:
         try:
             report.plot([r for r in per_layer if "error" not in r], args.png, args.backends[0])

@@ -9,6 +9,10 @@ one command::
     dsv4-attn bench --mode all --backend triton flashmla --write-choices choices.json
     export DSV4_ATTN_CHOICES=$PWD/choices.json   # or copy it to the file name the bench prints
 
+and re-timed in part (the shapes a run times replace theirs, the rest stay)::
+
+    dsv4-attn bench --configs h64-swa h8-swa --backend triton flashmla --update-choices choices.json
+
 Selection (``common.registry.select``) tries the measured order first for a step whose tokens fall
 in a measured range, then the platform's priority list; every backend still has to accept the
 layer (a measured choice never bypasses a refusal), and ``SparseMLA.explain()`` prints the
@@ -244,3 +248,35 @@ def from_bench(report: dict, arch: str) -> dict:
             entries.append({**entry, "evidence": evidence})
     return {"arch": arch, "device": report["meta"].get("device"), "source": "dsv4-attn bench --write-choices",
             "entries": entries}
+
+
+def read_table(path: str, what: str) -> dict:
+    """The choices table at ``path`` as written (``what``: the option naming it, for messages).
+    Raises ValueError where it cannot be read or is not a table."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{what}: got {path!r}, which cannot be read as JSON ({exc}); allowed: the JSON that "
+                         "`dsv4-attn bench --write-choices` writes") from None
+    _parse(doc, what)
+    return doc
+
+
+def _entry_key(entry: dict) -> tuple:
+    return entry["phase"], entry["kind"], entry["heads"], entry["format"]
+
+
+def merged(table: dict, new: dict) -> dict:
+    """``table`` with ``new``'s measurements in place of its own: every entry of a (phase, kind,
+    heads bucket, format) that ``new`` measures is replaced by ``new``'s entries for it, the rest
+    kept (both ``from_bench`` tables of one arch and device). What ``bench --update-choices``
+    writes: a run that re-times some shapes leaves the table's other measurements as they were."""
+    for field in ("arch", "device"):
+        if table.get(field) != new.get(field):  # a table's device is the GPU name the bench measured on
+            raise ValueError(f"--update-choices: got a table of {field} {table.get(field)!r} for a run on "
+                             f"{new.get(field)!r}; allowed: a table measured on the same {field}")
+    covered = {_entry_key(e) for e in new["entries"]}
+    entries = [e for e in table["entries"] if _entry_key(e) not in covered] + new["entries"]
+    return {**table, "entries": sorted(entries, key=lambda e: (*_entry_key(e), e["tokens"][0]))}
+
