@@ -290,3 +290,36 @@ def test_batch_invariant_rows_name_the_backends_that_offer_the_mode():
     assert batch_invariant_rows(["auto", "torch", "triton"]) == ["triton+batch-invariant"]
     assert backend_mode("triton+batch-invariant") == ("triton", True)
     assert backend_mode("triton") == ("triton", False)
+
+
+@pytest.mark.parametrize("record", [Record.V4_FP8, Record.MXFP8, Record.NVFP4])
+@pytest.mark.parametrize("block_stride", [None, 3 * 64 * 1024])  # own pages / other layers' pages between blocks
+def test_the_gather_ceiling_kernel_reads_every_byte_of_each_row_it_is_given(record, block_stride):
+    """bench.gather's kernel (interpreted) sums exactly the data and scale bytes of each slot of
+    two caches (one launch): the rows layout.record_parts reads (data as little-endian int32
+    words), nothing else."""
+    from dsv4_attn.bench import gather
+
+    caches = [layout.new_cache(record, 5, 64, block_stride=block_stride) for _ in range(2)]
+    for cache in caches:  # its pages and the gaps between them
+        torch.empty(0, dtype=torch.uint8).set_(cache.untyped_storage()).random_(0, 256)
+    slots = [torch.tensor([0, 63, 64, 130, 319, 200, 5]), torch.tensor([191, 250, 7])]
+    want = []
+    for cache, s in zip(caches, slots):
+        data, scales = layout.record_parts(cache, record, layout.check_cache(cache, record, "cache"), s)
+        want.append(data.view(torch.int32).long().sum(dim=1) + scales.long().sum(dim=1))
+    want = ((torch.cat(want) + 2**31) % 2**32 - 2**31).to(torch.int32)  # the kernel's int32 sums wrap
+    g = gather.RowGather(list(zip(caches, slots)), record)
+    for rows, warps in gather.SHAPES:
+        g.out.fill_(-7)
+        assert torch.equal(g(rows, warps), want), (rows, warps)
+
+
+def test_byte_offsets_refuse_what_names_no_row():
+    cache = layout.new_cache(Record.V4_FP8, 2, 64)
+    with pytest.raises(ValueError, match="slots: got -1 entries"):
+        layout.token_byte_offsets(cache, Record.V4_FP8, torch.tensor([3, -1]))
+    with pytest.raises(ValueError, match=r"slots: got values in \[3, 128\]"):
+        layout.token_byte_offsets(cache, Record.V4_FP8, torch.tensor([3, 128]))
+    with pytest.raises(ValueError, match="fmt: got bf16"):
+        layout.token_byte_offsets(torch.zeros(2, 64, 512, dtype=torch.bfloat16), Record.BF16, torch.tensor([0]))

@@ -8,7 +8,7 @@ import statistics
 
 import torch
 
-from ..common.layout import KVFormat
+from ..common.layout import KVFormat, Record
 from ..testing.errors import error_figures
 from .cases import LayerCase, row_bytes
 from .runners import _case_mla, _run_layer, api_runner, backend_mode, flashmla_runners, register_variant
@@ -35,21 +35,43 @@ def _valid_slots(rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return rows[(rows >= 0) & (col < lens[:, None])]
 
 
+def distinct_rows(case: LayerCase, plan) -> list[tuple[torch.Tensor, Record]]:
+    """Per scope of the case (the SWA scope first): (the distinct global slots its launch attends,
+    int64 [N], the scope cache's record)."""
+    scopes = [(_valid_slots(plan.swa_rows, plan.swa_lens), case.fmt.swa_record)]
+    if case.kind.has_comp_scope:
+        rows, lens = plan.comp_scope(case.kind, case.topk)
+        scopes.append((_valid_slots(rows, lens), case.fmt.comp_record))
+    return [(torch.unique(slots).long(), record) for slots, record in scopes]
+
+
 def case_work(case: LayerCase, plan) -> tuple[float, float, int]:
     """(flops, bytes, valid keys) of a case from the plan's rows: FLOPs per (token, key) pair;
     bytes: each DISTINCT key row once at its cache record's size (tokens of one request share
     most rows: MTP tokens nearly all, prefill tokens their window and many top-k rows, so counting
     pairs would put the floor above what a kernel reading each row once needs), + q and out."""
-    scopes = [(_valid_slots(plan.swa_rows, plan.swa_lens), case.fmt.swa_record)]
+    swa_rows = _valid_slots(plan.swa_rows, plan.swa_lens)
+    keys = swa_rows.numel()
     if case.kind.has_comp_scope:
-        rows, lens = plan.comp_scope(case.kind, case.topk)
-        scopes.append((_valid_slots(rows, lens), case.fmt.comp_record))
+        keys += _valid_slots(*plan.comp_scope(case.kind, case.topk)).numel()
     T, H, D = case.q.shape
-    keys = sum(slots.numel() for slots, _ in scopes)
     flops = 4.0 * H * D * keys
-    kv_bytes = sum(torch.unique(slots).numel() * row_bytes(record) for slots, record in scopes)
+    kv_bytes = sum(slots.numel() * row_bytes(record) for slots, record in distinct_rows(case, plan))
     nbytes = kv_bytes + 2 * T * H * D * 2
     return flops, nbytes, keys
+
+
+def gather_ceiling_us(case: LayerCase, plan, reps: int, flush, graph: bool) -> tuple[float, str]:
+    """(µs, launch shape) of the fastest ``bench.gather`` launch shape reading the case's distinct
+    rows (its ``gather_us``)."""
+    from . import gather
+
+    gathers = gather.case_gathers(case, distinct_rows(case, plan))
+    times = {f"{rows} rows x {warps} warps": time_callable(gather.gather_runner(gathers, rows, warps), reps, flush,
+                                                          graph, case.q.device).median
+             for rows, warps in gather.SHAPES}
+    best = min(times, key=times.__getitem__)
+    return times[best] * 1e6, best
 
 
 def uncapturable(backend: str, case: LayerCase, plan) -> str | None:
@@ -91,6 +113,10 @@ def run_case(case: LayerCase, backends: list[str], args, ceilings: dict, flush) 
     result = {"case": case.label, "phase": case.phase, "kind": case.kind.name, **case.extra, "s_q_per_req": case.s_q,
               "heads": case.q.shape[1], "tokens": case.q.shape[0], "valid_keys": keys, "flops": flops,
               "bytes": nbytes, "floor_us": floor * 1e6, "backends": rows}
+    if case.phase == "decode" and case.q.device.type == "cuda" \
+            and all(record.layout.packed for record in (case.fmt.swa_record, case.fmt.comp_record)):
+        result["gather_us"], result["gather_shape"] = gather_ceiling_us(case, plan0, args.reps, flush,
+                                                                        not args.no_graph)
     if not args.no_flashmla:
         for key, (run, out, how) in flashmla_runners(case, plan0).items():
             label = "flashmla" if key == "api" else "flashmla_raw"
@@ -111,6 +137,8 @@ def run_case(case: LayerCase, backends: list[str], args, ceilings: dict, flush) 
         r["tflops"] = flops / s / 1e12
         r["gbps"] = nbytes / s / 1e9
         r["x_floor"] = s / floor
+        if "gather_us" in result:
+            r["x_gather"] = r["us"] / result["gather_us"]
         for label in ("flashmla", "flashmla_raw"):
             fm = result.get(label, {}).get("us")
             if fm:

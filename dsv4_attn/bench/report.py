@@ -8,7 +8,7 @@ import torch
 from .runners import backend_mode
 
 HEADER = (f"{'case':<30} {'format':<12} {'backend':<9} {'us':>8} {'us_p90':>8} {'TFLOP/s':>7} {'GB/s':>6} {'floor':>7} "
-          f"{'x_flr':>6} "
+          f"{'x_flr':>6} {'gather':>7} {'x_gth':>6} "
           f"{'fmla_api':>9} {'speedup':>7} {'fmla_raw':>9} {'speedup':>7}")
 
 
@@ -21,7 +21,13 @@ def _fmt_row(res: dict, name: str) -> str:
         key = f"speedup_vs_{label}"
         cells.append(f"{r[key]:6.2f}x" if key in r else f"{'':>7}")
     return (f"{res['case']:<30} {res['format']:<12} {name:<9} {r['us']:8.1f} {r['us_p90']:8.1f} {r['tflops']:7.1f} "
-            f"{r['gbps']:6.0f} {res['floor_us']:7.1f} {r['x_floor']:6.2f} " + " ".join(cells))
+            f"{r['gbps']:6.0f} {res['floor_us']:7.1f} {r['x_floor']:6.2f} {_cell(res.get('gather_us'), 7, 1)} "
+            f"{_cell(r.get('x_gather'), 6, 2)} " + " ".join(cells))
+
+
+def _cell(value: float | None, width: int, digits: int) -> str:
+    """A number right-aligned in ``width`` columns, or n/a where the case has none."""
+    return f"{value:{width}.{digits}f}" if value is not None else f"{'n/a':>{width}}"
 
 
 def auto_gaps(results: list[dict]) -> list[tuple[float, float, str, str, str]]:
@@ -115,9 +121,9 @@ def print_step_auto_gaps(results: list[dict]) -> None:
 # vLLM drives it beside it; no kind, keys or floor.
 CSV_COLUMNS = ("case", "phase", "config", "kind", "format", "batch", "s_q_per_req", "heads", "tokens", "valid_keys",
                "layers", "backend", "timing", "runs", "us", "us_min", "us_p90", "us_per_layer", "tflops", "gbps",
-               "floor_us", "x_floor", "flashmla_us", "flashmla_us_p90", "speedup_vs_flashmla", "flashmla_raw_us",
-               "flashmla_raw_us_p90", "speedup_vs_flashmla_raw", "flashmla_vllm_us", "flashmla_vllm_us_p90",
-               "speedup_vs_flashmla_vllm", "host_us", "error")
+               "floor_us", "x_floor", "gather_us", "x_gather", "flashmla_us", "flashmla_us_p90",
+               "speedup_vs_flashmla", "flashmla_raw_us", "flashmla_raw_us_p90", "speedup_vs_flashmla_raw",
+               "flashmla_vllm_us", "flashmla_vllm_us_p90", "speedup_vs_flashmla_vllm", "host_us", "error")
 
 
 FLASHMLA_LABELS = ("flashmla", "flashmla_raw", "flashmla_vllm")

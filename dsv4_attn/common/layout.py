@@ -46,7 +46,8 @@ from .spec import HEAD_DIM, round_up
 # the records and the codec are imported from here too (``from .layout import KVFormat``)
 __all__ = ["CacheGeometry", "Fp8Dialect", "KVFormat", "Record", "RecordLayout", "check_cache", "decode",
            "default_block_stride", "dequantize_model1", "encode", "gather", "gather_rows", "insert",
-           "model1_page_bytes", "new_cache", "packed_records", "parse_record", "quantize_model1", "record_parts"]
+           "model1_page_bytes", "new_cache", "packed_records", "parse_record", "quantize_model1", "record_parts",
+           "token_byte_offsets"]
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,28 @@ def _token_views(cache: torch.Tensor, lay: RecordLayout, geo: CacheGeometry) -> 
     data = raw.as_strided((geo.num_blocks, bs, lay.data_bytes), (s0, data_step, 1), base)
     scales = raw.as_strided((geo.num_blocks, bs, lay.scale_bytes), (s0, scale_step, 1), base + scale_base)
     return data, scales
+
+
+def token_byte_offsets(cache: torch.Tensor, fmt: Record | KVFormat | str,
+                       slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the records of int ``slots`` [N] (each in ``[0, num_slots)``) lie in a packed cache:
+    (data byte offsets, scale byte offsets), int64 [N], from the cache's first byte (its
+    ``data_ptr()``), as a kernel addresses them (split pages or interleaved tokens)."""
+    record = parse_record(fmt)
+    if not record.layout.packed:
+        raise ValueError(f"fmt: got {record.value}; allowed: a packed record (bytes per token)")
+    geo = check_cache(cache, record, "cache")
+    _check_slots(slots, "slots", cache.device, geo.num_slots)
+    if slots.numel() and int(slots.min()) < 0:
+        raise ValueError("slots: got -1 entries; allowed: rows of the cache only (0 .. num_slots - 1)")
+    raw = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
+    block, offset = slots.long() // geo.block_size, slots.long() % geo.block_size
+    data, scales = _token_views(cache, record.layout, geo)
+
+    def offsets(view: torch.Tensor) -> torch.Tensor:
+        return block * view.stride(0) + offset * view.stride(1) + int(view.storage_offset() - raw.storage_offset())
+
+    return offsets(data), offsets(scales)
 
 
 def _check_slots(slots, name: str, device: torch.device, num_slots: int | None) -> None:
