@@ -20,7 +20,7 @@ import importlib.util
 import torch
 
 from .common import checks, registry
-from .common.backend import Backend, BackendUnavailableError, LayerInputs, Phase
+from .common.backend import Backend, BackendUnavailableError, LayerInputs, Phase, repeat_sources
 from .common.batch import StepBatch
 from .common.layout import Fp8Dialect, KVFormat
 from .common.plan import FrontEnd, PlanBuffers, StepPlan, TorchFrontEnd, build_plan
@@ -82,6 +82,7 @@ class SparseMLA:
         self._backends: dict[str, Backend] = {}  # this model's own instances (their buffers are its own)
         self._selection = Selection(self._backend)  # decisions cached per kind, phase, launch-size range
         self._repeats: dict[tuple, tuple] = {}  # a call's repeat key -> (backend, its Backend.repeat)
+        self._relocatable: dict[tuple, tuple] = {}  # a call's relocation key -> (backend, a Backend.repeat)
         # Refuse at construction (engine start) when the requested backend cannot run a layer.
         for kind in spec.kinds:
             for phase in Phase:
@@ -216,13 +217,17 @@ class SparseMLA:
         checks.check_plan_current(plan, self, self._generation)
         signature = None if validate else self._checks.signature(plan, kind, kv_scale, q, swa_cache, comp_cache,
                                                                    topk, sink, out)
-        repeat_key = None
+        repeat_key = relocation_key = None
         if signature is not None and out is not None:
             tensors, route = plan.cached(("repeat", kind, registry.context_backend()),
                                          lambda: (checks.plan_tensors_key(plan, kind), self._route(plan, kind)))
-            repeat_key = (signature, tensors, swa_cache.storage_offset(),
-                          None if comp_cache is None else comp_cache.storage_offset())
+            offsets = (swa_cache.storage_offset(), None if comp_cache is None else comp_cache.storage_offset())
+            repeat_key = (signature, tensors, *offsets)
             if self._repeated(route, repeat_key):
+                return out
+            relocation_key = (checks.relocation_signature(signature), tensors,
+                              *(None if o is None else o % 16 for o in offsets))
+            if self._relocated(route, relocation_key, repeat_key, plan, q, out, swa_cache, comp_cache, topk, sink):
                 return out
         layer = self._checked(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, out, signature)
         if out is None:
@@ -232,7 +237,9 @@ class SparseMLA:
             backend = route[0][0]
             backend.forward(plan, layer, out)
             if repeat_key is not None:
-                self._remember(repeat_key, backend, backend.repeat(plan, layer, out))
+                repeat = backend.repeat(plan, layer, out)
+                self._remember(repeat_key, backend, repeat)
+                self._remember_relocatable(relocation_key, backend, repeat)
             return out
         for backend, sub_plan, tokens in route:
             backend.forward(sub_plan, layer.token_slice(*tokens), out[tokens[0]:tokens[1]])
@@ -252,12 +259,41 @@ class SparseMLA:
         backend, repeat = found
         return route[0][0] is backend and route[0][2] is None and repeat()
 
+    def _relocated(self, route: tuple, key: tuple, repeat_key: tuple, plan: StepPlan, q: torch.Tensor,
+                   out: torch.Tensor, swa_cache: torch.Tensor, comp_cache: torch.Tensor | None,
+                   topk: torch.Tensor | None, sink: torch.Tensor | None) -> bool:
+        """Run a layer call through what its backend bound for an earlier call whose tensors differed
+        only in their addresses (``key``: ``checks.relocation_signature`` of the call's signature,
+        the plan's tensors, the caches' storage offsets mod 16), when the step's ``route`` still sends the
+        kind to that backend. The earlier call passed every check that reads no address; the one
+        that does (``out`` overlapping an input) runs here, and refuses as the full path would. The
+        moved call is kept under ``repeat_key`` for its own repeats. False when none ran."""
+        found = self._relocatable.get(key)
+        if found is None:
+            return False
+        backend, template = found
+        if route[0][0] is not backend or route[0][2] is not None:
+            return False
+        checks.check_out_alone(out, plan, q, swa_cache, comp_cache, topk, sink)
+        moved = template.relocated(repeat_sources(q, out, swa_cache, comp_cache, topk, sink))
+        if moved is None or not moved():
+            return False
+        self._remember(repeat_key, backend, moved)
+        return True
+
     def _remember(self, key: tuple, backend: Backend, repeat) -> None:
         if repeat is None:
             return
         if len(self._repeats) >= self.REPEATS_LIMIT:
             self._repeats.clear()
         self._repeats[key] = (backend, repeat)
+
+    def _remember_relocatable(self, key: tuple | None, backend: Backend, repeat) -> None:
+        if repeat is None or key is None:
+            return
+        if len(self._relocatable) >= self.REPEATS_LIMIT:
+            self._relocatable.clear()
+        self._relocatable[key] = (backend, repeat)
 
     def _route(self, plan: StepPlan, kind: LayerKind) -> tuple:
         """((backend, plan, token range or None for all), ...) that run ``kind``'s layers of

@@ -465,12 +465,34 @@ def test_bound_launches_give_the_plain_launchs_bytes_on_the_gpu(gen, batch, head
     assert all(not counters.any() for counters in backend._counters.values())  # every launch leaves them 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernels)")
+@pytest.mark.parametrize("batch", [[1, 1], [3, 2, 1, 4, 2, 1, 1, 3]])
+@pytest.mark.parametrize("heads", [16, 8])
+def test_a_relocated_call_gives_the_bytes_of_its_own_plain_launch_on_the_gpu(gen, batch, heads):
+    """Two layers of one step (the second's q, caches, top-k, sink and out drawn anew: other bytes
+    at other addresses, same shapes): the second runs the first's bound launches relocated, and
+    writes exactly what a plain launch of its own inputs writes."""
+    seqs = [40 + 37 * i for i in range(len(batch))]
+    layers = [make_step(gen, batch, seqs, kinds=C4A_ONLY, heads=heads, topk=64, max_model_len=4096, device="cuda")
+              for _ in range(2)]
+    mla = dsv4.SparseMLA(layers[0].spec, "fp8_ds_mla", backend="triton", device="cuda")
+    plan = mla.plan(layers[0].batch)
+    outs = [_call(mla, plan, one, out=torch.full_like(one.q, float("nan"))) for one in layers]
+    assert len(mla._relocatable) == 1 and len(mla._repeats) == 2  # the second call: relocated, then kept
+    alone = dsv4.SparseMLA(layers[0].spec, "fp8_ds_mla", backend="triton", device="cuda")
+    want = _call(alone, alone.plan(layers[0].batch), layers[1], out=torch.full_like(layers[1].q, float("nan")))
+    torch.cuda.synchronize()
+    assert not want.isnan().any() and torch.equal(outs[1], want) and not torch.equal(outs[0], outs[1])
+
+
 @needs_triton
 def test_a_repeated_call_runs_only_its_bound_launches(case, monkeypatch):
-    """From the third call with the same inputs (plain, plain + bind, then bound), a layer call
-    neither checks its inputs again, builds its LayerInputs nor its launches: it hands the bound launchers their
-    arguments, one call each (the attention kernel and the split combine); a changed input then
-    takes the full path and is refused as always. Kernels stubbed, launches bound as on a GPU."""
+    """From the second call with the same inputs (the first: plain launches, then bound), a layer
+    call neither checks its inputs again, builds its LayerInputs nor its launches: it hands the
+    bound launchers their arguments, one call each (the attention kernel and the split combine); a
+    changed input then takes the full path and is refused as always. Kernels stubbed, launches
+    bound as on a GPU."""
     from dsv4_attn.bench import host
     from dsv4_attn.portable.kernels import launch, ops
 
@@ -480,9 +502,9 @@ def test_a_repeated_call_runs_only_its_bound_launches(case, monkeypatch):
         mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
         plan = mla.plan(case.batch)
         out = torch.empty_like(case.q)
-        for _ in range(3):
+        for _ in range(2):
             _call(mla, plan, case, out=out)
-        per_call = len(runs)  # the third call's launches: the first bound ones
+        per_call = len(runs)  # the second call's launches: the first bound ones
         assert per_call >= 1
         real_checks = checks.check_layer
         monkeypatch.setattr(checks, "check_layer", _forbidden)
@@ -533,21 +555,30 @@ def _in_place_changes():
     }
 
 
+# the changes of _in_place_changes that move a tensor and keep everything else (16-byte alignment too)
+_MOVES = ("q moved in place", "out moved in place", "sink moved in place", "swa_cache moved in place",
+          "another q, equal metadata", "another out, equal metadata")
+
+
 @needs_triton
 @pytest.mark.parametrize("change", list(_in_place_changes()))
-def test_a_changed_input_of_a_bound_call_takes_the_full_path(case, monkeypatch, change):
+def test_a_changed_input_of_a_bound_call_takes_the_full_path_or_moves_the_launches(case, monkeypatch, change):
     """After a call's launches are bound (kernels stubbed, bound as on a GPU), changing one input
     -- on the same tensor object in place, or by handing another tensor -- runs the checks again
-    (refused where they refuse, as always) instead of the bound launches."""
+    (refused where they refuse, as always) instead of the bound launches; a change of nothing but
+    where a tensor lies runs the bound launches relocated: without the checks that read no
+    address, with the launchers handed the tensor's new address and never its old one."""
     from dsv4_attn.bench import host
 
     with host.kernels_stubbed():
+        runs = []
+        monkeypatch.setattr(host._StubCompiled, "run", staticmethod(lambda *args: runs.append(args)))
         mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
         plan = mla.plan(case.batch)
         args = dict(q=case.q.clone(), swa_cache=case.caches["swa"].clone(),
                     comp_cache=case.caches[LayerKind.C4A].clone(), topk=case.topks[LayerKind.C4A].clone(),
                     sink=case.sink.clone(), out=torch.empty_like(case.q))
-        for _ in range(3):  # plain, plain + bind, bound
+        for _ in range(2):  # plain + bind, bound
             mla.forward(plan, LayerKind.C4A, **args)
         assert mla._repeats  # bound
         checked = []
@@ -555,12 +586,117 @@ def test_a_changed_input_of_a_bound_call_takes_the_full_path(case, monkeypatch, 
         monkeypatch.setattr(checks, "check_layer", lambda *a: checked.append(1) or real(*a))
         mla.forward(plan, LayerKind.C4A, **args)
         assert not checked  # the unchanged call repeats its bound launches
+        before = {name: t.data_ptr() for name, t in args.items()}
         _in_place_changes()[change](args)
+        del runs[:]
         try:
             mla.forward(plan, LayerKind.C4A, **args)
         except ValueError:
             pass
-        assert checked, f"{change}: the bound launches ran without the checks"
+        if change not in _MOVES:
+            assert checked, f"{change}: the bound launches ran without the checks"
+            return
+        (name,) = [n for n, t in args.items() if t.data_ptr() != before[n]]
+        assert not checked and runs, f"{change}: not relocated"
+        sent = [a for one in runs for a in one if isinstance(a, int)]
+        assert args[name].data_ptr() in sent and before[name] not in sent, f"{change}: {name}'s old address launched"
+
+
+def _layer_args(case, **changes):
+    """A C4A layer call's tensors of ``case``: its own copies of the caches, top-k, q and sink (the
+    next layer of a step: same shapes, other memory)."""
+    args = dict(q=case.q.clone(), swa_cache=case.caches["swa"].clone(), comp_cache=case.caches[LayerKind.C4A].clone(),
+                topk=case.topks[LayerKind.C4A].clone(), sink=case.sink.clone(), out=torch.empty_like(case.q))
+    args.update(changes)
+    return args
+
+
+def _sent(mla, call) -> list[tuple]:
+    """What the replay ``mla`` keeps for ``call`` (its arguments) hands each launcher."""
+    (replay,) = [r for k, (_, r) in mla._repeats.items()
+                 if k[0][4][1] == call["q"].data_ptr() and k[0][5][1] == call["swa_cache"].data_ptr()]
+    replay._fill()
+    return [args for _, args in replay._ready]
+
+
+@needs_triton
+def test_the_next_layer_of_a_step_runs_the_first_ones_launches_moved_to_its_tensors(case, monkeypatch):
+    """A step's second C4A layer (its own caches, q, top-k, sink and out: same shapes) runs what
+    the first layer's call bound, relocated: no checks but the overlap one, no launches built; its
+    launchers get exactly the arguments its own full path binds (the memos forgotten, same plan).
+    Kernels stubbed, bound as on a GPU."""
+    from dsv4_attn.bench import host
+    from dsv4_attn.portable.kernels import ops
+
+    first, second = _layer_args(case), _layer_args(case)
+    with host.kernels_stubbed():
+        mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
+        plan = mla.plan(case.batch)
+        mla.forward(plan, LayerKind.C4A, **first)  # plain + bind
+        overlap = []
+        real_alone = checks.check_out_alone
+        monkeypatch.setattr(checks, "check_layer", _forbidden)
+        monkeypatch.setattr(ops, "layer_launches", _forbidden)
+        monkeypatch.setattr(checks, "check_out_alone", lambda *a: overlap.append(1) or real_alone(*a))
+        mla.forward(plan, LayerKind.C4A, **second)
+        assert overlap == [1]
+        moved, bound_first = _sent(mla, second), _sent(mla, first)
+        assert moved != bound_first
+        monkeypatch.undo()
+        mla._repeats.clear()
+        mla._relocatable.clear()
+        mla._backend("triton")._replays.clear()
+        mla.forward(plan, LayerKind.C4A, **second)  # the full path, bound for these tensors
+        assert moved == _sent(mla, second)
+
+
+@needs_triton
+def test_a_moved_call_is_refused_as_the_full_path_refuses_it(case, monkeypatch):
+    """The one check that reads addresses runs on a relocated call: an out over the next layer's
+    SWA cache is refused with the full path's message; an out whose address is otherwise aligned
+    (another remainder mod 16) is not relocated (the kernels' specialization could differ) and
+    runs every check."""
+    from dsv4_attn.bench import host
+
+    first = _layer_args(case)
+    swa = first["swa_cache"].clone()
+    over_cache = torch.empty(0, dtype=torch.bfloat16).set_(swa.untyped_storage(), 0, tuple(case.q.shape))
+    with host.kernels_stubbed():
+        mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
+        plan = mla.plan(case.batch)
+        mla.forward(plan, LayerKind.C4A, **first)
+        fresh = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
+        with pytest.raises(ValueError) as full:
+            fresh.forward(fresh.plan(case.batch), LayerKind.C4A, **_layer_args(case, swa_cache=swa, out=over_cache))
+        with pytest.raises(ValueError) as moved:
+            mla.forward(plan, LayerKind.C4A, **_layer_args(case, swa_cache=swa, out=over_cache))
+        assert str(moved.value) == str(full.value) and "out: got a tensor overlapping swa_cache" in str(full.value)
+        checked = []
+        real = checks.check_layer
+        monkeypatch.setattr(checks, "check_layer", lambda *a: checked.append(1) or real(*a))
+        shifted = torch.empty(case.q.numel() + 1, dtype=torch.bfloat16)[1:].view(case.q.shape)  # 2 bytes on
+        mla.forward(plan, LayerKind.C4A, **_layer_args(case, out=shifted))
+        assert checked
+
+
+@needs_triton
+def test_a_launch_argument_no_single_source_holds_makes_the_replay_unmovable(case, monkeypatch):
+    """bind_launches keeps an argument as (source, offset) only where exactly one of the call's
+    tensors holds it; where two sources share its storage and neither starts at or spans it, the
+    replay still runs (its addresses as bound) but ``relocated`` gives None."""
+    from dsv4_attn.portable.kernels import launch
+
+    layer = _launches(case, split=2)
+    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
+    kernels = [_Recording() for _ in layer.launches]
+    q = layer.launches[0].args[0]
+    movable = launch.bind_launches(layer, kernels, torch.device("cpu"), launch.Workspace(torch.device("cpu")), (q,))
+    assert movable.relocated((q.clone(),)) is not None
+    # two sources in q's storage, both starting where q does: which one q came from is unknown
+    shared, other = (torch.empty(0, dtype=q.dtype).set_(q.untyped_storage(), 0, (1,)) for _ in range(2))
+    stuck = launch.bind_launches(layer, kernels, torch.device("cpu"), launch.Workspace(torch.device("cpu")),
+                                 (shared, other))
+    assert stuck() is True and stuck.relocated((shared, other)) is None
 
 
 def _forbidden(*args, **kwargs):

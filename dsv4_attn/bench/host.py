@@ -15,8 +15,11 @@ differences of medians, each over many calls of one layer:
 
 Two ways to call: ``same`` repeats one layer call with the same tensors (a layer whose inputs
 the engine hands at the same addresses every step: every memo of the host path hits); ``fresh``
-gives every call q / out / top-k at addresses no earlier call used (every memo misses: the
-first call of a layer shape, or an allocator that never hands the same address twice).
+gives every call q / out / top-k and the caches at addresses no earlier call used, shapes and
+16-byte alignment kept (the step's next layer of the kind, with its own caches and activations,
+or an allocator that never hands the same address twice): such a call runs the launches bound
+for the first one, relocated (``SparseMLA._relocated``). The first call of a layer shape, which
+binds them, is not in these figures (notes/host-time.md has its cost).
 ``plan_us`` is ``SparseMLA.plan`` once per step (shared by the layers).
 
 On the CPU the triton backend runs only under ``TRITON_INTERPRET=1`` (set here before Triton is
@@ -145,11 +148,11 @@ def _make_case(name: str, device: torch.device):
 
 
 def _inputs(case, count: int) -> list[tuple]:
-    """``count`` (q, out, topk) triples of the case, each at addresses no other has (count 1: the
-    case's own tensors): views of three buffers 16 bytes apart, so every one keeps the alignment
-    the kernels are specialized for."""
+    """``count`` (q, out, topk, swa_cache, comp_cache) tuples of the case, each at addresses no
+    other has (count 1: the case's own tensors): views of one buffer per tensor, 16 bytes apart,
+    so every one keeps the alignment the kernels are specialized for."""
     if count == 1:
-        return [(case.q, torch.empty_like(case.q), case.topk)]
+        return [(case.q, torch.empty_like(case.q), case.topk, case.swa_cache, case.comp_cache)]
 
     def shifted(t: torch.Tensor) -> list[torch.Tensor]:
         step = 16 // t.element_size()
@@ -157,9 +160,10 @@ def _inputs(case, count: int) -> list[tuple]:
         base[:t.numel()] = t.flatten()
         return [base[i * step:i * step + t.numel()].view(t.shape) for i in range(count)]
 
-    qs, outs = shifted(case.q), shifted(case.q)
+    qs, outs, swas = shifted(case.q), shifted(case.q), shifted(case.swa_cache)
     topks = shifted(case.topk) if case.topk is not None else [None] * count
-    return list(zip(qs, outs, topks))
+    comps = shifted(case.comp_cache) if case.comp_cache is not None else [None] * count
+    return list(zip(qs, outs, topks, swas, comps))
 
 
 def measure_case(case, backend: str, calls: int, rounds: int) -> dict:
@@ -175,14 +179,14 @@ def measure_case(case, backend: str, calls: int, rounds: int) -> dict:
               "plan_us": median_us(lambda i: mla.plan(case.batch), max(1, calls // 10), rounds, device)}
     per_measure = calls * (rounds + 1)
     result["same"] = _measure_way(case, backend, _inputs(case, 1), 0, calls, rounds)
-    # fresh: each measurement its own third of the triples, so no address repeats at all
+    # fresh: each measurement its own third of the tuples, so no address repeats at all
     result["fresh"] = _measure_way(case, backend, _inputs(case, 3 * per_measure), per_measure, calls, rounds)
     return result
 
 
 def _measure_way(case, backend: str, triples: list[tuple], spacing: int, calls: int, rounds: int) -> dict:
     """checks / dispatch / launch / total us of one way of calling: call i of measurement k takes
-    ``triples[k * spacing + i]`` (cyclically)."""
+    ``triples[k * spacing + i]`` (cyclically: ``_inputs``' tuples)."""
     from .runners import _case_mla
 
     device = case.q.device
@@ -194,11 +198,11 @@ def _measure_way(case, backend: str, triples: list[tuple], spacing: int, calls: 
         checks_only = _checks_of(mla)
 
         def call(i: int) -> None:
-            q, out, topk = triples[(k * spacing + i) % len(triples)]
+            q, out, topk, swa, comp = triples[(k * spacing + i) % len(triples)]
             if k == 0:
-                checks_only(plan, case.kind, q, case.swa_cache, case.comp_cache, topk, case.sink, out)
+                checks_only(plan, case.kind, q, swa, comp, topk, case.sink, out)
             else:
-                mla.forward(plan, case.kind, q, case.swa_cache, case.comp_cache, topk=topk, sink=case.sink, out=out)
+                mla.forward(plan, case.kind, q, swa, comp, topk=topk, sink=case.sink, out=out)
         return call
 
     checks_us = median_us(layer(0), calls, rounds, device)

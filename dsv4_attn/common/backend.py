@@ -13,10 +13,10 @@ backend with ``getattr`` nor import a vendor module. The registry, selection and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -24,6 +24,26 @@ from .layout import CacheGeometry, Fp8Dialect, KVFormat
 from .plan import Phase, StepPlan
 from .platform import Platform
 from .spec import MAX_HEADS, LayerKind, ModelSpec
+
+
+class Repeat(Protocol):
+    """A backend's bound layer call (``Backend.repeat``)."""
+
+    def __call__(self) -> bool:
+        """Run the call again; False (nothing run) when it cannot now (the caller then takes the
+        full path)."""
+
+    def relocated(self, sources: tuple[torch.Tensor | None, ...]) -> Repeat | None:
+        """The same call for tensors ``sources`` (``repeat_sources`` of the new call) that differ
+        from the bound call's only in their addresses (same shapes, strides, dtypes, devices and
+        addresses % 16: the caller checks), or None when it cannot be moved."""
+
+
+def repeat_sources(q: torch.Tensor, out: torch.Tensor, swa_cache: torch.Tensor, comp_cache: torch.Tensor | None,
+                   topk: torch.Tensor | None, sink: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """A layer call's own tensors, in the order a backend binds them and ``Repeat.relocated``
+    takes them."""
+    return q, out, swa_cache, comp_cache, topk, sink
 
 
 @dataclass
@@ -336,10 +356,11 @@ class Backend:
         """Write attention for all ``plan.num_tokens`` tokens into ``out`` [T, H, 512] bf16."""
         raise NotImplementedError
 
-    def repeat(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> Callable[[], bool] | None:
-        """After ``forward(plan, layer, out)``: a callable that runs that call again for a later
-        call with the same ``layer.checked_key`` and the same plan tensors (``SparseMLA`` keeps it,
-        keyed by them), returning False (nothing run) when it cannot; None (the default): none."""
+    def repeat(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor) -> Repeat | None:
+        """After ``forward(plan, layer, out)``: a :class:`Repeat` that runs that call again for a
+        later call with the same ``layer.checked_key`` and the same plan tensors (``SparseMLA`` keeps
+        it, keyed by them), or for one whose tensors (``repeat_sources``) lie elsewhere
+        (``Repeat.relocated``); None (the default): none."""
         return None
 
     # ---- what tools read (the probe, the parity matrix, the bench) -----------------------------

@@ -215,12 +215,25 @@ class LayerChecks:
         if type(kv_scale) not in (float, int):
             return None
         try:
+            # the tensors' signatures from position _SIGNATURE_TENSORS on (relocation_signature)
             return (plan.cached("check_facts", lambda: self._plan_facts(_plan_facts(plan))), kind, type(kv_scale),
                     kv_scale, tensor_signature(q), tensor_signature(swa_cache), tensor_signature(comp_cache),
                     tensor_signature(topk), tensor_signature(sink), tensor_signature(out))
         except (AttributeError, RuntimeError):  # not a tensor, or one without an address (FakeTensor)
             return None
 
+
+def relocation_signature(signature: tuple) -> tuple:
+    """A call's :meth:`LayerChecks.signature` with each tensor's address replaced by its remainder
+    mod 16: equal for calls whose tensors differ at most in where they lie (16-byte alignment
+    kept). Every check but :func:`check_out_alone` reads no address, so such calls have the same
+    verdict once that one passes; the kernels' arguments differ only in those addresses (and each
+    kernel's specialization, Triton's 16-byte divisibility, is the same)."""
+    head, tensors = signature[:_SIGNATURE_TENSORS], signature[_SIGNATURE_TENSORS:]
+    return (*head, *(None if t is None else (t[0], t[1] % 16, *t[2:]) for t in tensors))
+
+
+_SIGNATURE_TENSORS = 4  # where a LayerChecks.signature's tensor signatures start
 
 _PLAN_TENSORS = Interner()
 
@@ -343,10 +356,13 @@ def _check_out(out, q: torch.Tensor) -> None:
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last) bytes ``t`` can touch (a superset for strided views)."""
+    first = t.data_ptr()
+    if t.is_contiguous():  # the common case, without a Python loop over the dims
+        return first, first + t.nbytes
     if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
+        return first, first
     extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
-    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+    return first, first + extent * t.element_size()
 
 
 def _spans(named: list[tuple[str, torch.Tensor | None]]) -> list[tuple[str, torch.device, int, int]]:
@@ -366,10 +382,16 @@ def _plan_spans(plan: StepPlan) -> list[tuple[str, torch.device, int, int]]:
 
 
 def _check_out_alone(out: torch.Tensor, plan: StepPlan, layer: LayerInputs) -> None:
+    check_out_alone(out, plan, layer.q, layer.swa_cache, layer.comp_cache, layer.topk, layer.sink)
+
+
+def check_out_alone(out: torch.Tensor, plan: StepPlan, q: torch.Tensor, swa_cache: torch.Tensor,
+                    comp_cache: torch.Tensor | None, topk: torch.Tensor | None, sink: torch.Tensor | None) -> None:
     """``out`` shares no byte with an input, a cache or the plan's buffers: the kernels write
-    ``out`` while they read those (a cache would be overwritten, q read after being written)."""
-    readers = _spans([("q", layer.q), ("swa_cache", layer.swa_cache), ("comp_cache", layer.comp_cache),
-                      ("topk", layer.topk), ("sink", layer.sink)])
+    ``out`` while they read those (a cache would be overwritten, q read after being written). The
+    one check whose verdict depends on addresses (``relocation_signature``)."""
+    readers = _spans([("q", q), ("swa_cache", swa_cache), ("comp_cache", comp_cache), ("topk", topk),
+                      ("sink", sink)])
     readers += plan.cached("out_check_spans", lambda: _plan_spans(plan))
     lo, hi = _byte_span(out)
     for name, device, t_lo, t_hi in readers:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport
+from ..common.backend import Backend, Capabilities, LayerInputs, Phase, PlatformSupport, repeat_sources
 from ..common.checks import plan_tensors_key, tensor_signature
 from ..common.layout import Fp8Dialect, KVFormat, Record
 from ..common.plan import StepPlan, capturing
@@ -126,23 +126,22 @@ class TritonBackend(Backend):
         if isinstance(known, launch.Replay) and known():
             return
         launches = self._launches(plan, layer, out)
-        if capturing(out.device):
+        if key is None or known is _UNBOUND or capturing(out.device):
             # nothing bound in a capture: a replay's workspace (and the in-kernel merge's counters,
             # then the plan's: ``_merge_counters``) must not come from the capture's pool, which a
             # replay would outlive; the launches' own temporaries do, as the graph needs
             launches.plain()
             return
-        if known is None:  # bound at the second call with these inputs: a call never repeated pays no binding
-            launches.plain()
-        else:
-            known = launch.run(launches, out.device, self._workspace(out.device))
-        if key is not None:
-            if len(self._replays) >= self.REPLAYS_LIMIT:
-                self._replays.clear()
-            self._replays[key] = known or _SEEN
+        # bound at the first call: a later call with these inputs repeats it, one whose tensors
+        # only lie elsewhere (the step's next layer of the kind, new activations) relocates it
+        known = launch.run(launches, out.device, self._workspace(out.device),
+                           repeat_sources(layer.q, out, layer.swa_cache, layer.comp_cache, layer.topk, layer.sink))
+        if len(self._replays) >= self.REPLAYS_LIMIT:
+            self._replays.clear()
+        self._replays[key] = known or _UNBOUND
 
     def repeat(self, plan: StepPlan, layer: LayerInputs, out: torch.Tensor):
-        """The Replay bound for this call's inputs (``forward`` binds at the second call with
+        """The Replay bound for this call's inputs (``forward`` binds at the first call with
         them), or None."""
         key = self._replay_key(plan, layer, out)
         known = self._replays.get(key) if key is not None else None
@@ -280,7 +279,7 @@ def _kernels():
     return ops, launch
 
 
-_SEEN = "seen once"  # a replay key launched once: the next call with it binds
+_UNBOUND = "unbound"  # a replay key whose launches could not be bound: launched plainly
 
 
 def _decode_tokens_per_request(plan: StepPlan) -> int:

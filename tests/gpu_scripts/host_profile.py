@@ -1,8 +1,8 @@
 """Where a repeated eager layer call's host time goes (issue 24, notes/host-time.md): cProfile of
 ``SparseMLA.forward`` with the same inputs called again and again (every memo of the host path
-hits, the launches bound), or with ``--fresh`` q / out / top-k at addresses no earlier call used
-(every memo misses: bench.host's ``fresh`` way), on a GPU (kernels run) or the CPU (kernels
-stubbed, interpreter).
+hits, the launches bound), or with ``--fresh`` q / out / top-k and the caches at addresses no
+earlier call used (bench.host's ``fresh`` way: the first call's launches relocated), on a GPU
+(kernels run) or the CPU (kernels stubbed, interpreter).
 
     PYTHONPATH=. python tests/gpu_scripts/host_profile.py [--case flash-decode-b2] [--calls 3000] [--fresh]
 """
@@ -43,8 +43,8 @@ def main() -> None:
         numbers = itertools.count()
 
         def call() -> None:
-            q, out, topk = triples[next(numbers) % len(triples)]
-            mla.forward(plan, case.kind, q, case.swa_cache, case.comp_cache, topk=topk, sink=case.sink, out=out)
+            q, out, topk, swa, comp = triples[next(numbers) % len(triples)]
+            mla.forward(plan, case.kind, q, swa, comp, topk=topk, sink=case.sink, out=out)
 
         for _ in range(100):
             call()

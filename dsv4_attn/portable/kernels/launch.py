@@ -16,6 +16,14 @@ exit_hook, *every_parameter)``, the call ``JITFunction.run`` ends with in Triton
 P scratch) are not allocated per call: they lie in the stream's :class:`Workspace`, sized when a
 replay is bound, so a replay's arguments are fixed and the call only hands them to the launchers.
 
+A bound call is also *relocatable*: every argument that lies in one of the call's own tensors
+(q, out, the caches, top-k, the sink: ``bind_launches``' ``sources``) is kept as (which tensor,
+byte offset), so :meth:`Replay.relocated` serves a later call whose tensors have the same
+shapes, strides, dtypes and 16-byte alignment at other addresses (the next layer of the step,
+with its own caches; a step's new activations): the same kernels, grid and every other argument.
+``SparseMLA`` decides when that holds (its relocation key) and runs the one check that reads
+addresses (``out`` overlapping an input) itself.
+
 Not bound (always the plain launch): Triton's CPU interpreter (no compiled kernel), ROCm (its
 buffer-op specialization also reads the tensors' sizes), a launch hook installed (a profiler
 sees every launch through Triton's own path), a kernel that compiled to nothing; a replay steps
@@ -72,14 +80,24 @@ class _Temp:
     offset: int
 
 
+@dataclass(frozen=True)
+class _Source:
+    """An argument inside the call's tensor ``index`` (``bind_launches``' sources) at ``offset``
+    bytes from its address."""
+
+    index: int
+    offset: int
+
+
 @dataclass
 class _Bound:
     run: Any
     function: Any
     packed_metadata: Any
     grid: tuple[int, int, int]
-    args: tuple  # every parameter in order; tensors as addresses (a temporary's: filled from the workspace)
+    args: tuple  # every parameter in order; tensors as addresses (a temporary's / a source's: filled per call)
     fills: tuple[tuple[int, int, int], ...]  # (position in args, temporary, byte offset in it)
+    source_fills: tuple[tuple[int, int, int], ...]  # (position in args, source, byte offset from its address)
 
 
 class Workspace:
@@ -147,11 +165,14 @@ class Replay:
     """The launches of one layer call, bound: ``__call__`` repeats them for a call with the same
     inputs (same ``checked_key``), their temporaries in the stream's :class:`Workspace`."""
 
-    def __init__(self, bound: list[_Bound], offsets: list[int], workspace: Workspace, device: torch.device) -> None:
+    def __init__(self, bound: list[_Bound], offsets: list[int], workspace: Workspace, device: torch.device,
+                 sources: tuple[int, ...] = (), relocatable: bool = False) -> None:
         self._bound = bound
         self._offsets = offsets  # each temporary's byte offset in the workspace
         self._workspace = workspace
         self._device = device
+        self._sources = sources  # the addresses of the call's own tensors (bind_launches' sources)
+        self._relocatable = relocatable
         self._gpu = current_gpu(device)  # the kernels were loaded on it (the current GPU at binding)
         # the stream at binding: the workspace and the buffers a launch shares between its calls
         # (the in-kernel merge's arrival counters) are its stream's, so a call on another stream
@@ -175,14 +196,30 @@ class Replay:
             run(*args)
         return True
 
+    def relocated(self, tensors: tuple[torch.Tensor | None, ...]) -> Replay | None:
+        """This replay for a call whose own tensors (``bind_launches``' sources, in that order) are
+        ``tensors``: the same launches with every argument that lay in one of them moved to the
+        new one, the rest as bound. The caller guarantees the new tensors' shapes, strides, dtypes,
+        devices and addresses % 16 equal the bound ones'. None when this replay cannot be moved
+        (an argument in a source could not be told apart from another source)."""
+        if not self._relocatable or len(tensors) != len(self._sources):
+            return None
+        moved = object.__new__(Replay)
+        moved.__dict__.update(self.__dict__, _filled_for=-1, _ready=[],
+                              _sources=tuple(0 if t is None else t.data_ptr() for t in tensors))
+        return moved
+
     def _fill(self) -> None:
-        """Every launch's arguments with the temporaries at their places in the workspace now."""
+        """Every launch's arguments with the temporaries at their places in the workspace now and
+        the call's own tensors at their addresses."""
         base = self._workspace.address
         self._ready = []
         for b in self._bound:
             args = list(b.args)
             for i, temp, offset in b.fills:
                 args[i] = base + self._offsets[temp] + offset
+            for i, source, offset in b.source_fills:
+                args[i] = self._sources[source] + offset
             self._ready.append((b.run, (*b.grid, self._stream, b.function, b.packed_metadata, None, None, None,
                                         *args)))
         self._filled_for = base
@@ -218,13 +255,15 @@ def _stream_of():
     return driver.active.get_current_stream
 
 
-def run(layer: LayerLaunches, device: torch.device, workspace: Workspace | None) -> Replay | None:
+def run(layer: LayerLaunches, device: torch.device, workspace: Workspace | None,
+        sources: tuple[torch.Tensor | None, ...] = ()) -> Replay | None:
     """Launch ``layer``'s kernels through Triton's JIT path; with a ``workspace`` (the current
-    stream's, where :func:`bindable`), return their Replay for the next call with the same inputs."""
+    stream's, where :func:`bindable`), return their Replay for the next call with the same inputs
+    (relocatable over ``sources``: ``bind_launches``)."""
     compiled = layer.plain()
     if workspace is None or not bindable(device):
         return None
-    return bind_launches(layer, compiled, device, workspace)
+    return bind_launches(layer, compiled, device, workspace, sources)
 
 
 # The most bytes of temporaries a bound call may place in its stream's workspace, which stays
@@ -236,29 +275,38 @@ def run(layer: LayerLaunches, device: torch.device, workspace: Workspace | None)
 WORKSPACE_LIMIT = 128 << 20
 
 
-def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device, workspace: Workspace) -> Replay | None:
+def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device, workspace: Workspace,
+                  sources: tuple[torch.Tensor | None, ...] = ()) -> Replay | None:
     """The Replay of ``layer`` whose launches returned ``compiled`` (CompiledKernels), its
     temporaries placed in ``workspace`` (grown to hold them: at binding, never per call), or None
     when one cannot be bound (temporaries the workspace may not hold, ``Workspace.fits``, among the
-    reasons)."""
+    reasons). ``sources``: the call's own tensors (None for an absent one); every argument lying
+    in one of them is kept as (source, offset), which makes the Replay relocatable
+    (``Replay.relocated``) unless an argument's source is ambiguous."""
     offsets, size = temporaries_layout(layer.temporaries)
     if not workspace.fits(size):
         return None
     storages = [t.untyped_storage().data_ptr() for t in layer.temporaries]
+    spans = _source_spans(sources)
     bound = []
+    relocatable = True
     for launch, kernel in zip(layer.launches, compiled):
         if kernel is None or not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
             return None
         args = ordered_parameters(launch)
         if args is None:
             return None
-        args = tuple(_as_address(a, layer.temporaries, storages) for a in args)
+        args = tuple(_as_address(a, layer.temporaries, storages, spans) for a in args)
+        relocatable = relocatable and not any(isinstance(a, _Ambiguous) for a in args)
+        args = tuple(a.address if isinstance(a, _Ambiguous) else a for a in args)
         fills = tuple((i, a.index, a.offset) for i, a in enumerate(args) if isinstance(a, _Temp))
+        source_fills = tuple((i, a.index, a.offset) for i, a in enumerate(args) if isinstance(a, _Source))
         gx, gy, gz = (tuple(launch.grid) + (1, 1))[:3]
         run_fn = kernel.run  # a property: loads the kernel (CompiledKernel._init_handles) if needed
-        bound.append(_Bound(run_fn, kernel.function, kernel.packed_metadata, (gx, gy, gz), args, fills))
+        bound.append(_Bound(run_fn, kernel.function, kernel.packed_metadata, (gx, gy, gz), args, fills, source_fills))
     workspace.ensure(size)
-    return Replay(bound, offsets, workspace, device)
+    addresses = tuple(0 if t is None else t.data_ptr() for t in sources)
+    return Replay(bound, offsets, workspace, device, addresses, relocatable and bool(sources))
 
 
 def ordered_parameters(launch: KernelLaunch) -> tuple | None:
@@ -277,13 +325,39 @@ def ordered_parameters(launch: KernelLaunch) -> tuple | None:
     return tuple(values[name] for name in names)
 
 
-def _as_address(arg, temporaries: list[torch.Tensor], storages: list[int]):
-    """A tensor argument as what the launcher reads from it (its address), or as a _Temp when it
-    lies in one of the call's temporaries; other arguments unchanged."""
+@dataclass(frozen=True)
+class _Ambiguous:
+    """A tensor argument (at ``address``) in a source's storage but not in exactly one source: the
+    Replay runs, but is not relocatable."""
+
+    address: int
+
+
+def _source_spans(sources: tuple[torch.Tensor | None, ...]) -> list[tuple[int, int, int, int]]:
+    """(index, storage address, first byte, last byte) of each source given."""
+    spans = []
+    for i, t in enumerate(sources):
+        if t is not None:
+            extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1 if t.numel() else 0
+            spans.append((i, t.untyped_storage().data_ptr(), t.data_ptr(), t.data_ptr() + extent * t.element_size()))
+    return spans
+
+
+def _as_address(arg, temporaries: list[torch.Tensor], storages: list[int], spans: list[tuple[int, int, int, int]]):
+    """A tensor argument as what the launcher reads from it (its address), as a _Temp when it
+    lies in one of the call's temporaries, as a _Source when in one of its sources (the one it
+    starts at, else the one whose bytes hold its address; _Ambiguous when that is not one
+    source); other arguments unchanged."""
     if not isinstance(arg, torch.Tensor):
         return arg
-    storage = arg.untyped_storage().data_ptr()
+    storage, address = arg.untyped_storage().data_ptr(), arg.data_ptr()
     for i, (temp, temp_storage) in enumerate(zip(temporaries, storages)):
         if storage == temp_storage:
-            return _Temp(i, arg.data_ptr() - temp.data_ptr())
-    return arg.data_ptr()
+            return _Temp(i, address - temp.data_ptr())
+    same = [s for s in spans if s[1] == storage]
+    if not same:
+        return address
+    picks = [s for s in same if s[2] == address] or [s for s in same if s[2] <= address < s[3]]
+    if len(picks) != 1:
+        return _Ambiguous(address)
+    return _Source(picks[0][0], address - picks[0][2])
