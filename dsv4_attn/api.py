@@ -296,8 +296,10 @@ class SparseMLA:
         self._relocatable[key] = (backend, repeat)
 
     def _route(self, plan: StepPlan, kind: LayerKind) -> tuple:
-        """((backend, plan, token range or None for all), ...) that run ``kind``'s layers of
-        ``plan``: one backend for the whole step, or one per phase. Decided once per plan, kind
+        """((backend, sub-plan, token range), ...) that run ``kind``'s layers of ``plan``: one
+        backend for the whole step (``((backend, None, None),)``: ``plan`` itself, which its own
+        cache must not hold -- a plan referring to itself is freed only by a garbage collection,
+        with every per-step tensor its backends' metadata holds), or one per phase. Decided once per plan, kind
         and ``dsv4_attn.backend()`` context, so every layer of a step after the first pays two
         lookups: the environment (``DSV4_ATTN_BACKEND``, ``DSV4_ATTN_CHOICES``) is read at the
         first layer of each kind of a plan, so a change takes effect at the next step (reading it
@@ -310,7 +312,7 @@ class SparseMLA:
         names = {p: self.backend_for(kind, p, None if self.batch_invariant else b - a) for p, a, b in phases}
         backends = {p: self._backend(n) for p, n in names.items()}
         if len(set(names.values())) == 1 and not backends[phases[0][0]].splits_phases:
-            return ((backends[phases[0][0]], plan, None),)
+            return ((backends[phases[0][0]], None, None),)
         return tuple((backends[p], plan.phase_plan(p), (a, b)) for p, a, b in phases)
 
     def layer_inputs(self, plan: StepPlan, kind: LayerKind | str | int, q: torch.Tensor, swa_cache: torch.Tensor,

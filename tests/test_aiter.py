@@ -583,3 +583,23 @@ def test_parity_cell_reserves_aiter_scratch_for_its_decode_tokens(monkeypatch):
     print(f"{case.name}: {case.num_decode_tokens} decode tokens, AITER scratch {scratch / 2**20:.2f} MiB")
     # gathered rows, index lists, staged q / out for the case's tokens: ~4 MiB (0.75 GB at 1024)
     assert scratch < 16 * 2**20, scratch
+
+
+@pytest.mark.parametrize("flavor,kwargs", [("0.1.20", {"path": "mla_decode_fwd"}),
+                                           ("sparse", {"path": "sparse_mla_fwd"}),
+                                           ("0.1.20", {"path": "mla_decode_fwd_v4_nm", "fp8_compute": True})],
+                         ids=["persistent", "sparse_mla_fwd", "v4_nm"])
+def test_a_steps_plan_is_freed_without_a_garbage_collection_on_aiter(gen, flavor, kwargs):
+    """The aiter adapter's per-step metadata (work plans, staged index rows) does not keep its plan
+    alive: the step's plan goes with its last reference (EMULATED gfx950)."""
+    from kit.layers import assert_plan_freed_without_collection
+
+    emulation.enable("gfx950", flavor)
+    _backend(**kwargs)
+    try:
+        case = aiter_step(gen, "fp8_ds_mla", 64)
+        mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="aiter-test")
+        assert_plan_freed_without_collection(mla, case, V4_KINDS)
+    finally:
+        unregister_backend("aiter-test")
+

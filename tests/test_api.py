@@ -237,3 +237,16 @@ def test_plan_and_topk_rows_replay_in_a_cuda_graph():
     for name, rows in _plan_fields(want, gpu_topk).items():
         got = {"c4a_rows": c4a_rows, "c4a_lens": c4a_lens}.get(name, _plan_fields(plan, gpu_topk)[name])
         assert torch.equal(got, rows), name
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton"))])
+def test_a_steps_plan_is_freed_without_a_garbage_collection(gen, backend):
+    """A plan its own cache referred to (the step's route held it) lived until a collection, with
+    every per-step tensor its backends' metadata held: an engine plans every step."""
+    from kit.layers import assert_plan_freed_without_collection
+
+    case = make_step(gen, [1, 3, 1], [40, 90, 300], kinds=V4_KINDS, topk=16, max_model_len=1024, block_size=256)
+    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend=backend)
+    assert_plan_freed_without_collection(mla, case, V4_KINDS)
+

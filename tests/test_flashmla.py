@@ -686,3 +686,13 @@ def test_gpu_huge_slots(table, kinds):
     prefix = "" if kinds == V4_KINDS else "V4.1 "
     for kind in kinds:
         _record(table, f"{prefix}huge slots: SWA byte offsets > 2^31", kind, run_layer(mla, plan, case, kind))
+
+
+def test_a_steps_plan_is_freed_without_a_garbage_collection_on_flashmla(fake_flashmla, gen):
+    """The flashmla adapter's per-step metadata (index rows, tile scheduler metadata: GPU tensors on
+    a GPU) does not keep its plan alive: the step's plan goes with its last reference."""
+    from kit.layers import assert_plan_freed_without_collection
+
+    case = nvidia_step(gen, [1, 1, 4], [90, 400, 260], heads=64, topk=100)
+    assert_plan_freed_without_collection(_mla(case), case, case.spec.kinds)
+

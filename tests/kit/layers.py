@@ -113,3 +113,24 @@ def check_config_against_reference(config, name: str, cfg: str, heads: int, batc
         assert float(out[:, 0].abs().max()) == 0.0
 
     eager_then_replays(run, out, check)
+
+
+def assert_plan_freed_without_collection(mla: dsv4.SparseMLA, case: StepCase, kinds) -> None:
+    """A step's plan, after every layer of ``kinds`` ran on it twice (the second call takes the
+    bound or relocated path where a backend binds), is freed when its last reference goes, with the
+    garbage collector off: nothing it caches (routes, backends' per-step metadata) refers back to
+    it, so its per-step tensors are not held until a collection (an engine plans every step)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        plan = mla.plan(case.batch)
+        for _ in range(2):
+            for kind in kinds:
+                forward_poisoned(mla, plan, case, LayerKind.parse(kind))
+        freed = weakref.ref(plan)
+        del plan
+        assert freed() is None, f"the plan is held: {[type(r).__name__ for r in gc.get_referrers(freed())]}"
+    finally:
+        gc.enable()
