@@ -95,18 +95,28 @@ def test_gpu_token_pairs_match_the_reference_across_graph_replays(cfg, heads, ba
 
 
 @pytest.mark.parametrize("setting,heads,tiles,tokens,expected", [
-    (-1, 8, 18, 2, 8),     # V4-Flash TP8 rank, C4A 1024 / C128A 1024, split
-    (-1, 16, 16, 2, 16),   # V4-Pro TP8 rank
-    (-1, 12, 18, 2, 16),
-    (-1, 8, 10, 100, 8),   # C4A 512, not split (b = 256 on an H100)
+    (-1, 8, 18, 2, 8),     # V4-Flash TP8 rank, C4A 1024 / C128A 1024, split 132
+    (-1, 8, 18, 64, 8),    # split 4
+    (-1, 16, 18, 2, 0),    # V4-Pro TP8 rank: 16 heads per program split beyond 2: the 64-head kernel
+    (-1, 16, 18, 64, 0),   # split 4
+    (-1, 12, 18, 64, 0),   # 16 heads per program too
+    (-1, 16, 18, 88, 0),   # split 3
+    (-1, 16, 18, 96, 16),  # split 2
+    (-1, 16, 18, 128, 16),
+    (-1, 16, 18, 256, 16),  # not split
+    (-1, 8, 10, 100, 0),   # C4A 512, split 2: the 64-head kernel
+    (-1, 8, 10, 256, 8),   # C4A 512, not split (b = 256)
     (-1, 16, 2, 8, 16),    # window only, not split
     (-1, 16, 2, 2, 16),    # window only: never split on this kernel (ops.short_rows_unsplit)
     (1, 8, 2, 2, 8),       # forced: any launch
+    (1, 16, 18, 2, 16),
 ])
 def test_when_the_heads_on_n_kernel_runs(monkeypatch, setting, heads, tiles, tokens, expected):
+    """On a 132-SM GPU (2 x 132 program slots for this kernel)."""
     from dsv4_attn.portable.kernels import build
 
     monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")  # as where it compiles
+    monkeypatch.setattr(ops, "num_sms", lambda device: 132)
     assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), True, heads, tiles, tokens, CPU) == expected
 
 

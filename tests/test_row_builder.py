@@ -295,13 +295,14 @@ def _sm90_key(one) -> tuple:
     return fn.__name__, tuple(specialization), str(options)
 
 
-@pytest.mark.parametrize("kernel", ["portable", "gluon"])
-def test_no_attention_kernel_variant_per_split(gen, monkeypatch, kernel):
+@pytest.mark.parametrize("kernel,heads_on_n", [("portable", -1), ("gluon", 1), ("gluon", 0)])
+def test_no_attention_kernel_variant_per_split(gen, monkeypatch, kernel, heads_on_n):
     """The split a step's launch size picks (1 .. a token's key tiles) is no part of the attention
     kernels' nor the combine's cache key: every split launch is one attention variant, and one
     combine variant per power of two of the split (its SPLIT_P2 lanes), so no step of a new batch
     size compiles one mid-serving. On the code before this change the attention kernels had a
-    variant for split 16 (Triton specializes ints divisible by 16) and the combine one per split."""
+    variant for split 16 (Triton specializes ints divisible by 16) and the combine one per split.
+    Each Gluon kernel is pinned (auto picks the 64-head or the heads-on-N kernel by the split)."""
     pytest.importorskip("triton")
     from dsv4_attn.portable.kernels import ops
 
@@ -321,7 +322,7 @@ def test_no_attention_kernel_variant_per_split(gen, monkeypatch, kernel):
             case.q, torch.empty_like(case.q), "fp8_ds_mla", case.caches["swa"], plan.swa_rows, plan.swa_lens,
             comp_cache=case.caches[kind], comp_rows=case.topks[kind],
             c4a=(case.batch.comp_block_table(kind), plan.token_to_req, plan.positions), topk_ratio=kind.ratio,
-            sink=case.sink, config=ops.KernelConfig(split=split, merge_in_kernel=0))
+            sink=case.sink, config=ops.KernelConfig(split=split, merge_in_kernel=0, heads_on_n=heads_on_n))
         grids.add(layer.launches[0].grid[0] / split)  # (tokens x head blocks): the split launched, not clamped
         for one in layer.launches:
             name, *key = _sm90_key(one)

@@ -340,8 +340,16 @@ def short_rows_unsplit(config: KernelConfig, max_tiles: int, num_tokens: int, nu
 # overlap gives); within 0.5 us at b <= 4. Auto takes it for up to HEADS_ON_N_MAX_HEADS heads where
 # a token's rows span at least HEADS_ON_N_MIN_TILES key tiles or its launch is not split, which rows
 # of at most SHORT_ROWS_MAX_TILES tiles on it never are (short_rows_unsplit: measured on the H200).
+# With 16 heads per program (9-16 heads) only where its key split is at most HEADS_ON_N_WIDE_MAX_SPLIT:
+# H100, 2026-11-27 (notes/perf-gather.md, `bench --configs h16-c4a1024 h16-c128a h16-c2a1024 --variant
+# m=heads_on_n=0 --variant hn=heads_on_n=1`, twice), the 64-head kernel's split launch ran 2-16 %
+# faster than heads-on-N's at 2-64 tokens on every such layer (C4A 1024 at 32 tokens: 30.8 against
+# 36.0 us), a tie at 128 (C128A 59.5 against 65.3 the other way, C4A 1024 71.8 against 70.0), and
+# whole V4-Pro -tp 8 steps with the 64-head kernel took 1.04-1.26x less time at b = 2-64 (s_q 1 and
+# 2), 2 % more at b = 128 and 1.47x more at 256 tokens (heads-on-N unsplit there).
 HEADS_ON_N_MAX_HEADS = 16
 HEADS_ON_N_MIN_TILES = 16
+HEADS_ON_N_WIDE_MAX_SPLIT = 2
 
 
 def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int, num_tokens: int,
@@ -350,8 +358,9 @@ def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int
     x ``num_heads`` heads whose rows span ``max_tiles`` key tiles, or 0 for the 64-head kernel:
     never on the portable kernel or above ``hopper_heads.MAX_HEADS`` heads; else as
     ``config.heads_on_n`` says, auto up to HEADS_ON_N_MAX_HEADS heads, from HEADS_ON_N_MIN_TILES
-    tiles or where the launch is not split, where it compiles with this Triton
-    (``build.compile_error``; forced where it does not: ValueError)."""
+    tiles or where the launch is not split, with 16 heads per program only up to a split of
+    HEADS_ON_N_WIDE_MAX_SPLIT, where it compiles with this Triton (``build.compile_error``; forced
+    where it does not: ValueError)."""
     from . import hopper_heads
 
     if not gluon or config.heads_on_n == 0 or num_heads > hopper_heads.MAX_HEADS:
@@ -361,9 +370,9 @@ def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int
         if num_heads > HEADS_ON_N_MAX_HEADS:
             return 0
         programs = num_tokens * _cdiv(num_heads, nh)
-        unsplit = (short_rows_unsplit(config, max_tiles, num_tokens, num_heads, nh)
-                   or choose_split(programs, max_tiles, device, config.split, hopper_heads.CTAS_PER_SM) == 1)
-        if max_tiles < HEADS_ON_N_MIN_TILES and not unsplit:
+        split = 1 if short_rows_unsplit(config, max_tiles, num_tokens, num_heads, nh) else \
+            choose_split(programs, max_tiles, device, config.split, hopper_heads.CTAS_PER_SM)
+        if (max_tiles < HEADS_ON_N_MIN_TILES and split > 1) or (nh > 8 and split > HEADS_ON_N_WIDE_MAX_SPLIT):
             return 0
     variant = build.hopper_constexprs(comp_mode, write_lse=True, heads_n=nh)
     error = build.compile_error(device_arch(device), "gluon", tuple(sorted(variant.items())))
@@ -466,6 +475,9 @@ def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int,
         text = narrow
     elif num_heads > HEADS_ON_N_MAX_HEADS:
         text = wide
+    elif nh > 8:
+        text = (f"{narrow} where the launch needs no key split or splits rows of {HEADS_ON_N_MIN_TILES}+ key tiles "
+                f"at most {HEADS_ON_N_WIDE_MAX_SPLIT} ways, else {wide}")
     else:
         text = (f"{narrow} where a token's rows span {HEADS_ON_N_MIN_TILES}+ key tiles or the launch needs no key "
                 f"split, else {wide}")
