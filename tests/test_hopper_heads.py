@@ -31,10 +31,12 @@ CPU = torch.device("cpu")  # ops.num_sms: 4 there, so a launch of 8+ programs of
     (-1, True, 64, 18, 2),   # above the kernel's head count: the 64-head kernel
     (-1, True, 32, 18, 2),
     (1, True, 17, 18, 2),
-    (-1, True, 8, 10, 2),    # C4A 512 (10 key tiles per token), split: measured a tie or slower
+    (-1, True, 8, 10, 2),    # C4A 512 (10 key tiles per token), split 10 ways: measured a tie or slower
     (-1, True, 16, 3, 2),    # 3 key tiles, split
 ])
-def test_when_the_64_head_kernel_runs(setting, gluon, heads, tiles, tokens):
+def test_when_the_64_head_kernel_runs(monkeypatch, setting, gluon, heads, tiles, tokens):
+    """On a 132-SM GPU."""
+    monkeypatch.setattr(ops, "num_sms", lambda device: 132)
     assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), gluon, heads, tiles, tokens, CPU) == 0
 
 
@@ -104,8 +106,13 @@ def test_gpu_token_pairs_match_the_reference_across_graph_replays(cfg, heads, ba
     (-1, 16, 18, 96, 16),  # split 2
     (-1, 16, 18, 128, 16),
     (-1, 16, 18, 256, 16),  # not split
-    (-1, 8, 10, 100, 0),   # C4A 512, split 2: the 64-head kernel
+    (-1, 8, 10, 32, 0),    # C4A 512, split 8: the 64-head kernel
+    (-1, 8, 10, 48, 0),    # split 5
+    (-1, 8, 10, 64, 8),    # split 4: 8 heads per program take it over short rows too
+    (-1, 8, 10, 100, 8),   # split 2
+    (-1, 16, 10, 100, 0),  # ... 16 do not
     (-1, 8, 10, 256, 8),   # C4A 512, not split (b = 256)
+    (-1, 16, 10, 256, 16),
     (-1, 16, 2, 8, 16),    # window only, not split
     (-1, 16, 2, 2, 16),    # window only: never split on this kernel (ops.short_rows_unsplit)
     (1, 8, 2, 2, 8),       # forced: any launch

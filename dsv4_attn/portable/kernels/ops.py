@@ -346,10 +346,17 @@ def short_rows_unsplit(config: KernelConfig, max_tiles: int, num_tokens: int, nu
 # faster than heads-on-N's at 2-64 tokens on every such layer (C4A 1024 at 32 tokens: 30.8 against
 # 36.0 us), a tie at 128 (C128A 59.5 against 65.3 the other way, C4A 1024 71.8 against 70.0), and
 # whole V4-Pro -tp 8 steps with the 64-head kernel took 1.04-1.26x less time at b = 2-64 (s_q 1 and
-# 2), 2 % more at b = 128 and 1.47x more at 256 tokens (heads-on-N unsplit there).
+# 2), 2 % more at b = 128 and 1.47x more at 256 tokens (heads-on-N unsplit there). With 8 heads per
+# program also over rows under HEADS_ON_N_MIN_TILES tiles where its split is at most
+# HEADS_ON_N_SHORT_ROWS_MAX_SPLIT: same machine, C4A 512 at 88 / 96 / 128 tokens (splits 3 / 2 / 2)
+# 37.5 / 38.7 / 44.2 us against 42.5 / 42.9 / 45.2 on the 64-head kernel (two to three runs), a tie at
+# 64 (split 4: 31.3 / 31.8), 4 % slower at 16-32 (splits 8-16); whole V4-Flash -tp 8 steps 1.03-1.10x
+# faster at 96-128 tokens (s_q 1 and 2). 16 heads there lose 7-14 % (C4A 512 at 96 / 128 tokens: 45.9
+# / 52.6 against 42.6 / 45.3), so they keep the 64-head kernel.
 HEADS_ON_N_MAX_HEADS = 16
 HEADS_ON_N_MIN_TILES = 16
 HEADS_ON_N_WIDE_MAX_SPLIT = 2
+HEADS_ON_N_SHORT_ROWS_MAX_SPLIT = 4
 
 
 def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int, num_tokens: int,
@@ -357,10 +364,11 @@ def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int
     """NH, the heads per program of the heads-on-N Gluon kernel for a launch of ``num_tokens`` tokens
     x ``num_heads`` heads whose rows span ``max_tiles`` key tiles, or 0 for the 64-head kernel:
     never on the portable kernel or above ``hopper_heads.MAX_HEADS`` heads; else as
-    ``config.heads_on_n`` says, auto up to HEADS_ON_N_MAX_HEADS heads, from HEADS_ON_N_MIN_TILES
-    tiles or where the launch is not split, with 16 heads per program only up to a split of
-    HEADS_ON_N_WIDE_MAX_SPLIT, where it compiles with this Triton (``build.compile_error``; forced
-    where it does not: ValueError)."""
+    ``config.heads_on_n`` says, auto up to HEADS_ON_N_MAX_HEADS heads where the launch is not
+    split or, over rows of HEADS_ON_N_MIN_TILES+ tiles, split at most HEADS_ON_N_WIDE_MAX_SPLIT ways
+    (16 heads per program) / any way (8 heads per program, which also take rows of fewer tiles up
+    to a split of HEADS_ON_N_SHORT_ROWS_MAX_SPLIT), where it compiles with this Triton
+    (``build.compile_error``; forced where it does not: ValueError)."""
     from . import hopper_heads
 
     if not gluon or config.heads_on_n == 0 or num_heads > hopper_heads.MAX_HEADS:
@@ -372,7 +380,12 @@ def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int
         programs = num_tokens * _cdiv(num_heads, nh)
         split = 1 if short_rows_unsplit(config, max_tiles, num_tokens, num_heads, nh) else \
             choose_split(programs, max_tiles, device, config.split, hopper_heads.CTAS_PER_SM)
-        if (max_tiles < HEADS_ON_N_MIN_TILES and split > 1) or (nh > 8 and split > HEADS_ON_N_WIDE_MAX_SPLIT):
+        long_rows = max_tiles >= HEADS_ON_N_MIN_TILES
+        if nh > 8:
+            taken = split == 1 or (long_rows and split <= HEADS_ON_N_WIDE_MAX_SPLIT)
+        else:
+            taken = long_rows or split <= HEADS_ON_N_SHORT_ROWS_MAX_SPLIT
+        if not taken:
             return 0
     variant = build.hopper_constexprs(comp_mode, write_lse=True, heads_n=nh)
     error = build.compile_error(device_arch(device), "gluon", tuple(sorted(variant.items())))
@@ -479,8 +492,8 @@ def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int,
         text = (f"{narrow} where the launch needs no key split or splits rows of {HEADS_ON_N_MIN_TILES}+ key tiles "
                 f"at most {HEADS_ON_N_WIDE_MAX_SPLIT} ways, else {wide}")
     else:
-        text = (f"{narrow} where a token's rows span {HEADS_ON_N_MIN_TILES}+ key tiles or the launch needs no key "
-                f"split, else {wide}")
+        text = (f"{narrow} where a token's rows span {HEADS_ON_N_MIN_TILES}+ key tiles or the launch splits them at "
+                f"most {HEADS_ON_N_SHORT_ROWS_MAX_SPLIT} ways, else {wide}")
     forced = config.pair_tokens == 1 and comp_mode != K.COMP_C4A_LOCAL
     if num_heads <= PAIR_MAX_HEADS and config.pair_tokens != 0 and (forced or comp_mode == K.COMP_GLOBAL):
         when = "always" if forced else \
