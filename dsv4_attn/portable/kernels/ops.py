@@ -342,11 +342,12 @@ def short_rows_unsplit(config: KernelConfig, max_tiles: int, num_tokens: int, nu
 # of at most SHORT_ROWS_MAX_TILES tiles on it never are (short_rows_unsplit: measured on the H200).
 # With 16 heads per program (9-16 heads) only where its key split is at most HEADS_ON_N_WIDE_MAX_SPLIT:
 # H100, 2026-11-27 (notes/perf-gather.md, `bench --configs h16-c4a1024 h16-c128a h16-c2a1024 --variant
-# m=heads_on_n=0 --variant hn=heads_on_n=1`, twice), the 64-head kernel's split launch ran 2-16 %
-# faster than heads-on-N's at 2-64 tokens on every such layer (C4A 1024 at 32 tokens: 30.8 against
-# 36.0 us), a tie at 128 (C128A 59.5 against 65.3 the other way, C4A 1024 71.8 against 70.0), and
-# whole V4-Pro -tp 8 steps with the 64-head kernel took 1.04-1.26x less time at b = 2-64 (s_q 1 and
-# 2), 2 % more at b = 128 and 1.47x more at 256 tokens (heads-on-N unsplit there). With 8 heads per
+# m=heads_on_n=0 --variant hn=heads_on_n=1`, twice), the 64-head kernel's split launch ran up to 16 %
+# faster than heads-on-N's at 2-64 tokens on every such layer, one tie (C4A 1024 at 32 tokens: 30.8
+# against 36.0 us; C128A at 8 tokens: 21.8 both), a tie at 128 (C128A 59.5 against 65.3 the other
+# way, C4A 1024 71.8 against 70.0), and whole V4-Pro -tp 8 steps with the 64-head kernel took
+# 1.04-1.26x less time at b = 2-64 (s_q 1 and 2), 2 % more at b = 128 and 1.47x more at 256 tokens
+# (heads-on-N unsplit there). With 8 heads per
 # program also over rows under HEADS_ON_N_MIN_TILES tiles where its split is at most
 # HEADS_ON_N_SHORT_ROWS_MAX_SPLIT: same machine, C4A 512 at 88 / 96 / 128 tokens (splits 3 / 2 / 2)
 # 37.5 / 38.7 / 44.2 us against 42.5 / 42.9 / 45.2 on the 64-head kernel (two to three runs), a tie at
