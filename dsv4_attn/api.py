@@ -217,17 +217,14 @@ class SparseMLA:
         checks.check_plan_current(plan, self, self._generation)
         signature = None if validate else self._checks.signature(plan, kind, kv_scale, q, swa_cache, comp_cache,
                                                                    topk, sink, out)
-        repeat_key = relocation_key = None
+        repeat_key = None
         if signature is not None and out is not None:
             tensors, route = plan.cached(("repeat", kind, registry.context_backend()),
                                          lambda: (checks.plan_tensors_key(plan, kind), self._route(plan, kind)))
-            offsets = (swa_cache.storage_offset(), None if comp_cache is None else comp_cache.storage_offset())
-            repeat_key = (signature, tensors, *offsets)
-            if self._repeated(route, repeat_key):
-                return out
-            relocation_key = (checks.relocation_signature(signature), tensors,
-                              *(None if o is None else o % 16 for o in offsets))
-            if self._relocated(route, relocation_key, repeat_key, plan, q, out, swa_cache, comp_cache, topk, sink):
+            repeat_key = (signature, tensors, swa_cache.storage_offset(),
+                          None if comp_cache is None else comp_cache.storage_offset())
+            if self._repeated(route, repeat_key) or \
+                    self._relocated(route, repeat_key, plan, q, out, swa_cache, comp_cache, topk, sink):
                 return out
         layer = self._checked(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, out, signature)
         if out is None:
@@ -239,7 +236,7 @@ class SparseMLA:
             if repeat_key is not None:
                 repeat = backend.repeat(plan, layer, out)
                 self._remember(repeat_key, backend, repeat)
-                self._remember_relocatable(relocation_key, backend, repeat)
+                self._remember_relocatable(repeat_key, backend, repeat)
             return out
         for backend, sub_plan, tokens in route:
             backend.forward(sub_plan, layer.token_slice(*tokens), out[tokens[0]:tokens[1]])
@@ -259,16 +256,26 @@ class SparseMLA:
         backend, repeat = found
         return route[0][0] is backend and route[0][2] is None and repeat()
 
-    def _relocated(self, route: tuple, key: tuple, repeat_key: tuple, plan: StepPlan, q: torch.Tensor,
-                   out: torch.Tensor, swa_cache: torch.Tensor, comp_cache: torch.Tensor | None,
-                   topk: torch.Tensor | None, sink: torch.Tensor | None) -> bool:
+    @staticmethod
+    def _relocation_key(repeat_key: tuple) -> tuple:
+        """What a call's ``repeat_key`` keeps when its tensors move (16-byte alignment kept):
+        ``checks.relocation_signature`` of its signature, the plan's tensors, the caches' storage
+        offsets mod 16."""
+        signature, tensors, *offsets = repeat_key
+        return (checks.relocation_signature(signature), tensors, *(None if o is None else o % 16 for o in offsets))
+
+    def _relocated(self, route: tuple, repeat_key: tuple, plan: StepPlan, q: torch.Tensor, out: torch.Tensor,
+                   swa_cache: torch.Tensor, comp_cache: torch.Tensor | None, topk: torch.Tensor | None,
+                   sink: torch.Tensor | None) -> bool:
         """Run a layer call through what its backend bound for an earlier call whose tensors differed
-        only in their addresses (``key``: ``checks.relocation_signature`` of the call's signature,
-        the plan's tensors, the caches' storage offsets mod 16), when the step's ``route`` still sends the
-        kind to that backend. The earlier call passed every check that reads no address; the one
-        that does (``out`` overlapping an input) runs here, and refuses as the full path would. The
-        moved call is kept under ``repeat_key`` for its own repeats. False when none ran."""
-        found = self._relocatable.get(key)
+        only in their addresses (the same ``_relocation_key``), when the step's ``route`` still
+        sends the kind to that backend. The earlier call passed every check that reads no address;
+        the one that does (``out`` overlapping an input) runs here, and refuses as the full path
+        would. The moved call is kept under ``repeat_key`` for its own repeats. False when none ran
+        (no key is built while nothing was bound: backends that bind nothing pay nothing here)."""
+        if not self._relocatable:
+            return False
+        found = self._relocatable.get(self._relocation_key(repeat_key))
         if found is None:
             return False
         backend, template = found
@@ -288,12 +295,12 @@ class SparseMLA:
             self._repeats.clear()
         self._repeats[key] = (backend, repeat)
 
-    def _remember_relocatable(self, key: tuple | None, backend: Backend, repeat) -> None:
-        if repeat is None or key is None:
+    def _remember_relocatable(self, repeat_key: tuple, backend: Backend, repeat) -> None:
+        if repeat is None:
             return
         if len(self._relocatable) >= self.REPEATS_LIMIT:
             self._relocatable.clear()
-        self._relocatable[key] = (backend, repeat)
+        self._relocatable[self._relocation_key(repeat_key)] = (backend, repeat)
 
     def _route(self, plan: StepPlan, kind: LayerKind) -> tuple:
         """((backend, sub-plan, token range), ...) that run ``kind``'s layers of ``plan``: one

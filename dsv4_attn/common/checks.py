@@ -140,7 +140,7 @@ def check_layer(plan: StepPlan, layer: LayerInputs, out: torch.Tensor | None,
     _check_sink_and_scale(layer)
     if out is not None:
         _check_out(out, q)
-        _check_out_alone(out, plan, layer)
+        check_out_alone(out, plan, layer.q, layer.swa_cache, layer.comp_cache, layer.topk, layer.sink)
     if validate:
         _check_values(plan, layer, swa_geo, comp_geo)
     return swa_geo, comp_geo
@@ -379,10 +379,6 @@ def _plan_spans(plan: StepPlan) -> list[tuple[str, torch.device, int, int]]:
     for ratio, (rows, lens) in plan.comp_rows.items():
         named += [(f"plan.comp_rows[{ratio}]", rows), (f"plan.comp_rows[{ratio}] lens", lens)]
     return _spans(named)
-
-
-def _check_out_alone(out: torch.Tensor, plan: StepPlan, layer: LayerInputs) -> None:
-    check_out_alone(out, plan, layer.q, layer.swa_cache, layer.comp_cache, layer.topk, layer.sink)
 
 
 def check_out_alone(out: torch.Tensor, plan: StepPlan, q: torch.Tensor, swa_cache: torch.Tensor,
