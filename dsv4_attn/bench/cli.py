@@ -201,12 +201,8 @@ def _check_table_to_update(path: str, device: torch.device) -> None:
     ``--update-choices`` merges into), before any timing."""
     from ..common.platform import probe
 
-    table = choices.read_table(path, "--update-choices")
-    here = {"arch": probe().arch, "device": _device_facts(device)["device"]}
-    for field, value in here.items():
-        if table.get(field) != value:
-            raise ValueError(f"--update-choices: got {path!r}, a table of {field} {table.get(field)!r}; allowed: "
-                             f"a table measured on this GPU ({field} {value!r})")
+    choices.check_measured_on(choices.read_table(path, "--update-choices"), probe().arch,
+                              _device_facts(device)["device"])
 
 
 def _refuse_gpu_only(args) -> None:

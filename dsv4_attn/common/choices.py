@@ -267,15 +267,21 @@ def _entry_key(entry: dict) -> tuple:
     return entry["phase"], entry["kind"], entry["heads"], entry["format"]
 
 
+def check_measured_on(table: dict, arch: str, device: str | None) -> None:
+    """ValueError unless ``table`` was measured on ``arch`` and the GPU named ``device`` (a table's
+    device is the name the bench measured on): what ``bench --update-choices`` merges into."""
+    for field, value in (("arch", arch), ("device", device)):
+        if table.get(field) != value:
+            raise ValueError(f"--update-choices: got a table of {field} {table.get(field)!r} for a run on "
+                             f"{value!r}; allowed: a table measured on the same {field}")
+
+
 def merged(table: dict, new: dict) -> dict:
     """``table`` with ``new``'s measurements in place of its own: every entry of a (phase, kind,
     heads bucket, format) that ``new`` measures is replaced by ``new``'s entries for it, the rest
     kept (both ``from_bench`` tables of one arch and device). What ``bench --update-choices``
     writes: a run that re-times some shapes leaves the table's other measurements as they were."""
-    for field in ("arch", "device"):
-        if table.get(field) != new.get(field):  # a table's device is the GPU name the bench measured on
-            raise ValueError(f"--update-choices: got a table of {field} {table.get(field)!r} for a run on "
-                             f"{new.get(field)!r}; allowed: a table measured on the same {field}")
+    check_measured_on(table, new["arch"], new.get("device"))
     covered = {_entry_key(e) for e in new["entries"]}
     entries = [e for e in table["entries"] if _entry_key(e) not in covered] + new["entries"]
     return {**table, "entries": sorted(entries, key=lambda e: (*_entry_key(e), e["tokens"][0]))}
