@@ -35,14 +35,20 @@ def _valid_slots(rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return rows[(rows >= 0) & (col < lens[:, None])]
 
 
-def distinct_rows(case: LayerCase, plan) -> list[tuple[torch.Tensor, Record]]:
-    """Per scope of the case (the SWA scope first): (the distinct global slots its launch attends,
-    int64 [N], the scope cache's record)."""
+def _scopes(case: LayerCase, plan) -> list[tuple[torch.Tensor, Record]]:
+    """Per scope of the case (the SWA scope first): (the valid slots its launch attends, one per
+    (token, key), the scope cache's record)."""
     scopes = [(_valid_slots(plan.swa_rows, plan.swa_lens), case.fmt.swa_record)]
     if case.kind.has_comp_scope:
         rows, lens = plan.comp_scope(case.kind, case.topk)
         scopes.append((_valid_slots(rows, lens), case.fmt.comp_record))
-    return [(torch.unique(slots).long(), record) for slots, record in scopes]
+    return scopes
+
+
+def distinct_rows(case: LayerCase, plan) -> list[tuple[torch.Tensor, Record]]:
+    """Per scope of the case (the SWA scope first): (the distinct global slots its launch attends,
+    int64 [N], the scope cache's record)."""
+    return [(torch.unique(slots).long(), record) for slots, record in _scopes(case, plan)]
 
 
 def case_work(case: LayerCase, plan) -> tuple[float, float, int]:
@@ -50,13 +56,11 @@ def case_work(case: LayerCase, plan) -> tuple[float, float, int]:
     bytes: each DISTINCT key row once at its cache record's size (tokens of one request share
     most rows: MTP tokens nearly all, prefill tokens their window and many top-k rows, so counting
     pairs would put the floor above what a kernel reading each row once needs), + q and out."""
-    swa_rows = _valid_slots(plan.swa_rows, plan.swa_lens)
-    keys = swa_rows.numel()
-    if case.kind.has_comp_scope:
-        keys += _valid_slots(*plan.comp_scope(case.kind, case.topk)).numel()
+    scopes = _scopes(case, plan)
     T, H, D = case.q.shape
+    keys = sum(slots.numel() for slots, _ in scopes)
     flops = 4.0 * H * D * keys
-    kv_bytes = sum(slots.numel() * row_bytes(record) for slots, record in distinct_rows(case, plan))
+    kv_bytes = sum(torch.unique(slots).numel() * row_bytes(record) for slots, record in scopes)
     nbytes = kv_bytes + 2 * T * H * D * 2
     return flops, nbytes, keys
 
