@@ -575,9 +575,7 @@ def test_a_changed_input_of_a_bound_call_takes_the_full_path_or_moves_the_launch
         monkeypatch.setattr(host._StubCompiled, "run", staticmethod(lambda *args: runs.append(args)))
         mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
         plan = mla.plan(case.batch)
-        args = dict(q=case.q.clone(), swa_cache=case.caches["swa"].clone(),
-                    comp_cache=case.caches[LayerKind.C4A].clone(), topk=case.topks[LayerKind.C4A].clone(),
-                    sink=case.sink.clone(), out=torch.empty_like(case.q))
+        args = _layer_args(case)
         for _ in range(2):  # plain + bind, bound
             mla.forward(plan, LayerKind.C4A, **args)
         assert mla._repeats  # bound
