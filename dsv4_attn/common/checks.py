@@ -354,7 +354,7 @@ def _check_out(out, q: torch.Tensor) -> None:
         raise ValueError(f"out: got {got}; allowed: contiguous torch.bfloat16 {tuple(q.shape)} on {q.device}")
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last) bytes ``t`` can touch (a superset for strided views)."""
     first = t.data_ptr()
     if t.is_contiguous():  # the common case, without a Python loop over the dims
@@ -367,7 +367,7 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 def _spans(named: list[tuple[str, torch.Tensor | None]]) -> list[tuple[str, torch.device, int, int]]:
     """(name, device, first byte, last byte) of each tensor given (None skipped)."""
-    return [(name, t.device, *_byte_span(t)) for name, t in named if t is not None]
+    return [(name, t.device, *byte_span(t)) for name, t in named if t is not None]
 
 
 def _plan_spans(plan: StepPlan) -> list[tuple[str, torch.device, int, int]]:
@@ -389,7 +389,7 @@ def check_out_alone(out: torch.Tensor, plan: StepPlan, q: torch.Tensor, swa_cach
     readers = _spans([("q", q), ("swa_cache", swa_cache), ("comp_cache", comp_cache), ("topk", topk),
                       ("sink", sink)])
     readers += plan.cached("out_check_spans", lambda: _plan_spans(plan))
-    lo, hi = _byte_span(out)
+    lo, hi = byte_span(out)
     for name, device, t_lo, t_hi in readers:
         if device != out.device:
             continue

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from triton import knobs
 
+from ...common.checks import byte_span
 from ...common.plan import capturing
 from ...common.platform import triton_interpreting
 
@@ -335,12 +336,7 @@ class _Ambiguous:
 
 def _source_spans(sources: tuple[torch.Tensor | None, ...]) -> list[tuple[int, int, int, int]]:
     """(index, storage address, first byte, last byte) of each source given."""
-    spans = []
-    for i, t in enumerate(sources):
-        if t is not None:
-            extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1 if t.numel() else 0
-            spans.append((i, t.untyped_storage().data_ptr(), t.data_ptr(), t.data_ptr() + extent * t.element_size()))
-    return spans
+    return [(i, t.untyped_storage().data_ptr(), *byte_span(t)) for i, t in enumerate(sources) if t is not None]
 
 
 def _as_address(arg, temporaries: list[torch.Tensor], storages: list[int], spans: list[tuple[int, int, int, int]]):
