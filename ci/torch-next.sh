@@ -55,7 +55,7 @@ fi
 # the offline compiles and the docs checks run once, in the main run.
 subset=(tests/test_api.py tests/test_reference.py tests/test_indices.py tests/test_rows.py tests/test_batch.py
         tests/test_triton_kernels.py tests/test_v41.py tests/test_layout.py tests/test_kv_records.py
-        tests/test_merge.py tests/test_golden.py tests/test_compile_probe.py)
+        tests/test_merge.py tests/test_golden.py tests/test_compile_probe.py tests/test_metadata_proof.py)
 if [[ $# -gt 0 ]]; then subset=("$@"); fi
 # on both cores, as the main run (pytest-xdist comes with the test extra): nothing else runs by then
 exec "$py" -m pytest -q -n "${TORCH_NEXT_JOBS:-2}" "${subset[@]}"

@@ -81,7 +81,8 @@ class SparseMLA:
         self._checks = checks.LayerChecks()  # the per-layer checks, with their memo of passed calls
         self._backends: dict[str, Backend] = {}  # this model's own instances (their buffers are its own)
         self._selection = Selection(self._backend)  # decisions cached per kind, phase, launch-size range
-        self._repeats: dict[tuple, tuple] = {}  # a call's repeat key -> (backend, its Backend.repeat)
+        self._repeats: dict[tuple, tuple] = {}  # repeat key -> (backend, its Backend.repeat, MetadataProof)
+        self._step_keys = checks.Interner()  # (plan facts, plan tensors, kind) -> the number a repeat key holds
         self._relocatable: dict[tuple, tuple] = {}  # a call's relocation key -> (backend, a Backend.repeat)
         # Refuse at construction (engine start) when the requested backend cannot run a layer.
         for kind in spec.kinds:
@@ -215,17 +216,14 @@ class SparseMLA:
         """
         kind = self.spec.check_kind(kind)
         checks.check_plan_current(plan, self, self._generation)
-        signature = None if validate else self._checks.signature(plan, kind, kv_scale, q, swa_cache, comp_cache,
-                                                                   topk, sink, out)
-        repeat_key = None
-        if signature is not None and out is not None:
-            tensors, route = plan.cached(("repeat", kind, registry.context_backend()),
-                                         lambda: (checks.plan_tensors_key(plan, kind), self._route(plan, kind)))
-            repeat_key = (signature, tensors, swa_cache.storage_offset(),
-                          None if comp_cache is None else comp_cache.storage_offset())
-            if self._repeated(route, repeat_key) or \
-                    self._relocated(route, repeat_key, plan, q, out, swa_cache, comp_cache, topk, sink):
-                return out
+        tensors = (q, swa_cache, comp_cache, topk, sink, out)
+        repeat = None if validate or out is None else self._repeat_key(plan, kind, kv_scale, tensors)
+        if repeat is not None and out is not None and self._repeated(repeat[0], repeat[1], tensors):
+            return out
+        signature = None if validate else self._checks.signature(plan, kind, kv_scale, *tensors)
+        if repeat is not None and signature is not None and out is not None and self._relocated(
+                repeat[0], repeat[1], signature, plan, q, out, swa_cache, comp_cache, topk, sink):
+            return out
         layer = self._checked(plan, kind, q, swa_cache, comp_cache, topk, sink, kv_scale, validate, out, signature)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
@@ -233,10 +231,11 @@ class SparseMLA:
         if route[0][2] is None:  # one backend for the whole step
             backend = route[0][0]
             backend.forward(plan, layer, out)
-            if repeat_key is not None:
-                repeat = backend.repeat(plan, layer, out)
-                self._remember(repeat_key, backend, repeat)
-                self._remember_relocatable(repeat_key, backend, repeat)
+            if repeat is not None and signature is not None:
+                replay = backend.repeat(plan, layer, out)
+                self._remember(repeat[1], backend, replay, tensors)
+                self._remember_relocatable(self._relocation_key(signature, repeat[1], swa_cache, comp_cache),
+                                           backend, replay)
             return out
         for backend, sub_plan, tokens in route:
             backend.forward(sub_plan, layer.token_slice(*tokens), out[tokens[0]:tokens[1]])
@@ -244,29 +243,54 @@ class SparseMLA:
 
     REPEATS_LIMIT = 4096  # repeatable layer calls kept; forgotten when full
 
-    def _repeated(self, route: tuple, key: tuple) -> bool:
+    def _repeat_key(self, plan: StepPlan, kind: LayerKind, kv_scale, tensors: tuple) -> tuple | None:
+        """(the step's route for ``kind``: ``_route``, the call's repeat key), or None when an input
+        has no address or kv_scale is not a plain number (the full path says what is wrong).
+
+        The key: a number for (the plan's facts the checks read, the plan tensors a ``kind`` launch
+        reads, ``kind``), kv_scale and its type, the address of each of ``tensors`` (q, swa_cache,
+        comp_cache, topk, sink, out; None for None) and the caches' storage offsets. With a
+        ``checks.MetadataProof`` of the tensors (type, shape, strides, dtype, device) it is
+        everything the checks and a bound launch read: a call with an equal key and a proof that
+        holds is a call that passed, and its launches are the bound ones."""
+        if type(kv_scale) not in (float, int):
+            return None
+        route, step = plan.cached(("repeat", kind, registry.context_backend()), lambda: (
+            self._route(plan, kind),
+            self._step_keys((self._checks.plan_key(plan), checks.plan_tensors_key(plan, kind), kind))))
+        q, swa_cache, comp_cache, topk, sink, out = tensors
+        try:
+            return route, (step, type(kv_scale), kv_scale, q.data_ptr(), swa_cache.data_ptr(),
+                           swa_cache.storage_offset(),
+                           None if comp_cache is None else (comp_cache.data_ptr(), comp_cache.storage_offset()),
+                           None if topk is None else topk.data_ptr(), None if sink is None else sink.data_ptr(),
+                           out.data_ptr())
+        except (AttributeError, RuntimeError):  # not a tensor, or one without an address (FakeTensor)
+            return None
+
+    def _repeated(self, route: tuple, key: tuple, tensors: tuple) -> bool:
         """Run a layer call again through what its backend bound for an earlier call of the same
-        ``key`` (the call's signature -- every input's type, address, shape, strides, dtype, device,
-        so the checks' verdict is that call's: passed --, the plan's tensors and the caches' storage
-        offsets), when the step's ``route`` for the layer's kind (``_route``) still sends it to that
-        backend; False when none ran."""
+        ``key`` (``_repeat_key``) whose proof of its ``tensors``' metadata still holds, when the
+        step's ``route`` for the layer's kind (``_route``) still sends it to that backend; False
+        when none ran."""
         found = self._repeats.get(key)
         if found is None:
             return False
-        backend, repeat = found
-        return route[0][0] is backend and route[0][2] is None and repeat()
+        backend, repeat, proof = found
+        return route[0][0] is backend and route[0][2] is None and proof(tensors) and repeat()
 
     @staticmethod
-    def _relocation_key(repeat_key: tuple) -> tuple:
-        """What a call's ``repeat_key`` keeps when its tensors move (16-byte alignment kept):
-        ``checks.relocation_signature`` of its signature, the plan's tensors, the caches' storage
-        offsets mod 16."""
-        signature, tensors, *offsets = repeat_key
-        return (checks.relocation_signature(signature), tensors, *(None if o is None else o % 16 for o in offsets))
+    def _relocation_key(signature: tuple, repeat_key: tuple, swa_cache: torch.Tensor,
+                        comp_cache: torch.Tensor | None) -> tuple:
+        """What a call keeps when its tensors move (16-byte alignment kept):
+        ``checks.relocation_signature`` of its checks' ``signature``, the plan tensors' number
+        (in ``repeat_key``), the caches' storage offsets mod 16."""
+        return (checks.relocation_signature(signature), repeat_key[0], swa_cache.storage_offset() % 16,
+                None if comp_cache is None else comp_cache.storage_offset() % 16)
 
-    def _relocated(self, route: tuple, repeat_key: tuple, plan: StepPlan, q: torch.Tensor, out: torch.Tensor,
-                   swa_cache: torch.Tensor, comp_cache: torch.Tensor | None, topk: torch.Tensor | None,
-                   sink: torch.Tensor | None) -> bool:
+    def _relocated(self, route: tuple, repeat_key: tuple, signature: tuple, plan: StepPlan, q: torch.Tensor,
+                   out: torch.Tensor, swa_cache: torch.Tensor, comp_cache: torch.Tensor | None,
+                   topk: torch.Tensor | None, sink: torch.Tensor | None) -> bool:
         """Run a layer call through what its backend bound for an earlier call whose tensors differed
         only in their addresses (the same ``_relocation_key``), when the step's ``route`` still
         sends the kind to that backend. The earlier call passed every check that reads no address;
@@ -275,7 +299,7 @@ class SparseMLA:
         (no key is built while nothing was bound: backends that bind nothing pay nothing here)."""
         if not self._relocatable:
             return False
-        found = self._relocatable.get(self._relocation_key(repeat_key))
+        found = self._relocatable.get(self._relocation_key(signature, repeat_key, swa_cache, comp_cache))
         if found is None:
             return False
         backend, template = found
@@ -285,22 +309,22 @@ class SparseMLA:
         moved = template.relocated(repeat_sources(q, out, swa_cache, comp_cache, topk, sink))
         if moved is None or not moved():
             return False
-        self._remember(repeat_key, backend, moved)
+        self._remember(repeat_key, backend, moved, (q, swa_cache, comp_cache, topk, sink, out))
         return True
 
-    def _remember(self, key: tuple, backend: Backend, repeat) -> None:
+    def _remember(self, key: tuple, backend: Backend, repeat, tensors: tuple) -> None:
         if repeat is None:
             return
         if len(self._repeats) >= self.REPEATS_LIMIT:
             self._repeats.clear()
-        self._repeats[key] = (backend, repeat)
+        self._repeats[key] = (backend, repeat, checks.MetadataProof(tensors))
 
-    def _remember_relocatable(self, repeat_key: tuple, backend: Backend, repeat) -> None:
+    def _remember_relocatable(self, key: tuple, backend: Backend, repeat) -> None:
         if repeat is None:
             return
         if len(self._relocatable) >= self.REPEATS_LIMIT:
             self._relocatable.clear()
-        self._relocatable[self._relocation_key(repeat_key)] = (backend, repeat)
+        self._relocatable[key] = (backend, repeat)
 
     def _route(self, plan: StepPlan, kind: LayerKind) -> tuple:
         """((backend, sub-plan, token range), ...) that run ``kind``'s layers of ``plan``: one

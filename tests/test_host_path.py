@@ -561,15 +561,19 @@ _MOVES = ("q moved in place", "out moved in place", "sink moved in place", "swa_
 
 
 @needs_triton
+@pytest.mark.parametrize("proof", ["torch TensorGuards", "python signatures"])
 @pytest.mark.parametrize("change", list(_in_place_changes()))
-def test_a_changed_input_of_a_bound_call_takes_the_full_path_or_moves_the_launches(case, monkeypatch, change):
+def test_a_changed_input_of_a_bound_call_takes_the_full_path_or_moves_the_launches(case, monkeypatch, change, proof):
     """After a call's launches are bound (kernels stubbed, bound as on a GPU), changing one input
     -- on the same tensor object in place, or by handing another tensor -- runs the checks again
     (refused where they refuse, as always) instead of the bound launches; a change of nothing but
     where a tensor lies runs the bound launches relocated: without the checks that read no
-    address, with the launchers handed the tensor's new address and never its old one."""
+    address, with the launchers handed the tensor's new address and never its old one. With
+    either proof of the tensors' metadata (``checks.MetadataProof``)."""
     from dsv4_attn.bench import host
 
+    if proof == "python signatures":
+        monkeypatch.setattr(checks, "_TensorGuards", None)
     with host.kernels_stubbed():
         runs = []
         monkeypatch.setattr(host._StubCompiled, "run", staticmethod(lambda *args: runs.append(args)))
@@ -611,8 +615,8 @@ def _layer_args(case, **changes):
 
 def _sent(mla, call) -> list[tuple]:
     """What the replay ``mla`` keeps for ``call`` (its arguments) hands each launcher."""
-    (replay,) = [r for k, (_, r) in mla._repeats.items()
-                 if k[0][4][1] == call["q"].data_ptr() and k[0][5][1] == call["swa_cache"].data_ptr()]
+    (replay,) = [r for k, (_, r, _) in mla._repeats.items()  # a repeat key: q's address at 3, swa_cache's at 4
+                 if k[3] == call["q"].data_ptr() and k[4] == call["swa_cache"].data_ptr()]
     replay._fill()
     return [args for _, args in replay._ready]
 

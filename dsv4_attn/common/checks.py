@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import torch
 
@@ -216,11 +217,16 @@ class LayerChecks:
             return None
         try:
             # the tensors' signatures from position _SIGNATURE_TENSORS on (relocation_signature)
-            return (plan.cached("check_facts", lambda: self._plan_facts(_plan_facts(plan))), kind, type(kv_scale),
-                    kv_scale, tensor_signature(q), tensor_signature(swa_cache), tensor_signature(comp_cache),
-                    tensor_signature(topk), tensor_signature(sink), tensor_signature(out))
+            return (self.plan_key(plan), kind, type(kv_scale), kv_scale, tensor_signature(q),
+                    tensor_signature(swa_cache), tensor_signature(comp_cache), tensor_signature(topk),
+                    tensor_signature(sink), tensor_signature(out))
         except (AttributeError, RuntimeError):  # not a tensor, or one without an address (FakeTensor)
             return None
+
+    def plan_key(self, plan: StepPlan) -> int:
+        """A number for what ``check_layer`` reads from ``plan`` (once per plan): equal numbers,
+        equal verdicts for equal calls."""
+        return plan.cached("check_facts", lambda: self._plan_facts(_plan_facts(plan)))
 
 
 def relocation_signature(signature: tuple) -> tuple:
@@ -270,6 +276,48 @@ def tensor_signature(t: torch.Tensor | None) -> tuple | None:
     if t is None:
         return None
     return type(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+
+
+_TensorGuards: Any
+try:  # the C++ tensor check torch.compile's guards run (torch/csrc/dynamo/guards.cpp, TensorGuards)
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # a torch without it: MetadataProof compares signatures in Python
+    _TensorGuards = None
+
+
+class MetadataProof:
+    """Proof that tensors keep the metadata they had when the proof was made: each one's type,
+    shape, strides, dtype and device -- :func:`tensor_signature` but the address. ``proof(tensors)``
+    is True when every tensor of ``tensors`` (the same positions None as at making) still has
+    them; False may also mean "not proven" (a tensor handed twice, another ``requires_grad`` or
+    dispatch keys, e.g. made outside ``torch.inference_mode`` and checked inside): never True for
+    a changed one.
+
+    Runs torch's C++ check that torch.compile's guards run (``TensorGuards``: ~0.15 us a tensor on
+    the CPU CI uses, against ~0.6 us to build a signature in Python), or, on a torch without it,
+    compares signatures."""
+
+    def __init__(self, tensors: tuple[torch.Tensor | None, ...]) -> None:
+        present = [t for t in tensors if t is not None]
+        if _TensorGuards is None:
+            self._guards = None
+            self._signatures = tuple(map(_metadata, present))
+        else:  # both keywords are needed: its constructor reads them unchecked
+            self._guards = _TensorGuards(*present, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+
+    def __call__(self, tensors: tuple[torch.Tensor | None, ...]) -> bool:
+        present = [t for t in tensors if t is not None]
+        if self._guards is None:
+            try:
+                return tuple(map(_metadata, present)) == self._signatures
+            except AttributeError:  # not a tensor: not proven
+                return False
+        return self._guards.check(*present)
+
+
+def _metadata(t: torch.Tensor) -> tuple:
+    """``tensor_signature`` but the address."""
+    return type(t), t.shape, t.stride(), t.dtype, t.device
 
 
 def _check_q(q, plan: StepPlan, spec: ModelSpec) -> None:
