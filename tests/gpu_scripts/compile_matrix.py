@@ -9,10 +9,11 @@ Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
 * ``hopper``: the Gluon Hopper kernels, sm_90a, the V4 ones with the griddepcontrol of their
   programmatic launches (``ops.pdl_launches``' auto): the top-k walk with its LSE, split, split with
   the in-kernel merge, SWA alone, the heads-on-N kernel's split merge, alone and with token pairs,
-  and the key-tile ping-pong prefill kernel's top-k walk with its LSE (``--full``: 23 variants:
-  SWA / every-entry / top-k, each alone, with the LSE, split, and split merging in the kernel;
-  top-k with non-power-of-two cache blocks and without range checks; the heads-on-N kernel's
-  top-k split merge (8 heads) and every-entry walk with its LSE (16 heads); its token pairs'
+  its 16-head top-k split for the combine launch, and the key-tile ping-pong prefill kernel's top-k
+  walk with its LSE (``--full``: 24 variants: SWA / every-entry / top-k, each alone, with the LSE,
+  split, and split merging in the kernel; top-k with non-power-of-two cache blocks and without
+  range checks; the heads-on-N kernel's top-k split merge (8 heads), top-k split (16 heads) and
+  every-entry walk with its LSE (16 heads); its token pairs'
   every-entry split merge and SWA walk with its LSE; the ping-pong kernel on every kind, with and
   without the LSE); and the V4.1 records'
   kernel (``hopper_records``) for every record pair selection gives it (``gluon_record_layers``:
@@ -76,17 +77,19 @@ HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True, False, 0) for comp in (0, 1
                    + [(comp, True, False, (6, 6), True, False, 0) for comp in (0, 1, 2)]
                    + [(comp, True, True, (6, 6), True, True, 0) for comp in (0, 1, 2)]
                    + [(2, False, True, (-1, -1), True, False, 0), (2, False, True, (6, 6), False, False, 0)]
-                   + [(2, True, True, (6, 6), True, True, 8), (1, False, True, (6, 6), True, False, 16)])
+                   + [(2, True, True, (6, 6), True, True, 8), (1, False, True, (6, 6), True, False, 16),
+                      (2, True, False, (6, 6), True, False, 16)])
 # the key-tile ping-pong kernel (``ops.pingpong``: unsplit 64-head launches of prefill chunks), per
 # layer kind, with and without the LSE (quick: the top-k walk with its LSE)
 PINGPONG_VARIANTS = [(comp, False, lse, (6, 6), True, False, 0) for comp in (2, 1, 0) for lse in (True, False)]
 # the heads-on-N kernel with token pairs (``ops.pair_tokens``: window and C128A layers)
 PAIR_VARIANTS = [(1, True, True, (6, 6), True, True, 16), (0, False, True, (6, 6), True, False, 16)]
 # without --full: the top-k walk with its LSE, split and in-kernel merge (every Gluon builtin the
-# kernel calls), SWA alone, and the heads-on-N kernel's split merge, alone and with token pairs (C128A)
+# kernel calls), SWA alone, the heads-on-N kernel's split merge, alone and with token pairs (C128A),
+# and its 16-head split for the combine launch (a V4-Pro -tp 8 rank's: its spills once cost 10 %)
 HOPPER_QUICK = [(2, False, True, (6, 6), True, False, 0), (2, True, False, (6, 6), True, False, 0),
                 (2, True, True, (6, 6), True, True, 0), (0, False, True, (6, 6), True, False, 0),
-                (2, True, True, (6, 6), True, True, 8)]
+                (2, True, True, (6, 6), True, True, 8), (2, True, False, (6, 6), True, False, 16)]
 # the V4.1 records' kernel, per record pair: the top-k walk with its LSE and the split merged in the
 # kernel (quick); SWA alone and the every-entry split (full)
 RECORDS_QUICK = [(2, False, True, (6, 6), True, False, 0), (2, True, True, (6, 6), True, True, 0)]

@@ -36,8 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import compat
 from .hopper import (
-    _finish_split,
     _launch_dependents,
+    _merge_if_last,
     _normalizer,
     _prefetch_index_rows,
     _producer,
@@ -277,8 +277,17 @@ def sparse_mla_fwd_hopper_heads_n(
                      mask=hmask_s)
             gl.store(PML + part * 2, m_i, mask=hmask_o)
             gl.store(PML + part * 2 + 1, l_i, mask=hmask_o)
-            _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb,
-                          num_heads, split, used, HAS_SINK, WRITE_LSE, MERGE_IN_KERNEL, bh, n_tok)
+            if MERGE_IN_KERNEL:
+                _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, t, t64, hb, n_hb,
+                               num_heads, split, used, HAS_SINK, WRITE_LSE, bh, n_tok)
+            else:
+                # the token's ``used`` for the combine launch (it reads the partials [0, used)), by
+                # its first program, from the column of each token's head 0 (a pair's program: two
+                # tokens). A masked store over the columns, not hopper._finish_split's scalar one:
+                # with that (or any scalar store outside this block) the 16-head variant spilled
+                # 168 B under Triton 3.6 and ran 10-18 % slower on the H100 (notes/perf-gather.md)
+                head_u, tok_u, live_u = _columns(t64, hb, num_heads, num_tokens, 1, 0, NH, PAIR, Lh)
+                gl.store(PU + tok_u, gl.zeros_like(head_u) + used, mask=live_u & (head_u == 0) & (sp == 0))
     else:
         inv, lse = _normalizer(m_i, l_i, SINK, h_o, hmask_o, HAS_SINK)
         # scaled after the layout change, as the split path stores (scaling in the MMA layout first
