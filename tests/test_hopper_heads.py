@@ -99,10 +99,13 @@ def test_gpu_token_pairs_match_the_reference_across_graph_replays(cfg, heads, ba
 @pytest.mark.parametrize("setting,heads,tiles,tokens,expected", [
     (-1, 8, 18, 2, 8),     # V4-Flash TP8 rank, C4A 1024 / C128A 1024, split 132
     (-1, 8, 18, 64, 8),    # split 4
-    (-1, 16, 18, 2, 0),    # V4-Pro TP8 rank: 16 heads per program split beyond 2: the 64-head kernel
-    (-1, 16, 18, 64, 0),   # split 4
-    (-1, 12, 18, 64, 0),   # 16 heads per program too
-    (-1, 16, 18, 88, 0),   # split 3
+    (-1, 16, 18, 2, 0),    # V4-Pro TP8 rank: 16 heads per program split beyond 5: the 64-head kernel
+    (-1, 16, 18, 32, 0),   # split 8
+    (-1, 16, 18, 40, 0),   # split 6
+    (-1, 16, 18, 64, 16),  # split 4
+    (-1, 12, 18, 64, 16),  # 16 heads per program too
+    (-1, 12, 18, 48, 16),  # split 5
+    (-1, 16, 18, 88, 16),  # split 3
     (-1, 16, 18, 96, 16),  # split 2
     (-1, 16, 18, 128, 16),
     (-1, 16, 18, 256, 16),  # not split

@@ -347,7 +347,13 @@ def short_rows_unsplit(config: KernelConfig, max_tiles: int, num_tokens: int, nu
 # against 36.0 us; C128A at 8 tokens: 21.8 both), a tie at 128 (C128A 59.5 against 65.3 the other
 # way, C4A 1024 71.8 against 70.0), and whole V4-Pro -tp 8 steps with the 64-head kernel took
 # 1.04-1.26x less time at b = 2-64 (s_q 1 and 2), 2 % more at b = 128 and 1.47x more at 256 tokens
-# (heads-on-N unsplit there). With 8 heads per
+# (heads-on-N unsplit there). Most of that gap was a spill of the 16-head split variant under
+# Triton 3.6 (e6beefa); without it (same machine, forced either way, heads-on-N / 64-head us):
+# splits of 4-5 tie or win (48 tokens: C4A 1024 39.4 / 41.4, C128A 33.6 / 38.4; 64 tokens: 44.9 /
+# 44.7, 37.2 / 40.3; 88: 52.6 / 66.4, 45.2 / 62.8), splits of 8-16 lose up to 7 % (32 tokens: 32.2 /
+# 30.5, 28.4 / 27.9; 16 tokens: C4A 1024 26.2 / 24.4) and larger ones tie (4 tokens: 17.7 / 17.6,
+# 15.9 / 15.9); whole V4-Pro -tp 8 steps 1.13x faster at b = 128 (s_q 1) and b = 64 (s_q 2), the
+# rest within 2 %. With 8 heads per
 # program also over rows under HEADS_ON_N_MIN_TILES tiles where its split is at most
 # HEADS_ON_N_SHORT_ROWS_MAX_SPLIT: same machine, C4A 512 at 88 / 96 / 128 tokens (splits 3 / 2 / 2)
 # 37.5 / 38.7 / 44.2 us against 42.5 / 42.9 / 45.2 on the 64-head kernel (two to three runs), a tie at
@@ -356,7 +362,7 @@ def short_rows_unsplit(config: KernelConfig, max_tiles: int, num_tokens: int, nu
 # / 52.6 against 42.6 / 45.3), so they keep the 64-head kernel.
 HEADS_ON_N_MAX_HEADS = 16
 HEADS_ON_N_MIN_TILES = 16
-HEADS_ON_N_WIDE_MAX_SPLIT = 2
+HEADS_ON_N_WIDE_MAX_SPLIT = 5
 HEADS_ON_N_SHORT_ROWS_MAX_SPLIT = 4
 
 
