@@ -353,7 +353,8 @@ def short_rows_unsplit(config: KernelConfig, max_tiles: int, num_tokens: int, nu
 # 44.7, 37.2 / 40.3; 88: 52.6 / 66.4, 45.2 / 62.8), splits of 8-16 lose up to 7 % (32 tokens: 32.2 /
 # 30.5, 28.4 / 27.9; 16 tokens: C4A 1024 26.2 / 24.4) and larger ones tie (4 tokens: 17.7 / 17.6,
 # 15.9 / 15.9); whole V4-Pro -tp 8 steps 1.13x faster at b = 128 (s_q 1) and b = 64 (s_q 2), the
-# rest within 2 %. With 8 heads per
+# rest within 2 %; against a limit of 4, steps of 48 / 52 tokens (split 5) 1.16x / 1.10x faster (s_q 1)
+# and 1.21x / 1.16x (s_q 2), while a limit of 7 lost 1-4 % at 40-44 tokens (split 6). With 8 heads per
 # program also over rows under HEADS_ON_N_MIN_TILES tiles where its split is at most
 # HEADS_ON_N_SHORT_ROWS_MAX_SPLIT: same machine, C4A 512 at 88 / 96 / 128 tokens (splits 3 / 2 / 2)
 # 37.5 / 38.7 / 44.2 us against 42.5 / 42.9 / 45.2 on the 64-head kernel (two to three runs), a tie at
