@@ -283,8 +283,8 @@ class SparseMLA:
     def _relocation_key(signature: tuple, repeat_key: tuple, swa_cache: torch.Tensor,
                         comp_cache: torch.Tensor | None) -> tuple:
         """What a call keeps when its tensors move (16-byte alignment kept):
-        ``checks.relocation_signature`` of its checks' ``signature``, the plan tensors' number
-        (in ``repeat_key``), the caches' storage offsets mod 16."""
+        ``checks.relocation_signature`` of its checks' ``signature``, the number for (plan facts,
+        plan tensors, kind) that heads its ``repeat_key``, the caches' storage offsets mod 16."""
         return (checks.relocation_signature(signature), repeat_key[0], swa_cache.storage_offset() % 16,
                 None if comp_cache is None else comp_cache.storage_offset() % 16)
 
