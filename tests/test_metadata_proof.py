@@ -84,3 +84,31 @@ def test_what_is_not_a_tensor_is_not_proven(gen, proof_kind):
     inputs = _inputs(gen)
     proof = checks.MetadataProof(inputs)
     assert not proof((inputs[0].tolist(), *inputs[1:]))
+
+
+class _RefusesItsOwnTensor:
+    def __init__(self, *tensors, **keywords):
+        pass
+
+    def check(self, *tensors):
+        return False
+
+
+class _ProvesEverything(_RefusesItsOwnTensor):
+    def check(self, *tensors):
+        return True
+
+
+class _NeedsAnotherKeyword:
+    def __init__(self, *tensors, dynamic_dims_sizes, dynamic_dims_strides, another):
+        pass
+
+
+@pytest.mark.parametrize("stand_in", [_RefusesItsOwnTensor, _ProvesEverything, _NeedsAnotherKeyword])
+def test_a_tensor_guards_that_does_not_work_as_used_is_not_used(monkeypatch, stand_in):
+    """A torch whose private TensorGuards changed (another signature, another verdict) leaves the
+    proof to Python signatures instead of breaking or fooling every repeated layer call."""
+    from torch._C._dynamo import guards
+
+    monkeypatch.setattr(guards, "TensorGuards", stand_in)
+    assert checks.working_tensor_guards() is None

@@ -278,11 +278,26 @@ def tensor_signature(t: torch.Tensor | None) -> tuple | None:
     return type(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
-_TensorGuards: Any
-try:  # the C++ tensor check torch.compile's guards run (torch/csrc/dynamo/guards.cpp, TensorGuards)
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # a torch without it: MetadataProof compares signatures in Python
-    _TensorGuards = None
+def working_tensor_guards() -> Any:
+    """torch's ``TensorGuards`` (torch/csrc/dynamo/guards.cpp: the C++ tensor check torch.compile's
+    guards run; a private API) where it works as ``MetadataProof`` uses it -- made on a tensor,
+    it passes that tensor and refuses one of another shape --, else None (``MetadataProof`` then
+    compares signatures in Python). Both keywords are passed: its constructor reads them
+    unchecked."""
+    try:
+        from torch._C._dynamo import guards as dynamo_guards
+
+        made: Any = dynamo_guards.TensorGuards  # its .pyi does not describe the tensors it takes
+        t = torch.empty(2)
+        guards = made(t, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        if guards.check(t) and not guards.check(torch.empty(3)):
+            return made
+    except Exception:  # any failure of a private API means: do not use it
+        pass
+    return None
+
+
+_TensorGuards = working_tensor_guards()  # checked once per process
 
 
 class MetadataProof:
@@ -302,7 +317,7 @@ class MetadataProof:
         if _TensorGuards is None:
             self._guards = None
             self._signatures = tuple(map(_metadata, present))
-        else:  # both keywords are needed: its constructor reads them unchecked
+        else:
             self._guards = _TensorGuards(*present, dynamic_dims_sizes=None, dynamic_dims_strides=None)
 
     def __call__(self, tensors: tuple[torch.Tensor | None, ...]) -> bool:
