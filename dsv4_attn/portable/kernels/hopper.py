@@ -277,17 +277,16 @@ def _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, 
 @gluon.jit
 def _finish_split(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, PU, t, t64, sp, hb, n_hb, num_heads,
                   split, used, HAS_SINK: gl.constexpr, WRITE_LSE: gl.constexpr, MERGE_IN_KERNEL: gl.constexpr,
-                  BH: gl.constexpr, n_tok=1):
-    """After a program with keys stored its partial: the merge in the kernel (by the last of the
-    token's ``used`` programs), or the token's ``used`` for the combine launch, which reads the
-    partials [0, used) (written once, by the token's first program); for tokens t .. t + n_tok - 1
-    (a token pair's program: 2)."""
+                  BH: gl.constexpr):
+    """After a 64-head program with keys stored its partial: the merge in the kernel (by the last of
+    the token's ``used`` programs), or the token's ``used`` for the combine launch, which reads the
+    partials [0, used) (written once, by the token's first program). The heads-on-N kernel does
+    both its own way (a token pair's two tokens; a store masked over its columns)."""
     if MERGE_IN_KERNEL:
         _merge_if_last(PO, PML, O, stride_ot, stride_oh, LSE, stride_lt, SINK, CNT, t, t64, hb, n_hb, num_heads, split,
-                       used, HAS_SINK, WRITE_LSE, BH, n_tok)
+                       used, HAS_SINK, WRITE_LSE, BH)
     elif sp + hb == 0:
-        for k in range(n_tok):
-            gl.store(PU + t + k, used)
+        gl.store(PU + t, used)
 
 
 @gluon.jit
