@@ -341,26 +341,19 @@ def short_rows_unsplit(config: KernelConfig, max_tiles: int, num_tokens: int, nu
 # a token's rows span at least HEADS_ON_N_MIN_TILES key tiles or its launch is not split, which rows
 # of at most SHORT_ROWS_MAX_TILES tiles on it never are (short_rows_unsplit: measured on the H200).
 # With 16 heads per program (9-16 heads) only where its key split is at most HEADS_ON_N_WIDE_MAX_SPLIT:
-# H100, 2026-11-27 (notes/perf-gather.md, `bench --configs h16-c4a1024 h16-c128a h16-c2a1024 --variant
-# m=heads_on_n=0 --variant hn=heads_on_n=1`, twice), the 64-head kernel's split launch ran up to 16 %
-# faster than heads-on-N's at 2-64 tokens on every such layer, one tie (C4A 1024 at 32 tokens: 30.8
-# against 36.0 us; C128A at 8 tokens: 21.8 both), a tie at 128 (C128A 59.5 against 65.3 the other
-# way, C4A 1024 71.8 against 70.0), and whole V4-Pro -tp 8 steps with the 64-head kernel took
-# 1.04-1.26x less time at b = 2-64 (s_q 1 and 2), 2 % more at b = 128 and 1.47x more at 256 tokens
-# (heads-on-N unsplit there). Most of that gap was a spill of the 16-head split variant under
-# Triton 3.6 (e6beefa); without it (same machine, forced either way, heads-on-N / 64-head us):
-# splits of 4-5 tie or win (48 tokens: C4A 1024 39.4 / 41.4, C128A 33.6 / 38.4; 64 tokens: 44.9 /
-# 44.7, 37.2 / 40.3; 88: 52.6 / 66.4, 45.2 / 62.8), splits of 8-16 lose up to 7 % (32 tokens: 32.2 /
-# 30.5, 28.4 / 27.9; 16 tokens: C4A 1024 26.2 / 24.4) and larger ones tie (4 tokens: 17.7 / 17.6,
-# 15.9 / 15.9); whole V4-Pro -tp 8 steps 1.13x faster at b = 128 (s_q 1) and b = 64 (s_q 2), the
-# rest within 2 %; against a limit of 4, steps of 48 / 52 tokens (split 5) 1.16x / 1.10x faster (s_q 1)
-# and 1.21x / 1.16x (s_q 2), while a limit of 7 lost 1-4 % at 40-44 tokens (split 6). With 8 heads per
+# H100, 2026-11-27 (notes/perf-gather.md; both kernels forced, heads-on-N / 64-head us, once the
+# split variant's Triton 3.6 spill was gone, e6beefa; with it the limit had been 2): splits of 3-5
+# tie or win (48 tokens: C4A 1024 39.4 / 41.4, C128A 33.6 / 38.4; 64 tokens: 44.9 / 44.7, 37.2 /
+# 40.3; 88: 52.6 / 66.4, 45.2 / 62.8), splits of 8-16 lose up to 7 % (32 tokens: 32.2 / 30.5, 28.4 /
+# 27.9; 16 tokens: C4A 1024 26.2 / 24.4) and larger ones tie (4 tokens: 17.7 / 17.6, 15.9 / 15.9).
+# Whole V4-Pro -tp 8 steps against a limit of 4: 48 / 52 tokens (split 5) 1.16x / 1.10x faster (s_q
+# 1), 1.21x / 1.16x (s_q 2); a limit of 7 lost 1-4 % at 40-44 tokens (split 6). With 8 heads per
 # program also over rows under HEADS_ON_N_MIN_TILES tiles where its split is at most
 # HEADS_ON_N_SHORT_ROWS_MAX_SPLIT: same machine, C4A 512 at 88 / 96 / 128 tokens (splits 3 / 2 / 2)
 # 37.5 / 38.7 / 44.2 us against 42.5 / 42.9 / 45.2 on the 64-head kernel (two to three runs), a tie at
 # 64 (split 4: 31.3 / 31.8), 4 % slower at 16-32 (splits 8-16); whole V4-Flash -tp 8 steps 1.03-1.10x
-# faster at 96-128 tokens (s_q 1 and 2). 16 heads there lose 7-14 % (C4A 512 at 96 / 128 tokens: 45.9
-# / 52.6 against 42.6 / 45.3), so they keep the 64-head kernel.
+# faster at 96-128 tokens (s_q 1 and 2). 16 heads there lose 4-8 % even without the spill (C4A 512 at
+# 64 / 128 tokens: 34.0 / 47.7 against 31.6 / 45.8), so they keep the 64-head kernel.
 HEADS_ON_N_MAX_HEADS = 16
 HEADS_ON_N_MIN_TILES = 16
 HEADS_ON_N_WIDE_MAX_SPLIT = 5
