@@ -130,8 +130,13 @@ AITER_MAX_DECODE_TOKENS = EnvVar("DSV4_ATTN_AITER_MAX_DECODE_TOKENS", "1024",
                                  "launches run on triton / torch", "an int >= 1",
                                  _int_at_least(1))
 
+DIRECT_LAUNCH = EnvVar("DSV4_ATTN_DIRECT_LAUNCH", "1",
+                       "a repeated layer call on an NVIDIA GPU hands its bound Triton kernels to the CUDA driver "
+                       "(cuLaunchKernelEx, parameters packed once: portable/kernels/driver_launch.py); 0: through "
+                       "Triton's launcher, as before (read when a call is bound)", "1/on or 0/off", _switch)
+
 OURS = (BACKEND, VLLM, SGLANG, FLASHMLA_LIB, CHOICES, AITER_EMULATOR, AITER_PATH, AITER_FP8_COMPUTE,
-        AITER_PERSISTENT_MAX_BATCH, AITER_MAX_DECODE_TOKENS)
+        AITER_PERSISTENT_MAX_BATCH, AITER_MAX_DECODE_TOKENS, DIRECT_LAUNCH)
 # Other projects' variables that change what dsv4_attn does, shown by the probe.
 FOREIGN = {"TRITON_INTERPRET": "Triton runs kernels in its CPU interpreter (tests on machines without a GPU)",
            "CUDA_VISIBLE_DEVICES": "which NVIDIA GPUs torch sees", "HIP_VISIBLE_DEVICES": "which AMD GPUs torch sees",

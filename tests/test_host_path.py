@@ -19,6 +19,7 @@ import dataclasses
 import importlib.util
 import inspect
 import re
+import threading
 
 import pytest
 import torch
@@ -29,6 +30,8 @@ from dsv4_attn.common import checks
 from dsv4_attn.common.backend import LayerInputs
 from dsv4_attn.common.spec import LayerKind
 from dsv4_attn.testing.steps import make_step
+
+from kit.launches import c4a_launches
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 C4A_ONLY = (LayerKind.SWA, LayerKind.C4A)
@@ -154,22 +157,6 @@ def test_a_replaced_copy_of_checked_inputs_carries_no_key(case):
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton missing")
 
 
-def _launches(case, split: int, **config):
-    """The case's C4A layer's launches (nothing launched) under a KernelConfig of ``split`` and
-    ``config``'s other fields."""
-    from dsv4_attn.portable.kernels import ops
-
-    kind = LayerKind.C4A
-    mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="torch")
-    plan = mla.plan(case.batch)
-    out = torch.empty_like(case.q)
-    return ops.layer_launches(
-        case.q, out, "fp8_ds_mla", case.caches["swa"], plan.swa_rows, plan.swa_lens,
-        comp_cache=case.caches[kind], comp_rows=case.topks[kind],
-        c4a=(case.batch.comp_block_table(kind), plan.token_to_req, plan.positions), topk_ratio=kind.ratio,
-        sink=case.sink, config=ops.KernelConfig(split=split, p_scratch=1, **config))
-
-
 @needs_triton
 @pytest.mark.parametrize("kernel", ["portable", "gluon", "pingpong"])
 def test_bound_parameters_follow_each_kernels_own_signature(case, monkeypatch, kernel):
@@ -185,10 +172,10 @@ def test_bound_parameters_follow_each_kernels_own_signature(case, monkeypatch, k
         monkeypatch.setattr(ops, "use_gluon", lambda *args, **kwargs: True)
     if kernel == "pingpong":
         monkeypatch.setattr(ops, "device_arch", lambda device: "sm90")
-        layer = _launches(case, split=1, heads_on_n=0, pingpong=1)
+        layer = c4a_launches(case, split=1, heads_on_n=0, pingpong=1)
         assert [one.fn.__module__.rsplit(".", 1)[-1] for one in layer.launches] == ["hopper_prefill"]
     else:
-        layer = _launches(case, split=2)
+        layer = c4a_launches(case, split=2)
         assert len(layer.launches) == 2  # the attention kernel and the split combine
         assert ("hopper" in layer.launches[0].fn.__module__) == (kernel == "gluon")
     for one in layer.launches:
@@ -217,7 +204,7 @@ def test_a_replay_hands_the_launcher_the_plain_launchs_arguments(case, monkeypat
     addresses, the temporaries at the new ones (same offsets), everything else as given."""
     from dsv4_attn.portable.kernels import launch
 
-    layer = _launches(case, split=2)
+    layer = c4a_launches(case, split=2)
     assert len(layer.temporaries) == 3  # split partials, P scratch, alpha scratch
     kernels = [_Recording() for _ in layer.launches]
     monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
@@ -258,7 +245,7 @@ def test_a_workspace_grown_by_a_later_binding_moves_every_replay_of_its_stream(c
 
     monkeypatch.setattr(launch, "current_stream", lambda device: 0)
     workspace = launch.Workspace(torch.device("cpu"))
-    small = _launches(case, split=2)
+    small = c4a_launches(case, split=2)
     small_kernels = [_Recording() for _ in small.launches]
     replay = launch.bind_launches(small, small_kernels, torch.device("cpu"), workspace)
     assert replay()
@@ -279,7 +266,7 @@ def test_temporaries_above_the_workspace_limit_are_not_bound(case, monkeypatch):
     from dsv4_attn.portable.kernels import launch
 
     monkeypatch.setattr(launch, "current_stream", lambda device: 0)
-    layer = _launches(case, split=2)
+    layer = c4a_launches(case, split=2)
     size = launch.temporaries_layout(layer.temporaries)[1]
     workspace = launch.Workspace(torch.device("cpu"))
     monkeypatch.setattr(launch, "WORKSPACE_LIMIT", size - 1)
@@ -292,7 +279,8 @@ def test_temporaries_above_the_workspace_limit_are_not_bound(case, monkeypatch):
 
 @needs_triton
 def test_in_a_graph_capture_replays_step_aside_and_nothing_is_bound(case, monkeypatch):
-    """Inside a capture (as ``common.plan.capturing`` reports it) a bound call launches plainly --
+    """Inside a capture (as ``common.plan.capturing`` and a replay's ``launch.stream_capturing``
+    report it) a bound call launches plainly --
     its temporaries then come from the capture's pool, not the workspace a graph could outlive --
     and the backend binds nothing (no workspace grows there); after it, the replay runs again.
     Kernels stubbed, launches bound as on a GPU."""
@@ -314,8 +302,8 @@ def test_in_a_graph_capture_replays_step_aside_and_nothing_is_bound(case, monkey
         bound = dict(backend._replays)
         sizes = {key: w.size for key, w in backend._workspaces.items()}
         launches, runs_before = len(plain), len(runs)
-        for module in (launch, triton_backend):
-            monkeypatch.setattr(module, "capturing", lambda device: True)
+        monkeypatch.setattr(triton_backend, "capturing", lambda device: True)
+        monkeypatch.setattr(launch, "stream_capturing", lambda: True)
         _call(mla, plan, case, out=out)  # a capture: the plain launches, nothing bound
         fresh_q = case.q.clone()
         _call(mla, plan, case, q=fresh_q, out=out)  # a call never seen, twice (outside: bound): nothing bound
@@ -323,8 +311,8 @@ def test_in_a_graph_capture_replays_step_aside_and_nothing_is_bound(case, monkey
         assert len(plain) > launches and len(runs) == runs_before
         assert backend._replays.keys() == bound.keys() and all(backend._replays[k] is v for k, v in bound.items())
         assert {key: w.size for key, w in backend._workspaces.items()} == sizes
-        for module in (launch, triton_backend):
-            monkeypatch.setattr(module, "capturing", lambda device: False)
+        monkeypatch.setattr(triton_backend, "capturing", lambda device: False)
+        monkeypatch.setattr(launch, "stream_capturing", lambda: False)
         launches = len(plain)
         _call(mla, plan, case, out=out)  # after the capture: the bound launches again
         assert len(plain) == launches and len(runs) > runs_before
@@ -367,7 +355,7 @@ def test_a_replay_steps_aside_for_a_launch_hook(case, monkeypatch):
 
     from dsv4_attn.portable.kernels import launch
 
-    layer = _launches(case, split=2)
+    layer = c4a_launches(case, split=2)
     kernels = [_Recording() for _ in layer.launches]
     monkeypatch.setattr(launch, "current_stream", lambda device: 0)
     replay = launch.bind_launches(layer, kernels, torch.device("cpu"), launch.Workspace(torch.device("cpu")))
@@ -386,7 +374,7 @@ def test_a_replay_bound_on_one_stream_steps_aside_on_another(case, monkeypatch):
     at once would race on them); the caller launches plainly."""
     from dsv4_attn.portable.kernels import launch
 
-    layer = _launches(case, split=2)
+    layer = c4a_launches(case, split=2)
     kernels = [_Recording() for _ in layer.launches]
     monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
     replay = launch.bind_launches(layer, kernels, torch.device("cpu"), launch.Workspace(torch.device("cpu")))
@@ -459,7 +447,19 @@ def test_bound_launches_give_the_plain_launchs_bytes_on_the_gpu(gen, batch, head
         outs.append(_call(mla, plan, case, out=out).clone())
     torch.cuda.synchronize()
     backend = mla._backend("triton")
-    assert any(isinstance(r, launch.Replay) for r in backend._replays.values())
+    replays = [r for r in backend._replays.values() if isinstance(r, launch.Replay)]
+    assert replays
+    # the repeats went to the driver directly (driver_launch), every kernel's parameters packed
+    assert all(len(r._direct) == len(r._bound) and r._direct for r in replays)
+    # a thread that made no CUDA call yet (no current context: the driver refuses, Triton's launcher
+    # makes it current) repeats the call too
+    out.fill_(float("nan"))
+    torch.cuda.synchronize()
+    worker = threading.Thread(target=_call, args=(mla, plan, case), kwargs=dict(out=out))
+    worker.start()
+    worker.join()
+    torch.cuda.synchronize()
+    outs.append(out.clone())
     assert not outs[0].isnan().any()
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     assert all(not counters.any() for counters in backend._counters.values())  # every launch leaves them 0
@@ -487,7 +487,7 @@ def test_a_relocated_call_gives_the_bytes_of_its_own_plain_launch_on_the_gpu(gen
 
 
 @needs_triton
-def test_a_repeated_call_runs_only_its_bound_launches(case, monkeypatch):
+def test_a_repeated_call_runs_only_its_boundc4a_launches(case, monkeypatch):
     """From the second call with the same inputs (the first: plain launches, then bound), a layer
     call neither checks its inputs again, builds its LayerInputs nor its launches: it hands the
     bound launchers their arguments, one call each (the attention kernel and the split combine); a
@@ -563,7 +563,7 @@ _MOVES = ("q moved in place", "out moved in place", "sink moved in place", "swa_
 @needs_triton
 @pytest.mark.parametrize("proof", ["torch TensorGuards", "python signatures"])
 @pytest.mark.parametrize("change", list(_in_place_changes()))
-def test_a_changed_input_of_a_bound_call_takes_the_full_path_or_moves_the_launches(case, monkeypatch, change, proof):
+def test_a_changed_input_of_a_bound_call_takes_the_full_path_or_moves_thec4a_launches(case, monkeypatch, change, proof):
     """After a call's launches are bound (kernels stubbed, bound as on a GPU), changing one input
     -- on the same tensor object in place, or by handing another tensor -- runs the checks again
     (refused where they refuse, as always) instead of the bound launches; a change of nothing but
@@ -618,7 +618,7 @@ def _sent(mla, call) -> list[tuple]:
     (replay,) = [r for k, (_, r, _) in mla._repeats.items()  # a repeat key: q's address at 3, swa_cache's at 4
                  if k[3] == call["q"].data_ptr() and k[4] == call["swa_cache"].data_ptr()]
     replay._fill()
-    return [args for _, args in replay._ready]
+    return [args for _, args, _ in replay._ready]
 
 
 @needs_triton
@@ -688,7 +688,7 @@ def test_a_launch_argument_no_single_source_holds_makes_the_replay_unmovable(cas
     replay still runs (its addresses as bound) but ``relocated`` gives None."""
     from dsv4_attn.portable.kernels import launch
 
-    layer = _launches(case, split=2)
+    layer = c4a_launches(case, split=2)
     monkeypatch.setattr(launch, "current_stream", lambda device: 0)
     kernels = [_Recording() for _ in layer.launches]
     q = layer.launches[0].args[0]

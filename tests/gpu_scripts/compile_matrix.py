@@ -29,7 +29,9 @@ Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
   kind x split everywhere;
 * ``combine`` (split merge) and ``step_rows`` / ``topk_rows`` (the index front end) on every target.
 
-Fails (exit 1) on a compile error, or on AMD scratch (registers spilled to memory) or LDS past
+Fails (exit 1) on a compile error, on an NVIDIA kernel whose parameters ``driver_launch`` would
+not pack (a replay would take Triton's launcher: the PTX entry's parameters differ from the packing
+of its signature, or a type it does not pack), or on AMD scratch (registers spilled to memory) or LDS past
 the arch's limit; AMD VGPR spills that stay in registers (into AGPRs, no scratch: Triton 3.6's
 gfx950 64-key tile spills 2) and SGPR spills (into VGPR lanes) are reported, not failed; NVIDIA
 spills are reported, not failed (ptxas' own log:
@@ -65,7 +67,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from dsv4_attn.common.layout import Fp8Dialect, KVFormat  # noqa: E402
 from dsv4_attn.common.spec import MAX_HEADS  # noqa: E402
 from dsv4_attn.portable.kernels import attention as K  # noqa: E402
-from dsv4_attn.portable.kernels import indices, ops  # noqa: E402
+from dsv4_attn.portable.kernels import driver_launch, indices, ops  # noqa: E402
 
 TARGETS = {"sm80": GPUTarget("cuda", 80, 32), "sm90": GPUTarget("cuda", 90, 32),
            "sm100": GPUTarget("cuda", 100, 32), "gfx942": GPUTarget("hip", "gfx942", 64),
@@ -266,7 +268,11 @@ def measure(job: Job) -> dict:
         if not row["ok"]:
             row["error"] = "AMD scratch (spills to memory) / LDS past the limit"
     else:
-        row.update(_ptxas_figures(log.getvalue()), shared=kernel.metadata.shared, ok=True)
+        # a replay launches it through the driver only where its parameters pack as its PTX declares them
+        direct = driver_launch.kernel_layout(kernel) is not None
+        row.update(_ptxas_figures(log.getvalue()), shared=kernel.metadata.shared, direct_launch=direct, ok=direct)
+        if not direct:
+            row["error"] = "driver_launch.kernel_layout declines it: a replay would take Triton's launcher"
     return row
 
 

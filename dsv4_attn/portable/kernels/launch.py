@@ -28,8 +28,10 @@ Not bound (always the plain launch): Triton's CPU interpreter (no compiled kerne
 buffer-op specialization also reads the tensors' sizes), a launch hook installed (a profiler
 sees every launch through Triton's own path), a kernel that compiled to nothing; a replay steps
 aside (the plain launch runs) on another GPU or stream than its binding's and in a graph capture.
-(Triton's ``CudaLauncher.__call__`` still runs per launch: its C ``launch`` takes other leading
-arguments in 3.6 and 3.8, e.g. 3.8's ``arg_annotations`` / ``kernel_signature``.)
+A replay hands each kernel whose parameters it can pack to the CUDA driver itself
+(``driver_launch``: ``cuLaunchKernelEx`` with the parameter block packed when the replay fills
+its arguments, checked against the kernel's PTX); the others, and every replay under
+``DSV4_ATTN_DIRECT_LAUNCH=0``, go through Triton's ``CudaLauncher`` as above.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ from typing import Any
 import torch
 from triton import knobs
 
+from ... import envs
 from ...common.checks import byte_span
-from ...common.plan import capturing
 from ...common.platform import triton_interpreting
+from . import driver_launch
+from .driver_launch import CUDA_ERROR_INVALID_CONTEXT, DirectLaunch, KernelLayout
 
 
 @dataclass
@@ -99,6 +103,7 @@ class _Bound:
     args: tuple  # every parameter in order; tensors as addresses (a temporary's / a source's: filled per call)
     fills: tuple[tuple[int, int, int], ...]  # (position in args, temporary, byte offset in it)
     source_fills: tuple[tuple[int, int, int], ...]  # (position in args, source, byte offset from its address)
+    layout: KernelLayout | None = None  # its direct launch (driver_launch), None: Triton's launcher
 
 
 class Workspace:
@@ -180,21 +185,26 @@ class Replay:
         # launches plainly
         self._stream = current_stream(device)
         self._filled_for = -1  # the workspace address ``_ready`` holds
-        self._ready: list[tuple[Any, tuple]] = []  # (launcher, every argument of its call)
+        # (launcher, every argument of its call, Triton's launcher and arguments for a direct launch
+        # or None); a direct launch's DirectLaunch is its arguments' owner
+        self._ready: list[tuple[Any, tuple, tuple | None]] = []
+        self._direct: list[DirectLaunch] = []  # the buffers the driver reads
 
     def __call__(self) -> bool:
         """Launch again; False (nothing launched) when a launch hook is installed now, another GPU
         or stream is current or a graph capture is in progress: the caller launches plainly (its
         temporaries then come from the capture's pool, which outlives no graph)."""
         hooks = knobs.runtime
-        device = self._device
-        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls or current_gpu(device) != self._gpu \
-                or current_stream(device) != self._stream or capturing(device):
+        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls \
+                or current_stream(self._device) != self._stream or stream_capturing() \
+                or (self._gpu is not None and _current_device()() != self._gpu):
             return False
         if self._workspace.address != self._filled_for:  # the first call, or the workspace grew since
             self._fill()
-        for run, args in self._ready:
-            run(*args)
+        for run, args, triton_launch in self._ready:
+            code = run(*args)  # Triton's launcher: None; the driver: CUresult
+            if code:
+                _launch_failed(code, triton_launch)
         return True
 
     def relocated(self, tensors: tuple[torch.Tensor | None, ...]) -> Replay | None:
@@ -206,7 +216,7 @@ class Replay:
         if not self._relocatable or len(tensors) != len(self._sources):
             return None
         moved = object.__new__(Replay)
-        moved.__dict__.update(self.__dict__, _filled_for=-1, _ready=[],
+        moved.__dict__.update(self.__dict__, _filled_for=-1, _ready=[], _direct=[],
                               _sources=tuple(0 if t is None else t.data_ptr() for t in tensors))
         return moved
 
@@ -214,16 +224,32 @@ class Replay:
         """Every launch's arguments with the temporaries at their places in the workspace now and
         the call's own tensors at their addresses."""
         base = self._workspace.address
-        self._ready = []
+        self._ready, self._direct = [], []
         for b in self._bound:
             args = list(b.args)
             for i, temp, offset in b.fills:
                 args[i] = base + self._offsets[temp] + offset
             for i, source, offset in b.source_fills:
                 args[i] = self._sources[source] + offset
-            self._ready.append((b.run, (*b.grid, self._stream, b.function, b.packed_metadata, None, None, None,
-                                        *args)))
+            triton_launch = (b.run, (*b.grid, self._stream, b.function, b.packed_metadata, None, None, None, *args))
+            if b.layout is None:
+                self._ready.append((*triton_launch, None))
+                continue
+            direct = DirectLaunch(b.layout, b.function, b.grid, self._stream, tuple(args))
+            self._direct.append(direct)
+            self._ready.append((driver_launch.launch_kernel_ex(), direct.arguments, triton_launch))
         self._filled_for = base
+
+
+def _launch_failed(code: int, triton_launch: tuple | None) -> None:
+    """After the driver refused a direct launch with CUresult ``code``: Triton's launcher where the
+    calling thread has no current CUDA context (it makes the device's primary context current, as
+    at any plain launch), else the error, as Triton's launcher raises it."""
+    if code == CUDA_ERROR_INVALID_CONTEXT and triton_launch is not None:
+        run, args = triton_launch
+        run(*args)
+        return
+    raise RuntimeError(f"Triton Error [CUDA]: cuLaunchKernelEx: {driver_launch.error_text(code)}")
 
 
 def bindable(device: torch.device) -> bool:
@@ -240,7 +266,27 @@ def _compiled_cuda() -> bool:
 
 def current_gpu(device: torch.device) -> int | None:
     """The current GPU's index (what a bound kernel was loaded on) for a tensor on ``device``."""
-    return torch.cuda.current_device() if device.type == "cuda" else None
+    return _current_device()() if device.type == "cuda" else None
+
+
+@functools.cache
+def _current_device():
+    """``torch.cuda.current_device`` without its lazy-initialisation check (a replay exists only
+    once CUDA ran a kernel): torch's own ``_cuda_getDevice``, where this torch has it."""
+    return getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def stream_capturing() -> bool:
+    """``common.plan.capturing`` for a replay: a graph capture is in progress on the current
+    stream, read without ``torch.cuda``'s wrapper nor the device-type test (~0.5 us of a ~3 us
+    replay on the GPU machine's CPU); False on a torch without CUDA."""
+    return _capture_query()()
+
+
+@functools.cache
+def _capture_query():
+    query = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    return query if query is not None and torch.cuda.is_available() else (lambda: False)
 
 
 def current_stream(device: torch.device):
@@ -289,6 +335,7 @@ def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device, wo
         return None
     storages = [t.untyped_storage().data_ptr() for t in layer.temporaries]
     spans = _source_spans(sources)
+    direct = envs.DIRECT_LAUNCH.get()
     bound = []
     relocatable = True
     for launch, kernel in zip(layer.launches, compiled):
@@ -304,10 +351,25 @@ def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device, wo
         source_fills = tuple((i, a.index, a.offset) for i, a in enumerate(args) if isinstance(a, _Source))
         gx, gy, gz = (tuple(launch.grid) + (1, 1))[:3]
         run_fn = kernel.run  # a property: loads the kernel (CompiledKernel._init_handles) if needed
-        bound.append(_Bound(run_fn, kernel.function, kernel.packed_metadata, (gx, gy, gz), args, fills, source_fills))
+        layout = _direct_layout(kernel) if direct and gx * gy * gz > 0 else None
+        bound.append(_Bound(run_fn, kernel.function, kernel.packed_metadata, (gx, gy, gz), args, fills, source_fills,
+                            layout))
     workspace.ensure(size)
     addresses = tuple(0 if t is None else t.data_ptr() for t in sources)
     return Replay(bound, offsets, workspace, device, addresses, relocatable and bool(sources))
+
+
+_LAYOUTS: dict[str, KernelLayout | None] = {}  # by the compiled kernel's hash: its PTX is read once
+
+
+def _direct_layout(kernel) -> KernelLayout | None:
+    """``driver_launch.kernel_layout(kernel)``, once per compiled kernel."""
+    key = getattr(kernel, "hash", None)
+    if not isinstance(key, str):
+        return driver_launch.kernel_layout(kernel)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = driver_launch.kernel_layout(kernel)
+    return _LAYOUTS[key]
 
 
 def ordered_parameters(launch: KernelLaunch) -> tuple | None:
