@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from typing import Any
 
 import torch
@@ -313,7 +314,10 @@ class MetadataProof:
     compares signatures."""
 
     def __init__(self, tensors: tuple[torch.Tensor | None, ...]) -> None:
-        present = [t for t in tensors if t is not None]
+        at = [i for i, t in enumerate(tensors) if t is not None]
+        # the present tensors of a call, always as a tuple (itemgetter of one position gives the item)
+        self._present = operator.itemgetter(*at) if len(at) > 1 else lambda ts: tuple(ts[i] for i in at)
+        present = self._present(tensors)
         if _TensorGuards is None:
             self._guards = None
             self._signatures = tuple(map(_metadata, present))
@@ -321,7 +325,7 @@ class MetadataProof:
             self._guards = _TensorGuards(*present, dynamic_dims_sizes=None, dynamic_dims_strides=None)
 
     def __call__(self, tensors: tuple[torch.Tensor | None, ...]) -> bool:
-        present = [t for t in tensors if t is not None]
+        present = self._present(tensors)
         if self._guards is None:
             try:
                 return tuple(map(_metadata, present)) == self._signatures
