@@ -117,11 +117,16 @@ def clock_for(device: torch.device):
     return time.perf_counter if device.type == "cuda" else time.thread_time
 
 
+# Calls timed back to back; the device is drained between blocks, outside the timing, so the GPU's
+# queue never holds more than one block's launches and a launch never waits for the GPU (a layer's
+# kernels may run longer than its host path: hundreds of calls back to back timed the GPU there).
+BLOCK = 10
+
+
 def median_us(fn, calls: int, rounds: int, device: torch.device) -> float:
-    """Median over ``rounds`` of the mean host time of ``calls`` back-to-back calls of ``fn(i)``, in
-    us; i numbers the calls of the measurement (a warm-up round included), never the same twice.
-    The device is drained between rounds (never inside one), so the GPU's queue never fills and
-    blocks a launch."""
+    """Median over ``rounds`` of the mean host time of ``calls`` calls of ``fn(i)``, in us, timed in
+    blocks of BLOCK back-to-back calls with the device drained between blocks (not timed); i numbers
+    the calls of the measurement (a warm-up round included), never the same twice."""
     clock = clock_for(device)
     numbers = iter(range(calls * (rounds + 1)))
     for _ in range(calls):
@@ -129,11 +134,16 @@ def median_us(fn, calls: int, rounds: int, device: torch.device) -> float:
     _sync(device)
     per_call = []
     for _ in range(rounds):
-        start = clock()
-        for _ in range(calls):
-            fn(next(numbers))
-        per_call.append((clock() - start) / calls * 1e6)
-        _sync(device)
+        spent, done = 0.0, 0
+        while done < calls:
+            block = min(BLOCK, calls - done)
+            start = clock()
+            for _ in range(block):
+                fn(next(numbers))
+            spent += clock() - start
+            done += block
+            _sync(device)
+        per_call.append(spent / calls * 1e6)
     return statistics.median(per_call)
 
 

@@ -15,7 +15,6 @@ import cProfile
 import itertools
 import os
 import pstats
-import time
 
 import torch
 
@@ -46,14 +45,10 @@ def main() -> None:
             q, out, topk, swa, comp = triples[next(numbers) % len(triples)]
             mla.forward(plan, case.kind, q, swa, comp, topk=topk, sink=case.sink, out=out)
 
-        for _ in range(100):
-            call()
-        host._sync(device)
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            call()
-        print(f"{case.label} {args.backend}: {(time.perf_counter() - start) / args.calls * 1e6:.1f} us per call "
-              f"(wall, {args.calls} calls, {'fresh' if args.fresh else 'same'} addresses, unprofiled)")
+        # unprofiled: bench.host's measure (blocks of 10 calls, the device drained between them)
+        unprofiled = host.median_us(lambda i: call(), 200, 15, device)
+        print(f"{case.label} {args.backend}: {unprofiled:.1f} us per call (median of 15 x 200 calls, "
+              f"{'fresh' if args.fresh else 'same'} addresses, unprofiled)")
         host._sync(device)
         profile = cProfile.Profile()
         profile.enable()
