@@ -25,6 +25,7 @@ Chosen by ``ops.heads_on_n`` (KernelConfig.heads_on_n) for up to ``MAX_HEADS`` h
 
 from __future__ import annotations
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -51,6 +52,13 @@ NUM_WARPS = 4  # the consumer (default) partition; the producer adds one warpgro
 PRODUCER_REGS = gl.constexpr(120)
 MAXNREG = 128  # 2 CTAs x 8 warps x 32 threads x 128 = 64K registers: the consumer gets 136, the producer 120
 CTAS_PER_SM = 2
+# The token pair's overlap check (``_pair_offset``) reads 512 entries of each index row a pass: 4 a
+# thread spread over the warps (a cross-warp reduction each pass), or 16 a thread in every warp
+# (each warp holds a copy: the reduction stays inside it). Spread, it runs 3.5-7 % faster under
+# Triton 3.6; under 3.8 its reduction, before warp_specialize, made ptxas spill 632-688 B and the
+# pair launches 1.4-1.6x slower (H100, h8-c128a s_q 2 at 64-256 pairs; notes/perf-wave6.md). Under
+# 3.9 the variants spill ~250 B either way (unmeasured on a GPU).
+PAIR_CHECK_PER_THREAD = gl.constexpr(4 if triton.__version__.startswith("3.6.") else 16)
 
 
 def heads_per_program(num_heads: int) -> int:
@@ -133,7 +141,7 @@ def _pair_offset(rows0, rows1, n0, n1, width, WINDOW: gl.constexpr):
     that shares every overlapping entry (rows0[j] == rows1[j - off] for the j both name) and
     0 <= off <= 1, else n0 (token 1's entries after token 0's: nothing shared, still exact). Both
     index rows are in L2 (prefetched with the lengths)."""
-    L1d: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+    L1d: gl.constexpr = gl.BlockedLayout([PAIR_CHECK_PER_THREAD], [32], [gl.num_warps()], [0])
     j0 = gl.arange(0, 512, layout=L1d)
     if WINDOW:
         off = n0 + 1 - n1

@@ -406,12 +406,14 @@ def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int
 # more than the halved rows save); window-only layers 20-25 % slower at 64-128 pairs (3 key tiles
 # for 129 shared rows against 2 per token). Auto takes it on C128A layers in steps of
 # PAIR_AUTO_MIN_TOKENS+ tokens per request with PAIR_AUTO_MIN_PAIRS+ pairs, under the Tritons it was
-# measured with (PAIR_AUTO_TRITONS: 3.6, where its variants spill 0-32 B; 3.8 spills 644-668 B and
-# 3.9 256 B in them, unmeasured on a GPU).
+# measured with (PAIR_AUTO_TRITONS). Triton 3.8 (vLLM's and SGLang's): once its overlap check
+# stopped spilling (hopper_heads.PAIR_CHECK_PER_THREAD), 1.01x / 1.08x / 1.22x at 64 / 128 / 256
+# pairs (h8-c128a, H100) and whole V4-Flash -tp 8 steps at s_q = 2 1.02x / 1.06x / 1.13x at
+# b = 64 / 128 / 256 (notes/perf-wave6.md); 3.9 (its variants spill ~250 B) unmeasured on a GPU.
 PAIR_MAX_HEADS = 8
 PAIR_AUTO_MIN_TOKENS = 2
 PAIR_AUTO_MIN_PAIRS = 64
-PAIR_AUTO_TRITONS = ("3.6.",)
+PAIR_AUTO_TRITONS = ("3.6.", "3.8.")
 
 
 def _triton_version() -> str:
@@ -498,7 +500,7 @@ def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int,
     forced = config.pair_tokens == 1 and comp_mode != K.COMP_C4A_LOCAL
     if num_heads <= PAIR_MAX_HEADS and config.pair_tokens != 0 and (forced or comp_mode == K.COMP_GLOBAL):
         when = "always" if forced else \
-            f"in steps of {PAIR_AUTO_MIN_TOKENS}+ tokens per request and {PAIR_AUTO_MIN_PAIRS}+ pairs (Triton 3.6)"
+            f"in steps of {PAIR_AUTO_MIN_TOKENS}+ tokens per request and {PAIR_AUTO_MIN_PAIRS}+ pairs (Triton 3.6, 3.8)"
         text += f"; token pairs (hopper_heads.py PAIR, two tokens x 8 heads on wgmma N) {when}"
     return text
 
