@@ -31,8 +31,8 @@ CPU = torch.device("cpu")  # ops.num_sms: 4 there, so a launch of 8+ programs of
     (-1, True, 64, 18, 2),   # above the kernel's head count: the 64-head kernel
     (-1, True, 32, 18, 2),
     (1, True, 17, 18, 2),
-    (-1, True, 8, 10, 2),    # C4A 512 (10 key tiles per token), split 10 ways: measured a tie or slower
-    (-1, True, 16, 3, 2),    # 3 key tiles, split
+    (-1, True, 16, 10, 67),  # C4A 512 (10 key tiles per token), split 3 over more than half the SMs
+    (-1, True, 16, 3, 67),   # 3 key tiles, split (ops.one_program_per_sm: from 67 programs on 132 SMs, not)
 ])
 def test_when_the_64_head_kernel_runs(monkeypatch, setting, gluon, heads, tiles, tokens):
     """On a 132-SM GPU."""
@@ -98,20 +98,23 @@ def test_gpu_token_pairs_match_the_reference_across_graph_replays(cfg, heads, ba
 
 @pytest.mark.parametrize("setting,heads,tiles,tokens,expected", [
     (-1, 8, 18, 2, 8),     # V4-Flash TP8 rank, C4A 1024 / C128A 1024, split 132
-    (-1, 8, 18, 64, 8),    # split 4
+    (-1, 8, 18, 64, 8),    # split 2 (one program per SM)
     (-1, 16, 18, 2, 0),    # V4-Pro TP8 rank: 16 heads per program split beyond 5: the 64-head kernel
-    (-1, 16, 18, 32, 0),   # split 8
-    (-1, 16, 18, 40, 0),   # split 6
-    (-1, 16, 18, 64, 16),  # split 4
+    (-1, 16, 18, 7, 0),    # split 18: still (fewer than ops.ONE_PER_SM_MIN_PROGRAMS)
+    (-1, 16, 18, 8, 16),   # 8+ programs on at most half the SMs: always (one per SM)
+    (-1, 16, 18, 32, 16),
+    (-1, 16, 18, 40, 16),
+    (-1, 16, 18, 64, 16),
+    (-1, 16, 18, 67, 16),  # more than half the SMs: split 3 (<= 5 over 16+ tiles)
     (-1, 12, 18, 64, 16),  # 16 heads per program too
     (-1, 12, 18, 48, 16),  # split 5
     (-1, 16, 18, 88, 16),  # split 3
     (-1, 16, 18, 96, 16),  # split 2
     (-1, 16, 18, 128, 16),
     (-1, 16, 18, 256, 16),  # not split
-    (-1, 8, 10, 32, 0),    # C4A 512, split 8: the 64-head kernel
-    (-1, 8, 10, 48, 0),    # split 5
-    (-1, 8, 10, 64, 8),    # split 4: 8 heads per program take it over short rows too
+    (-1, 8, 10, 32, 8),    # C4A 512, programs on at most half the SMs: always
+    (-1, 16, 10, 48, 16),
+    (-1, 8, 10, 67, 8),    # split 3: 8 heads per program take it over short rows too
     (-1, 8, 10, 100, 8),   # split 2
     (-1, 16, 10, 100, 0),  # ... 16 do not
     (-1, 8, 10, 256, 8),   # C4A 512, not split (b = 256)
@@ -259,3 +262,31 @@ def test_explain_names_the_records_kernel_for_v41_records():
 
     text = ops.gluon_kernel_names(ops.KernelConfig(), 8, ops.K.COMP_GLOBAL, (Record.MXFP8, Record.NVFP4))
     assert text.startswith("the V4.1 records' kernel (hopper_records.py") and "token pairs" not in text, text
+
+
+@pytest.mark.parametrize("heads,tokens,comp,per_request,config,split,pdl", [
+    # C4A 1024 (2 + 16 key tiles): programs on at most half of 132 SMs: split for one per SM, no PDL
+    (8, 16, "c4a", 1, {}, 8, (False, False)),      # 132 // 16 (two per SM: 16)
+    (8, 8, "c4a", 1, {}, 16, (False, False)),      # 132 // 8 (two per SM: 18, every tile)
+    (8, 7, "c4a", 1, {}, 18, (True, False)),       # below ops.ONE_PER_SM_MIN_PROGRAMS: two per SM, PDL
+    (8, 32, "c4a", 1, {}, 4, (False, False)),      # (8)
+    (16, 64, "c4a", 1, {}, 2, (False, False)),     # (4)
+    (16, 67, "c4a", 1, {}, 3, (True, False)),      # more than half the SMs: two per SM, 264 // 67
+    (8, 32, "c4a", 1, {"split": 4}, 4, (True, False)),  # a forced split: not the rule
+    (8, 32, "c4a", 1, {"pdl": 1}, 4, (True, False)),    # PDL forced on
+    (8, 128, "c128a", 2, {}, 4, (True, False)),   # 64 token pairs (two per SM: 264 // 64), not the rule
+])
+def test_launches_on_at_most_half_the_sms_run_one_program_per_sm_without_pdl(monkeypatch, heads, tokens, comp,
+                                                                             per_request, config, split, pdl):
+    from dsv4_attn.portable.kernels import build
+
+    monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")
+    monkeypatch.setattr(ops, "num_sms", lambda device: 132)
+    monkeypatch.setattr(ops, "_triton_version", lambda: "3.6.0")
+    cfg = ops.KernelConfig(**config)
+    comp_mode, comp_width = (ops.K.COMP_C4A_LOCAL, 1024) if comp == "c4a" else (ops.K.COMP_GLOBAL, 1024)
+    _, pair, heads_n, _, programs, _, got = ops.launch_grid(cfg, True, cfg.tile("sm90", heads), False, heads, tokens,
+                                                           CPU, comp_mode, 128, comp_width, per_request)
+    assert heads_n == (16 if pair or heads > 8 else 8) and pair == (comp == "c128a") and got == split
+    one = ops.one_program_per_sm(cfg, heads_n, pair, programs, CPU)
+    assert ops.pdl_launches(cfg, True, False, heads > 8, heads_n, heads, one) == pdl

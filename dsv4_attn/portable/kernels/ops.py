@@ -323,6 +323,28 @@ SHORT_ROWS_MAX_TILES = 2
 SHORT_ROWS_SPLIT_MAX_TOKEN_HEADS = 256
 
 
+# Heads-on-N launches of few programs, one per SM: the kernel fits two programs per SM, and its split
+# is sized for that (two per SM: ``build.ctas_per_sm``). Where a launch's programs fill at most
+# half the SMs (and are ONE_PER_SM_MIN_PROGRAMS+), auto instead takes the heads-on-N kernel on every
+# row length, sizes the split for ONE program per SM and launches it without programmatic
+# dependent launch (its combine too). Measured on the H100 (torch 2.11, Triton 3.6, whole decode
+# steps in one graph; notes/perf-gather.md), against the rules before: V4-Flash -tp 8 1.04x /
+# 1.09x / 1.04x at b = 8 / 32 / 64 (535.5 -> 514.1, 783.0 -> 718.8, 1073.8 -> 1028.5 us), V4-Pro -tp
+# 8 1.13x / 1.08x / 1.08x, at s_q = 2 b = 16 / 32 1.08x / 1.02x (Flash) and 1.08x / 1.05x (Pro);
+# b = 64 at s_q = 2 and b = 128 do not take it (within 0.3 %). At b = 2 it LOST 8-10 % (PDL's ~1 us
+# per layer matters most there), hence the floor; 3-7 programs are unmeasured and keep the rules
+# before. With PDL the same split was 0.75-0.92x (the next layer's programs, launched early, wait
+# on the free second slot of every SM). Not token pairs (tuned at 64+ pairs with two per SM).
+ONE_PER_SM_MIN_PROGRAMS = 8
+
+
+def one_program_per_sm(config: KernelConfig, heads_n: int, pair: bool, programs: int, device: torch.device) -> bool:
+    """Whether a Gluon launch of ``programs`` programs of the heads-on-N kernel (``heads_n`` > 0),
+    pairs or not, takes the one-program-per-SM rule above: auto split only (``config.split`` 0)."""
+    return (config.split == 0 and heads_n > 0 and not pair
+            and ONE_PER_SM_MIN_PROGRAMS <= programs and 2 * programs <= num_sms(device))
+
+
 def short_rows_unsplit(config: KernelConfig, max_tiles: int, num_tokens: int, num_heads: int, heads_n: int) -> bool:
     """Whether a Gluon launch over rows of ``max_tiles`` key tiles runs unsplit whatever the SM
     count: auto split, rows of at most SHORT_ROWS_MAX_TILES tiles, on the heads-on-N kernel
@@ -386,7 +408,7 @@ def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int
             taken = split == 1 or (long_rows and split <= HEADS_ON_N_WIDE_MAX_SPLIT)
         else:
             taken = long_rows or split <= HEADS_ON_N_SHORT_ROWS_MAX_SPLIT
-        if not taken:
+        if not taken and not one_program_per_sm(config, nh, False, programs, device):
             return 0
     variant = build.hopper_constexprs(comp_mode, write_lse=True, heads_n=nh)
     error = build.compile_error(device_arch(device), "gluon", tuple(sorted(variant.items())))
@@ -497,6 +519,9 @@ def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int,
     else:
         text = (f"{narrow} where a token's rows span {HEADS_ON_N_MIN_TILES}+ key tiles or the launch splits them at "
                 f"most {HEADS_ON_N_SHORT_ROWS_MAX_SPLIT} ways, else {wide}")
+    if config.heads_on_n != 0 and num_heads <= HEADS_ON_N_MAX_HEADS:
+        text += (f"; a launch of {ONE_PER_SM_MIN_PROGRAMS}+ programs filling at most half the SMs always takes the "
+                 "heads-on-N kernel, its key split sized for one program per SM, without programmatic dependent launch")
     forced = config.pair_tokens == 1 and comp_mode != K.COMP_C4A_LOCAL
     if num_heads <= PAIR_MAX_HEADS and config.pair_tokens != 0 and (forced or comp_mode == K.COMP_GLOBAL):
         when = "always" if forced else \
@@ -540,16 +565,19 @@ PDL_COMBINE_MAX_HEADS = 64
 
 
 def pdl_launches(config: KernelConfig, gluon: bool, v41: bool, combine: bool, heads_n: int = 0,
-                 num_heads: int = 64) -> tuple[bool, bool]:
+                 num_heads: int = 64, one_per_sm: bool = False) -> tuple[bool, bool]:
     """(the Gluon kernel's launch, the combine launch) with programmatic dependent launch, for a
     layer of ``num_heads`` heads whose launch is ``gluon`` (the Hopper kernels: sm_90, compiled,
     never under Triton's interpreter) with ``heads_n`` heads per program on wgmma N (0: the 64-head
-    kernel), reading V4.1 records or not (``v41``: never) and followed by a combine launch or not:
-    as ``config.pdl`` says, auto as measured (above). Where either is, both kernels hold their
-    griddepcontrol (the ``PDL`` constexpr)."""
+    kernel), reading V4.1 records or not (``v41``: never), followed by a combine launch or not and
+    sized for one program per SM or not (``one_program_per_sm``: auto never): as ``config.pdl``
+    says, auto as measured (above). Where either is, both kernels hold their griddepcontrol (the
+    ``PDL`` constexpr)."""
     if not gluon or v41 or config.pdl == 0:
         return False, False
     if config.pdl == -1:
+        if one_per_sm:
+            return False, False
         return True, combine and not heads_n and num_heads <= PDL_COMBINE_MAX_HEADS
     return True, combine and config.pdl == 2
 
@@ -694,7 +722,8 @@ def layer_launches(
         counters = merge_counters(T * n_hb) if merge_counters is not None else \
             torch.zeros(T * n_hb, dtype=torch.int32, device=q.device)
     combine = split > 1 and counters is None
-    pdl_attention, pdl_combine = pdl_launches(config, gluon, v41 is not None, combine, heads_n, H)
+    pdl_attention, pdl_combine = pdl_launches(config, gluon, v41 is not None, combine, heads_n, H,
+                                              one_program_per_sm(config, heads_n, pair, programs, q.device))
     lse_t = lse if lse is not None else out
     sink_t = sink if sink is not None else out
     stride_lt = lse.stride(0) if lse is not None else 0
@@ -794,7 +823,8 @@ def launch_grid(config: KernelConfig, gluon: bool, tile: Tile, v41: bool, num_he
     if gluon and not v41 and short_rows_unsplit(config, max_tiles, num_tokens, num_heads, heads_n):
         split = 1
     else:
-        split = choose_split(programs, max_tiles, device, config.split, build.ctas_per_sm(heads_n))
+        per_sm = 1 if one_program_per_sm(config, heads_n, pair, programs, device) else build.ctas_per_sm(heads_n)
+        split = choose_split(programs, max_tiles, device, config.split, per_sm)
     return bn, pair, heads_n, n_hb, programs, block_h, split
 
 
@@ -861,10 +891,11 @@ def warm_combines(device: torch.device, records: tuple[Record, ...], dialects: t
     gluon = resolved_kernel(arch, records, dialects, comp_mode, num_heads, config)[0] == "gluon"
     tile, v41 = config.tile(arch, num_heads), v41_codes(records) is not None
     variants: dict[tuple[int, tuple[bool, bool]], int] = {}  # (SPLIT_P2, PDL pair) -> heads per attention program
-    for _, (_, _, heads_n, _, _, block_h, split) in _launch_grids(config, gluon, tile, v41, num_heads, device,
-                                                                 comp_mode, swa_width, comp_width):
+    for _, (_, pair, heads_n, _, programs, block_h, split) in _launch_grids(
+            config, gluon, tile, v41, num_heads, device, comp_mode, swa_width, comp_width):
         if split > 1 and not merge_in_kernel(config, gluon, split, num_heads):
-            pdl = pdl_launches(config, gluon, v41, True, heads_n, num_heads)
+            pdl = pdl_launches(config, gluon, v41, True, heads_n, num_heads,
+                               one_program_per_sm(config, heads_n, pair, programs, device))
             variants.setdefault((_next_power_of_2(split), pdl), block_h)
     launches = []
     for (split_p2, pdl), block_h in sorted(variants.items()):
