@@ -9,16 +9,16 @@ Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
 * ``hopper``: the Gluon Hopper kernels, sm_90a, the V4 ones with the griddepcontrol of their
   programmatic launches (``ops.pdl_launches``' auto): the top-k walk with its LSE, split, split with
   the in-kernel merge, SWA alone, the heads-on-N kernel's split merge, alone and with token pairs,
-  its 16-head top-k split for the combine launch, and the key-tile ping-pong prefill kernel's top-k
-  walk with its LSE (``--full``: 24 variants: SWA / every-entry / top-k, each alone, with the LSE,
-  split, and split merging in the kernel; top-k with non-power-of-two cache blocks and without
-  range checks; the heads-on-N kernel's top-k split merge (8 heads), top-k split (16 heads) and
-  every-entry walk with its LSE (16 heads); its token pairs'
-  every-entry split merge and SWA walk with its LSE; the ping-pong kernel on every kind, with and
-  without the LSE); and the V4.1 records'
-  kernel (``hopper_records``) for every record pair selection gives it (``gluon_record_layers``:
-  MXFP8, MXFP8 SWA + NVFP4 compressed) in the top-k walk with its LSE and the split merged in the
-  kernel (``--full``: SWA alone and the every-entry split too);
+  its 16-head top-k split for the combine launch, with PDL and without (``ops.one_program_per_sm``),
+  and the key-tile ping-pong prefill kernel's top-k walk with its LSE (``--full``: 26 variants: SWA
+  / every-entry / top-k, each alone, with the LSE, split, and split merging in the kernel; top-k
+  with non-power-of-two cache blocks and without range checks; the heads-on-N kernel's top-k split
+  merge (8 heads), top-k split (16 heads) and every-entry walk with its LSE (16 heads), its 8-head
+  split merge without PDL; its token pairs' every-entry split merge and SWA walk with its LSE; the
+  ping-pong kernel on every kind, with and without the LSE); and the V4.1 records' kernel
+  (``hopper_records``) for every record pair selection gives it (``gluon_record_layers``: MXFP8,
+  MXFP8 SWA + NVFP4 compressed) in the top-k walk with its LSE and the split merged in the kernel
+  (``--full``: SWA alone and the every-entry split too);
 * ``attention``: the portable kernel in every tile ``KernelConfig.tile`` picks for 1 - 128 heads,
   on sm_80 (bf16 caches only: the fp8 formats need sm_89), sm_90, sm_100, gfx942, gfx950, for the
   formats selection runs on it there (``portable_formats``: on sm_90 every format, the V4 record
@@ -84,6 +84,9 @@ HOPPER_VARIANTS = ([(comp, False, lse, (6, 6), True, False, 0) for comp in (0, 1
 # the key-tile ping-pong kernel (``ops.pingpong``: unsplit 64-head launches of prefill chunks), per
 # layer kind, with and without the LSE (quick: the top-k walk with its LSE)
 PINGPONG_VARIANTS = [(comp, False, lse, (6, 6), True, False, 0) for comp in (2, 1, 0) for lse in (True, False)]
+# the heads-on-N kernel's split launches without PDL (``ops.one_program_per_sm``): its 16-head top-k
+# split (combine launch; quick) and its 8-head split merge
+ONE_PER_SM_VARIANTS = [(2, True, False, (6, 6), True, False, 16), (2, True, True, (6, 6), True, True, 8)]
 # the heads-on-N kernel with token pairs (``ops.pair_tokens``: window and C128A layers)
 PAIR_VARIANTS = [(1, True, True, (6, 6), True, True, 16), (0, False, True, (6, 6), True, False, 16)]
 # without --full: the top-k walk with its LSE, split and in-kernel merge (every Gluon builtin the
@@ -178,16 +181,21 @@ def jobs_for(targets: list[str], kernels: list[str], full: bool) -> list[Job]:
                 label = (f"{list(KINDS)[comp]}{' split' if split else ''}{' merge' if merge else ''}"
                          f"{' lse' if lse else ''}{f' heads-on-N {heads_n}' if heads_n else ''}"
                          f"{' bs!=2^n' if shifts[0] < 0 else ''}{' no range checks' if not checks else ''}")
-                out.append(Job(target, "hopper", label, (*v, None, False, False)))
+                out.append(Job(target, "hopper", label, (*v, None, False, False, False)))
+            for v in ONE_PER_SM_VARIANTS if full else ONE_PER_SM_VARIANTS[:1]:
+                comp, split, lse, shifts, checks, merge, heads_n = v
+                label = (f"{list(KINDS)[comp]} split{' merge' if merge else ''}{' lse' if lse else ''} "
+                         f"heads-on-N {heads_n} no PDL")
+                out.append(Job(target, "hopper", label, (*v, None, False, False, True)))
             for v in PINGPONG_VARIANTS if full else PINGPONG_VARIANTS[:1]:
                 comp, lse = v[0], v[2]
                 out.append(Job(target, "hopper", f"{list(KINDS)[comp]}{' lse' if lse else ''} ping-pong (prefill)",
-                               (*v, None, False, True)))
+                               (*v, None, False, True, False)))
             for v in PAIR_VARIANTS if full else PAIR_VARIANTS[:1]:
                 comp, split, lse, shifts, checks, merge, heads_n = v
                 label = (f"{list(KINDS)[comp]}{' split' if split else ''}{' merge' if merge else ''}"
                          f"{' lse' if lse else ''} heads-on-N {heads_n} token pairs")
-                out.append(Job(target, "hopper", label, (*v, None, True, False)))
+                out.append(Job(target, "hopper", label, (*v, None, True, False, False)))
             names = {K.FMT_MXFP8: "mxfp8", K.FMT_NVFP4: "nvfp4"}
             layers = gluon_record_layers()
             for pair in sorted({codes for _, codes in layers}):
@@ -197,7 +205,7 @@ def jobs_for(targets: list[str], kernels: list[str], full: bool) -> list[Job]:
                         continue
                     label = (f"records {names[pair[0]]}/{names[pair[1]]} {list(KINDS)[comp]}{' split' if split else ''}"
                              f"{' merge' if merge else ''}{' lse' if lse else ''}{' bs!=2^n' if shifts[0] < 0 else ''}")
-                    out.append(Job(target, "hopper", label, (*v, pair, False, False)))
+                    out.append(Job(target, "hopper", label, (*v, pair, False, False, False)))
         if "attention" in kernels:
             out += _attention_jobs(target, full)
         if "combine" in kernels:
@@ -226,10 +234,11 @@ def _compile_indices(job: Job, target: GPUTarget):
 def _compile(job: Job):
     target = TARGETS[job.target]
     if job.kernel == "hopper":
-        comp, split, lse, shifts, checks, merge, heads_n, records, pair, pingpong = job.args
-        # with the griddepcontrol auto launches the V4 kernels with (ops.pdl_launches)
+        comp, split, lse, shifts, checks, merge, heads_n, records, pair, pingpong, pdl_off = job.args
+        # with the griddepcontrol auto launches the V4 kernels with (ops.pdl_launches), but where it
+        # launches them without (ops.one_program_per_sm)
         return pb.compile_hopper(pb.hopper_constexprs(comp, split, lse, shifts, checks, merge, heads_n, pair, records,
-                                                      pingpong, pdl=records is None and not pingpong))
+                                                      pingpong, pdl=records is None and not pingpong and not pdl_off))
     if job.kernel == "attention":
         tile, fmt, kind, split = job.args
         return pb.compile_portable(target, pb.variant(fmt, KINDS[kind], tile, split), ops.launch_options(tile))
