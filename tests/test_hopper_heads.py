@@ -35,8 +35,9 @@ CPU = torch.device("cpu")  # ops.num_sms: 4 there, so a launch of 8+ programs of
     (-1, True, 16, 3, 67),   # 3 key tiles, split (ops.one_program_per_sm: from 67 programs on 132 SMs, not)
 ])
 def test_when_the_64_head_kernel_runs(monkeypatch, setting, gluon, heads, tiles, tokens):
-    """On a 132-SM GPU."""
+    """On a 132-SM GPU, under Triton 3.8."""
     monkeypatch.setattr(ops, "num_sms", lambda device: 132)
+    monkeypatch.setattr(ops, "_triton_version", lambda: "3.8.0")
     assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), gluon, heads, tiles, tokens, CPU) == 0
 
 
@@ -125,11 +126,12 @@ def test_gpu_token_pairs_match_the_reference_across_graph_replays(cfg, heads, ba
     (1, 16, 18, 2, 16),
 ])
 def test_when_the_heads_on_n_kernel_runs(monkeypatch, setting, heads, tiles, tokens, expected):
-    """On a 132-SM GPU (2 x 132 program slots for this kernel)."""
+    """On a 132-SM GPU (2 x 132 program slots for this kernel), under Triton 3.8."""
     from dsv4_attn.portable.kernels import build
 
     monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")  # as where it compiles
     monkeypatch.setattr(ops, "num_sms", lambda device: 132)
+    monkeypatch.setattr(ops, "_triton_version", lambda: "3.8.0")
     assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), True, heads, tiles, tokens, CPU) == expected
 
 
@@ -290,3 +292,20 @@ def test_launches_on_at_most_half_the_sms_run_one_program_per_sm_without_pdl(mon
     assert heads_n == (16 if pair or heads > 8 else 8) and pair == (comp == "c128a") and got == split
     one = ops.one_program_per_sm(cfg, heads_n, pair, programs, CPU)
     assert ops.pdl_launches(cfg, True, False, heads > 8, heads_n, heads, one) == pdl
+
+
+@pytest.mark.parametrize("version,heads,setting,expected", [
+    ("3.8.0", 16, -1, 16),
+    ("3.9.0", 16, -1, 0),   # 16 heads per program: the 64-head kernel under 3.9 (ops.HEADS_ON_N_WIDE_TRITONS)
+    ("3.9.0", 12, -1, 0),
+    ("3.9.0", 8, -1, 8),    # 8 heads per program stay on it
+    ("3.9.0", 16, 1, 16),   # forced
+])
+def test_sixteen_heads_per_program_only_under_the_tritons_measured_faster(monkeypatch, version, heads, setting,
+                                                                          expected):
+    from dsv4_attn.portable.kernels import build
+
+    monkeypatch.setattr(build, "compile_error", lambda *a, **k: "")
+    monkeypatch.setattr(ops, "num_sms", lambda device: 132)
+    monkeypatch.setattr(ops, "_triton_version", lambda: version)
+    assert ops.heads_on_n(ops.KernelConfig(heads_on_n=setting), True, heads, 18, 64, CPU) == expected

@@ -380,6 +380,12 @@ HEADS_ON_N_MAX_HEADS = 16
 HEADS_ON_N_MIN_TILES = 16
 HEADS_ON_N_WIDE_MAX_SPLIT = 5
 HEADS_ON_N_SHORT_ROWS_MAX_SPLIT = 4
+# Under Triton 3.9 (torch 2.15's) the heads-on-N kernel with 16 heads per program runs 1.28-1.46x
+# slower than under 3.6 (H100, h16-c4a1024 / h16-c128a / h16-c4a512 at b = 64 / 128: e.g. C128A b=64
+# 35.8 -> 52.4 us), and 1.12-1.23x slower than the 64-head kernel under 3.9 (notes/perf-gather.md);
+# 8 heads per program stay ahead of the 64-head kernel there. Auto takes 16 heads per program under
+# the Tritons listed only.
+HEADS_ON_N_WIDE_TRITONS = ("3.6.", "3.7.", "3.8.")
 
 
 def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int, num_tokens: int,
@@ -398,7 +404,7 @@ def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int
         return 0
     nh = hopper_heads.heads_per_program(num_heads)
     if config.heads_on_n != 1:
-        if num_heads > HEADS_ON_N_MAX_HEADS:
+        if num_heads > HEADS_ON_N_MAX_HEADS or (nh > 8 and not _triton_version().startswith(HEADS_ON_N_WIDE_TRITONS)):
             return 0
         programs = num_tokens * _cdiv(num_heads, nh)
         split = 1 if short_rows_unsplit(config, max_tiles, num_tokens, num_heads, nh) else \
@@ -513,6 +519,9 @@ def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int,
         text = narrow
     elif num_heads > HEADS_ON_N_MAX_HEADS:
         text = wide
+    elif nh > 8 and not _triton_version().startswith(HEADS_ON_N_WIDE_TRITONS):
+        return f"{wide} (the heads-on-N kernel with {nh} heads per program measured slower under Triton " \
+               f"{_triton_version()})"
     elif nh > 8:
         text = (f"{narrow} where the launch needs no key split or splits rows of {HEADS_ON_N_MIN_TILES}+ key tiles "
                 f"at most {HEADS_ON_N_WIDE_MAX_SPLIT} ways, else {wide}")
