@@ -15,7 +15,7 @@ What this must agree on with Triton's launcher (3.6's generated one and 3.8 / 3.
   ``metadata.shared``, the stream; attributes: programmatic stream serialization where
   ``metadata.launch_pdl``, cooperative where ``metadata.launch_cooperative_grid``.
 
-Taken only where nothing else could differ, else ``direct_launch`` returns None and Triton's
+Taken only where nothing else could differ, else ``kernel_layout`` returns None and Triton's
 launcher runs as before: one CTA per cluster (``num_ctas`` 1), no global or profile scratch, no
 instrumentation, shared memory within what every launcher passes without an extra attribute
 (<= 228 KiB), every parameter a pointer or an ``i32`` / ``i64`` / ``u32`` / ``u64`` / ``fp32``
@@ -34,7 +34,7 @@ import re
 import struct
 from dataclasses import dataclass
 
-# parameter type -> (struct format, bytes): the types packed here (module docstring)
+# parameter type -> its struct format: the types packed here (module docstring)
 _PARAM_FORMATS = {"i32": "i", "u32": "I", "i64": "q", "u64": "Q", "fp32": "f", "f32": "f"}
 _POINTER = "Q"
 _SLOT = 8  # each parameter in its own 8-byte slot of the block (the driver reads it from its address)
@@ -60,7 +60,8 @@ class _Config(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_Attribute)), ("numAttrs", ctypes.c_uint)]
 
 
-assert ctypes.sizeof(_Attribute) == 72 and ctypes.sizeof(_Config) == 56  # cuda.h's layouts on 64-bit
+# cuda.h's layouts on a 64-bit platform; elsewhere nothing launches directly
+_STRUCTS_MATCH = ctypes.sizeof(_Attribute) == 72 and ctypes.sizeof(_Config) == 56
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def kernel_layout(kernel) -> KernelLayout | None:
         ptx = kernel.asm["ptx"]
     except (AttributeError, KeyError, TypeError):
         return None
-    if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "global_scratch_size", 0) \
+    if not _STRUCTS_MATCH or getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "global_scratch_size", 0) \
             or getattr(meta, "profile_scratch_size", 0) or getattr(meta, "instrumentation_mode", "") \
             or not 0 <= meta.shared <= _SHARED_LIMIT:
         return None
@@ -134,8 +135,10 @@ def kernel_layout(kernel) -> KernelLayout | None:
 
 
 class DirectLaunch:
-    """One launch, packed: ``launch()`` hands the driver the kernel, its parameter block and the
-    configuration, nothing converted per call. Holds the ctypes buffers the driver reads."""
+    """One launch, packed: ``arguments`` are what ``launch_kernel_ex()`` takes for it (the
+    configuration's address, the CUfunction, the parameter pointers' address, no extra), nothing
+    converted per call; it owns the ctypes buffers they point to (parameter block, pointers,
+    configuration, attributes), which must live as long as the launch is repeated."""
 
     def __init__(self, layout: KernelLayout, function: int, grid: tuple[int, int, int], stream: int,
                  args: tuple) -> None:

@@ -249,7 +249,8 @@ def _launch_failed(code: int, triton_launch: tuple | None) -> None:
         run, args = triton_launch
         run(*args)
         return
-    raise RuntimeError(f"Triton Error [CUDA]: cuLaunchKernelEx: {driver_launch.error_text(code)}")
+    raise RuntimeError(f"dsv4_attn direct launch (portable/kernels/driver_launch.py), cuLaunchKernelEx: "
+                       f"{driver_launch.error_text(code)}")
 
 
 def bindable(device: torch.device) -> bool:
