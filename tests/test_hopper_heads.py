@@ -101,7 +101,7 @@ def test_gpu_token_pairs_match_the_reference_across_graph_replays(cfg, heads, ba
     (-1, 8, 18, 2, 8),     # V4-Flash TP8 rank, C4A 1024 / C128A 1024, split 132
     (-1, 8, 18, 64, 8),    # split 2 (one program per SM)
     (-1, 16, 18, 2, 0),    # V4-Pro TP8 rank: 16 heads per program split beyond 5: the 64-head kernel
-    (-1, 16, 18, 7, 0),    # split 18: still (fewer than ops.ONE_PER_SM_MIN_PROGRAMS)
+    (-1, 16, 18, 7, 0),    # split 18: still (fewer than ops.ONE_PER_SM_MIN_PROGRAMS[16])
     (-1, 16, 18, 8, 16),   # 8+ programs on at most half the SMs: always (one per SM)
     (-1, 16, 18, 32, 16),
     (-1, 16, 18, 40, 16),
@@ -270,7 +270,8 @@ def test_explain_names_the_records_kernel_for_v41_records():
     # C4A 1024 (2 + 16 key tiles): programs on at most half of 132 SMs: split for one per SM, no PDL
     (8, 16, "c4a", 1, {}, 8, (False, False)),      # 132 // 16 (two per SM: 16)
     (8, 8, "c4a", 1, {}, 16, (False, False)),      # 132 // 8 (two per SM: 18, every tile)
-    (8, 7, "c4a", 1, {}, 18, (True, False)),       # below ops.ONE_PER_SM_MIN_PROGRAMS: two per SM, PDL
+    (8, 4, "c4a", 1, {}, 18, (False, False)),      # 8 heads per program: from 4 programs (every tile either way)
+    (8, 3, "c4a", 1, {}, 18, (True, False)),       # below ops.ONE_PER_SM_MIN_PROGRAMS: two per SM, PDL
     (8, 32, "c4a", 1, {}, 4, (False, False)),      # (8)
     (16, 64, "c4a", 1, {}, 2, (False, False)),     # (4)
     (16, 67, "c4a", 1, {}, 3, (True, False)),      # more than half the SMs: two per SM, 264 // 67

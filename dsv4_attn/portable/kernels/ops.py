@@ -325,24 +325,26 @@ SHORT_ROWS_SPLIT_MAX_TOKEN_HEADS = 256
 
 # Heads-on-N launches of few programs, one per SM: the kernel fits two programs per SM, and its split
 # is sized for that (two per SM: ``build.ctas_per_sm``). Where a launch's programs fill at most
-# half the SMs (and are ONE_PER_SM_MIN_PROGRAMS+), auto instead takes the heads-on-N kernel on every
-# row length, sizes the split for ONE program per SM and launches it without programmatic
-# dependent launch (its combine too). Measured on the H100 (torch 2.11, Triton 3.6, whole decode
-# steps in one graph; notes/perf-gather.md), against the rules before: V4-Flash -tp 8 1.04x /
-# 1.09x / 1.04x at b = 8 / 32 / 64 (535.5 -> 514.1, 783.0 -> 718.8, 1073.8 -> 1028.5 us), V4-Pro -tp
-# 8 1.13x / 1.08x / 1.08x, at s_q = 2 b = 16 / 32 1.08x / 1.02x (Flash) and 1.08x / 1.05x (Pro);
-# b = 64 at s_q = 2 and b = 128 do not take it (within 0.3 %). At b = 2 it LOST 8-10 % (PDL's ~1 us
-# per layer matters most there), hence the floor; 3-7 programs are unmeasured and keep the rules
-# before. With PDL the same split was 0.75-0.92x (the next layer's programs, launched early, wait
-# on the free second slot of every SM). Not token pairs (tuned at 64+ pairs with two per SM).
-ONE_PER_SM_MIN_PROGRAMS = 8
+# half the SMs and number at least ONE_PER_SM_MIN_PROGRAMS (per heads per program), auto instead
+# takes the heads-on-N kernel on every row length, sizes the split for ONE program per SM and
+# launches it without programmatic dependent launch (its combine too). Measured on the H100 (torch
+# 2.11, Triton 3.6, whole decode steps in one graph; notes/perf-gather.md), against the rules
+# before: V4-Flash -tp 8 1.04x / 1.09x / 1.04x at b = 8 / 32 / 64 (535.5 -> 514.1, 783.0 -> 718.8,
+# 1073.8 -> 1028.5 us), 1.03-1.04x at b = 4 / 6; V4-Pro -tp 8 1.13x / 1.08x / 1.08x at b = 8 / 32 /
+# 64; at s_q = 2 b = 16 / 32 1.08x / 1.02x (Flash) and 1.08x / 1.05x (Pro); b = 64 at s_q = 2 and b =
+# 128 do not take it (within 0.3 %). Below the floors it lost: 8 heads per program 2 % at 3
+# programs and 8-10 % at 2; 16 heads per program 10 % at 3-4 programs (the 64-head kernel's split
+# with PDL is better there), 2 % at 6. With PDL the same split was 0.75-0.92x (the next layer's
+# programs, launched early, wait on the free second slot of every SM). Not token pairs (tuned at
+# 64+ pairs with two per SM).
+ONE_PER_SM_MIN_PROGRAMS = {8: 4, 16: 8}
 
 
 def one_program_per_sm(config: KernelConfig, heads_n: int, pair: bool, programs: int, device: torch.device) -> bool:
     """Whether a Gluon launch of ``programs`` programs of the heads-on-N kernel (``heads_n`` > 0),
     pairs or not, takes the one-program-per-SM rule above: auto split only (``config.split`` 0)."""
     return (config.split == 0 and heads_n > 0 and not pair
-            and ONE_PER_SM_MIN_PROGRAMS <= programs and 2 * programs <= num_sms(device))
+            and ONE_PER_SM_MIN_PROGRAMS[heads_n] <= programs and 2 * programs <= num_sms(device))
 
 
 def short_rows_unsplit(config: KernelConfig, max_tiles: int, num_tokens: int, num_heads: int, heads_n: int) -> bool:
@@ -529,8 +531,9 @@ def gluon_kernel_names(config: KernelConfig, num_heads: int, comp_mode: int,
         text = (f"{narrow} where a token's rows span {HEADS_ON_N_MIN_TILES}+ key tiles or the launch splits them at "
                 f"most {HEADS_ON_N_SHORT_ROWS_MAX_SPLIT} ways, else {wide}")
     if config.heads_on_n != 0 and num_heads <= HEADS_ON_N_MAX_HEADS:
-        text += (f"; a launch of {ONE_PER_SM_MIN_PROGRAMS}+ programs filling at most half the SMs always takes the "
-                 "heads-on-N kernel, its key split sized for one program per SM, without programmatic dependent launch")
+        text += (f"; a launch of {ONE_PER_SM_MIN_PROGRAMS[nh]}+ programs filling at most half the SMs always takes "
+                 "the heads-on-N kernel, its key split sized for one program per SM, without programmatic dependent "
+                 "launch")
     forced = config.pair_tokens == 1 and comp_mode != K.COMP_C4A_LOCAL
     if num_heads <= PAIR_MAX_HEADS and config.pair_tokens != 0 and (forced or comp_mode == K.COMP_GLOBAL):
         when = "always" if forced else \
