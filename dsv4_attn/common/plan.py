@@ -27,6 +27,7 @@ with the host, so both are safe inside a captured graph.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -138,7 +139,20 @@ def torch_all_rows(tokens: Tokens, kind: LayerKind, batch: StepBatch, buffers: P
 
 def capturing(device: torch.device) -> bool:
     """A CUDA / HIP graph capture is in progress on ``device``'s current stream."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return device.type == "cuda" and stream_capturing()
+
+
+def stream_capturing() -> bool:
+    """A CUDA / HIP graph capture is in progress on the current stream: torch's own query, without
+    ``torch.cuda``'s wrapper (a bound replay asks at every repeated layer call; it knows its device
+    is a GPU); False on a torch without a GPU."""
+    return _capture_query()()
+
+
+@functools.cache
+def _capture_query() -> Callable[[], bool]:
+    query = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    return query if query is not None and torch.cuda.is_available() else (lambda: False)
 
 
 _MISSING = object()

@@ -45,6 +45,7 @@ from triton import knobs
 
 from ... import envs
 from ...common.checks import byte_span
+from ...common.plan import stream_capturing
 from ...common.platform import triton_interpreting
 from . import driver_launch
 from .driver_launch import CUDA_ERROR_INVALID_CONTEXT, DirectLaunch, KernelLayout
@@ -275,19 +276,6 @@ def _current_device():
     """``torch.cuda.current_device`` without its lazy-initialisation check (a replay exists only
     once CUDA ran a kernel): torch's own ``_cuda_getDevice``, where this torch has it."""
     return getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-
-
-def stream_capturing() -> bool:
-    """``common.plan.capturing`` for a replay: a graph capture is in progress on the current
-    stream, read without ``torch.cuda``'s wrapper nor the device-type test (~0.5 us of a ~3 us
-    replay on the GPU machine's CPU); False on a torch without CUDA."""
-    return _capture_query()()
-
-
-@functools.cache
-def _capture_query():
-    query = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-    return query if query is not None and torch.cuda.is_available() else (lambda: False)
 
 
 def current_stream(device: torch.device):
