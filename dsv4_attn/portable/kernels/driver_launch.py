@@ -72,10 +72,14 @@ class KernelLayout:
 
     positions: tuple[int, ...]
     packer: struct.Struct
-    params: int  # parameters in all (the scratch pointers included)
     block: int  # threads per CTA
     shared: int  # dynamic shared memory, bytes
     attributes: tuple[int, ...]  # attribute ids, each set to 1
+
+    @property
+    def params(self) -> int:
+        """Parameters in all: those at ``positions``, then the two scratch pointers."""
+        return len(self.positions) + 2
 
 
 def _slot_format(fmt: str) -> str:
@@ -131,7 +135,7 @@ def kernel_layout(kernel) -> KernelLayout | None:
     attributes = tuple(a for a, on in ((_ATTR_PDL, meta.launch_pdl), (_ATTR_COOPERATIVE,
                                                                      meta.launch_cooperative_grid)) if on)
     return KernelLayout(tuple(positions), struct.Struct("<" + "".join(map(_slot_format, formats))),
-                        len(formats), 32 * meta.num_warps, meta.shared, attributes)
+                        32 * meta.num_warps, meta.shared, attributes)
 
 
 class DirectLaunch:
