@@ -78,7 +78,9 @@ def test_the_block_holds_triton_launchers_values_slot_by_slot_and_null_scratch()
     assert config.hStream == 0x5555 and config.numAttrs == 1
     # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert (config.attrs[0].id, config.attrs[0].value) == (6, 1)
-    assert direct.arguments == (ctypes.addressof(config), 0xABC, ctypes.addressof(direct._pointers), None)
+    launch = driver_launch._Launch.from_address(direct.address)  # what native_replay.c hands the driver
+    assert (launch.config, launch.function, launch.params) == (ctypes.addressof(config), 0xABC,
+                                                               ctypes.addressof(direct._pointers))
 
 
 def test_a_cooperative_launch_without_pdl_sets_only_its_attribute():
@@ -169,11 +171,19 @@ def bound(gen, monkeypatch):
     layer = c4a_launches(case, split=2)
     kernels = [_stand_in(one, 0x100 + i) for i, one in enumerate(layer.launches)]
     sent, codes = [], []
-    monkeypatch.setattr(driver_launch, "launch_kernel_ex", lambda: lambda *a: sent.append(a) or (codes.pop(0)
-                                                                                                if codes else 0))
-    monkeypatch.setattr(launch, "current_stream", lambda device: 0x77)
+
+    def driver(config, function, params, extra) -> int:  # cuLaunchKernelEx's stand-in, called from C
+        sent.append((config, function, params, extra))
+        return codes.pop(0) if codes else 0
+
+    recorder = _LAUNCH_KERNEL_EX(driver)
+    monkeypatch.setattr(driver_launch, "launch_kernel_ex", lambda: ctypes.cast(recorder, ctypes.c_void_p).value)
+    monkeypatch.setattr(launch, "_stream_of", lambda: lambda index: 0x77)
     monkeypatch.setattr(launch, "_LAYOUTS", {})
-    return SimpleNamespace(layer=layer, kernels=kernels, sent=sent, codes=codes, launch=launch)
+    return SimpleNamespace(layer=layer, kernels=kernels, sent=sent, codes=codes, launch=launch, recorder=recorder)
+
+
+_LAUNCH_KERNEL_EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 
 
 def _bind(bound):
@@ -189,8 +199,8 @@ def test_a_replay_hands_the_driver_the_arguments_tritons_launcher_would_get(boun
     assert replay() is True and replay() is True
     assert all(k.calls == [] for k in bound.kernels)  # Triton's launcher never ran
     assert len(bound.sent) == 2 * len(bound.kernels)
-    for (_, args, triton_launch), direct, kernel in zip(replay._ready, replay._direct, bound.kernels):
-        assert args == direct.arguments and args[1] == kernel.function
+    for sent, triton_launch, direct, kernel in zip(bound.sent, replay._triton_launches, replay._direct, bound.kernels):
+        assert sent == (ctypes.addressof(direct._config), kernel.function, ctypes.addressof(direct._pointers), None)
         triton_args = triton_launch[1]
         assert triton_args[:9] == (*direct_grid(direct), 0x77, kernel.function, "packed", None, None, None)
         params = [a for a, t in zip(triton_args[9:], kernel.src.signature.values()) if t != "constexpr"]
@@ -213,7 +223,7 @@ def test_no_context_takes_tritons_launcher_and_another_error_raises(bound, monke
     replay = _bind(bound)
     bound.codes.extend([driver_launch.CUDA_ERROR_INVALID_CONTEXT])
     assert replay() is True
-    assert len(bound.kernels[0].calls) == 1 and bound.kernels[0].calls[0] == replay._ready[0][2][1]
+    assert len(bound.kernels[0].calls) == 1 and bound.kernels[0].calls[0] == replay._triton_launches[0][1]
     assert bound.kernels[1].calls == []  # the next launch went to the driver again
     monkeypatch.setattr(driver_launch, "error_text", lambda code: f"CUDA error {code} (CUDA_ERROR_ILLEGAL_ADDRESS)")
     bound.codes.extend([0, 700])

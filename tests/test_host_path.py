@@ -15,6 +15,7 @@ No test here reads a time (host times are ``python -m dsv4_attn.bench.host``'s j
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib.util
 import inspect
@@ -40,6 +41,16 @@ C4A_ONLY = (LayerKind.SWA, LayerKind.C4A)
 @pytest.fixture
 def case(gen):
     return make_step(gen, [1, 3], [40, 90], kinds=C4A_ONLY, topk=16, max_model_len=1024)
+
+
+def _set_stream(monkeypatch, stream: int) -> list[int]:
+    """Make ``stream`` the current stream as launches read it (``launch._stream_of``: at binding
+    and in a replay's C guard); returns the cell that changes it."""
+    from dsv4_attn.portable.kernels import launch
+
+    current = [stream]
+    monkeypatch.setattr(launch, "_stream_of", lambda: lambda index: current[0])
+    return current
 
 
 def _call(mla, plan, case, **changes):
@@ -207,7 +218,7 @@ def test_a_replay_hands_the_launcher_the_plain_launchs_arguments(case, monkeypat
     layer = c4a_launches(case, split=2)
     assert len(layer.temporaries) == 3  # split partials, P scratch, alpha scratch
     kernels = [_Recording() for _ in layer.launches]
-    monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
+    _set_stream(monkeypatch, 1234)
     workspace = launch.Workspace(torch.device("cpu"))
     replay = launch.bind_launches(layer, kernels, torch.device("cpu"), workspace)
     assert replay() is True and replay() is True
@@ -243,7 +254,7 @@ def test_a_workspace_grown_by_a_later_binding_moves_every_replay_of_its_stream(c
     and an earlier replay then hands its launchers the temporaries' places in the new buffer."""
     from dsv4_attn.portable.kernels import launch
 
-    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
+    _set_stream(monkeypatch, 0)
     workspace = launch.Workspace(torch.device("cpu"))
     small = c4a_launches(case, split=2)
     small_kernels = [_Recording() for _ in small.launches]
@@ -265,7 +276,7 @@ def test_temporaries_above_the_workspace_limit_are_not_bound(case, monkeypatch):
     no replay, the workspace not grown."""
     from dsv4_attn.portable.kernels import launch
 
-    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
+    _set_stream(monkeypatch, 0)
     layer = c4a_launches(case, split=2)
     size = launch.temporaries_layout(layer.temporaries)[1]
     workspace = launch.Workspace(torch.device("cpu"))
@@ -279,8 +290,8 @@ def test_temporaries_above_the_workspace_limit_are_not_bound(case, monkeypatch):
 
 @needs_triton
 def test_in_a_graph_capture_replays_step_aside_and_nothing_is_bound(case, monkeypatch):
-    """Inside a capture (as ``common.plan.capturing`` and a replay's ``launch.stream_capturing``
-    report it) a bound call launches plainly --
+    """Inside a capture (as ``common.plan.capturing`` and the driver's query a replay's C guard asks,
+    ``launch._capture_query``, report it) a bound call launches plainly --
     its temporaries then come from the capture's pool, not the workspace a graph could outlive --
     and the backend binds nothing (no workspace grows there); after it, the replay runs again.
     Kernels stubbed, launches bound as on a GPU."""
@@ -288,6 +299,14 @@ def test_in_a_graph_capture_replays_step_aside_and_nothing_is_bound(case, monkey
     from dsv4_attn.portable import triton_backend
     from dsv4_attn.portable.kernels import launch
 
+    stream_capturing = [False]
+
+    def is_capturing(stream, status) -> int:  # the driver's cuStreamIsCapturing, as the replay's C guard asks it
+        status[0] = int(stream_capturing[0])
+        return 0
+
+    query = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))(is_capturing)
+    monkeypatch.setattr(launch, "_capture_query", lambda device: ctypes.cast(query, ctypes.c_void_p).value)
     with host.kernels_stubbed():
         runs, plain = [], []
         monkeypatch.setattr(host._StubCompiled, "run", staticmethod(lambda *args: runs.append(args)))
@@ -303,7 +322,7 @@ def test_in_a_graph_capture_replays_step_aside_and_nothing_is_bound(case, monkey
         sizes = {key: w.size for key, w in backend._workspaces.items()}
         launches, runs_before = len(plain), len(runs)
         monkeypatch.setattr(triton_backend, "capturing", lambda device: True)
-        monkeypatch.setattr(launch, "stream_capturing", lambda: True)
+        stream_capturing[0] = True
         _call(mla, plan, case, out=out)  # a capture: the plain launches, nothing bound
         fresh_q = case.q.clone()
         _call(mla, plan, case, q=fresh_q, out=out)  # a call never seen, twice (outside: bound): nothing bound
@@ -312,7 +331,7 @@ def test_in_a_graph_capture_replays_step_aside_and_nothing_is_bound(case, monkey
         assert backend._replays.keys() == bound.keys() and all(backend._replays[k] is v for k, v in bound.items())
         assert {key: w.size for key, w in backend._workspaces.items()} == sizes
         monkeypatch.setattr(triton_backend, "capturing", lambda device: False)
-        monkeypatch.setattr(launch, "stream_capturing", lambda: False)
+        stream_capturing[0] = False
         launches = len(plain)
         _call(mla, plan, case, out=out)  # after the capture: the bound launches again
         assert len(plain) == launches and len(runs) > runs_before
@@ -323,7 +342,6 @@ def test_two_streams_bind_into_workspaces_of_their_own(case, monkeypatch):
     """The same layer call bound on two streams: each stream's launches get temporaries in that
     stream's workspace (two buffers), so layers running at once on two streams never share them."""
     from dsv4_attn.bench import host
-    from dsv4_attn.portable.kernels import launch
 
     with host.kernels_stubbed():
         runs = []
@@ -332,8 +350,9 @@ def test_two_streams_bind_into_workspaces_of_their_own(case, monkeypatch):
         plan = mla.plan(case.batch)
         out = torch.empty_like(case.q)
         sent = {}
+        current_stream = _set_stream(monkeypatch, 0)
         for stream in (1, 2):
-            monkeypatch.setattr(launch, "current_stream", lambda device, stream=stream: stream)
+            current_stream[0] = stream
             for _ in range(3):  # plain, plain + bind, bound
                 _call(mla, plan, case, out=out)
             sent[stream] = runs[-1]
@@ -357,7 +376,7 @@ def test_a_replay_steps_aside_for_a_launch_hook(case, monkeypatch):
 
     layer = c4a_launches(case, split=2)
     kernels = [_Recording() for _ in layer.launches]
-    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
+    _set_stream(monkeypatch, 0)
     replay = launch.bind_launches(layer, kernels, torch.device("cpu"), launch.Workspace(torch.device("cpu")))
     hook = lambda metadata: None  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
@@ -376,11 +395,11 @@ def test_a_replay_bound_on_one_stream_steps_aside_on_another(case, monkeypatch):
 
     layer = c4a_launches(case, split=2)
     kernels = [_Recording() for _ in layer.launches]
-    monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
+    current_stream = _set_stream(monkeypatch, 1234)
     replay = launch.bind_launches(layer, kernels, torch.device("cpu"), launch.Workspace(torch.device("cpu")))
-    monkeypatch.setattr(launch, "current_stream", lambda device: 99)
+    current_stream[0] = 99
     assert replay() is False and not any(k.calls for k in kernels)
-    monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
+    current_stream[0] = 1234
     assert replay() is True and all(len(k.calls) == 1 for k in kernels)
 
 
@@ -416,7 +435,7 @@ def test_a_replay_key_reads_only_the_layers_own_tables(gen, monkeypatch):
     batch = dsv4.StepBatch.from_lists([1, 2], [300, 700], b.swa_block_table, b.swa_block_size,
                                       {128: b.comp_block_tables[128]}, b.block_size, b.max_model_len)
     monkeypatch.setattr(launch, "bindable", lambda device: True)
-    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
+    _set_stream(monkeypatch, 0)
     mla = dsv4.SparseMLA(case.spec, "fp8_ds_mla", backend="triton")
     plan = mla.plan(batch)
     out = torch.empty_like(case.q)
@@ -619,7 +638,7 @@ def _sent(mla, call) -> list[tuple]:
     (replay,) = [r for k, (_, r, _) in mla._repeats.items()  # a repeat key: q's address at 3, swa_cache's at 4
                  if k[3] == call["q"].data_ptr() and k[4] == call["swa_cache"].data_ptr()]
     replay._fill()
-    return [args for _, args, _ in replay._ready]
+    return [args for _, args in replay._triton_launches]
 
 
 @needs_triton
@@ -690,7 +709,7 @@ def test_a_launch_argument_no_single_source_holds_makes_the_replay_unmovable(cas
     from dsv4_attn.portable.kernels import launch
 
     layer = c4a_launches(case, split=2)
-    monkeypatch.setattr(launch, "current_stream", lambda device: 0)
+    _set_stream(monkeypatch, 0)
     kernels = [_Recording() for _ in layer.launches]
     q = layer.launches[0].args[0]
     movable = launch.bind_launches(layer, kernels, torch.device("cpu"), launch.Workspace(torch.device("cpu")), (q,))

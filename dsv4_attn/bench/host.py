@@ -77,6 +77,11 @@ def _stub_launch(*args, **kwargs) -> _StubCompiled:
     return _StubCompiled()
 
 
+def _stream_zero(device_index) -> int:
+    """The current stream while kernels are stubbed (``launch._stream_of``'s getter)."""
+    return 0
+
+
 @contextlib.contextmanager
 def kernels_stubbed():
     """Every Triton kernel a layer call launches (the attention kernels and the split combine)
@@ -91,7 +96,7 @@ def kernels_stubbed():
     if importlib.util.find_spec(f"{ops.__package__}.launch") is not None:  # (a baseline tree has no bound path)
         from ..portable.kernels import launch
 
-        targets += [(launch, "bindable", lambda device: True), (launch, "current_stream", lambda device: 0)]
+        targets += [(launch, "bindable", lambda device: True), (launch, "_stream_of", lambda: _stream_zero)]
     if ops._gluon_importable():
         from ..portable.kernels import hopper
 

@@ -144,8 +144,7 @@ def capturing(device: torch.device) -> bool:
 
 def stream_capturing() -> bool:
     """A CUDA / HIP graph capture is in progress on the current stream: torch's own query, without
-    ``torch.cuda``'s wrapper (a bound replay asks at every repeated layer call; it knows its device
-    is a GPU); False on a torch without a GPU."""
+    ``torch.cuda``'s wrapper (asked at layer calls); False on a torch without a GPU."""
     return _capture_query()()
 
 

@@ -1,5 +1,6 @@
-"""A bound launch handed straight to the CUDA driver: ``cuLaunchKernelEx`` through ctypes, with
-the kernel's parameters packed once per bound call instead of parsed at every launch.
+"""A bound launch handed straight to the CUDA driver: ``cuLaunchKernelEx`` with the kernel's
+parameters packed once per bound call instead of parsed at every launch (the call itself is made by
+``native_replay.c``; the memory it reads is laid out here with ctypes).
 
 Why: a repeated layer call (``launch.Replay``) launches the same kernels with the same arguments
 every time. Triton's launcher still converts ~60 Python arguments per launch and runs its Python
@@ -22,8 +23,10 @@ instrumentation, shared memory within what every launcher passes without an extr
 (types whose size no Triton packs differently: 3.6 packs ``i1`` in one byte, 3.8 in four), and the
 packed sizes equal to the PTX entry's ``.param`` list -- the check that the block has the layout
 the compiled kernel reads, made once per kernel (``ptx_param_sizes``). Any error the driver
-returns raises, as Triton's launcher does; a thread with no current CUDA context (error 201) gets
-Triton's launcher for that launch (it makes the context current).
+returns raises, as Triton's launcher does. A thread with no current CUDA context is refused by the
+replay's capture guard (the driver's ``cuStreamIsCapturing`` fails there), so its call launches
+plainly and Triton's launcher makes the context current; a launch the driver refuses for that
+reason all the same (error 201) gets Triton's launcher.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import functools
 import re
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 # parameter type -> its struct format: the types packed here (module docstring)
 _PARAM_FORMATS = {"i32": "i", "u32": "I", "i64": "q", "u64": "Q", "fp32": "f", "f32": "f"}
@@ -58,6 +62,13 @@ class _Config(ctypes.Structure):
                 ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
                 ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
                 ("attrs", ctypes.POINTER(_Attribute)), ("numAttrs", ctypes.c_uint)]
+
+
+class _Launch(ctypes.Structure):
+    """``struct direct_launch`` of native_replay.c: cuLaunchKernelEx's configuration, function and
+    parameter pointers."""
+
+    _fields_ = [("config", ctypes.c_void_p), ("function", ctypes.c_void_p), ("params", ctypes.c_void_p)]
 
 
 # cuda.h's layouts on a 64-bit platform; elsewhere nothing launches directly
@@ -139,10 +150,11 @@ def kernel_layout(kernel) -> KernelLayout | None:
 
 
 class DirectLaunch:
-    """One launch, packed: ``arguments`` are what ``launch_kernel_ex()`` takes for it (the
-    configuration's address, the CUfunction, the parameter pointers' address, no extra), nothing
-    converted per call; it owns the ctypes buffers they point to (parameter block, pointers,
-    configuration, attributes), which must live as long as the launch is repeated."""
+    """One launch, packed: ``address`` is that of its ``struct direct_launch`` (native_replay.c:
+    the configuration's address, the CUfunction, the parameter pointers' address, what
+    ``cuLaunchKernelEx`` takes), nothing converted per call; it owns the ctypes buffers these point
+    to (parameter block, pointers, configuration, attributes), which must live as long as the
+    launch is repeated."""
 
     def __init__(self, layout: KernelLayout, function: int, grid: tuple[int, int, int], stream: int,
                  args: tuple) -> None:
@@ -155,13 +167,20 @@ class DirectLaunch:
             slot.id, slot.value = attribute, 1
         self._config = _Config(grid[0], grid[1], grid[2], layout.block, 1, 1, layout.shared, stream,
                                self._attrs, len(layout.attributes))
-        self.arguments = (ctypes.addressof(self._config), function, ctypes.addressof(self._pointers), None)
+        self._launch = _Launch(ctypes.addressof(self._config), function, ctypes.addressof(self._pointers))
+        self.address = ctypes.addressof(self._launch)
 
 
-def launch_kernel_ex():
-    """libcuda's ``cuLaunchKernelEx``: (config address, CUfunction, parameter pointers' address,
-    None) -> CUresult."""
+def launch_kernel_ex() -> int:
+    """The address of libcuda's ``cuLaunchKernelEx`` (what native_replay.c's ``replay`` calls)."""
     return _driver()[0]
+
+
+def stream_is_capturing() -> int:
+    """The address of libcuda's ``cuStreamIsCapturing`` (native_replay.c's capture guard asks it
+    of the replay's stream, which its stream guard found current: torch's
+    ``torch.cuda.is_current_stream_capturing`` asks the runtime the same of the current stream)."""
+    return _driver()[2]
 
 
 def error_text(code: int) -> str:
@@ -172,12 +191,15 @@ def error_text(code: int) -> str:
 
 
 @functools.cache
-def _driver():
+def _driver() -> tuple[int, Any, int]:
+    """(cuLaunchKernelEx's address, cuGetErrorName, cuStreamIsCapturing's address)."""
     library = ctypes.CDLL("libcuda.so.1")
-    launch = library.cuLaunchKernelEx
-    launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    launch.restype = ctypes.c_int
     name = library.cuGetErrorName
     name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     name.restype = ctypes.c_int
-    return launch, name
+    return _address(library.cuLaunchKernelEx), name, _address(library.cuStreamIsCapturing)
+
+
+def _address(function: Any) -> int:
+    """A ctypes function's address in the library."""
+    return ctypes.cast(function, ctypes.c_void_p).value or 0

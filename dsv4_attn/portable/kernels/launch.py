@@ -28,7 +28,8 @@ Not bound (always the plain launch): Triton's CPU interpreter (no compiled kerne
 buffer-op specialization also reads the tensors' sizes), a launch hook installed (a profiler
 sees every launch through Triton's own path), a kernel that compiled to nothing; a replay steps
 aside (the plain launch runs) on another GPU or stream than its binding's and in a graph capture.
-A replay hands each kernel whose parameters it can pack to the CUDA driver itself
+A replay's guards and launches run in one C call (``native_replay``; where it cannot be built,
+nothing is bound). It hands each kernel whose parameters it can pack to the CUDA driver itself
 (``driver_launch``: ``cuLaunchKernelEx`` with the parameter block packed when the replay fills
 its arguments, checked against the kernel's PTX); the others, and every replay under
 ``DSV4_ATTN_DIRECT_LAUNCH=0``, go through Triton's ``CudaLauncher`` as above.
@@ -37,6 +38,7 @@ its arguments, checked against the kernel's PTX); the others, and every replay u
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,9 +47,8 @@ from triton import knobs
 
 from ... import envs
 from ...common.checks import byte_span
-from ...common.plan import stream_capturing
 from ...common.platform import triton_interpreting
-from . import driver_launch
+from . import driver_launch, native_replay
 from .driver_launch import CUDA_ERROR_INVALID_CONTEXT, DirectLaunch, KernelLayout
 
 
@@ -172,8 +173,8 @@ class Replay:
     """The launches of one layer call, bound: ``__call__`` repeats them for a call with the same
     inputs (same ``checked_key``), their temporaries in the stream's :class:`Workspace`."""
 
-    def __init__(self, bound: list[_Bound], offsets: list[int], workspace: Workspace, device: torch.device,
-                 sources: tuple[int, ...] = (), relocatable: bool = False) -> None:
+    def __init__(self, native: Callable, bound: list[_Bound], offsets: list[int], workspace: Workspace,
+                 device: torch.device, sources: tuple[int, ...] = (), relocatable: bool = False) -> None:
         self._bound = bound
         self._offsets = offsets  # each temporary's byte offset in the workspace
         self._workspace = workspace
@@ -185,27 +186,31 @@ class Replay:
         # (the in-kernel merge's arrival counters) are its stream's, so a call on another stream
         # launches plainly
         self._stream = current_stream(device)
-        self._filled_for = -1  # the workspace address ``_ready`` holds
-        # (launcher, every argument of its call, Triton's launcher and arguments for a direct launch
-        # or None); a direct launch's DirectLaunch is its arguments' owner
-        self._ready: list[tuple[Any, tuple, tuple | None]] = []
+        self._replay = native  # native_replay.c's replay
+        self._driver = driver_launch.launch_kernel_ex() if any(b.layout for b in bound) else 0
+        # what the C replay checks before launching (native_replay.c: guards)
+        self._guards = (knobs.runtime, _stream_of(), device.index, self._stream, _capture_query(device),
+                        _current_device(), self._gpu)
+        self._filled_for = -1  # the workspace address ``_launches`` holds
+        # each launch as native_replay.c takes it: a DirectLaunch's address, or (Triton's launcher, its arguments)
+        self._launches: tuple = ()
+        self._triton_launches: tuple[tuple, ...] = ()  # each launch as Triton's launcher takes it
         self._direct: list[DirectLaunch] = []  # the buffers the driver reads
 
     def __call__(self) -> bool:
         """Launch again; False (nothing launched) when a launch hook is installed now, another GPU
         or stream is current or a graph capture is in progress: the caller launches plainly (its
-        temporaries then come from the capture's pool, which outlives no graph)."""
-        hooks = knobs.runtime
-        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls \
-                or current_stream(self._device) != self._stream or stream_capturing() \
-                or (self._gpu is not None and _current_device()() != self._gpu):
-            return False
+        temporaries then come from the capture's pool, which outlives no graph). The guards and
+        the launches run in one C call (``native_replay``)."""
         if self._workspace.address != self._filled_for:  # the first call, or the workspace grew since
             self._fill()
-        for run, args, triton_launch in self._ready:
-            code = run(*args)  # Triton's launcher: None; the driver: CUresult
-            if code:
-                _launch_failed(code, triton_launch)
+        result = self._replay(self._driver, self._launches, 0, self._guards)
+        while result is not None:
+            if result is False:
+                return False
+            index, code = result  # the driver refused launch ``index``; the ones before it ran
+            _launch_failed(code, self._triton_launches[index])
+            result = self._replay(self._driver, self._launches, index + 1, None)
         return True
 
     def relocated(self, tensors: tuple[torch.Tensor | None, ...]) -> Replay | None:
@@ -217,7 +222,7 @@ class Replay:
         if not self._relocatable or len(tensors) != len(self._sources):
             return None
         moved = object.__new__(Replay)
-        moved.__dict__.update(self.__dict__, _filled_for=-1, _ready=[], _direct=[],
+        moved.__dict__.update(self.__dict__, _filled_for=-1, _launches=(), _triton_launches=(), _direct=[],
                               _sources=tuple(0 if t is None else t.data_ptr() for t in tensors))
         return moved
 
@@ -225,7 +230,9 @@ class Replay:
         """Every launch's arguments with the temporaries at their places in the workspace now and
         the call's own tensors at their addresses."""
         base = self._workspace.address
-        self._ready, self._direct = [], []
+        launches: list[int | tuple] = []
+        triton_launches: list[tuple] = []
+        self._direct = []
         for b in self._bound:
             args = list(b.args)
             for i, temp, offset in b.fills:
@@ -233,20 +240,22 @@ class Replay:
             for i, source, offset in b.source_fills:
                 args[i] = self._sources[source] + offset
             triton_launch = (b.run, (*b.grid, self._stream, b.function, b.packed_metadata, None, None, None, *args))
+            triton_launches.append(triton_launch)
             if b.layout is None:
-                self._ready.append((*triton_launch, None))
+                launches.append(triton_launch)
                 continue
             direct = DirectLaunch(b.layout, b.function, b.grid, self._stream, tuple(args))
             self._direct.append(direct)
-            self._ready.append((driver_launch.launch_kernel_ex(), direct.arguments, triton_launch))
+            launches.append(direct.address)
+        self._launches, self._triton_launches = tuple(launches), tuple(triton_launches)
         self._filled_for = base
 
 
-def _launch_failed(code: int, triton_launch: tuple | None) -> None:
+def _launch_failed(code: int, triton_launch: tuple) -> None:
     """After the driver refused a direct launch with CUresult ``code``: Triton's launcher where the
     calling thread has no current CUDA context (it makes the device's primary context current, as
     at any plain launch), else the error, as Triton's launcher raises it."""
-    if code == CUDA_ERROR_INVALID_CONTEXT and triton_launch is not None:
+    if code == CUDA_ERROR_INVALID_CONTEXT:
         run, args = triton_launch
         run(*args)
         return
@@ -276,6 +285,12 @@ def _current_device():
     """``torch.cuda.current_device`` without its lazy-initialisation check (a replay exists only
     once CUDA ran a kernel): torch's own ``_cuda_getDevice``, where this torch has it."""
     return getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def _capture_query(device: torch.device) -> int:
+    """What a replay's C guard asks whether a capture is in progress on its stream: the address of
+    the driver's ``cuStreamIsCapturing`` on a GPU, 0 (no capture possible) elsewhere."""
+    return driver_launch.stream_is_capturing() if device.type == "cuda" else 0
 
 
 def current_stream(device: torch.device):
@@ -320,7 +335,8 @@ def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device, wo
     in one of them is kept as (source, offset), which makes the Replay relocatable
     (``Replay.relocated``) unless an argument's source is ambiguous."""
     offsets, size = temporaries_layout(layer.temporaries)
-    if not workspace.fits(size):
+    native = native_replay.built()
+    if not workspace.fits(size) or native is None:
         return None
     storages = [t.untyped_storage().data_ptr() for t in layer.temporaries]
     spans = _source_spans(sources)
@@ -345,7 +361,7 @@ def bind_launches(layer: LayerLaunches, compiled: list, device: torch.device, wo
                             layout))
     workspace.ensure(size)
     addresses = tuple(0 if t is None else t.data_ptr() for t in sources)
-    return Replay(bound, offsets, workspace, device, addresses, relocatable and bool(sources))
+    return Replay(native.replay, bound, offsets, workspace, device, addresses, relocatable and bool(sources))
 
 
 _LAYOUTS: dict[str, KernelLayout | None] = {}  # by the compiled kernel's hash: its PTX is read once
