@@ -199,7 +199,8 @@ def test_a_replay_hands_the_driver_the_arguments_tritons_launcher_would_get(boun
     assert replay() is True and replay() is True
     assert all(k.calls == [] for k in bound.kernels)  # Triton's launcher never ran
     assert len(bound.sent) == 2 * len(bound.kernels)
-    for sent, triton_launch, direct, kernel in zip(bound.sent, replay._triton_launches, replay._direct, bound.kernels):
+    for sent, triton_launch, direct, kernel in zip(bound.sent, replay._triton_launches,
+                                                        launch.direct_launches(replay), bound.kernels):
         assert sent == (ctypes.addressof(direct._config), kernel.function, ctypes.addressof(direct._pointers), None)
         triton_args = triton_launch[1]
         assert triton_args[:9] == (*direct_grid(direct), 0x77, kernel.function, "packed", None, None, None)
@@ -236,7 +237,8 @@ def test_direct_launch_off_binds_tritons_launcher(bound, monkeypatch):
     monkeypatch.setenv("DSV4_ATTN_DIRECT_LAUNCH", "0")
     replay = _bind(bound)
     assert replay() is True
-    assert bound.sent == [] and replay._direct == [] and all(len(k.calls) == 1 for k in bound.kernels)
+    assert bound.sent == [] and bound.launch.direct_launches(replay) == [] \
+        and all(len(k.calls) == 1 for k in bound.kernels)
     monkeypatch.setenv("DSV4_ATTN_DIRECT_LAUNCH", "sometimes")
     with pytest.raises(ValueError, match="DSV4_ATTN_DIRECT_LAUNCH: got 'sometimes'; allowed: 1/on or 0/off"):
         _bind(bound)

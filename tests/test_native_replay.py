@@ -31,9 +31,11 @@ def native():
         return codes.pop(0) if codes else 0
 
     stand_in = _DRIVER(driver)
-    launches = [driver_launch._Launch(0x1000 + i, 0x2000 + i, 0x3000 + i) for i in range(3)]
+    structs = [driver_launch._Launch(0x1000 + i, 0x2000 + i, 0x3000 + i) for i in range(3)]
+    # what a DirectLaunch is to the C replay: the owner of a struct direct_launch at ``address``
+    launches = [SimpleNamespace(address=ctypes.addressof(x), struct=x) for x in structs]
     return SimpleNamespace(replay=replay, order=order, codes=codes, driver=ctypes.cast(stand_in, ctypes.c_void_p).value,
-                           stand_in=stand_in, launches=launches, addresses=[ctypes.addressof(x) for x in launches])
+                           stand_in=stand_in, launches=launches)
 
 
 _IS_CAPTURING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
@@ -69,7 +71,7 @@ _OWNERS: list = []  # the stand-ins' ctypes objects, alive while the C calls the
 def test_every_launch_runs_in_order_with_its_own_arguments(native):
     calls = []
     python_launch = (lambda *args: calls.append(args) or native.order.append("python"), (1, "two", None))
-    items = (native.addresses[0], python_launch, native.addresses[1])
+    items = (native.launches[0], python_launch, native.launches[1])
     assert native.replay(native.driver, items, 0, _guards()) is None
     assert native.order == [("driver", 0x1000, 0x2000, 0x3000, None), "python",
                             ("driver", 0x1001, 0x2001, 0x3001, None)]
@@ -83,19 +85,19 @@ def test_every_launch_runs_in_order_with_its_own_arguments(native):
                                    dict(capturing=(1, 0)), dict(capturing=(2, 0)), dict(capturing=(0, 906)),
                                    dict(device=1)])
 def test_a_guard_that_refuses_launches_nothing(native, state):
-    assert native.replay(native.driver, tuple(native.addresses), 0, _guards(**state)) is False
+    assert native.replay(native.driver, tuple(native.launches), 0, _guards(**state)) is False
     assert native.order == []
 
 
 def test_no_gpu_to_check_skips_the_device_and_capture_guards(native):
     guards = _guards(device=5, capturing=(1, 0))
     guards = (*guards[:4], 0, guards[5], None)  # a replay bound on no GPU (the CPU tests' binding)
-    assert native.replay(native.driver, tuple(native.addresses), 0, guards) is None and len(native.order) == 3
+    assert native.replay(native.driver, tuple(native.launches), 0, guards) is None and len(native.order) == 3
 
 
 def test_a_driver_error_stops_there_and_names_the_launch(native):
     native.codes.extend([0, 700])
-    assert native.replay(native.driver, tuple(native.addresses), 0, _guards()) == (1, 700)
+    assert native.replay(native.driver, tuple(native.launches), 0, _guards()) == (1, 700)
     assert [o[1] for o in native.order] == [0x1000, 0x1001]  # the third never launched
 
 
@@ -105,12 +107,14 @@ def test_a_guards_or_launchers_exception_propagates(native):
 
     guards = _guards()
     with pytest.raises(RuntimeError, match="no stream here"):
-        native.replay(native.driver, tuple(native.addresses), 0, (guards[0], broken, *guards[2:]))
+        native.replay(native.driver, tuple(native.launches), 0, (guards[0], broken, *guards[2:]))
     with pytest.raises(ZeroDivisionError):
-        native.replay(native.driver, ((lambda: 1 / 0, ()), native.addresses[0]), 0, _guards())
+        native.replay(native.driver, ((lambda: 1 / 0, ()), native.launches[0]), 0, _guards())
     assert native.order == []
-    with pytest.raises(TypeError, match="a launch is an address or"):
+    with pytest.raises(AttributeError, match="address"):
         native.replay(native.driver, ("not a launch",), 0, None)
+    with pytest.raises(TypeError, match="launch expected 2 arguments"):
+        native.replay(native.driver, ((print,),), 0, None)
     with pytest.raises(TypeError, match="replay\\(driver, launches: tuple, start, guards\\)"):
-        native.replay(native.driver, list(native.addresses), 0, None)
+        native.replay(native.driver, list(native.launches), 0, None)
 

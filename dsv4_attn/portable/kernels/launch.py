@@ -192,10 +192,10 @@ class Replay:
         self._guards = (knobs.runtime, _stream_of(), device.index, self._stream, _capture_query(device),
                         _current_device(), self._gpu)
         self._filled_for = -1  # the workspace address ``_launches`` holds
-        # each launch as native_replay.c takes it: a DirectLaunch's address, or (Triton's launcher, its arguments)
-        self._launches: tuple = ()
+        # each launch as native_replay.c takes it: its DirectLaunch (the owner of the buffers the
+        # driver reads), or (Triton's launcher, its arguments)
+        self._launches: tuple[DirectLaunch | tuple, ...] = ()
         self._triton_launches: tuple[tuple, ...] = ()  # each launch as Triton's launcher takes it
-        self._direct: list[DirectLaunch] = []  # the buffers the driver reads
 
     def __call__(self) -> bool:
         """Launch again; False (nothing launched) when a launch hook is installed now, another GPU
@@ -222,17 +222,17 @@ class Replay:
         if not self._relocatable or len(tensors) != len(self._sources):
             return None
         moved = object.__new__(Replay)
-        moved.__dict__.update(self.__dict__, _filled_for=-1, _launches=(), _triton_launches=(), _direct=[],
+        moved.__dict__.update(self.__dict__, _filled_for=-1, _launches=(), _triton_launches=(),
                               _sources=tuple(0 if t is None else t.data_ptr() for t in tensors))
         return moved
 
     def _fill(self) -> None:
         """Every launch's arguments with the temporaries at their places in the workspace now and
-        the call's own tensors at their addresses."""
+        the call's own tensors at their addresses. (A call running in another thread keeps the
+        launches it started with: its C call holds their tuple.)"""
         base = self._workspace.address
-        launches: list[int | tuple] = []
+        launches: list[DirectLaunch | tuple] = []
         triton_launches: list[tuple] = []
-        self._direct = []
         for b in self._bound:
             args = list(b.args)
             for i, temp, offset in b.fills:
@@ -244,9 +244,7 @@ class Replay:
             if b.layout is None:
                 launches.append(triton_launch)
                 continue
-            direct = DirectLaunch(b.layout, b.function, b.grid, self._stream, tuple(args))
-            self._direct.append(direct)
-            launches.append(direct.address)
+            launches.append(DirectLaunch(b.layout, b.function, b.grid, self._stream, tuple(args)))
         self._launches, self._triton_launches = tuple(launches), tuple(triton_launches)
         self._filled_for = base
 
@@ -424,3 +422,8 @@ def _as_address(arg, temporaries: list[torch.Tensor], storages: list[int], spans
     if len(picks) != 1:
         return _Ambiguous(address)
     return _Source(picks[0][0], address - picks[0][2])
+
+
+def direct_launches(replay: Replay) -> list[DirectLaunch]:
+    """The launches ``replay`` hands the driver itself (filled: after its first call)."""
+    return [launch for launch in replay._launches if isinstance(launch, DirectLaunch)]

@@ -5,10 +5,11 @@
  * replay(driver, launches, start, guards) -> None | False | (index, CUresult)
  *
  *   driver    the address of libcuda's cuLaunchKernelEx (or a stand-in of its signature)
- *   launches  a tuple; each item either an int, the address of a `struct direct_launch` (what
- *             cuLaunchKernelEx takes: configuration, CUfunction, parameter pointers; the caller
- *             owns that memory for as long as it repeats), or a tuple (callable, args), called as
- *             callable(*args) (Triton's launcher for a kernel the driver is not handed directly)
+ *   launches  a tuple; each item either a tuple (callable, args), called as callable(*args)
+ *             (Triton's launcher for a kernel the driver is not handed directly), or an object
+ *             whose `address` is that of a `struct direct_launch` (what cuLaunchKernelEx takes:
+ *             configuration, CUfunction, parameter pointers) in memory it owns: the tuple keeps
+ *             it alive while the GIL is released around the driver call
  *   start     the first item to launch
  *   guards    None (launch without asking), or the tuple
  *             (runtime, stream_of, device_index, stream, stream_is_capturing, current_device, gpu):
@@ -38,7 +39,7 @@ struct direct_launch {
   void **params;      /* each parameter's address */
 };
 
-static PyObject *enter_hook_name, *exit_hook_name, *calls_name;
+static PyObject *enter_hook_name, *exit_hook_name, *calls_name, *address_name;
 
 /* 1 when the hook chain `name` of `runtime` has a hook, 0 when not, -1 on an exception */
 static int hook_installed(PyObject *runtime, PyObject *name) {
@@ -86,8 +87,13 @@ static int guards_pass(PyObject *guards) {
   return 1;
 }
 
+/* the driver's CUresult, or -1 with an exception (no `address`) */
 static int launch_direct(launch_kernel_ex_fn driver, PyObject *item) {
-  const struct direct_launch *d = (const struct direct_launch *)PyLong_AsVoidPtr(item);
+  PyObject *address = PyObject_GetAttr(item, address_name);
+  if (address == NULL) return -1;
+  const struct direct_launch *d = (const struct direct_launch *)PyLong_AsVoidPtr(address);
+  Py_DECREF(address);
+  if (PyErr_Occurred()) return -1;
   int code;
   Py_BEGIN_ALLOW_THREADS
   code = driver(d->config, d->function, d->params, NULL);
@@ -98,10 +104,7 @@ static int launch_direct(launch_kernel_ex_fn driver, PyObject *item) {
 /* 0 when launched through the item's callable, -1 on an exception */
 static int launch_python(PyObject *item) {
   PyObject *fn, *args;
-  if (!PyTuple_Check(item) || !PyArg_UnpackTuple(item, "launch", 2, 2, &fn, &args)) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a launch is an address or (callable, args)");
-    return -1;
-  }
+  if (!PyArg_UnpackTuple(item, "launch", 2, 2, &fn, &args)) return -1;
   PyObject *result = PyObject_Call(fn, args, NULL);
   if (result == NULL) return -1;
   Py_DECREF(result);
@@ -124,12 +127,13 @@ static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   PyObject *launches = args[1];
   for (Py_ssize_t i = start; i < PyTuple_GET_SIZE(launches); i++) {
     PyObject *item = PyTuple_GET_ITEM(launches, i);
-    if (PyLong_Check(item)) {
-      int code = launch_direct(driver, item);
-      if (code != 0) return Py_BuildValue("(ni)", i, code);
-    } else if (launch_python(item) < 0) {
-      return NULL;
+    if (PyTuple_Check(item)) {
+      if (launch_python(item) < 0) return NULL;
+      continue;
     }
+    int code = launch_direct(driver, item);
+    if (code < 0) return NULL;
+    if (code > 0) return Py_BuildValue("(ni)", i, code);
   }
   Py_RETURN_NONE;
 }
@@ -145,6 +149,7 @@ PyMODINIT_FUNC PyInit_dsv4_attn_native_replay(void) {
   enter_hook_name = PyUnicode_InternFromString("launch_enter_hook");
   exit_hook_name = PyUnicode_InternFromString("launch_exit_hook");
   calls_name = PyUnicode_InternFromString("calls");
-  if (enter_hook_name == NULL || exit_hook_name == NULL || calls_name == NULL) return NULL;
+  address_name = PyUnicode_InternFromString("address");
+  if (enter_hook_name == NULL || exit_hook_name == NULL || calls_name == NULL || address_name == NULL) return NULL;
   return PyModule_Create(&module);
 }
