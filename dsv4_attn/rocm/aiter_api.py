@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from .. import emulation, envs
 from ..common.platform import Platform, probe
 
@@ -143,8 +141,4 @@ def call_by_keyword(fn: Callable, **kwargs):
                              "revision whose signature has it (see docs/rocm.md)")
         use[name] = value
     return fn(**use)
-
-
-def capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 

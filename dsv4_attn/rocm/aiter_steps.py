@@ -14,8 +14,8 @@ from ..common.backend import (
     LayerInputs,
 )
 from ..common.layout import CacheGeometry
-from ..common.plan import StepPlan
-from .aiter_api import AiterAPI, call_by_keyword, capturing
+from ..common.plan import StepPlan, stream_capturing
+from .aiter_api import AiterAPI, call_by_keyword
 from .aiter_features import PLAN_GRANULARITY, SINK_MAX, split_mgc
 from .scratch import AiterScratch, ScopeBuffers, ScratchKey, compact, write_indices
 
@@ -121,7 +121,7 @@ class AiterSteps:
         (AITER loads modules and compiles Triton kernels then, which a graph capture cannot do)."""
         if key in self._warmed:
             return
-        if capturing():
+        if stream_capturing():
             raise ValueError(f"aiter: first decode of {key} inside a graph capture; allowed: one eager decode step "
                              "of every layer configuration before capturing (AITER loads kernels on first use)")
         for run in runs:
