@@ -67,28 +67,27 @@ def test_the_block_holds_triton_launchers_values_slot_by_slot_and_null_scratch()
     assert layout is not None and layout.positions == (0, 1, 2, 4, 5, 6) and layout.params == 8
     args = (0x7F00_1234_5670, -3, 0.1, 64, 2**40 + 5, 0x7F00_0000_0010, 0xFFFF_FFF0)
     direct = driver_launch.DirectLaunch(layout, 0xABC, (5, 2, 1), 0x5555, args)
-    raw = bytes(direct._block)
+    raw = direct.block
     slot = [int.from_bytes(raw[8 * i:8 * i + 8], "little") for i in range(8)]
+    assert len(raw) == 64
     assert slot == [0x7F00_1234_5670, (-3) & 0xFFFFFFFF, _bits32(0.1), 2**40 + 5, 0x7F00_0000_0010, 0xFFFF_FFF0, 0, 0]
-    base = ctypes.addressof(direct._block)
-    assert list(direct._pointers) == [base + 8 * i for i in range(8)]  # each parameter read from its slot
-    config = direct._config
+    config = direct.config
     assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (5, 2, 1)
     assert (config.blockDimX, config.blockDimY, config.blockDimZ, config.sharedMemBytes) == (256, 1, 1, 99000)
     assert config.hStream == 0x5555 and config.numAttrs == 1
     # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert (config.attrs[0].id, config.attrs[0].value) == (6, 1)
-    launch = driver_launch._Launch.from_address(direct.address)  # what native_replay.c hands the driver
-    assert (launch.config, launch.function, launch.params) == (ctypes.addressof(config), 0xABC,
-                                                               ctypes.addressof(direct._pointers))
+    launch = driver_launch._Launch.from_address(direct.address)  # what native_replay.c reads
+    assert (launch.config, launch.function, launch.block, launch.params) == (ctypes.addressof(config), 0xABC,
+                                                                             direct.block_address, 8)
 
 
 def test_a_cooperative_launch_without_pdl_sets_only_its_attribute():
     layout = driver_launch.kernel_layout(_kernel(SIGNATURE, SIG_PTX, launch_cooperative_grid=True))
     direct = driver_launch.DirectLaunch(layout, 1, (1, 1, 1), 0, (1, 2, 0.5, 0, 3, 4, 5))
-    assert direct._config.numAttrs == 1 and (direct._config.attrs[0].id, direct._config.attrs[0].value) == (2, 1)
+    assert direct.config.numAttrs == 1 and (direct.config.attrs[0].id, direct.config.attrs[0].value) == (2, 1)
     plain = driver_launch.kernel_layout(_kernel(SIGNATURE, SIG_PTX))
-    assert driver_launch.DirectLaunch(plain, 1, (1, 1, 1), 0, (1, 2, 0.5, 0, 3, 4, 5))._config.numAttrs == 0
+    assert driver_launch.DirectLaunch(plain, 1, (1, 1, 1), 0, (1, 2, 0.5, 0, 3, 4, 5)).config.numAttrs == 0
 
 
 @pytest.mark.parametrize("change", [
@@ -173,7 +172,10 @@ def bound(gen, monkeypatch):
     sent, codes = [], []
 
     def driver(config, function, params, extra) -> int:  # cuLaunchKernelEx's stand-in, called from C
-        sent.append((config, function, params, extra))
+        # the parameter pointers the C replay made (on its stack: read them now), as many as the
+        # launch's struct direct_launch, just before its configuration, says it has
+        count = driver_launch._Launch.from_address(config - driver_launch._CONFIG_AT).params
+        sent.append((config, function, ctypes.cast(params, ctypes.POINTER(ctypes.c_uint64))[:count], extra))
         return codes.pop(0) if codes else 0
 
     recorder = _LAUNCH_KERNEL_EX(driver)
@@ -201,21 +203,23 @@ def test_a_replay_hands_the_driver_the_arguments_tritons_launcher_would_get(boun
     assert len(bound.sent) == 2 * len(bound.kernels)
     for sent, triton_launch, direct, kernel in zip(bound.sent, replay._triton_launches,
                                                         launch.direct_launches(replay), bound.kernels):
-        assert sent == (ctypes.addressof(direct._config), kernel.function, ctypes.addressof(direct._pointers), None)
+        block = direct.block_address  # each parameter read from its slot
+        assert sent == (ctypes.addressof(direct.config), kernel.function,
+                        list(range(block, block + 8 * direct.layout.params, 8)), None)
         triton_args = triton_launch[1]
         assert triton_args[:9] == (*direct_grid(direct), 0x77, kernel.function, "packed", None, None, None)
         params = [a for a, t in zip(triton_args[9:], kernel.src.signature.values()) if t != "constexpr"]
-        raw = bytes(direct._block)
+        raw = direct.block
         for i, value in enumerate(params):
             slot = int.from_bytes(raw[8 * i:8 * i + 8], "little")
             assert slot == (_bits32(value) if isinstance(value, float) else value & (2**64 - 1))
         assert raw[8 * len(params):] == bytes(16)  # the null scratch pointers
-        assert direct._config.hStream == 0x77 and direct._config.attrs[0].id == 6
+        assert direct.config.hStream == 0x77 and direct.config.attrs[0].id == 6
     assert bound.sent[:len(bound.kernels)] == bound.sent[len(bound.kernels):]  # the same every call
 
 
 def direct_grid(direct) -> tuple[int, int, int]:
-    c = direct._config
+    c = direct.config
     return c.gridDimX, c.gridDimY, c.gridDimZ
 
 

@@ -22,18 +22,19 @@ def native():
     """The built ``replay``, a recording driver whose results ``codes`` sets, and direct launches."""
     from dsv4_attn.portable.kernels import driver_launch, native_replay
 
-    replay = native_replay.built().replay
-    assert replay is not None, "native_replay.c did not build (a C compiler and Python's headers are needed)"
+    module = native_replay.built()
+    assert module is not None, "native_replay.c did not build (a C compiler and Python's headers are needed)"
     order, codes = [], []
 
-    def driver(config, function, params, extra) -> int:
-        order.append(("driver", config, function, params, extra))
+    def driver(config, function, params, extra) -> int:  # every launch here has two parameters
+        order.append(("driver", config, function, ctypes.cast(params, ctypes.POINTER(ctypes.c_uint64))[:2], extra))
         return codes.pop(0) if codes else 0
 
     stand_in = _DRIVER(driver)
-    structs = [driver_launch._Launch(0x1000 + i, 0x2000 + i, 0x3000 + i) for i in range(3)]
+    structs = [driver_launch._Launch(0x1000 + i, 0x2000 + i, 0x3000 + 64 * i, 2) for i in range(3)]
     # what a DirectLaunch is to the C replay: the owner of a struct direct_launch at ``address``
     launches = [SimpleNamespace(address=ctypes.addressof(x), struct=x) for x in structs]
+    replay = module.replay
     return SimpleNamespace(replay=replay, order=order, codes=codes, driver=ctypes.cast(stand_in, ctypes.c_void_p).value,
                            stand_in=stand_in, launches=launches)
 
@@ -73,12 +74,13 @@ def test_every_launch_runs_in_order_with_its_own_arguments(native):
     python_launch = (lambda *args: calls.append(args) or native.order.append("python"), (1, "two", None))
     items = (native.launches[0], python_launch, native.launches[1])
     assert native.replay(native.driver, items, 0, _guards()) is None
-    assert native.order == [("driver", 0x1000, 0x2000, 0x3000, None), "python",
-                            ("driver", 0x1001, 0x2001, 0x3001, None)]
+    # each parameter's address: its 8-byte slot of the block
+    assert native.order == [("driver", 0x1000, 0x2000, [0x3000, 0x3008], None), "python",
+                            ("driver", 0x1001, 0x2001, [0x3040, 0x3048], None)]
     assert calls == [(1, "two", None)]
     native.order.clear()
     assert native.replay(native.driver, items, 2, None) is None  # from item 2, no guards asked
-    assert native.order == [("driver", 0x1001, 0x2001, 0x3001, None)]
+    assert native.order == [("driver", 0x1001, 0x2001, [0x3040, 0x3048], None)]
 
 
 @pytest.mark.parametrize("state", [dict(hooks=[print]), dict(exit_hooks=[print]), dict(stream=8),
@@ -102,6 +104,8 @@ def test_a_driver_error_stops_there_and_names_the_launch(native):
 
 
 def test_a_guards_or_launchers_exception_propagates(native):
+    from dsv4_attn.portable.kernels import driver_launch
+
     def broken(index):
         raise RuntimeError("no stream here")
 
@@ -115,6 +119,9 @@ def test_a_guards_or_launchers_exception_propagates(native):
         native.replay(native.driver, ("not a launch",), 0, None)
     with pytest.raises(TypeError, match="launch expected 2 arguments"):
         native.replay(native.driver, ((print,),), 0, None)
+    too_many = driver_launch._Launch(0x1000, 0x2000, 0x3000, 1025)
+    with pytest.raises(ValueError, match="a direct launch of 1025 parameters; allowed: 0 to 1024"):
+        native.replay(native.driver, (SimpleNamespace(address=ctypes.addressof(too_many)),), 0, None)
     with pytest.raises(TypeError, match="replay\\(driver, launches: tuple, start, guards\\)"):
         native.replay(native.driver, list(native.launches), 0, None)
 

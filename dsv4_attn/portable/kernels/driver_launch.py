@@ -65,24 +65,35 @@ class _Config(ctypes.Structure):
 
 
 class _Launch(ctypes.Structure):
-    """``struct direct_launch`` of native_replay.c: cuLaunchKernelEx's configuration, function and
-    parameter pointers."""
+    """``struct direct_launch`` of native_replay.c: cuLaunchKernelEx's configuration and function,
+    the parameter block and how many 8-byte slots it has (the C replay hands the driver each
+    slot's address)."""
 
-    _fields_ = [("config", ctypes.c_void_p), ("function", ctypes.c_void_p), ("params", ctypes.c_void_p)]
+    _fields_ = [("config", ctypes.c_void_p), ("function", ctypes.c_void_p), ("block", ctypes.c_void_p),
+                ("params", ctypes.c_longlong)]
 
 
-# cuda.h's layouts on a 64-bit platform; elsewhere nothing launches directly
-_STRUCTS_MATCH = ctypes.sizeof(_Attribute) == 72 and ctypes.sizeof(_Config) == 56
+# The same layouts as struct formats: a direct launch's memory is packed in one call (DirectLaunch).
+_LAUNCH_FORMAT = "QQQq"
+_CONFIG_FORMAT = "7I4xQQI4x"
+_ATTRIBUTE_FORMAT = "i4xi60x"
+_CONFIG_AT = ctypes.sizeof(_Launch)
+_ATTRIBUTES_AT = _CONFIG_AT + ctypes.sizeof(_Config)
+
+# cuda.h's layouts on a 64-bit platform, and the formats matching them; elsewhere nothing launches directly
+_STRUCTS_MATCH = (ctypes.sizeof(_Attribute) == 72 == struct.calcsize("<" + _ATTRIBUTE_FORMAT)
+                  and ctypes.sizeof(_Config) == 56 == struct.calcsize("<" + _CONFIG_FORMAT)
+                  and ctypes.sizeof(_Launch) == 32 == struct.calcsize("<" + _LAUNCH_FORMAT))
 
 
 @dataclass(frozen=True)
 class KernelLayout:
     """How one compiled kernel is launched directly: which of JITFunction.run's arguments are
-    parameters (positions, in order), the struct that packs them (8-byte slots, then the two null
+    parameters (positions, in order), the format of their block (8-byte slots, then the two null
     scratch pointers), and the launch configuration's fixed part."""
 
     positions: tuple[int, ...]
-    packer: struct.Struct
+    slots: str  # the parameter block's struct format
     block: int  # threads per CTA
     shared: int  # dynamic shared memory, bytes
     attributes: tuple[int, ...]  # attribute ids, each set to 1
@@ -91,6 +102,19 @@ class KernelLayout:
     def params(self) -> int:
         """Parameters in all: those at ``positions``, then the two scratch pointers."""
         return len(self.positions) + 2
+
+    @property
+    def block_at(self) -> int:
+        """Where a direct launch's parameter block starts in its memory (after one attribute slot
+        at least)."""
+        return _ATTRIBUTES_AT + ctypes.sizeof(_Attribute) * max(1, len(self.attributes))
+
+    @functools.cached_property
+    def frame(self) -> struct.Struct:
+        """A direct launch's memory: struct direct_launch, CUlaunchConfig, the attribute slots, the
+        parameter block."""
+        attributes = _ATTRIBUTE_FORMAT * max(1, len(self.attributes))
+        return struct.Struct("<" + _LAUNCH_FORMAT + _CONFIG_FORMAT + attributes + self.slots)
 
 
 def _slot_format(fmt: str) -> str:
@@ -145,30 +169,42 @@ def kernel_layout(kernel) -> KernelLayout | None:
         return None
     attributes = tuple(a for a, on in ((_ATTR_PDL, meta.launch_pdl), (_ATTR_COOPERATIVE,
                                                                      meta.launch_cooperative_grid)) if on)
-    return KernelLayout(tuple(positions), struct.Struct("<" + "".join(map(_slot_format, formats))),
-                        32 * meta.num_warps, meta.shared, attributes)
+    return KernelLayout(tuple(positions), "".join(map(_slot_format, formats)), 32 * meta.num_warps, meta.shared,
+                        attributes)
 
 
 class DirectLaunch:
     """One launch, packed: ``address`` is that of its ``struct direct_launch`` (native_replay.c:
-    the configuration's address, the CUfunction, the parameter pointers' address, what
-    ``cuLaunchKernelEx`` takes), nothing converted per call; it owns the ctypes buffers these point
-    to (parameter block, pointers, configuration, attributes), which must live as long as the
-    launch is repeated."""
+    the configuration's address, the CUfunction, the parameter block's address and slot count),
+    nothing converted per call. It owns one buffer holding that struct and what it points to
+    (``KernelLayout.frame``: configuration, attributes, parameter block), packed in one call: a
+    relocated replay makes one per launch at its first call (notes/host-time.md)."""
 
     def __init__(self, layout: KernelLayout, function: int, grid: tuple[int, int, int], stream: int,
                  args: tuple) -> None:
-        values = [args[i] for i in layout.positions] + [0, 0]
-        self._block = ctypes.create_string_buffer(layout.packer.pack(*values), layout.packer.size)
-        base = ctypes.addressof(self._block)
-        self._pointers = (ctypes.c_void_p * layout.params)(*range(base, base + _SLOT * layout.params, _SLOT))
-        self._attrs = (_Attribute * max(1, len(layout.attributes)))()
-        for slot, attribute in zip(self._attrs, layout.attributes):
-            slot.id, slot.value = attribute, 1
-        self._config = _Config(grid[0], grid[1], grid[2], layout.block, 1, 1, layout.shared, stream,
-                               self._attrs, len(layout.attributes))
-        self._launch = _Launch(ctypes.addressof(self._config), function, ctypes.addressof(self._pointers))
-        self.address = ctypes.addressof(self._launch)
+        self.layout = layout
+        self._buffer = ctypes.create_string_buffer(layout.frame.size)
+        base = self.address = ctypes.addressof(self._buffer)
+        attributes = [value for attribute in layout.attributes for value in (attribute, 1)] or [0, 0]
+        layout.frame.pack_into(self._buffer, 0, base + _CONFIG_AT, function, base + layout.block_at, layout.params,
+                               grid[0], grid[1], grid[2], layout.block, 1, 1, layout.shared, stream,
+                               base + _ATTRIBUTES_AT, len(layout.attributes), *attributes,
+                               *[args[i] for i in layout.positions], 0, 0)
+
+    @property
+    def config(self) -> _Config:
+        """The CUlaunchConfig (a view of the buffer)."""
+        return _Config.from_buffer(self._buffer, _CONFIG_AT)
+
+    @property
+    def block_address(self) -> int:
+        return self.address + self.layout.block_at
+
+    @property
+    def block(self) -> bytes:
+        """The parameter block: each parameter in its 8-byte slot, then the two null scratch
+        pointers."""
+        return bytes(self._buffer)[self.layout.block_at:]
 
 
 def launch_kernel_ex() -> int:

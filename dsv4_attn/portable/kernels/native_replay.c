@@ -7,9 +7,10 @@
  *   driver    the address of libcuda's cuLaunchKernelEx (or a stand-in of its signature)
  *   launches  a tuple; each item either a tuple (callable, args), called as callable(*args)
  *             (Triton's launcher for a kernel the driver is not handed directly), or an object
- *             whose `address` is that of a `struct direct_launch` (what cuLaunchKernelEx takes:
- *             configuration, CUfunction, parameter pointers) in memory it owns: the tuple keeps
- *             it alive while the GIL is released around the driver call
+ *             whose `address` is that of a `struct direct_launch` (cuLaunchKernelEx's
+ *             configuration and CUfunction, the parameter block: one 8-byte slot per parameter,
+ *             whose addresses are handed to the driver) in memory it owns: the tuple keeps it
+ *             alive while the GIL is released around the driver call
  *   start     the first item to launch
  *   guards    None (launch without asking), or the tuple
  *             (runtime, stream_of, device_index, stream, stream_is_capturing, current_device, gpu):
@@ -36,8 +37,11 @@ typedef int (*stream_is_capturing_fn)(void *stream, int *status); /* status 0: C
 struct direct_launch {
   const void *config; /* CUlaunchConfig * */
   void *function;     /* CUfunction */
-  void **params;      /* each parameter's address */
+  char *block;        /* the parameters, one 8-byte slot each */
+  long long params;   /* how many (at most MAX_PARAMS) */
 };
+
+#define MAX_PARAMS 1024
 
 static PyObject *enter_hook_name, *exit_hook_name, *calls_name, *address_name;
 
@@ -94,9 +98,15 @@ static int launch_direct(launch_kernel_ex_fn driver, PyObject *item) {
   const struct direct_launch *d = (const struct direct_launch *)PyLong_AsVoidPtr(address);
   Py_DECREF(address);
   if (PyErr_Occurred()) return -1;
+  if (d->params < 0 || d->params > MAX_PARAMS) {
+    PyErr_Format(PyExc_ValueError, "a direct launch of %lld parameters; allowed: 0 to %d", d->params, MAX_PARAMS);
+    return -1;
+  }
+  void *params[MAX_PARAMS]; /* each parameter's address: its slot */
+  for (long long i = 0; i < d->params; i++) params[i] = d->block + 8 * i;
   int code;
   Py_BEGIN_ALLOW_THREADS
-  code = driver(d->config, d->function, d->params, NULL);
+  code = driver(d->config, d->function, params, NULL);
   Py_END_ALLOW_THREADS
   return code;
 }
