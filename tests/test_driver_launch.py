@@ -201,8 +201,9 @@ def test_a_replay_hands_the_driver_the_arguments_tritons_launcher_would_get(boun
     assert replay() is True and replay() is True
     assert all(k.calls == [] for k in bound.kernels)  # Triton's launcher never ran
     assert len(bound.sent) == 2 * len(bound.kernels)
-    for sent, triton_launch, direct, kernel in zip(bound.sent, replay._triton_launches,
-                                                        launch.direct_launches(replay), bound.kernels):
+    triton_launches = [replay.triton_launch(i) for i in range(len(bound.kernels))]
+    for sent, triton_launch, direct, kernel in zip(bound.sent, triton_launches, launch.direct_launches(replay),
+                                                   bound.kernels):
         block = direct.block_address  # each parameter read from its slot
         assert sent == (ctypes.addressof(direct.config), kernel.function,
                         list(range(block, block + 8 * direct.layout.params, 8)), None)
@@ -228,7 +229,7 @@ def test_no_context_takes_tritons_launcher_and_another_error_raises(bound, monke
     replay = _bind(bound)
     bound.codes.extend([driver_launch.CUDA_ERROR_INVALID_CONTEXT])
     assert replay() is True
-    assert len(bound.kernels[0].calls) == 1 and bound.kernels[0].calls[0] == replay._triton_launches[0][1]
+    assert len(bound.kernels[0].calls) == 1 and bound.kernels[0].calls[0] == replay.triton_launch(0)[1]
     assert bound.kernels[1].calls == []  # the next launch went to the driver again
     monkeypatch.setattr(driver_launch, "error_text", lambda code: f"CUDA error {code} (CUDA_ERROR_ILLEGAL_ADDRESS)")
     bound.codes.extend([0, 700])

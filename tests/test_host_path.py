@@ -637,8 +637,7 @@ def _sent(mla, call) -> list[tuple]:
     """What the replay ``mla`` keeps for ``call`` (its arguments) hands each launcher."""
     (replay,) = [r for k, (_, r, _) in mla._repeats.items()  # a repeat key: q's address at 3, swa_cache's at 4
                  if k[3] == call["q"].data_ptr() and k[4] == call["swa_cache"].data_ptr()]
-    replay._fill()
-    return [args for _, args in replay._triton_launches]
+    return [replay.triton_launch(i)[1] for i in range(len(replay._bound))]
 
 
 @needs_triton

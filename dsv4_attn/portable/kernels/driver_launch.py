@@ -35,6 +35,7 @@ import ctypes
 import functools
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,7 +182,7 @@ class DirectLaunch:
     relocated replay makes one per launch at its first call (notes/host-time.md)."""
 
     def __init__(self, layout: KernelLayout, function: int, grid: tuple[int, int, int], stream: int,
-                 args: tuple) -> None:
+                 args: Sequence) -> None:
         self.layout = layout
         self._buffer = ctypes.create_string_buffer(layout.frame.size)
         base = self.address = ctypes.addressof(self._buffer)

@@ -195,7 +195,6 @@ class Replay:
         # each launch as native_replay.c takes it: its DirectLaunch (the owner of the buffers the
         # driver reads), or (Triton's launcher, its arguments)
         self._launches: tuple[DirectLaunch | tuple, ...] = ()
-        self._triton_launches: tuple[tuple, ...] = ()  # each launch as Triton's launcher takes it
 
     def __call__(self) -> bool:
         """Launch again; False (nothing launched) when a launch hook is installed now, another GPU
@@ -209,7 +208,7 @@ class Replay:
             if result is False:
                 return False
             index, code = result  # the driver refused launch ``index``; the ones before it ran
-            _launch_failed(code, self._triton_launches[index])
+            _launch_failed(code, self.triton_launch(index))
             result = self._replay(self._driver, self._launches, index + 1, None)
         return True
 
@@ -222,7 +221,7 @@ class Replay:
         if not self._relocatable or len(tensors) != len(self._sources):
             return None
         moved = object.__new__(Replay)
-        moved.__dict__.update(self.__dict__, _filled_for=-1, _launches=(), _triton_launches=(),
+        moved.__dict__.update(self.__dict__, _filled_for=-1, _launches=(),
                               _sources=tuple(0 if t is None else t.data_ptr() for t in tensors))
         return moved
 
@@ -230,23 +229,33 @@ class Replay:
         """Every launch's arguments with the temporaries at their places in the workspace now and
         the call's own tensors at their addresses. (A call running in another thread keeps the
         launches it started with: its C call holds their tuple.)"""
-        base = self._workspace.address
         launches: list[DirectLaunch | tuple] = []
-        triton_launches: list[tuple] = []
         for b in self._bound:
-            args = list(b.args)
-            for i, temp, offset in b.fills:
-                args[i] = base + self._offsets[temp] + offset
-            for i, source, offset in b.source_fills:
-                args[i] = self._sources[source] + offset
-            triton_launch = (b.run, (*b.grid, self._stream, b.function, b.packed_metadata, None, None, None, *args))
-            triton_launches.append(triton_launch)
-            if b.layout is None:
-                launches.append(triton_launch)
-                continue
-            launches.append(DirectLaunch(b.layout, b.function, b.grid, self._stream, tuple(args)))
-        self._launches, self._triton_launches = tuple(launches), tuple(triton_launches)
-        self._filled_for = base
+            args = self._arguments(b)
+            launches.append(self._triton_call(b, args) if b.layout is None else
+                            DirectLaunch(b.layout, b.function, b.grid, self._stream, args))
+        self._launches = tuple(launches)
+        self._filled_for = self._workspace.address
+
+    def _arguments(self, b: _Bound) -> list:
+        """Every parameter of launch ``b``: the temporaries at their places in the workspace now,
+        the call's own tensors at their addresses."""
+        args = list(b.args)
+        base = self._workspace.address
+        for i, temp, offset in b.fills:
+            args[i] = base + self._offsets[temp] + offset
+        for i, source, offset in b.source_fills:
+            args[i] = self._sources[source] + offset
+        return args
+
+    def _triton_call(self, b: _Bound, args: list) -> tuple:
+        return b.run, (*b.grid, self._stream, b.function, b.packed_metadata, None, None, None, *args)
+
+    def triton_launch(self, index: int) -> tuple:
+        """Launch ``index`` as Triton's launcher takes it, (launcher, its arguments): made when a
+        direct launch falls back to it (and for the tests), not at every fill."""
+        b = self._bound[index]
+        return self._triton_call(b, self._arguments(b))
 
 
 def _launch_failed(code: int, triton_launch: tuple) -> None:
