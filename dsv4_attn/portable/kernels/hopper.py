@@ -77,6 +77,13 @@ def _wait_prior_grids(PDL: gl.constexpr):
 
 
 @gluon.jit
+def _opaque_zero(x):
+    """0, which the compiler cannot see is 0 (``x`` any int32 scalar): a shared-memory view indexed
+    by it is computed where it is used instead of hoisted out of the loop."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _idx_load(g, lo_b, hi, a_rows, len_a, b_rows, len_b, COMP: gl.constexpr, BN: gl.constexpr,
               layout: gl.constexpr):
     """Index pipeline, stage 1: row entries of global tile ``g`` (SWA slots for tiles < lo_b,

@@ -40,6 +40,7 @@ from .hopper import (
     _launch_dependents,
     _merge_if_last,
     _normalizer,
+    _opaque_zero,
     _prefetch_index_rows,
     _producer,
     _split_range,
@@ -109,7 +110,10 @@ def _consumer_heads_n(q_smem, k_smem, p_smem, vflag, kready, kempty, Q, stride_q
     for g in range(lo, hi):
         i = g - lo
         mbarrier.wait(kready.index(0), i & 1)
-        k_cur = k_smem.index(0)
+        # the one K stage through an index the compiler cannot fold: its 64 wgmma descriptors are
+        # then made in the loop; as loop invariants Triton 3.9 hoisted them and ptxas spilled 35,
+        # reloaded every tile (16 heads: 1.12-1.26x slower; notes/perf-gather.md, session 39)
+        k_cur = k_smem.index(_opaque_zero(i))
         s = warpgroup_mma(k_cur, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))  # kᵀq unscaled, [BN, NH]
         if PAIR:

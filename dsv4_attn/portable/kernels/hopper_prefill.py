@@ -49,6 +49,7 @@ from .hopper import (
     _idx_load,
     _idx_resolve,
     _normalizer,
+    _opaque_zero,
     _prefetch_l2,
     _row_ptrs,
     _token_tiles,
@@ -65,13 +66,6 @@ def _sync_wgmma(a, b, acc, use_acc: gl.constexpr = True):
     that follow: ptxas serializes every wgmma otherwise, hopper.py)."""
     acc = warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-
-
-@gluon.jit
-def _opaque_zero(x):
-    """0, which the compiler cannot see is 0 (``x`` any int32 scalar): a shared-memory view indexed
-    by it is computed where it is used instead of hoisted out of the loop."""
-    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
