@@ -199,6 +199,7 @@ class DirectLaunch:
 
     @property
     def block_address(self) -> int:
+        """Where the parameter block lies (its slots' addresses are what the driver reads)."""
         return self.address + self.layout.block_at
 
     @property

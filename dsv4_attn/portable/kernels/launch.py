@@ -249,6 +249,7 @@ class Replay:
         return args
 
     def _triton_call(self, b: _Bound, args: list) -> tuple:
+        """(Triton's launcher of ``b``, what JITFunction.run hands it) for the parameters ``args``."""
         return b.run, (*b.grid, self._stream, b.function, b.packed_metadata, None, None, None, *args)
 
     def triton_launch(self, index: int) -> tuple:
