@@ -2,8 +2,9 @@
 
     python ci/check_dist_contents.py dist/dsv4_attn-0.1.0-py3-none-any.whl dist/dsv4_attn-0.1.0.tar.gz
 
-The wheel: the package with its parity matrix and the ``py.typed`` marker, the Apache-2.0 license
-text and its SPDX expression in the metadata, and nothing from tests/. The sdist: every file git
+The wheel: the package with its parity matrix, the C replay's source (built at first use) and the
+``py.typed`` marker, the Apache-2.0 license text and its SPDX expression in the metadata, and
+nothing from tests/. The sdist: every file git
 tracks under tests/, ci/, .ci/ and examples/ (conftest, recorded data, the CI matrix, the example
 the README runs), so its tests run.
 Exit status 1 with the list of what is missing.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL_FILES = ("dsv4_attn/__init__.py", "dsv4_attn/parity/__init__.py", "dsv4_attn/data/parity.yaml",
-               "dsv4_attn/py.typed")
+               "dsv4_attn/py.typed", "dsv4_attn/portable/kernels/native_replay.c")
 SDIST_FILES = ("LICENSE", "README.md", "pyproject.toml", "examples/run_step.py", "tests/conftest.py",
                "tests/data/flashmla_golden_small.pt", "ci/parity.yaml", ".ci/run")
 LICENSE_MARKS = ("Apache License", "Version 2.0, January 2004")
@@ -69,7 +70,8 @@ def main(argv: list[str]) -> int:
     for p in problems:
         print(f"check_dist_contents: {p}", file=sys.stderr)
     if not problems:
-        print(f"contents ok: {wheel.name} (matrix, py.typed, Apache-2.0 license), {sdist.name} (tests and their data)")
+        print(f"contents ok: {wheel.name} (matrix, C replay source, py.typed, Apache-2.0 license), {sdist.name} "
+              "(tests and their data)")
     return int(bool(problems))
 
 
