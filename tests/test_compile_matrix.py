@@ -68,6 +68,8 @@ def test_gluon_hopper_kernel_compiles_for_sm90a_with_the_installed_triton(tmp_pa
         # read from ptxas' own report; the kernel asks for maxnreg 168 (hopper.MAXNREG)
         assert 0 < r["regs"] <= 168 and r["shared"] > 100_000, r
         assert r["direct_launch"], r  # a replay hands it to the driver (driver_launch), its PTX as packed
+        # its key loop's spill instructions counted in its SASS (at most LOOP_SPILL_LIMIT, else not ok)
+        assert isinstance(r["loop_spills"], int) and r["loop_spills"] >= 0, r
 
 
 def test_quick_matrix_holds_every_tile_and_format_selection_launches():

@@ -32,10 +32,12 @@ Kernels x targets (what ``ops.sparse_mla_fwd`` and the index front end launch):
 Fails (exit 1) on a compile error, on an NVIDIA kernel whose parameters ``driver_launch`` would
 not pack (a replay would take Triton's launcher: the PTX entry's parameters differ from the packing
 of its signature, or a type it does not pack), or on AMD scratch (registers spilled to memory) or LDS past
-the arch's limit; AMD VGPR spills that stay in registers (into AGPRs, no scratch: Triton 3.6's
-gfx950 64-key tile spills 2) and SGPR spills (into VGPR lanes) are reported, not failed; NVIDIA
-spills are reported, not failed (ptxas' own log:
-``TRITON_DUMP_PTXAS_LOG``, so the figures are those of the Triton's own ptxas and flags).
+the arch's limit, or on a Gluon kernel with more than ``LOOP_SPILL_LIMIT`` spill instructions in its
+key loop (``loop_spills``: its SASS between the first and the last HGMMA, Triton's bundled nvdisasm);
+AMD VGPR spills that stay in registers (into AGPRs, no scratch: Triton 3.6's gfx950 64-key tile
+spills 2) and SGPR spills (into VGPR lanes) are reported, not failed; NVIDIA spill bytes are
+reported, not failed (ptxas' own log: ``TRITON_DUMP_PTXAS_LOG``, so the figures are those of the
+Triton's own ptxas and flags).
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ import itertools
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -258,6 +262,30 @@ def _ptxas_figures(log: str) -> dict:
     return {"regs": int(regs[-1]), "spill_stores": stores, "spill_loads": loads, "scratch": frame}
 
 
+# Spill instructions a Gluon kernel may have inside its key loop (``loop_spills``). Today's most,
+# offline: 5 (Triton 3.9, the records kernel's NVFP4 split merge; 1 in two other 3.9 variants, 0
+# under 3.6). The regression this catches had 35: Triton 3.9 hoisted the heads-on-N kernel's
+# loop-invariant wgmma descriptors and ptxas spilled them, reloaded every key tile (1.12-1.26x
+# slower, notes/perf-gather.md, session 39).
+LOOP_SPILL_LIMIT = 8
+
+
+def loop_spills(kernel) -> int:
+    """Spill instructions (``LDL`` / ``STL``) between the first and the last ``HGMMA`` of a Gluon
+    kernel's SASS (Triton's bundled nvdisasm): spill traffic inside the consumer's key loop, paid
+    every key tile."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+    lines = sass.splitlines()
+    mma = [i for i, line in enumerate(lines) if "HGMMA" in line]
+    if not mma:
+        return 0
+    return sum(1 for line in lines[mma[0]:mma[-1]] if re.search(r"\b(LDL|STL)\b", line))
+
+
 def measure(job: Job) -> dict:
     row = {"triton": triton.__version__, "target": job.target, "kernel": job.kernel, "label": job.label}
     start = time.perf_counter()
@@ -282,6 +310,11 @@ def measure(job: Job) -> dict:
         row.update(_ptxas_figures(log.getvalue()), shared=kernel.metadata.shared, direct_launch=direct, ok=direct)
         if not direct:
             row["error"] = "driver_launch.kernel_layout declines it: a replay would take Triton's launcher"
+        if job.kernel == "hopper":
+            row["loop_spills"] = loop_spills(kernel)
+            if row["loop_spills"] > LOOP_SPILL_LIMIT:
+                row.update(ok=False, error=f"{row['loop_spills']} spill instructions in the key loop (at most "
+                                           f"{LOOP_SPILL_LIMIT}): loop-invariant values hoisted and spilled")
     return row
 
 
@@ -333,8 +366,8 @@ def main() -> None:
         futures = [pool.submit(measure, job) for job in todo]
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             r = future.result()
-            figures = ", ".join(f"{k} {r[k]}" for k in ("regs", "spill_stores", "sgpr_spills", "vgpr_spills", "scratch",
-                                                          "seconds") if k in r)
+            figures = ", ".join(f"{k} {r[k]}" for k in ("regs", "spill_stores", "loop_spills", "sgpr_spills",
+                                                          "vgpr_spills", "scratch", "seconds") if k in r)
             print(f"[{done}/{len(todo)}] {r['target']} {r['kernel']} {r['label']}: "
                   f"{figures if r['ok'] else 'FAILED ' + r['error'][:200]}", file=sys.stderr, flush=True)
         rows = [f.result() for f in futures]
