@@ -119,6 +119,8 @@ def test_a_guards_or_launchers_exception_propagates(native):
         native.replay(native.driver, ("not a launch",), 0, None)
     with pytest.raises(TypeError, match="launch expected 2 arguments"):
         native.replay(native.driver, ((print,),), 0, None)
+    with pytest.raises(ValueError, match="a direct launch with no driver"):
+        native.replay(0, tuple(native.launches), 0, None)
     too_many = driver_launch._Launch(0x1000, 0x2000, 0x3000, 1025)
     with pytest.raises(ValueError, match="a direct launch of 1025 parameters; allowed: 0 to 1024"):
         native.replay(native.driver, (SimpleNamespace(address=ctypes.addressof(too_many)),), 0, None)

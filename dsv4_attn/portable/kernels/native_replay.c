@@ -91,8 +91,12 @@ static int guards_pass(PyObject *guards) {
   return 1;
 }
 
-/* the driver's CUresult, or -1 with an exception (no `address`) */
+/* the driver's CUresult, or -1 with an exception (no driver, no `address`, a bad count) */
 static int launch_direct(launch_kernel_ex_fn driver, PyObject *item) {
+  if (driver == NULL) {
+    PyErr_SetString(PyExc_ValueError, "a direct launch with no driver (its address is 0)");
+    return -1;
+  }
   PyObject *address = PyObject_GetAttr(item, address_name);
   if (address == NULL) return -1;
   const struct direct_launch *d = (const struct direct_launch *)PyLong_AsVoidPtr(address);
