@@ -50,9 +50,7 @@ import itertools
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -274,12 +272,7 @@ def loop_spills(kernel) -> int:
     """Spill instructions (``LDL`` / ``STL``) between the first and the last ``HGMMA`` of a Gluon
     kernel's SASS (Triton's bundled nvdisasm): spill traffic inside the consumer's key loop, paid
     every key tile."""
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        sass = subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
-    lines = sass.splitlines()
+    lines = pb.sass(kernel).splitlines()
     mma = [i for i, line in enumerate(lines) if "HGMMA" in line]
     if not mma:
         return 0

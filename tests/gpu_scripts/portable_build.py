@@ -2,7 +2,7 @@
 target, with exactly the constexprs and options the launcher uses (``ops.portable_constexprs``,
 ``ops.launch_options``), and read what decides its speed from the binary: AMD (``GPUTarget("hip",
 arch, 64)``, PyPI Triton's AMD backend): LDS bytes, VGPR / AGPR / SGPR counts, spills, scratch;
-NVIDIA (sm_90a): ptxas' report and the SASS (``ptxas_and_sass``). Used by triton_amd.py (which
+NVIDIA (sm_90a): ptxas' report and the SASS (``ptxas_and_sass``, ``sass``). Used by triton_amd.py (which
 tests/test_amd_compile.py runs) and triton_sass.py. Needs a real (not interpreted) Triton: run it in
 a process without ``TRITON_INTERPRET``.
 """
@@ -101,17 +101,28 @@ def amd_resources(kernel) -> dict:
             "scratch": _amd_field(asm, "private_segment_fixed_size"), "loop_instructions": loop, "loop_mfma": mfma}
 
 
+def _nvidia_tool(name: str) -> str:
+    """The path of Triton's bundled ``name`` (ptxas, nvdisasm)."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass(kernel) -> str:
+    """nvdisasm's SASS of a CUDA CompiledKernel, with Triton's bundled nvdisasm."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        return subprocess.run([_nvidia_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout
+
+
 def ptxas_and_sass(kernel) -> tuple[str, str]:
     """(ptxas -v's report, nvdisasm's SASS) of a CUDA CompiledKernel for sm_90a, with Triton's
     bundled ptxas / nvdisasm."""
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        ptx = os.path.join(tmp, "k.ptx")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        report = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
-                                 os.path.join(tmp, "v.cubin")], capture_output=True, text=True).stderr
-        sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
-    return report, sass
+        report = subprocess.run([_nvidia_tool("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "v.cubin")],
+                                capture_output=True, text=True).stderr
+    return report, sass(kernel)
